@@ -1,0 +1,164 @@
+"""Helpers shared by the collectives: chunking, cross-rank validation, error-feedback lookup, handles."""
+from __future__ import annotations
+
+import sys
+import zlib
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..compression import Codec, ErrorFeedback, as_error_feedback
+from ..compression.error_feedback import ErrorFeedbackLike
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int16,
+           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
+           torch.float8_e5m2]
+_OPS = {"SUM": 1, "AVG": 2, "MAX": 3, "MIN": 4, "PRODUCT": 5, "BAND": 6, "BOR": 7, "BXOR": 8, "PREMUL_SUM": 9}
+
+_validate_default = True
+
+
+def set_validation(enabled: bool) -> bool:
+    """Turn the cross-rank argument check of every collective on or off; returns the old setting.
+
+    The check is one small all-gather per call (sizes, dtype, codec, op and a non-finite flag of
+    every rank). It turns a mismatch that would otherwise hang or corrupt data into the same clear
+    error on every rank. Turn it off only on hot paths whose shapes are fixed, and on all ranks alike.
+    """
+    global _validate_default
+    old, _validate_default = _validate_default, bool(enabled)
+    return old
+
+
+def split_sizes(numel: int, parts: int) -> list[int]:
+    """``numel`` split into ``parts`` contiguous chunks, the first ``numel % parts`` one larger."""
+    base, rem = divmod(numel, parts)
+    return [base + (1 if i < rem else 0) for i in range(parts)]
+
+
+def offsets(sizes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def codec_code(codec: Codec) -> int:
+    d = codec.to_dict()
+    d.pop("seed", None)  # ranks may (should) seed stochastic rounding differently
+    return zlib.crc32(repr(sorted(d.items())).encode())
+
+
+def op_name(op) -> str:
+    for name in _OPS:
+        if op == getattr(dist.ReduceOp, name, None):
+            return name
+    return str(op)
+
+
+def global_ranks(group) -> list[int]:
+    return [dist.get_global_rank(group, r) if group is not None else r for r in range(dist.get_world_size(group))]
+
+
+def has_nonfinite(t: torch.Tensor) -> bool:
+    return t.is_floating_point() and not bool(torch.isfinite(t).all())
+
+
+def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = (),
+             extra_check: Optional[Callable[[torch.Tensor], Optional[str]]] = None,
+             nonfinite: Optional[bool] = None, tag: str = "") -> None:
+    """All-gather ``fields`` (+ ``extra``) of every rank and raise the same error on all ranks on mismatch.
+
+    ``fields`` must be equal on every rank. ``extra`` is checked by ``extra_check(table)`` (rows = ranks),
+    which returns an error text or None. ``nonfinite`` (when not None) is this rank's non-finite flag;
+    if any rank has it set a FloatingPointError names those ranks.
+    """
+    names = list(fields)
+    row = [fields[n] for n in names] + [int(bool(nonfinite))] + list(extra)
+    mine = torch.tensor(row, dtype=torch.int64)
+    world = dist.get_world_size(group)
+    table = torch.empty(world * mine.numel(), dtype=torch.int64)
+    _all_gather_base(table, mine, group)
+    table = table.view(world, -1)
+    ranks = global_ranks(group)
+    where = f"megacomp.comm.{what}" + (f" [tag {tag}]" if tag else "")
+    for i, n in enumerate(names):
+        col = table[:, i].tolist()
+        if len(set(col)) > 1:
+            per_rank = ", ".join(f"rank {r}: {_describe(n, v)}" for r, v in zip(ranks, col))
+            raise ValueError(f"{where}: {n} differs across ranks ({per_rank}); every rank of the group must "
+                             f"call the collective with the same {n}")
+    if extra_check is not None:
+        msg = extra_check(table[:, len(names) + 1:])
+        if msg:
+            raise ValueError(f"{where}: {msg}")
+    if nonfinite is not None:
+        bad = [r for r, f in zip(ranks, table[:, len(names)].tolist()) if f]
+        if bad:
+            raise FloatingPointError(f"{where}: non-finite values (inf/NaN) in the input on rank(s) {bad}; "
+                                     f"check the loss scale / learning rate on those ranks (check_finite=True)")
+
+
+def _describe(field: str, value: int) -> str:
+    if field == "dtype":
+        return str(_DTYPES[value]) if value < len(_DTYPES) else "other"
+    if field == "op":
+        return next((k for k, v in _OPS.items() if v == value), str(value))
+    return str(value)
+
+
+def op_code(op) -> int:
+    return _OPS.get(op_name(op), 0)
+
+
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# -- error feedback per call site -----------------------------------------------------------------
+_EF_STATES: dict[str, ErrorFeedback] = {}
+
+
+def callsite(depth: int = 2) -> str:
+    """'file:line' of the caller of the function that calls this (the user's call site)."""
+    f = sys._getframe(depth)
+    return f"{f.f_code.co_filename}:{f.f_lineno}"
+
+
+def resolve_error_feedback(spec: ErrorFeedbackLike, key: str) -> Optional[ErrorFeedback]:
+    """An ErrorFeedback object is used as given; a spec ('ef', 'loco', config) gets a state kept per key."""
+    if spec is None or isinstance(spec, ErrorFeedback):
+        return spec
+    state = _EF_STATES.get(key)
+    if state is None:
+        state = as_error_feedback(spec)
+        _EF_STATES[key] = state
+    return state
+
+
+def error_feedback_states() -> dict[str, ErrorFeedback]:
+    """The error-feedback states the collectives keep for ``error_feedback='ef'/'loco'/config`` calls,
+    keyed by tag (or call site). Save their ``state_dict()`` with your checkpoint."""
+    return _EF_STATES
+
+
+class CompressedWork:
+    """Handle returned with ``async_op=True``: ``wait()`` finishes the collective (decode, reduce, and for
+    all-reduce the all-gather). Waits must happen in the same order on every rank."""
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Optional[Callable[[], None]] = finish
+
+    def wait(self, timeout=None) -> bool:
+        if self._finish is not None:
+            fn, self._finish = self._finish, None
+            fn()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._finish is None

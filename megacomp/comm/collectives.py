@@ -1,0 +1,304 @@
+"""Compressed collectives with the signatures of ``torch.distributed`` plus keyword-only codec arguments.
+
+With ``codec=None`` (or ``"none"``) each function calls the torch.distributed collective of the same
+name on the same tensors, so results are bit-identical to it. With a lossy codec:
+
+  reduce_scatter_tensor: [error feedback] -> encode each destination chunk -> all_to_all_single of
+      the byte buffers (payload + scales) -> decode every received chunk -> sum in fp32 in rank order
+      (/N for AVG) -> cast. Quantized payloads are never summed by the backend (uint8 SUM wraps).
+  all_reduce: the reduce-scatter above on N near-equal chunks of the flattened tensor, then the reduced
+      shard is re-encoded ([server error feedback]) and all-gathered; every rank decodes the same bytes,
+      so all ranks end with identical results (own shard included).
+  all_gather_into_tensor: encode the input -> all-gather bytes -> decode every slot (own slot included).
+  all_to_all_single: encode each outgoing chunk -> all_to_all_single of bytes -> decode.
+
+Error bound: each element of a reduce-scatter result equals the fp32 sum of the dequantized inputs up
+to fp32 round-off; versus the exact sum the error is at most the sum over ranks of each codec's
+per-element bound (see megacomp.compression.quantize). All-reduce adds one more quantization of the
+reduced shard.
+
+Failure behaviour: every call first all-gathers a small description of its arguments (``validate``;
+see :func:`set_validation`) so that mismatched sizes, dtypes, codecs or ops raise the same ValueError on
+every rank instead of hanging; ``check_finite=True`` raises FloatingPointError naming the ranks whose
+input holds inf/NaN. Otherwise inf/NaN propagate (they never decode to finite values). Only SUM and
+AVG are supported with a lossy codec; dtypes other than float32/bfloat16/float16/float64 need
+``codec=None``. A group of one rank sends nothing and applies no codec.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ..compression import CodecLike, make_codec
+from ..compression.error_feedback import ErrorFeedbackLike
+from . import stats as _stats
+from ._common import (CompressedWork, _all_gather_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
+                      op_code, op_name, resolve_error_feedback, split_sizes)
+from . import _common
+
+
+def _should_validate(validate: Optional[bool]) -> bool:
+    return _common._validate_default if validate is None else validate
+
+
+def _check_lossy(what: str, codec, tensor: torch.Tensor, op=None) -> None:
+    if codec.is_identity:
+        return
+    codec._check_dtype(tensor.dtype)
+    if op is not None and op_name(op) not in ("SUM", "AVG"):
+        raise ValueError(f"megacomp.comm.{what}: codec {codec} supports ReduceOp SUM and AVG, got {op_name(op)}; "
+                         f"use codec=None for other ops")
+
+
+def _check_ef_codec(what: str, codec, error_feedback) -> None:
+    if error_feedback is not None and codec.is_identity:
+        raise ValueError(f"megacomp.comm.{what}: error_feedback needs a lossy codec (codec is {codec.name!r}); "
+                         f"pass codec='int4' (or similar) or drop error_feedback")
+
+
+def _itemsize(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def _encode_chunks(codec, h: torch.Tensor, sizes, ef, ef_key):
+    """Encode consecutive chunks of flat ``h``; with error feedback update it from their decodings."""
+    bufs, offs = [], offsets(sizes)
+    for o, s in zip(offs, sizes):
+        bufs.append(codec.encode_flat(h[o:o + s]))
+    if ef is not None:
+        h_hat = torch.cat([codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)])
+        ef.update(ef_key, h, h_hat)
+    return bufs
+
+
+def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool) -> torch.Tensor:
+    w = codec.wire_bytes(numel)
+    acc = torch.zeros(numel, dtype=torch.float32)
+    for j in range(world):  # fixed rank order: deterministic, identical on every rank
+        acc += codec.decode_flat(recv[j * w:(j + 1) * w], numel)
+    if avg:
+        acc /= world
+    return acc
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
+               codec: CodecLike = None, error_feedback: ErrorFeedbackLike = None, check_finite: bool = False,
+               tag: Optional[str] = None, validate: Optional[bool] = None):
+    """``torch.distributed.all_reduce`` with an optional codec (see module docstring), in place.
+
+    ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig (state kept per ``tag`` or call site)
+    or an ErrorFeedback object; it keeps a worker error (full tensor) and a server error (own shard).
+    ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce') and keys the error feedback.
+    """
+    codec = make_codec(codec)
+    world = dist.get_world_size(group)
+    n = tensor.numel()
+    _check_lossy("all_reduce", codec, tensor, op)
+    _check_ef_codec("all_reduce", codec, error_feedback)
+    if _should_validate(validate) or check_finite:
+        _common.validate("all_reduce", group, {"numel": n, "dtype": dtype_code(tensor.dtype),
+                                               "codec": codec_code(codec), "op": op_code(op)},
+                         nonfinite=has_nonfinite(tensor) if check_finite else None, tag=tag or "")
+    sizes = split_sizes(n, world)
+    rank = dist.get_rank(group)
+    label = tag or "all_reduce"
+    raw = _itemsize(tensor)
+    uncompressed = (n - sizes[rank]) * raw + (world - 1) * sizes[rank] * raw
+    if codec.is_identity or world == 1:
+        _stats.record(label, uncompressed if world > 1 else 0, uncompressed if world > 1 else 0)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    ef_key = tag or callsite()
+    ef = resolve_error_feedback(error_feedback, ef_key)
+    flat = tensor.reshape(-1)
+    h = ef.compensate(ef_key + "/worker", flat) if ef is not None else flat
+    bufs = _encode_chunks(codec, h, sizes, ef, ef_key + "/worker")
+    send = torch.cat(bufs)
+    in_splits = [b.numel() for b in bufs]
+    w_own = codec.wire_bytes(sizes[rank])
+    recv = torch.empty(world * w_own, dtype=torch.uint8)
+    wmax = max(codec.wire_bytes(s) for s in sizes)
+    _stats.record(label, sum(in_splits) - in_splits[rank] + (world - 1) * wmax, uncompressed)
+    work = dist.all_to_all_single(recv, send, [w_own] * world, in_splits, group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        shard = _decode_sum(codec, recv, sizes[rank], world, op_name(op) == "AVG")
+        hs = ef.compensate(ef_key + "/server", shard) if ef is not None else shard
+        enc = _encode_chunks(codec, hs, [sizes[rank]], ef, ef_key + "/server")[0]
+        padded = torch.zeros(wmax, dtype=torch.uint8)
+        padded[:enc.numel()] = enc
+        gathered = torch.empty(world * wmax, dtype=torch.uint8)
+        _all_gather_base(gathered, padded, group)
+        out = torch.cat([codec.decode_flat(gathered[j * wmax:j * wmax + codec.wire_bytes(s)], s)
+                         for j, s in enumerate(sizes)])
+        tensor.copy_(out.view(tensor.shape))
+
+    handle = CompressedWork(finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
+                          async_op: bool = False, *, codec: CodecLike = None,
+                          error_feedback: ErrorFeedbackLike = None, check_finite: bool = False,
+                          tag: Optional[str] = None, validate: Optional[bool] = None):
+    """``torch.distributed.reduce_scatter_tensor`` with an optional codec: rank r receives the reduction
+    of chunk r (``output.numel()`` elements) of every rank's ``input`` (``world * output.numel()``)."""
+    codec = make_codec(codec)
+    world = dist.get_world_size(group)
+    m = output.numel()
+    if input.numel() != world * m:
+        raise ValueError(f"megacomp.comm.reduce_scatter_tensor: input has {input.numel()} elements but must have "
+                         f"world_size * output.numel() = {world} * {m} = {world * m}")
+    if input.dtype != output.dtype:
+        raise TypeError(f"megacomp.comm.reduce_scatter_tensor: input dtype {input.dtype} != output dtype {output.dtype}")
+    _check_lossy("reduce_scatter_tensor", codec, input, op)
+    _check_ef_codec("reduce_scatter_tensor", codec, error_feedback)
+    if _should_validate(validate) or check_finite:
+        _common.validate("reduce_scatter_tensor", group,
+                         {"numel": m, "dtype": dtype_code(input.dtype), "codec": codec_code(codec), "op": op_code(op)},
+                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "")
+    label = tag or "reduce_scatter"
+    raw = (world - 1) * m * _itemsize(input)
+    if codec.is_identity or world == 1:
+        _stats.record(label, raw, raw)
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+    ef_key = tag or callsite()
+    ef = resolve_error_feedback(error_feedback, ef_key)
+    ef_key += "/worker"
+    flat = input.reshape(-1)
+    h = ef.compensate(ef_key, flat) if ef is not None else flat
+    bufs = _encode_chunks(codec, h, [m] * world, ef, ef_key)
+    w = codec.wire_bytes(m)
+    recv = torch.empty(world * w, dtype=torch.uint8)
+    _stats.record(label, (world - 1) * w, raw)
+    work = dist.all_to_all_single(recv, torch.cat(bufs), [w] * world, [w] * world, group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        output.copy_(_decode_sum(codec, recv, m, world, op_name(op) == "AVG").view(output.shape))
+
+    handle = CompressedWork(finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
+                           async_op: bool = False, *, codec: CodecLike = None, check_finite: bool = False,
+                           tag: Optional[str] = None, validate: Optional[bool] = None):
+    """``torch.distributed.all_gather_into_tensor`` with an optional codec: slot r of ``output_tensor``
+    (``world * input.numel()`` elements) receives rank r's input; every slot, the own one included, holds
+    the decoded value so all ranks agree."""
+    codec = make_codec(codec)
+    world = dist.get_world_size(group)
+    m = input_tensor.numel()
+    if output_tensor.numel() != world * m:
+        raise ValueError(f"megacomp.comm.all_gather_into_tensor: output has {output_tensor.numel()} elements but must "
+                         f"have world_size * input.numel() = {world} * {m} = {world * m}")
+    if input_tensor.dtype != output_tensor.dtype:
+        raise TypeError(f"megacomp.comm.all_gather_into_tensor: input dtype {input_tensor.dtype} != output dtype "
+                        f"{output_tensor.dtype}")
+    _check_lossy("all_gather_into_tensor", codec, input_tensor)
+    if _should_validate(validate) or check_finite:
+        _common.validate("all_gather_into_tensor", group,
+                         {"numel": m, "dtype": dtype_code(input_tensor.dtype), "codec": codec_code(codec)},
+                         nonfinite=has_nonfinite(input_tensor) if check_finite else None, tag=tag or "")
+    label = tag or "all_gather"
+    raw = (world - 1) * m * _itemsize(input_tensor)
+    if codec.is_identity or world == 1:
+        _stats.record(label, raw, raw)
+        return _all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    enc = codec.encode_flat(input_tensor)
+    w = enc.numel()
+    gathered = torch.empty(world * w, dtype=torch.uint8)
+    _stats.record(label, (world - 1) * w, raw)
+    work = _all_gather_base(gathered, enc, group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        out = torch.cat([codec.decode_flat(gathered[j * w:(j + 1) * w], m) for j in range(world)])
+        output_tensor.copy_(out.view(output_tensor.shape))
+
+    handle = CompressedWork(finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def _split_check(in_splits: list[int], out_splits: list[int]):
+    def check(table: torch.Tensor) -> Optional[str]:
+        world = table.shape[0]
+        sent = table[:, :world]      # sent[i][j]: rows rank i sends to rank j
+        expected = table[:, world:]  # expected[j][i]: rows rank j expects from rank i
+        if not torch.equal(sent, expected.t()):
+            bad = [(i, j, int(sent[i, j]), int(expected[j, i])) for i in range(world) for j in range(world)
+                   if sent[i, j] != expected[j, i]]
+            desc = "; ".join(f"rank {i} sends {s} rows to rank {j}, which expects {e}" for i, j, s, e in bad[:4])
+            return f"input_split_sizes and output_split_sizes do not match across ranks ({desc})"
+        return None
+    return check
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
+                      group=None, async_op: bool = False, *, codec: CodecLike = None, check_finite: bool = False,
+                      tag: Optional[str] = None, validate: Optional[bool] = None):
+    """``torch.distributed.all_to_all_single`` with an optional codec. Split sizes count rows (dim 0), as in
+    torch; None means equal splits."""
+    codec = make_codec(codec)
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    _check_lossy("all_to_all_single", codec, input)
+    if input.dtype != output.dtype:
+        raise TypeError(f"megacomp.comm.all_to_all_single: input dtype {input.dtype} != output dtype {output.dtype}")
+    rows_in = input.shape[0] if input.dim() else 1
+    rows_out = output.shape[0] if output.dim() else 1
+    row = input.numel() // rows_in if rows_in else 0
+    in_splits = list(input_split_sizes) if input_split_sizes else split_sizes(rows_in, world)
+    out_splits = list(output_split_sizes) if output_split_sizes else split_sizes(rows_out, world)
+    if not input_split_sizes and rows_in % world or not output_split_sizes and rows_out % world:
+        raise ValueError(f"megacomp.comm.all_to_all_single: without split sizes dim 0 ({rows_in} in, {rows_out} out) "
+                         f"must divide by the world size {world}")
+    if len(in_splits) != world or len(out_splits) != world or sum(in_splits) != rows_in or sum(out_splits) != rows_out:
+        raise ValueError(f"megacomp.comm.all_to_all_single: split sizes {in_splits} / {out_splits} must have {world} "
+                         f"entries summing to dim 0 of input ({rows_in}) / output ({rows_out})")
+    if _should_validate(validate) or check_finite:
+        _common.validate("all_to_all_single", group,
+                         {"row numel": row, "dtype": dtype_code(input.dtype), "codec": codec_code(codec)},
+                         extra=in_splits + out_splits, extra_check=_split_check(in_splits, out_splits),
+                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "")
+    label = tag or "all_to_all"
+    raw = (rows_in - in_splits[rank]) * row * _itemsize(input)
+    if codec.is_identity or world == 1:
+        _stats.record(label, raw, raw)
+        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                      async_op=async_op)
+
+    flat = input.reshape(-1)
+    bufs = _encode_chunks(codec, flat, [s * row for s in in_splits], None, "")
+    in_bytes = [b.numel() for b in bufs]
+    out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
+    recv = torch.empty(sum(out_bytes), dtype=torch.uint8)
+    _stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
+    work = dist.all_to_all_single(recv, torch.cat(bufs), out_bytes, in_bytes, group=group, async_op=True)
+
+    def finish() -> None:
+        work.wait()
+        parts = [codec.decode_flat(recv[o:o + b], s * row) for o, b, s in zip(offsets(out_bytes), out_bytes, out_splits)]
+        output.copy_(torch.cat(parts).view(output.shape))
+
+    handle = CompressedWork(finish)
+    if async_op:
+        return handle
+    handle.wait()
+    return None

@@ -1,0 +1,233 @@
+"""Codecs: a small frozen dataclass naming a wire format plus its scaling and rounding.
+
+A codec is data: it can be written in YAML (``{name: int4, block_size: 64}``), stored in a checkpoint
+(:meth:`Codec.to_dict`) and compared. ``encode`` turns a tensor of any shape and numel into a
+:class:`Packet` holding one flat uint8 buffer of exactly ``wire_bytes(numel)`` bytes, scales
+included; ``decode`` returns a tensor of the original shape and dtype.
+
+Supported inputs: float32, bfloat16, float16 (and float64, computed in fp32) for every codec;
+``none`` passes any dtype through. Error bounds per element are in :mod:`.quantize` (scaled
+formats) and below (casts). Failure behaviour: unknown names, impossible option combinations,
+unsupported dtypes and fp16 overflow raise ``ValueError``/``TypeError``/``OverflowError`` naming the
+fix; inf/NaN inputs always decode to inf/NaN.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping, Optional, Union
+
+import torch
+
+from . import quantize
+from .formats import Format, get_format
+
+ROUNDINGS = ("nearest", "stochastic")
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclass(frozen=True)
+class Packet:
+    """An encoded tensor: ``data`` is what goes on the wire, the rest is known to both ends."""
+
+    data: torch.Tensor
+    """Flat uint8 buffer, ``codec.wire_bytes(numel, dtype)`` bytes."""
+    shape: torch.Size
+    """Shape of the original tensor."""
+    dtype: torch.dtype
+    """Dtype of the original tensor (``decode`` returns this dtype)."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A wire format with its scaling and rounding.
+
+    Build one with :func:`make_codec`. Fields:
+    """
+
+    name: str = "none"
+    """Registered format name: none, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, int2, sign."""
+    block_size: Optional[int] = None
+    """Elements per scale. 0 = one scale for the whole tensor; None = the format's default (128 for
+    scaled formats). Must be None for none/bf16/fp16, which carry no scale."""
+    rounding: str = "nearest"
+    """``nearest`` (round half to even) or ``stochastic`` (unbiased; int and sign formats only)."""
+    dual_scale: bool = False
+    """Coarse fp32 per-tensor scale times a one-byte power-of-two per-block scale (needs block_size > 0;
+    int and float8 formats)."""
+    seed: Optional[int] = None
+    """Seed of the codec's own generator for stochastic rounding (give each rank its own seed).
+    None: use the generator passed to ``encode`` or torch's default generator."""
+    _generator: Optional[torch.Generator] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        fmt = get_format(self.name)
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"codec {self.name}: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if not fmt.scaled:
+            if self.block_size is not None or self.dual_scale:
+                raise ValueError(
+                    f"codec {self.name!r} is a plain cast with no scale; block_size/dual_scale do not apply "
+                    f"(use int8 or fp8_e4m3 with block_size for a scaled format)")
+            if self.rounding != "nearest":
+                raise ValueError(f"codec {self.name!r} only rounds to nearest; use int8/int4 for stochastic rounding")
+            return
+        bs = fmt.default_block_size if self.block_size is None else self.block_size
+        if not isinstance(bs, int) or isinstance(bs, bool) or bs < 0:
+            raise ValueError(f"codec {self.name}: block_size must be an int >= 0 (0 = per tensor), got {self.block_size!r}")
+        object.__setattr__(self, "block_size", bs)
+        if self.rounding == "stochastic" and fmt.kind == "float8":
+            raise ValueError(f"codec {self.name}: stochastic rounding is not implemented for float8 formats; "
+                             f"use rounding='nearest' or an int codec")
+        if self.dual_scale:
+            if fmt.kind == "sign":
+                raise ValueError("codec sign: dual_scale is not supported (its scale is a mean magnitude); "
+                                 "use a smaller block_size instead")
+            if bs == 0:
+                raise ValueError(f"codec {self.name}: dual_scale needs block_size > 0 (the fine scale is per block)")
+
+    # -- description -------------------------------------------------------------------------
+    @property
+    def format(self) -> Format:
+        return get_format(self.name)
+
+    @property
+    def is_identity(self) -> bool:
+        """True for ``none``: collectives then call torch.distributed directly."""
+        return self.format.kind == "identity"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form for YAML and checkpoints; ``make_codec(d)`` rebuilds an equal codec."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+
+    def __str__(self) -> str:
+        if not self.format.scaled:
+            return self.name
+        parts = [self.name, f"b{self.block_size}" if self.block_size else "tensor"]
+        if self.dual_scale:
+            parts.append("dual")
+        if self.rounding == "stochastic":
+            parts.append("sr")
+        return "/".join(parts)
+
+    # -- sizes ---------------------------------------------------------------------------------
+    def wire_bytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Exact bytes ``encode`` produces for ``numel`` elements of ``dtype`` (scales included).
+
+        ``dtype`` only matters for ``none``, which sends the input's own bytes.
+        """
+        fmt = self.format
+        if fmt.kind == "identity":
+            return numel * torch.empty((), dtype=dtype).element_size()
+        if fmt.kind == "cast":
+            return numel * fmt.bits // 8
+        return quantize.scale_nbytes(numel, self.block_size, self.dual_scale) + quantize.payload_nbytes(numel, fmt)
+
+    # -- encode / decode -----------------------------------------------------------------------
+    def _check_dtype(self, dtype: torch.dtype) -> None:
+        if not self.is_identity and dtype not in FLOAT_DTYPES:
+            raise TypeError(f"codec {self.name!r} encodes floating tensors (float32, bfloat16, float16, float64), "
+                            f"got {dtype}; use codec='none' for other dtypes")
+
+    def _rng(self, generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
+        if generator is not None or self.seed is None:
+            return generator
+        if self._generator is None:
+            g = torch.Generator()
+            g.manual_seed(self.seed)
+            object.__setattr__(self, "_generator", g)
+        return self._generator
+
+    def encode_flat(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Encode the elements of ``x`` (any shape, read in row-major order) into a flat uint8 buffer."""
+        self._check_dtype(x.dtype)
+        fmt = self.format
+        flat = x.reshape(-1)
+        if fmt.kind == "identity":
+            return flat.contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
+        if fmt.kind == "cast":
+            if fmt.dtype == torch.float16:
+                _check_fp16_range(flat)
+            return flat.to(fmt.dtype).contiguous().view(torch.uint8)
+        return quantize.encode_scaled(flat.to(torch.float32), fmt, self.block_size, self.dual_scale,
+                                      self.rounding == "stochastic", self._rng(generator))
+
+    def decode_flat(self, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decode a buffer from :meth:`encode_flat` into a 1-D tensor of ``numel`` elements of ``dtype``."""
+        expected = self.wire_bytes(numel, dtype)
+        if buf.dtype != torch.uint8 or buf.numel() != expected:
+            raise ValueError(f"codec {self}: expected a uint8 buffer of {expected} bytes for {numel} elements, "
+                             f"got {buf.dtype} with {buf.numel()} bytes")
+        fmt = self.format
+        if fmt.kind in ("identity", "cast"):
+            wire_dtype = dtype if fmt.kind == "identity" else fmt.dtype
+            if numel == 0:
+                return torch.empty(0, dtype=dtype, device=buf.device)
+            itemsize = torch.empty((), dtype=wire_dtype).element_size()
+            if buf.storage_offset() % itemsize:
+                buf = buf.clone()
+            return buf.view(wire_dtype).to(dtype)
+        return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale).to(dtype)
+
+    def encode(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> Packet:
+        """Encode ``x``; ``generator`` drives stochastic rounding (else the codec's seed, else torch's)."""
+        return Packet(self.encode_flat(x, generator), x.shape, x.dtype)
+
+    def decode(self, packet: Packet) -> torch.Tensor:
+        """Return a tensor of the packet's shape and dtype."""
+        return self.decode_flat(packet.data, packet.numel, packet.dtype).view(packet.shape)
+
+    def roundtrip(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """``decode(encode(x))``: what the receiver of ``x`` sees."""
+        return self.decode(self.encode(x, generator))
+
+
+def _check_fp16_range(flat: torch.Tensor) -> None:
+    if flat.dtype == torch.float16 or flat.numel() == 0:
+        return
+    finite = flat[torch.isfinite(flat)]
+    if finite.numel() and finite.abs().max().item() > torch.finfo(torch.float16).max:
+        raise OverflowError(
+            f"codec fp16: finite values up to {finite.abs().max().item():.3g} exceed the fp16 range (65504) and "
+            f"would become inf; use bf16, or a scaled codec such as fp8_e5m2/int8, or scale the tensor first")
+
+
+CodecLike = Union[None, str, Codec, Mapping[str, Any]]
+
+
+def make_codec(codec: CodecLike = None, **options: Any) -> Codec:
+    """Build a codec from a name, a mapping (YAML), an existing codec or None (= ``none``).
+
+    ``make_codec("int4", block_size=128, rounding="nearest")``. Extra keyword options override the
+    mapping's or codec's fields. Raises ValueError for unknown names or options.
+    """
+    if codec is None:
+        codec = "none"
+    if isinstance(codec, Codec):
+        if not options:
+            return codec
+        base = codec.to_dict()
+    elif isinstance(codec, str):
+        base = {"name": codec}
+    elif isinstance(codec, Mapping):
+        base = dict(codec)
+    else:
+        raise TypeError(f"a codec is a name, a mapping or a Codec, got {type(codec).__name__}")
+    base.update(options)
+    allowed = {f.name for f in fields(Codec) if f.init}
+    unknown = set(base) - allowed
+    if unknown:
+        raise ValueError(f"unknown codec option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if "name" not in base:
+        raise ValueError("a codec mapping needs a 'name' (e.g. {name: int4, block_size: 128})")
+    return Codec(**base)

@@ -1,0 +1,191 @@
+"""Error feedback: classic EF and LoCo's moving-average compensation, as checkpointable state.
+
+Per compressed tensor (identified by a string key), with gradient ``g`` and codec ``Q``:
+
+    h  = g + e                             # compensate               (compensate)
+    q  = Q(h)                              # what goes on the wire    (caller)
+    e' = beta * e + (1 - beta) * (h - deq(q))                         (update)
+    e' = 0 every ``reset_interval`` updates of that key               (LoCo's periodic reset)
+
+``beta = 0`` is classic error feedback (e' = h - deq(q)), and then the transmitted values telescope:
+``sum_t deq(q_t) + e_T = sum_t g_t``. With ``beta > 0`` the error is a moving average (LoCo), which
+is more stable with low-bit codecs. ``storage='int8'`` keeps ``e`` int8-quantized with per-block
+scales (LoCo's compact 8-bit error); this adds the int8 rounding error to ``e`` at each store.
+
+Failure behaviour: a non-finite ``h - deq(q)`` (overflow in the gradient) drops that key's error
+(``e = 0``) instead of poisoning later steps, and counts it in ``dropped``. A shape change for an
+existing key raises ValueError. ``rescale(factor)`` adjusts all errors when a dynamic loss scale
+changes.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from .codecs import Codec, make_codec
+
+STORAGES = ("fp32", "bf16", "int8")
+
+
+@dataclass(frozen=True)
+class ErrorFeedbackConfig:
+    """Settings of one error-feedback state."""
+
+    beta: float = 0.0
+    """Moving-average coefficient: 0 = classic EF; LoCo uses 0.8 (0.8-0.95 work)."""
+    reset_interval: int = 0
+    """Zero the error every this many updates of a key (LoCo: 512); 0 = never."""
+    storage: str = "fp32"
+    """How ``e`` is kept: fp32, bf16 or int8 (per-block absmax, block ``storage_block_size``)."""
+    storage_block_size: int = 256
+    """Block size of the int8 storage scales."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"error feedback beta must be in [0, 1), got {self.beta}")
+        if not isinstance(self.reset_interval, int) or self.reset_interval < 0:
+            raise ValueError(f"reset_interval must be an int >= 0 (0 = never), got {self.reset_interval!r}")
+        if self.storage not in STORAGES:
+            raise ValueError(f"error feedback storage must be one of {STORAGES}, got {self.storage!r}")
+        if self.storage_block_size <= 0:
+            raise ValueError(f"storage_block_size must be > 0, got {self.storage_block_size}")
+
+
+PRESETS = {
+    "ef": ErrorFeedbackConfig(beta=0.0, reset_interval=0),
+    "loco": ErrorFeedbackConfig(beta=0.8, reset_interval=512),
+}
+
+ErrorFeedbackLike = Union[None, str, dict, ErrorFeedbackConfig, "ErrorFeedback"]
+
+
+def make_error_feedback_config(spec: Union[str, dict, ErrorFeedbackConfig]) -> ErrorFeedbackConfig:
+    """``"ef"``, ``"loco"``, a mapping of config fields (may include ``preset``), or a config."""
+    if isinstance(spec, ErrorFeedbackConfig):
+        return spec
+    if isinstance(spec, str):
+        if spec not in PRESETS:
+            raise ValueError(f"unknown error feedback {spec!r}; use one of {sorted(PRESETS)} or an ErrorFeedbackConfig")
+        return PRESETS[spec]
+    if isinstance(spec, dict):
+        spec = dict(spec)
+        base = asdict(PRESETS[spec.pop("preset")]) if "preset" in spec else {}
+        base.update(spec)
+        return ErrorFeedbackConfig(**base)
+    raise TypeError(f"error_feedback must be 'ef', 'loco', a dict or an ErrorFeedbackConfig, got {type(spec).__name__}")
+
+
+class ErrorFeedback:
+    """Error-feedback state for any number of compressed tensors, keyed by name.
+
+    Usage per step and key: ``h = ef.compensate(key, g)``; send ``Q(h)``; ``ef.update(key, h, deq(Q(h)))``.
+    """
+
+    def __init__(self, config: Union[str, dict, ErrorFeedbackConfig] = "ef") -> None:
+        self.config = make_error_feedback_config(config)
+        self._errors: dict[str, Any] = {}  # key -> tensor (fp32/bf16) or (packet data, shape) for int8
+        self.steps: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self._store_codec: Optional[Codec] = (
+            make_codec("int8", block_size=self.config.storage_block_size) if self.config.storage == "int8" else None)
+
+    # -- access ----------------------------------------------------------------------------------
+    def keys(self):
+        return self._errors.keys()
+
+    def error(self, key: str, like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """The current error of ``key`` (decoded to fp32/fp64 like ``like``), or None if there is none."""
+        stored = self._errors.get(key)
+        if stored is None:
+            return None
+        if self._store_codec is not None:
+            data, shape = stored
+            e = self._store_codec.decode_flat(data, data_numel(shape)).view(shape)
+        else:
+            e = stored.float()
+        return e.to(like.dtype) if like is not None else e
+
+    def _store(self, key: str, e: torch.Tensor) -> None:
+        if self._store_codec is not None:
+            self._errors[key] = (self._store_codec.encode_flat(e), tuple(e.shape))
+        elif self.config.storage == "bf16":
+            self._errors[key] = e.to(torch.bfloat16)
+        else:
+            self._errors[key] = e.to(torch.float32) if e.dtype != torch.float64 else e.clone()
+
+    # -- the algorithm ---------------------------------------------------------------------------
+    def compensate(self, key: str, g: torch.Tensor) -> torch.Tensor:
+        """Return ``h = g + e`` (a new tensor in g's dtype, or fp32 for half inputs)."""
+        e = self.error(key)
+        work_dtype = g.dtype if g.dtype == torch.float64 else torch.float32
+        h = g.to(work_dtype).clone() if e is None else g.to(work_dtype) + self._checked(key, e, g).to(work_dtype)
+        return h
+
+    def _checked(self, key: str, e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if e.shape != g.shape:
+            raise ValueError(f"error feedback key {key!r} holds an error of shape {tuple(e.shape)} but got a tensor "
+                             f"of shape {tuple(g.shape)}; use a distinct key (tag) per compressed tensor")
+        return e
+
+    def update(self, key: str, h: torch.Tensor, h_hat: torch.Tensor) -> None:
+        """``e = beta * e + (1 - beta) * (h - h_hat)``, then the periodic reset."""
+        beta = self.config.beta
+        residual = h - h_hat
+        if not bool(torch.isfinite(residual).all()):
+            self.dropped[key] = self.dropped.get(key, 0) + 1
+            new = torch.zeros_like(residual)
+        else:
+            e = self.error(key, like=residual)
+            if e is None or beta == 0.0:
+                new = residual if beta == 0.0 else (1.0 - beta) * residual
+            else:
+                new = beta * self._checked(key, e, residual) + (1.0 - beta) * residual
+        step = self.steps.get(key, 0) + 1
+        self.steps[key] = step
+        if self.config.reset_interval and step % self.config.reset_interval == 0:
+            new = torch.zeros_like(new)
+        self._store(key, new)
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every stored error by ``factor`` (call when a dynamic loss scale changes)."""
+        for key in list(self._errors):
+            self._store(key, self.error(key) * factor)
+
+    def reset(self, key: Optional[str] = None) -> None:
+        """Zero the error of ``key`` (or of all keys), e.g. after an overflow step is skipped."""
+        for k in ([key] if key is not None else list(self._errors)):
+            self._errors.pop(k, None)
+
+    # -- checkpointing -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        errors = {}
+        for k, v in self._errors.items():
+            errors[k] = {"data": v[0].clone(), "shape": list(v[1])} if self._store_codec is not None else v.clone()
+        return {"config": asdict(self.config), "errors": errors, "steps": dict(self.steps), "dropped": dict(self.dropped)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        cfg = ErrorFeedbackConfig(**state["config"])
+        if cfg != self.config:
+            raise ValueError(f"error feedback state was saved with {cfg}, this state uses {self.config}; "
+                             f"build the ErrorFeedback with the saved config to load it")
+        self._errors = {}
+        for k, v in state["errors"].items():
+            self._errors[k] = (v["data"].clone(), tuple(v["shape"])) if self._store_codec is not None else v.clone()
+        self.steps = dict(state["steps"])
+        self.dropped = dict(state.get("dropped", {}))
+
+
+def data_numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def as_error_feedback(spec: ErrorFeedbackLike) -> Optional[ErrorFeedback]:
+    """None stays None; an ErrorFeedback is used as is; anything else builds a new state."""
+    if spec is None or isinstance(spec, ErrorFeedback):
+        return spec
+    return ErrorFeedback(spec)

@@ -1,0 +1,175 @@
+"""Scaled quantization: the reference (eager torch) encode/decode for ``int``, ``sign`` and ``float8``.
+
+Wire layout of one encoded tensor of ``n`` elements (a flat uint8 buffer, scales first so that they
+stay 4-byte aligned when the buffer starts at an aligned offset):
+
+  single scale  (block_size = 0):   [fp32 scale]                       [payload]
+  per block     (block_size = B):   [fp32 scale x nb]                  [payload]
+  dual scale    (block_size = B):   [fp32 coarse][uint8 exponent x nb] [payload]
+
+with ``nb = ceil(n / B)``. The payload holds ``n`` codes only (no block padding is sent):
+``ceil(n * bits / 8)`` bytes.
+
+Algorithm (per block b of the zero-padded input, in fp32):
+  int:    s_b = amax_b / qmax;  q = round(x / s_b) (or floor(x / s_b + u), u ~ U[0,1) for stochastic),
+          clamped to [-qmax, qmax]; decode q * s_b.  |error| <= s_b / 2 (nearest), < s_b (stochastic).
+  sign:   nearest: s_b = mean_b |x|, bit = x >= 0, decode +-s_b; |error| <= amax_b.
+          stochastic: s_b = amax_b, P(+1) = (1 + x / s_b) / 2 (unbiased); |error| <= 2 amax_b.
+  float8: s_b = amax_b / fmax; y = float8(x / s_b) (round to nearest even); decode y * s_b.
+          |error| <= max(|x| * 2^-(m+1), s_b * min_subnormal / 2), m = mantissa bits.
+  dual:   a coarse scale c = amax / qmax for the whole tensor and, per block, an integer
+          k_b = floor(log2(amax / amax_b)) in [0, 126] (one byte); s_b = c * 2^-k_b, so
+          amax_b / qmax <= s_b < 2 amax_b / qmax: near-zero blocks get their own magnification for one
+          byte per block instead of four. Scaling uses x * 2^k / c so no scale ever underflows.
+
+Non-finite inputs: amax (and mean |x|) propagate inf/NaN into the block's scale, codes are
+sanitised, and decode multiplies by that scale, so every element of such a block decodes to inf or
+NaN; a non-finite input never decodes to a finite number.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .formats import Format
+from .packing import pack_bits, packed_nbytes, unpack_bits
+
+MAX_DUAL_EXPONENT = 126  # 2**126 and 2**-126 are normal fp32 numbers
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    if numel == 0:
+        return 0
+    return 1 if block_size == 0 else -(-numel // block_size)
+
+
+def scale_nbytes(numel: int, block_size: int, dual: bool) -> int:
+    nb = num_blocks(numel, block_size)
+    if nb == 0:
+        return 0
+    return 4 + nb if dual else 4 * nb
+
+
+def payload_nbytes(numel: int, fmt: Format) -> int:
+    return packed_nbytes(numel, fmt.bits)
+
+
+def _blocks(x32: torch.Tensor, block_size: int) -> torch.Tensor:
+    n = x32.numel()
+    if block_size == 0:
+        return x32.view(1, n)
+    pad = (-n) % block_size
+    if pad:
+        x32 = torch.cat([x32, x32.new_zeros(pad)])
+    return x32.view(-1, block_size)
+
+
+def _as_f32(buf: torch.Tensor) -> torch.Tensor:
+    """View a uint8 slice as fp32, copying only when the slice is not 4-byte aligned."""
+    if buf.storage_offset() % 4:
+        buf = buf.clone()
+    return buf.view(torch.float32)
+
+
+def _dual_exponents(amax_b: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """k_b = floor(log2(amax / amax_b)) clamped to [0, 126]; exact via frexp, 126 for all-zero blocks."""
+    ratio = amax / amax_b
+    _, e = torch.frexp(ratio)
+    k = (e - 1).clamp_(0, MAX_DUAL_EXPONENT)
+    k = torch.where(torch.isfinite(ratio), k, torch.full_like(k, MAX_DUAL_EXPONENT))
+    return k.to(torch.float32)
+
+
+def encode_scaled(
+    x32: torch.Tensor,
+    fmt: Format,
+    block_size: int,
+    dual: bool,
+    stochastic: bool,
+    generator: Optional[torch.Generator],
+) -> torch.Tensor:
+    """Encode a flat fp32 tensor into the wire layout above; returns a 1-D uint8 tensor."""
+    n = x32.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=x32.device)
+    xb = _blocks(x32, block_size)
+    absb = xb.abs()
+    amax_b = absb.amax(dim=1, keepdim=True)  # propagates NaN and inf
+
+    if fmt.kind == "sign":
+        if stochastic:
+            scale = amax_b
+        else:
+            counts = torch.full_like(amax_b, float(xb.shape[1]))
+            counts[-1] = n - (xb.shape[0] - 1) * xb.shape[1]  # the last block's padding is not data
+            scale = absb.sum(dim=1, keepdim=True) / counts
+        if stochastic:
+            safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+            u = torch.rand(xb.shape, generator=generator, device=xb.device)
+            bits = (u < (1.0 + xb / safe) * 0.5)
+        else:
+            bits = xb >= 0
+        codes = bits.reshape(-1)[:n].to(torch.uint8)
+        scale_bytes = scale.reshape(-1).contiguous().view(torch.uint8)
+        return torch.cat([scale_bytes, pack_bits(codes, 1)])
+
+    qmax = fmt.qmax
+    if dual:
+        amax = amax_b.amax()
+        coarse = (amax / qmax).reshape(1)
+        k = _dual_exponents(amax_b, amax)
+        safe_coarse = torch.where(coarse > 0, coarse, torch.ones_like(coarse))
+        # Only finite, positive coarse scales give finite codes; others decode non-finite via the scale.
+        y = (xb * torch.exp2(k)) / safe_coarse
+        scale_bytes = torch.cat([coarse.view(torch.uint8), k.reshape(-1).to(torch.uint8)])
+    else:
+        scale = amax_b / qmax
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        y = xb / safe
+        scale_bytes = scale.reshape(-1).contiguous().view(torch.uint8)
+
+    y = y.reshape(-1)[:n]
+    if fmt.kind == "float8":
+        y = torch.nan_to_num(y.clamp(-qmax, qmax), nan=0.0)
+        codes = y.to(fmt.dtype).view(torch.uint8)
+    else:  # int
+        if stochastic:
+            u = torch.rand(xb.shape, generator=generator, device=xb.device).reshape(-1)[:n]
+            q = torch.floor(y + u)
+        else:
+            q = torch.round(y)
+        q = torch.nan_to_num(q.clamp_(-qmax, qmax), nan=0.0)
+        offset = 1 << (fmt.bits - 1)
+        codes = (q + offset).to(torch.uint8)
+        codes = pack_bits(codes, fmt.bits)
+    return torch.cat([scale_bytes, codes])
+
+
+def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, dual: bool) -> torch.Tensor:
+    """Decode the wire layout above into a flat fp32 tensor of ``numel`` elements."""
+    if numel == 0:
+        return torch.empty(0, dtype=torch.float32, device=buf.device)
+    nb = num_blocks(numel, block_size)
+    ns = scale_nbytes(numel, block_size, dual)
+    payload = buf[ns:]
+    if fmt.kind == "float8":
+        vals = payload[:numel].view(fmt.dtype).to(torch.float32)
+    else:
+        codes = unpack_bits(payload, fmt.bits, numel)
+        if fmt.kind == "sign":
+            vals = codes.to(torch.float32) * 2.0 - 1.0
+        else:
+            vals = codes.to(torch.float32) - float(1 << (fmt.bits - 1))
+    width = numel if block_size == 0 else block_size
+    pad = nb * width - numel
+    if pad:
+        vals = torch.cat([vals, vals.new_zeros(pad)])
+    vals = vals.view(nb, width)
+    if dual:
+        coarse = _as_f32(buf[:4])
+        k = buf[4:4 + nb].to(torch.float32).view(nb, 1)
+        out = (vals * coarse) * torch.exp2(-k)
+    else:
+        out = vals * _as_f32(buf[:ns]).view(nb, 1)
+    return out.reshape(-1)[:numel]

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install megacomp in editable mode. If torch is missing, install the pinned CPU wheel first
+# (seconds, instead of a multi-GB CUDA download); an existing torch (e.g. a CUDA build) is never replaced.
+#   bash scripts/install.sh          # the package
+#   bash scripts/install.sh test     # the package + test requirements (pytest, hypothesis)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet "torch==2.13.0"
+fi
+extra=""
+[ "${1:-}" = "test" ] && extra="[test]"
+"$PY" -m pip install --quiet --no-build-isolation -e ".${extra}"

