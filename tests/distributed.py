@@ -9,6 +9,7 @@ and every process is killed.
 """
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -28,7 +29,11 @@ def _worker(fn, rank, world_size, init_file, args, queue, pg_timeout):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Serialise tensors by value: torch's default queue pickling shares them through file
+        # descriptors that vanish when this process exits.
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # report everything, assertion errors included, to the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -79,4 +84,4 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
             os.unlink(init_file)
     if errors:
         raise RankFailure(f"{len(errors)} of {world_size} rank(s) failed{_report(errors)}")
-    return [results[r] for r in range(world_size)]
+    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]

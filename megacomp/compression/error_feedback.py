@@ -104,7 +104,7 @@ class ErrorFeedback:
             data, shape = stored
             e = self._store_codec.decode_flat(data, data_numel(shape)).view(shape)
         else:
-            e = stored.float()
+            e = stored if stored.dtype in (torch.float32, torch.float64) else stored.float()
         return e.to(like.dtype) if like is not None else e
 
     def _store(self, key: str, e: torch.Tensor) -> None:

@@ -1,0 +1,65 @@
+"""Per-element error bounds of each codec, derived in the test suite from bits and scale alone.
+
+These formulas are written independently of megacomp.compression (they use only the codec's name,
+block size and flags) so that a wrong scale or rounding in the library cannot also loosen its test.
+Every bound is in fp64 and includes a small fp32 round-off term for the scaling arithmetic
+(a few ulps of the value), never a hand-picked constant that "happens to pass".
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP32_ULP = 2.0 ** -23
+FMT = {  # name -> (kind, bits, qmax, mantissa bits, min subnormal)
+    "int8": ("int", 8, 127, None, None), "int4": ("int", 4, 7, None, None), "int2": ("int", 2, 1, None, None),
+    "sign": ("sign", 1, 1, None, None),
+    "fp8_e4m3": ("float8", 8, 448.0, 3, 2.0 ** -9), "fp8_e5m2": ("float8", 8, 57344.0, 2, 2.0 ** -16),
+    "bf16": ("cast", 16, None, 7, 2.0 ** -133), "fp16": ("cast", 16, None, 10, 2.0 ** -24),
+}
+OUT_CAST = {torch.float32: (23, 2.0 ** -149), torch.bfloat16: (7, 2.0 ** -133), torch.float16: (10, 2.0 ** -24),
+            torch.float64: (52, 0.0)}
+
+
+def _blocks(x: torch.Tensor, block: int):
+    """Per-element block amax and block mean |x| (fp64), broadcast back to x's flat shape."""
+    flat = x.reshape(-1).double().abs()
+    n = flat.numel()
+    if n == 0:
+        return flat, flat
+    b = n if block == 0 else block
+    nb = math.ceil(n / b) if n else 0
+    padded = torch.cat([flat, flat.new_zeros(nb * b - n)]).view(nb, b)
+    amax = padded.amax(1, keepdim=True)
+    counts = torch.full((nb, 1), float(b), dtype=torch.float64)
+    if nb:
+        counts[-1] = n - (nb - 1) * b
+    mean = padded.sum(1, keepdim=True) / counts
+    return amax.expand(nb, b).reshape(-1)[:n], mean.expand(nb, b).reshape(-1)[:n]
+
+
+def elementwise_bound(codec, x: torch.Tensor) -> torch.Tensor:
+    """Upper bound of |decode(encode(x)) - x| per element (flat, fp64) for a finite ``x``."""
+    name = codec.name
+    ax = x.reshape(-1).double().abs()
+    mant_out, sub_out = OUT_CAST[x.dtype]
+    out_cast = ax * 2.0 ** -(mant_out + 1) * 1.01 + sub_out  # rounding the fp32 result back to x.dtype
+    if name == "none":
+        return torch.zeros_like(ax)
+    kind, bits, qmax, mant, min_sub = FMT[name]
+    if kind == "cast":
+        # x -> bf16/fp16 (round to nearest), then back to x.dtype
+        return ax * 2.0 ** -(mant + 1) + min_sub / 2 + out_cast
+    amax, mean = _blocks(x, codec.block_size)
+    arith = (ax + amax) * 4 * FP32_ULP  # fp32 scale/divide/multiply round-off
+    if kind == "sign":
+        base = 2 * amax if codec.rounding == "stochastic" else torch.maximum(amax - mean, mean)
+        return base * (1 + 4 * FP32_ULP) + arith + out_cast
+    # step of the quantizer grid: per block amax/qmax; dual scale rounds it up to < 2x that
+    step = amax / qmax * (2.0 if codec.dual_scale else 1.0)
+    if kind == "int":
+        base = step if codec.rounding == "stochastic" else step / 2
+        return base * (1 + 4 * FP32_ULP) + arith + out_cast
+    # float8: relative rounding in the normal range, absolute half-subnormal below it
+    return torch.maximum(ax * 2.0 ** -(mant + 1), step * min_sub / 2) * (1 + 4 * FP32_ULP) + arith + out_cast

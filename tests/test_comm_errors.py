@@ -1,0 +1,139 @@
+"""Bad input to megacomp.comm: the same clear error on every rank, never a hang, never a silent
+uncompressed fallback; inf/NaN propagate. After each error the group still works."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megacomp import comm
+
+
+def expect_error(exc, fn, *args, **kwargs) -> str:
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        return str(e)
+    raise AssertionError(f"{fn.__name__} did not raise {exc.__name__}")
+
+
+def healthy(world):
+    """The group still works after the error: a plain compressed all-reduce is right."""
+    t = torch.ones(64)
+    comm.all_reduce(t, codec="int8")
+    assert torch.equal(t, torch.full((64,), float(world)))
+
+
+def _mismatch_body(rank, world):
+    msgs = {}
+    msgs["numel"] = expect_error(ValueError, comm.all_reduce, torch.ones(10 + rank), codec="int4")
+    healthy(world)
+    msgs["codec"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), codec="int4" if rank else "int8")
+    healthy(world)
+    msgs["dtype"] = expect_error(ValueError, comm.all_reduce,
+                                 torch.ones(10, dtype=torch.float32 if rank else torch.bfloat16), codec="int8")
+    healthy(world)
+    msgs["op"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), op=dist.ReduceOp.SUM if rank else dist.ReduceOp.AVG)
+    healthy(world)
+    out = torch.empty(5 + (rank == 0))
+    msgs["rs"] = expect_error(ValueError, comm.reduce_scatter_tensor, out, torch.ones(world * out.numel()), codec="int8")
+    healthy(world)
+    ins = [2] * world
+    outs = [2] * world
+    if rank == 0:
+        ins = [3] + [2] * (world - 1)
+    x = torch.ones(sum(ins), 4)
+    msgs["a2a"] = expect_error(ValueError, comm.all_to_all_single, torch.empty(sum(outs), 4), x, outs, ins, codec="int8")
+    healthy(world)
+    return msgs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_mismatches_across_ranks_raise_on_every_rank(world):
+    for msgs in run_ranks(_mismatch_body, world):
+        assert "numel differs across ranks (rank 0: 10, rank 1: 11" in msgs["numel"]
+        assert "codec differs across ranks" in msgs["codec"]
+        assert "dtype differs across ranks (rank 0: torch.bfloat16, rank 1: torch.float32" in msgs["dtype"]
+        assert "op differs across ranks (rank 0: AVG, rank 1: SUM" in msgs["op"]
+        assert "reduce_scatter_tensor: numel differs" in msgs["rs"]
+        assert "rank 0 sends 3 rows to rank 0, which expects 2" in msgs["a2a"]
+
+
+def _local_errors_body(rank, world):
+    msgs = {}
+    msgs["dtype"] = expect_error(TypeError, comm.all_reduce, torch.ones(10, dtype=torch.int32), codec="int8")
+    msgs["name"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), codec="int5")
+    msgs["op"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), op=dist.ReduceOp.MAX, codec="int8")
+    msgs["ef"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), error_feedback="ef")
+    msgs["rs"] = expect_error(ValueError, comm.reduce_scatter_tensor, torch.empty(3), torch.ones(7), codec="int8")
+    msgs["ag"] = expect_error(ValueError, comm.all_gather_into_tensor, torch.empty(3), torch.ones(7), codec="int8")
+    healthy(world)
+    # codec=None with an op the codec path does not support is simply torch's MAX
+    t = torch.full((4,), float(rank))
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    assert torch.equal(t, torch.full((4,), float(world - 1)))
+    return msgs
+
+
+def test_unsupported_arguments_raise_clear_local_errors():
+    for msgs in run_ranks(_local_errors_body, 2):
+        assert "encodes floating tensors" in msgs["dtype"] and "codec='none'" in msgs["dtype"]
+        assert "unknown codec 'int5'" in msgs["name"]
+        assert "supports ReduceOp SUM and AVG, got MAX" in msgs["op"]
+        assert "error_feedback needs a lossy codec" in msgs["ef"]
+        assert "world_size * output.numel()" in msgs["rs"] and "world_size * input.numel()" in msgs["ag"]
+
+
+def _non_finite_body(rank, world):
+    x = torch.randn(1000)
+    if rank == 1:
+        x[5] = float("nan")
+        x[700] = float("inf")
+    msg = expect_error(FloatingPointError, comm.all_reduce, x.clone(), codec="int8", check_finite=True)
+    healthy(world)
+    y = x.clone()
+    comm.all_reduce(y, codec="int8")
+    # blocks (128) start at each rank's chunk (500 elements for 2 ranks): [0, 128) and [628, 756) hold the bad values
+    bad = torch.zeros(1000, dtype=torch.bool)
+    bad[0:128] = True
+    bad[628:756] = True
+    out = torch.empty(world * 1000)
+    comm.all_gather_into_tensor(out, x, codec="int4")
+    rs = torch.empty(500)
+    comm.reduce_scatter_tensor(rs, torch.cat([x[:500], x[:500]]) if world == 2 else x[:500].repeat(world), codec="fp8_e4m3")
+    return msg, y, bad, out.view(world, 1000)[1]
+
+
+def test_non_finite_values_propagate_or_raise_naming_the_rank():
+    for msg, y, bad, gathered in run_ranks(_non_finite_body, 2):
+        assert "non-finite values (inf/NaN) in the input on rank(s) [1]" in msg
+        assert not torch.isfinite(y[5]) and not torch.isfinite(y[700])
+        assert torch.isfinite(y[~bad]).all()
+        assert not torch.isfinite(gathered[5]) and not torch.isfinite(gathered[700])
+
+
+def _p2p_body(rank, world):
+    msgs = {}
+    if rank == 0:
+        comm.send(torch.ones(10), 1, codec="int8")  # the receiver expects 12 elements: it raises, we don't hang
+        comm.send(torch.ones(10), 1, codec="int8")
+        comm.send(torch.ones(10), 1, codec="int8")
+        bad = torch.ones(10)
+        bad[2] = float("nan")
+        msgs["nan"] = expect_error(FloatingPointError, comm.send, bad, 1, codec="int8", check_finite=True)
+    else:
+        msgs["size"] = expect_error(ValueError, comm.recv, torch.empty(12), 0, codec="int8")
+        msgs["codec"] = expect_error(ValueError, comm.recv, torch.empty(10), 0, codec="int4")
+        got = torch.empty(10)
+        comm.recv(got, 0, codec="int8")
+        assert torch.equal(got, torch.ones(10))
+        msgs["nan"] = expect_error(FloatingPointError, comm.recv, torch.empty(10), 0, codec="int8", check_finite=True)
+    healthy(world)
+    return msgs
+
+
+def test_p2p_mismatch_raises_on_the_receiver_and_the_sender_completes():
+    sender, receiver = run_ranks(_p2p_body, 2)
+    assert "from rank 0 to rank 1 does not match" in receiver["size"] and "numel: sender 10 vs receiver 12" in receiver["size"]
+    assert "codec: sender" in receiver["codec"]
+    assert "rank 0 sent non-finite values" in receiver["nan"]
+    assert "non-finite values (inf/NaN) in the tensor sent from rank 0 to rank 1" in sender["nan"]
