@@ -156,9 +156,8 @@ class Codec:
         if fmt.kind == "identity":
             return flat.contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
         if fmt.kind == "cast":
-            if fmt.dtype == torch.float16:
-                _check_fp16_range(flat)
-            return flat.to(fmt.dtype).contiguous().view(torch.uint8)
+            y = _to_fp16_checked(flat) if fmt.dtype == torch.float16 else flat.to(fmt.dtype)
+            return y.contiguous().view(torch.uint8)
         return quantize.encode_scaled(flat.to(torch.float32), fmt, self.block_size, self.dual_scale,
                                       self.rounding == "stochastic", self._rng(generator))
 
@@ -192,14 +191,17 @@ class Codec:
         return self.decode(self.encode(x, generator))
 
 
-def _check_fp16_range(flat: torch.Tensor) -> None:
-    if flat.dtype == torch.float16 or flat.numel() == 0:
-        return
-    finite = flat[torch.isfinite(flat)]
-    if finite.numel() and finite.abs().max().item() > torch.finfo(torch.float16).max:
-        raise OverflowError(
-            f"codec fp16: finite values up to {finite.abs().max().item():.3g} exceed the fp16 range (65504) and "
-            f"would become inf; use bf16, or a scaled codec such as fp8_e5m2/int8, or scale the tensor first")
+def _to_fp16_checked(flat: torch.Tensor) -> torch.Tensor:
+    """Cast to fp16, raising if a finite input became inf (one extra pass only when an inf appears)."""
+    y = flat.to(torch.float16)
+    if flat.dtype != torch.float16 and bool(torch.isinf(y).any()):
+        overflow = torch.isinf(y) & torch.isfinite(flat)
+        if bool(overflow.any()):
+            worst = flat[overflow].abs().max().item()
+            raise OverflowError(
+                f"codec fp16: finite values up to {worst:.3g} exceed the fp16 range (65504) and would become "
+                f"inf; use bf16, or a scaled codec such as fp8_e5m2/int8, or scale the tensor first")
+    return y
 
 
 CodecLike = Union[None, str, Codec, Mapping[str, Any]]
