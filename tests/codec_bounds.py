@@ -39,8 +39,29 @@ def _blocks(x: torch.Tensor, block: int):
     return amax.expand(nb, b).reshape(-1)[:n], mean.expand(nb, b).reshape(-1)[:n]
 
 
+def hadamard(size: int) -> torch.Tensor:
+    """Orthonormal Sylvester-Hadamard matrix (fp64), built here independently of the library."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < size:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / size ** 0.5
+
+
 def elementwise_bound(codec, x: torch.Tensor) -> torch.Tensor:
     """Upper bound of |decode(encode(x)) - x| per element (flat, fp64) for a finite ``x``."""
+    if getattr(codec, "hadamard", 0):
+        # quantize in the rotated basis, rotate back: |err_i| <= (1/sqrt(B)) sum_j |err_rot_j| over i's block
+        size, n = codec.hadamard, x.numel()
+        flat = x.reshape(-1).double()
+        flat = torch.cat([flat, flat.new_zeros((-n) % size)])
+        rot = (flat.view(-1, size) @ hadamard(size)).reshape(-1).float()
+        inner = type(codec)(**dict(codec.to_dict(), hadamard=0, seed=None))
+        b_rot = elementwise_bound(inner, rot).view(-1, size)
+        back = b_rot.sum(1, keepdim=True).expand(-1, size) / size ** 0.5
+        mant_out, sub_out = OUT_CAST[x.dtype]
+        ax = x.reshape(-1).double().abs()
+        rounding = (flat.view(-1, size).abs().sum(1, keepdim=True).expand(-1, size).reshape(-1)[:n]) * 8 * FP32_ULP
+        return back.reshape(-1)[:n] * (1 + 8 * FP32_ULP) + rounding + ax * 2.0 ** -(mant_out + 1) * 1.01 + sub_out
     name = codec.name
     ax = x.reshape(-1).double().abs()
     mant_out, sub_out = OUT_CAST[x.dtype]

@@ -75,13 +75,18 @@ def _encode_chunks(codec, h: torch.Tensor, sizes, ef, ef_key):
 
 
 def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool) -> torch.Tensor:
+    """Sum the ``world`` encodings in ``recv`` in fp32 (in the rotated basis for Hadamard codecs, which is
+    rotated back once at the end)."""
     w = codec.wire_bytes(numel)
-    acc = torch.zeros(numel, dtype=torch.float32)
+    acc = None
     for j in range(world):  # fixed rank order: deterministic, identical on every rank
-        acc += codec.decode_flat(recv[j * w:(j + 1) * w], numel)
+        part = codec.decode_flat(recv[j * w:(j + 1) * w], numel, rotated=True)
+        acc = part.clone() if acc is None else acc.add_(part)
+    if acc is None:
+        acc = torch.zeros(numel)
     if avg:
         acc /= world
-    return acc
+    return codec.unrotate(acc, numel)
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from . import quantize
+from . import quantize, transforms
 from .formats import Format, get_format
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -65,6 +65,9 @@ class Codec:
     dual_scale: bool = False
     """Coarse fp32 per-tensor scale times a one-byte power-of-two per-block scale (needs block_size > 0;
     int and float8 formats)."""
+    hadamard: int = 0
+    """Block size (a power of two) of a Walsh-Hadamard rotation applied before quantization and undone
+    after decoding; 0 = off. Spreads outliers (see megacomp.compression.transforms); scaled formats only."""
     seed: Optional[int] = None
     """Seed of the codec's own generator for stochastic rounding (give each rank its own seed).
     None: use the generator passed to ``encode`` or torch's default generator."""
@@ -74,6 +77,11 @@ class Codec:
         fmt = get_format(self.name)
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"codec {self.name}: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.hadamard:
+            if not fmt.scaled:
+                raise ValueError(f"codec {self.name!r}: hadamard rotation only helps scaled formats "
+                                 f"(int8/int4/int2/sign/fp8_*); drop hadamard or pick one of those")
+            transforms.check_size(self.hadamard)
         if not fmt.scaled:
             if self.block_size is not None or self.dual_scale:
                 raise ValueError(
@@ -118,6 +126,8 @@ class Codec:
             parts.append("dual")
         if self.rounding == "stochastic":
             parts.append("sr")
+        if self.hadamard:
+            parts.append(f"h{self.hadamard}")
         return "/".join(parts)
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -131,6 +141,8 @@ class Codec:
             return numel * torch.empty((), dtype=dtype).element_size()
         if fmt.kind == "cast":
             return numel * fmt.bits // 8
+        if self.hadamard and numel:
+            numel = transforms.padded_numel(numel, self.hadamard)
         return quantize.scale_nbytes(numel, self.block_size, self.dual_scale) + quantize.payload_nbytes(numel, fmt)
 
     # -- encode / decode -----------------------------------------------------------------------
@@ -158,11 +170,17 @@ class Codec:
         if fmt.kind == "cast":
             y = _to_fp16_checked(flat) if fmt.dtype == torch.float16 else flat.to(fmt.dtype)
             return y.contiguous().view(torch.uint8)
-        return quantize.encode_scaled(flat.to(torch.float32), fmt, self.block_size, self.dual_scale,
+        x32 = transforms.rotate(flat, self.hadamard) if self.hadamard and flat.numel() else flat.to(torch.float32)
+        return quantize.encode_scaled(x32, fmt, self.block_size, self.dual_scale,
                                       self.rounding == "stochastic", self._rng(generator))
 
-    def decode_flat(self, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Decode a buffer from :meth:`encode_flat` into a 1-D tensor of ``numel`` elements of ``dtype``."""
+    def decode_flat(self, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
+                    rotated: bool = False) -> torch.Tensor:
+        """Decode a buffer from :meth:`encode_flat` into a 1-D tensor of ``numel`` elements of ``dtype``.
+
+        With a Hadamard codec and ``rotated=True`` the values stay in the rotated basis (fp32, padded to a
+        multiple of the rotation size): sums of such decodings are rotated back once with :meth:`unrotate`.
+        """
         expected = self.wire_bytes(numel, dtype)
         if buf.dtype != torch.uint8 or buf.numel() != expected:
             raise ValueError(f"codec {self}: expected a uint8 buffer of {expected} bytes for {numel} elements, "
@@ -176,7 +194,17 @@ class Codec:
             if buf.storage_offset() % itemsize:
                 buf = buf.clone()
             return buf.view(wire_dtype).to(dtype)
+        if self.hadamard and numel:
+            padded = transforms.padded_numel(numel, self.hadamard)
+            y = quantize.decode_scaled(buf, padded, fmt, self.block_size, self.dual_scale)
+            return y if rotated else self.unrotate(y, numel).to(dtype)
         return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale).to(dtype)
+
+    def unrotate(self, rotated: torch.Tensor, numel: int) -> torch.Tensor:
+        """Back from the rotated basis: the first ``numel`` elements, fp32 (identity without hadamard)."""
+        if not self.hadamard or numel == 0:
+            return rotated[:numel]
+        return transforms.unrotate(rotated, self.hadamard, numel)
 
     def encode(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> Packet:
         """Encode ``x``; ``generator`` drives stochastic rounding (else the codec's seed, else torch's)."""
