@@ -1,0 +1,170 @@
+"""Process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+Rank layout follows Megatron ("tp-dp-pp"): tensor-parallel ranks are adjacent, then data-parallel,
+then pipeline stages:
+
+    global_rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank)
+
+so with 8 ranks, TP 2, PP 2 (DP 2): TP groups [0,1] [2,3] [4,5] [6,7]; DP groups [0,2] [1,3] [4,6] [5,7];
+PP groups [0,4] [1,5] [2,6] [3,7].
+
+:class:`ProcessGroups` is the explicit object layers and optimizers take; the module-level functions
+are a Megatron-style façade over one default instance for scripts that expect
+``parallel_state.get_tensor_model_parallel_group()``. Layers never read the façade on their own when
+given groups explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """(tp_groups, dp_groups, pp_groups) as lists of global ranks for the layout above."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got TP {tp}, PP {pp}")
+    if world_size % (tp * pp):
+        raise ValueError(f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+                         f"pipeline_model_parallel_size ({pp}) = {tp * pp}; choose sizes whose product divides "
+                         f"the number of ranks")
+    dp = world_size // (tp * pp)
+    rank = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731
+    tp_groups = [[rank(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    dp_groups = [[rank(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    pp_groups = [[rank(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    return tp_groups, dp_groups, pp_groups
+
+
+@dataclass
+class ProcessGroups:
+    """The groups this rank belongs to, with their sizes, ranks and members (global ranks)."""
+
+    tp: Optional[dist.ProcessGroup]
+    """Tensor-parallel group (adjacent ranks)."""
+    dp: Optional[dist.ProcessGroup]
+    """Data-parallel group (same TP rank and stage)."""
+    pp: Optional[dist.ProcessGroup]
+    """Pipeline group (same TP and DP rank, one rank per stage)."""
+    tp_ranks: list[int] = field(default_factory=list)
+    """Global ranks of this rank's TP group, in TP-rank order."""
+    dp_ranks: list[int] = field(default_factory=list)
+    """Global ranks of this rank's DP group."""
+    pp_ranks: list[int] = field(default_factory=list)
+    """Global ranks of this rank's pipeline, stage 0 first."""
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.tp_ranks)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.dp_ranks)
+
+    @property
+    def pp_size(self) -> int:
+        return len(self.pp_ranks)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_ranks.index(dist.get_rank())
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_ranks.index(dist.get_rank())
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_ranks.index(dist.get_rank())
+
+    def destroy(self) -> None:
+        for g in {id(g): g for g in (self.tp, self.dp, self.pp) if g is not None}.values():
+            dist.destroy_process_group(g)
+        self.tp = self.dp = self.pp = None
+
+
+def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
+    """Create every TP, DP and PP group (a collective call: all ranks must call it with the same sizes)."""
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call megacomp.launch.init_distributed() (or "
+                           "torch.distributed.init_process_group) before building model-parallel groups")
+    world, me = dist.get_world_size(), dist.get_rank()
+    grids = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size)
+    mine = []
+    for groups in grids:
+        found = None
+        for ranks in groups:  # every rank creates every group, in the same order
+            g = dist.new_group(ranks)
+            if me in ranks:
+                found = (g, ranks)
+        mine.append(found)
+    (tp, tp_r), (dp, dp_r), (pp, pp_r) = mine
+    return ProcessGroups(tp, dp, pp, tp_r, dp_r, pp_r)
+
+
+# -- Megatron-style façade -----------------------------------------------------------------------------
+_GROUPS: Optional[ProcessGroups] = None
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
+    """Build the groups and make them the default for the getters below; returns them."""
+    global _GROUPS
+    if _GROUPS is not None:
+        raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel() first")
+    _GROUPS = build_process_groups(tensor_model_parallel_size, pipeline_model_parallel_size)
+    return _GROUPS
+
+
+def model_parallel_is_initialized() -> bool:
+    return _GROUPS is not None
+
+
+def get_process_groups() -> ProcessGroups:
+    if _GROUPS is None:
+        raise RuntimeError("model parallel groups are not initialised: call "
+                           "megacomp.parallel_state.initialize_model_parallel(tp, pp), or pass groups explicitly")
+    return _GROUPS
+
+
+def destroy_model_parallel() -> None:
+    global _GROUPS
+    if _GROUPS is not None:
+        _GROUPS.destroy()
+    _GROUPS = None
+
+
+def get_tensor_model_parallel_group():
+    return get_process_groups().tp
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return get_process_groups().tp_rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return get_process_groups().tp_size
+
+
+def get_data_parallel_group():
+    return get_process_groups().dp
+
+
+def get_data_parallel_rank() -> int:
+    return get_process_groups().dp_rank
+
+
+def get_data_parallel_world_size() -> int:
+    return get_process_groups().dp_size
+
+
+def get_pipeline_model_parallel_group():
+    return get_process_groups().pp
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return get_process_groups().pp_rank
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return get_process_groups().pp_size
