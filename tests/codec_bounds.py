@@ -84,3 +84,30 @@ def elementwise_bound(codec, x: torch.Tensor) -> torch.Tensor:
         return base * (1 + 4 * FP32_ULP) + arith + out_cast
     # float8: relative rounding in the normal range, absolute half-subnormal below it
     return torch.maximum(ax * 2.0 ** -(mant + 1), step * min_sub / 2) * (1 + 4 * FP32_ULP) + arith + out_cast
+
+
+def split_sizes(numel: int, parts: int) -> list[int]:
+    base, rem = divmod(numel, parts)
+    return [base + (1 if i < rem else 0) for i in range(parts)]
+
+
+def reduce_scatter_bound(codec, partial_chunks) -> torch.Tensor:
+    """Bound of one reduced chunk: the sum of each rank's bound on its (separately encoded) chunk."""
+    return sum(elementwise_bound(codec, c.float()) for c in partial_chunks)
+
+
+def all_reduce_bound(codec, partials) -> torch.Tensor:
+    """Per-element bound of a compressed all-reduce (SUM) of ``partials`` (one tensor per rank) against the
+    exact sum: stage 1 encodes each rank's chunk j, stage 2 re-encodes the reduced chunk j. Stage 2 is
+    bounded on the envelope |exact sum| + stage-1 bound, which dominates the decoded sum it really sees."""
+    world = len(partials)
+    flats = [p.reshape(-1).double() for p in partials]
+    n = flats[0].numel()
+    out, o = [], 0
+    for s in split_sizes(n, world):
+        chunks = [f[o:o + s] for f in flats]
+        b1 = reduce_scatter_bound(codec, chunks)
+        envelope = (sum(chunks).abs() + b1).float()
+        out.append(b1 + elementwise_bound(codec, envelope))
+        o += s
+    return torch.cat(out).view(partials[0].shape)

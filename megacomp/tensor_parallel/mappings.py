@@ -60,11 +60,11 @@ def _gather(x: torch.Tensor, group, dim: int, codec, tag: str) -> torch.Tensor:
     if world == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     comm.all_gather_into_tensor(out, x, group=group, codec=codec, tag=tag)
     if dim == 0:
-        return out.view((world * x.shape[0],) + tuple(x.shape[1:]))
-    return torch.cat(out.unbind(0), dim=dim)
+        return out
+    return torch.cat(out.chunk(world, dim=0), dim=dim)
 
 
 def _reduce_scatter_first(x: torch.Tensor, group, codec, tag: str, ef=None) -> torch.Tensor:
