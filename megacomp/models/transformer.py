@@ -1,0 +1,126 @@
+"""A pre-LayerNorm transformer block built from the tensor-parallel layers (GPT-style).
+
+Activations are ``[seq, batch, hidden]``; under sequence parallelism each TP rank holds ``seq / tp`` rows
+outside the attention / MLP matmuls (LayerNorms and residual adds run on the slice).
+
+    x = x + proj(attention(qkv(LN1(x))))         qkv: ColumnParallelLinear(h, 3h), heads split over TP
+    x = x + fc2(gelu(fc1(LN2(x))))               fc1: ColumnParallelLinear(h, f), fc2: RowParallelLinear(f, h)
+
+The fused QKV weight is laid out per head (rows ``[q_i; k_i; v_i]`` for head i), so a contiguous TP shard
+holds whole heads and the layer is parallelism-invariant. Attention is causal
+``F.scaled_dot_product_attention``. LayerNorm is apex's FusedLayerNorm when apex is installed (optional),
+torch's otherwise; under sequence parallelism its parameters are marked ``sequence_parallel`` so
+:func:`megacomp.tensor_parallel.allreduce_sequence_parallel_gradients` sums their gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelParallelConfig
+from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal, scaled_init_method_normal
+
+try:  # optional: NVIDIA apex is not on PyPI and needs a CUDA build of torch
+    from apex.normalization import FusedLayerNorm as _ApexLayerNorm  # type: ignore
+except Exception:  # ImportError, or a broken/unrelated "apex" package
+    _ApexLayerNorm = None
+
+
+@dataclass
+class TransformerConfig:
+    """Shape of the transformer layers."""
+
+    hidden_size: int
+    """Model width h."""
+    num_attention_heads: int
+    """Attention heads (divisible by the TP size)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width (default 4h)."""
+    num_layers: int = 1
+    """Used for the scaled init of output projections."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal weight init."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                             f"{self.num_attention_heads}")
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+
+
+def layer_norm(hidden: int, eps: float, sequence_parallel: bool, dtype: torch.dtype) -> nn.Module:
+    if _ApexLayerNorm is not None and torch.cuda.is_available():
+        ln = _ApexLayerNorm(hidden, eps=eps)
+    else:
+        ln = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
+    for p in ln.parameters():
+        p.sequence_parallel = sequence_parallel
+    return ln
+
+
+class ParallelAttention(nn.Module):
+    """Causal self-attention with heads split over the TP group."""
+
+    def __init__(self, cfg: TransformerConfig, config: ModelParallelConfig, tp_group=None) -> None:
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads ({cfg.num_attention_heads}) is not divisible by the tensor-parallel "
+                             f"size ({tp})")
+        self.heads_per_rank = cfg.num_attention_heads // tp
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, config=config,
+                                        init_method=init_method_normal(cfg.init_std), tp_group=tp_group)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, config=config, input_is_parallel=True,
+                                      init_method=scaled_init_method_normal(cfg.init_std, cfg.num_layers),
+                                      tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv(x)                                   # [s, b, 3 h / tp]
+        s, b = qkv.shape[0], qkv.shape[1]
+        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
+        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
+        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        out, _ = self.proj(ctx)
+        return out
+
+
+class ParallelMLP(nn.Module):
+    """h -> ffn (column parallel) -> GELU -> h (row parallel)."""
+
+    def __init__(self, cfg: TransformerConfig, config: ModelParallelConfig, tp_group=None) -> None:
+        super().__init__()
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_hidden_size, config=config,
+                                        init_method=init_method_normal(cfg.init_std), tp_group=tp_group)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, config=config, input_is_parallel=True,
+                                     init_method=scaled_init_method_normal(cfg.init_std, cfg.num_layers),
+                                     tp_group=tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.fc1(x)
+        out, _ = self.fc2(F.gelu(h))
+        return out
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: ``x + attn(LN1(x))`` then ``+ mlp(LN2(x))``."""
+
+    def __init__(self, cfg: TransformerConfig, config: ModelParallelConfig, tp_group=None) -> None:
+        super().__init__()
+        sp = config.sequence_parallel
+        self.ln1 = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, sp, config.params_dtype)
+        self.attention = ParallelAttention(cfg, config, tp_group)
+        self.ln2 = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, sp, config.params_dtype)
+        self.mlp = ParallelMLP(cfg, config, tp_group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.ln1(x))
+        return x + self.mlp(self.ln2(x))

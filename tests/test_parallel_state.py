@@ -1,0 +1,73 @@
+"""Process-group layout (Megatron order: TP adjacent, then DP, then PP), façade and errors
+(megacomp.parallel_state), and the configuration dataclasses (megacomp.config)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megacomp import parallel_state
+from megacomp.config import CommCompressionConfig, ModelParallelConfig
+
+
+def test_rank_grid_megatron_order():
+    tp, dp, pp = parallel_state.rank_grid(8, 2, 2)
+    assert tp == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dp == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert pp == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tensor_model_parallel_size \(4\)"):
+        parallel_state.rank_grid(6, 4, 1)
+
+
+def _facade_body(rank, world):
+    assert not parallel_state.model_parallel_is_initialized()
+    with pytest.raises(RuntimeError, match="initialize_model_parallel"):
+        parallel_state.get_tensor_model_parallel_group()
+    g = parallel_state.initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    assert (g.tp_size, g.dp_size, g.pp_size) == (2, 1, 2)
+    assert parallel_state.get_tensor_model_parallel_rank() == rank % 2
+    assert parallel_state.get_pipeline_model_parallel_rank() == rank // 2
+    assert parallel_state.get_data_parallel_world_size() == 1
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=parallel_state.get_tensor_model_parallel_group())
+    assert t.item() == (0 + 1 if rank < 2 else 2 + 3)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
+    assert t.item() == (rank % 2) * 2 + 2
+    with pytest.raises(RuntimeError, match="already initialised"):
+        parallel_state.initialize_model_parallel(2)
+    parallel_state.destroy_model_parallel()
+    with pytest.raises(ValueError, match="not divisible"):
+        parallel_state.initialize_model_parallel(3)
+    g = parallel_state.initialize_model_parallel(1, 1)
+    assert g.dp_size == 4
+    # a config whose TP size disagrees with the group is refused by the layers
+    with pytest.raises(ValueError, match="tensor-parallel group has 1 ranks but config.tensor_model_parallel_size is 2"):
+        ModelParallelConfig(tensor_model_parallel_size=2).tp_group()
+    parallel_state.destroy_model_parallel()
+    return True
+
+
+def test_facade_groups_and_errors():
+    assert all(run_ranks(_facade_body, 4))
+
+
+def test_compression_config():
+    c = CommCompressionConfig.from_dict({"tp_forward": "int8", "dp_gradient": {"name": "int4", "block_size": 64},
+                                         "dp_gradient_error_feedback": "loco", "pp_activation": "none"})
+    assert c.tp_forward.name == "int8" and c.dp_gradient.block_size == 64 and c.pp_activation is None
+    assert c.dp_gradient_error_feedback.beta == 0.8
+    assert c.codec_for("tp_forward", 10).is_identity  # below min_compress_numel: uncompressed, by policy
+    assert c.codec_for("tp_forward", 1 << 20).name == "int8"
+    assert c.codec_for("tp_backward", 1 << 20).is_identity
+    assert CommCompressionConfig.from_dict(c.to_dict()).to_dict() == c.to_dict()
+    with pytest.raises(ValueError, match=r"unknown CommCompressionConfig key\(s\) \['tp_fwd'\]"):
+        CommCompressionConfig.from_dict({"tp_fwd": "int8"})
+    with pytest.raises(ValueError, match="error feedback needs a lossy codec"):
+        CommCompressionConfig(dp_gradient_error_feedback="loco")
+    with pytest.raises(ValueError, match="unknown traffic path"):
+        c.codec_for("tp_sideways", 10)
+    m = ModelParallelConfig.from_dict({"tensor_model_parallel_size": 2, "params_dtype": "bf16",
+                                       "compression": {"tp_forward": "fp8_e4m3"}})
+    assert m.params_dtype == torch.bfloat16 and m.compression.tp_forward.name == "fp8_e4m3"
+    with pytest.raises(ValueError, match="unknown ModelParallelConfig key"):
+        ModelParallelConfig.from_dict({"tensor_parallel": 2})
