@@ -91,12 +91,13 @@ def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool) ->
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
                codec: CodecLike = None, error_feedback: ErrorFeedbackLike = None, check_finite: bool = False,
-               tag: Optional[str] = None, validate: Optional[bool] = None):
+               tag: Optional[str] = None, validate: Optional[bool] = None, ef_key: Optional[str] = None):
     """``torch.distributed.all_reduce`` with an optional codec (see module docstring), in place.
 
     ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig (state kept per ``tag`` or call site)
     or an ErrorFeedback object; it keeps a worker error (full tensor) and a server error (own shard).
-    ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce') and keys the error feedback.
+    ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce') and keys the error feedback
+    (``ef_key`` overrides that key, e.g. one per bucket under a shared tag; default: tag, else call site).
     """
     codec = make_codec(codec)
     world = dist.get_world_size(group)
@@ -116,7 +117,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
         _stats.record(label, uncompressed if world > 1 else 0, uncompressed if world > 1 else 0)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    ef_key = tag or callsite()
+    ef_key = ef_key or tag or callsite()
     ef = resolve_error_feedback(error_feedback, ef_key)
     flat = tensor.reshape(-1)
     h = ef.compensate(ef_key + "/worker", flat) if ef is not None else flat
@@ -152,7 +153,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                           async_op: bool = False, *, codec: CodecLike = None,
                           error_feedback: ErrorFeedbackLike = None, check_finite: bool = False,
-                          tag: Optional[str] = None, validate: Optional[bool] = None):
+                          tag: Optional[str] = None, validate: Optional[bool] = None, ef_key: Optional[str] = None):
     """``torch.distributed.reduce_scatter_tensor`` with an optional codec: rank r receives the reduction
     of chunk r (``output.numel()`` elements) of every rank's ``input`` (``world * output.numel()``)."""
     codec = make_codec(codec)
@@ -175,7 +176,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         _stats.record(label, raw, raw)
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
-    ef_key = tag or callsite()
+    ef_key = ef_key or tag or callsite()
     ef = resolve_error_feedback(error_feedback, ef_key)
     ef_key += "/worker"
     flat = input.reshape(-1)

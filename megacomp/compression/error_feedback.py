@@ -148,6 +148,13 @@ class ErrorFeedback:
             new = torch.zeros_like(new)
         self._store(key, new)
 
+    def init_key(self, key: str, shape, dtype: torch.dtype = torch.float32) -> None:
+        """Create a zero error for ``key`` if it has none (same behaviour as no error; gives checkpoint
+        templates, e.g. for torch.distributed.checkpoint.load, an entry to fill)."""
+        if key not in self._errors:
+            self._store(key, torch.zeros(shape, dtype=dtype))
+            self.steps.setdefault(key, 0)
+
     def rescale(self, factor: float) -> None:
         """Multiply every stored error by ``factor`` (call when a dynamic loss scale changes)."""
         for key in list(self._errors):

@@ -1,0 +1,159 @@
+"""The corpus tokenized once into a flat memory-mapped token file, served as fixed-length samples.
+
+``build_token_file(files, tokenizer, prefix)`` writes ``prefix.bin`` (every document's tokens followed by
+EOS, concatenated; uint16 when the vocabulary fits, else uint32) and ``prefix.idx.json`` (dtype, token
+count, document offsets and paths, tokenizer and corpus fingerprints). Both are written to temporary
+files and renamed, the index last, so an index always describes a complete token file; a token file
+whose fingerprints match is reused. ``TokenDataset(prefix, seq_length)`` memory-maps it read-only
+(nanoGPT-style): sample ``i`` is tokens ``[i*s, i*s + s + 1)``, i.e. an input and its next-token targets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .corpus import corpus_fingerprint, read_text
+from .tokenizer import Tokenizer, _atomic_write
+
+_FORMAT = 1
+_BATCH_DOCS = 64  # documents tokenized per encode_batch call
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def _paths(prefix: str) -> tuple[str, str]:
+    return prefix + ".bin", prefix + ".idx.json"
+
+
+def read_index(prefix: str) -> dict[str, Any]:
+    """The metadata of the token file ``prefix`` (``prefix.idx.json``)."""
+    bin_path, idx_path = _paths(prefix)
+    if not os.path.isfile(idx_path):
+        raise FileNotFoundError(f"token file index {idx_path!r} does not exist; build it with "
+                                f"megacomp.data.build_token_file(files, tokenizer, {prefix!r}) or prepare_data()")
+    with open(idx_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{idx_path!r} has format {meta.get('format')}, expected {_FORMAT}; delete "
+                         f"{prefix}.* and rebuild it")
+    return meta
+
+
+def _is_current(prefix: str, tokenizer_fp: str, corpus_fp: str) -> bool:
+    bin_path, _ = _paths(prefix)
+    try:
+        meta = read_index(prefix)
+    except (FileNotFoundError, ValueError, json.JSONDecodeError):
+        return False
+    return (meta["tokenizer_fingerprint"] == tokenizer_fp and meta["corpus_fingerprint"] == corpus_fp
+            and os.path.isfile(bin_path)
+            and os.path.getsize(bin_path) == meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize)
+
+
+def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str, *,
+                     num_threads: int | None = None) -> dict[str, Any]:
+    """Tokenize ``files`` (one document each, EOS after each) into ``out_prefix.bin`` + ``.idx.json``;
+    return the index. Reuses an existing token file built from the same tokenizer and corpus fingerprint."""
+    files = list(files)
+    if not files:
+        raise ValueError("corpus is empty: build_token_file got no files; use megacomp.data.collect_files(paths)")
+    tok_fp, corpus_fp = tokenizer.fingerprint, corpus_fingerprint(files)
+    if _is_current(out_prefix, tok_fp, corpus_fp):
+        return read_index(out_prefix)
+    bin_path, idx_path = _paths(out_prefix)
+    out_dir = os.path.dirname(os.path.abspath(out_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    threads = num_threads or max(1, min(8, os.cpu_count() or 1))
+    offsets = [0]
+    fd, tmp_bin = tempfile.mkstemp(dir=out_dir, prefix=os.path.basename(bin_path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for start in range(0, len(files), _BATCH_DOCS):
+                batch = files[start:start + _BATCH_DOCS]
+                for ids in tokenizer.encode_batch([read_text(p) for p in batch], num_threads=threads):
+                    ids.append(tokenizer.eos_id)
+                    np.asarray(ids, dtype=dtype).tofile(f)
+                    offsets.append(offsets[-1] + len(ids))
+            f.flush()
+            os.fsync(f.fileno())
+        meta = dict(format=_FORMAT, dtype=dtype.name, num_tokens=offsets[-1], num_docs=len(files),
+                    vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                    tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
+                    tokenizer_model=tokenizer.model_path, doc_offsets=offsets, doc_paths=files)
+        if os.path.exists(idx_path):
+            os.unlink(idx_path)  # never leave an index next to a token file it does not describe
+        os.replace(tmp_bin, bin_path)
+    except BaseException:
+        if os.path.exists(tmp_bin):
+            os.unlink(tmp_bin)
+        raise
+    _atomic_write(idx_path, json.dumps(meta).encode("utf-8"))
+    return meta
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Non-overlapping samples of ``seq_length + 1`` tokens (int64) from a token file.
+
+    ``len(ds) == (num_tokens - 1) // seq_length``: sample ``i`` starts at token ``i * seq_length`` and its
+    last token is the first of sample ``i + 1``, so every token is a target exactly once. Samples run
+    across document boundaries (separated by EOS), as in GPT pretraining.
+    """
+
+    def __init__(self, prefix: str, seq_length: int):
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        self.prefix = prefix
+        self.seq_length = seq_length
+        self.meta = read_index(prefix)
+        self.dtype = np.dtype(self.meta["dtype"])
+        self.num_tokens: int = self.meta["num_tokens"]
+        self.eos_id: int = self.meta["eos_id"]
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.doc_offsets: list[int] = self.meta["doc_offsets"]
+        bin_path = _paths(prefix)[0]
+        expected = self.num_tokens * self.dtype.itemsize
+        if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != expected:
+            raise ValueError(f"token file {bin_path!r} is missing or not {expected} bytes as its index says; "
+                             f"delete {prefix}.* and rebuild it")
+        if self.num_tokens < seq_length + 1:
+            raise ValueError(f"token file {bin_path!r} has {self.num_tokens} tokens, fewer than seq_length + 1 = "
+                             f"{seq_length + 1} needed for one sample; lower seq_length or add text to the corpus")
+        self._tokens = None
+
+    @property
+    def tokens(self) -> np.memmap:
+        """All tokens, memory-mapped read-only (opened lazily, so pickling the dataset copies no data)."""
+        if self._tokens is None:
+            self._tokens = np.memmap(_paths(self.prefix)[0], dtype=self.dtype, mode="r", shape=(self.num_tokens,))
+        return self._tokens
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokens": None}
+
+    def __len__(self) -> int:
+        return (self.num_tokens - 1) // self.seq_length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        n = len(self)
+        index = int(index)
+        if not -n <= index < n:
+            raise IndexError(f"sample {index} out of range for {n} samples")
+        start = (index % n) * self.seq_length
+        return torch.from_numpy(self.tokens[start:start + self.seq_length + 1].astype(np.int64))
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_offsets) - 1
+
+    def document(self, i: int) -> np.ndarray:
+        """Tokens of document ``i`` (``doc_paths[i]`` in the index), without its trailing EOS."""
+        return np.asarray(self.tokens[self.doc_offsets[i]:self.doc_offsets[i + 1] - 1])

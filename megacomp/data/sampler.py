@@ -1,0 +1,74 @@
+"""Deterministic, resumable data-parallel sampling of sample indices.
+
+Iteration ``k`` is one global batch of ``dp_size * micro_batch_size`` samples: epoch ``e = k //
+batches_per_epoch`` shuffles all samples with ``torch.randperm`` seeded by ``seed + e``, global batch
+``k`` is the next ``dp_size * micro_batch_size`` indices of that permutation, and data-parallel rank ``r``
+takes the ``r``-th slice of ``micro_batch_size``. The tail of each permutation that does not fill a global
+batch is dropped. Everything is a function of ``(seed, k)``, so a run resumed with ``start_iteration=k``
+(``consumed_samples // global_batch_size``) sees exactly the batches an uninterrupted run would have.
+With gradient accumulation over ``m`` micro-batches per optimizer step, resume at ``step * m``.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+
+class DistributedBatchSampler:
+    """Yields this data-parallel rank's micro-batch of sample indices (a list of ints), forever."""
+
+    def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, start_iteration: int = 0):
+        if micro_batch_size < 1 or dp_size < 1:
+            raise ValueError(f"micro_batch_size and dp_size must be >= 1, got {micro_batch_size} and {dp_size}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+        if start_iteration < 0:
+            raise ValueError(f"start_iteration must be >= 0, got {start_iteration}")
+        self.global_batch_size = micro_batch_size * dp_size
+        if num_samples < self.global_batch_size:
+            raise ValueError(f"{num_samples} samples cannot fill one global batch of dp_size * micro_batch_size = "
+                             f"{dp_size} * {micro_batch_size}; lower micro_batch_size or seq_length, or add text")
+        self.num_samples = num_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.seed = seed
+        self.start_iteration = start_iteration
+        self.batches_per_epoch = num_samples // self.global_batch_size
+        self._epoch, self._perm = -1, None
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.num_samples, generator=gen)
+        return self._perm
+
+    def global_batch(self, iteration: int) -> list[int]:
+        """All ``dp_size * micro_batch_size`` sample indices of ``iteration``, in rank order."""
+        epoch, j = divmod(iteration, self.batches_per_epoch)
+        g = self.global_batch_size
+        return self._permutation(epoch)[j * g:(j + 1) * g].tolist()
+
+    def batch(self, iteration: int) -> list[int]:
+        """This rank's ``micro_batch_size`` sample indices of ``iteration``."""
+        m = self.micro_batch_size
+        return self.global_batch(iteration)[self.dp_rank * m:(self.dp_rank + 1) * m]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        iteration = self.start_iteration
+        while True:
+            yield self.batch(iteration)
+            iteration += 1
+
+    @property
+    def consumed_samples(self) -> int:
+        """Samples (over all ranks) consumed before ``start_iteration``."""
+        return self.start_iteration * self.global_batch_size
+
+
+def get_batch(dataset: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, labels)``, both int64 ``[len(indices), seq_length]``: labels are tokens shifted by one."""
+    samples = torch.stack([dataset[i] for i in indices])
+    return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()

@@ -1,0 +1,194 @@
+"""A sentencepiece BPE tokenizer trained on the corpus, cached by the corpus's fingerprint.
+
+``train_tokenizer(files, vocab_size, cache_dir)`` trains once and afterwards loads the cached model
+for the same files (paths, sizes, mtimes) and settings. The model round-trips any text exactly:
+byte fallback covers characters outside the vocabulary, normalization is off (identity), whitespace
+is kept as is and ``\\n`` is a piece of its own. Training reads at most ``max_bytes`` of the corpus (the
+files in order), which keeps it to seconds; the model is written to a temporary file and renamed, so
+a crash never leaves a half-written model in the cache.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+from typing import Iterable, Iterator, Sequence
+
+from .corpus import corpus_fingerprint, read_text
+
+DEFAULT_MAX_BYTES = 5 * 2**20
+_CACHE_FORMAT = 1
+_MAX_LINE_CHARS = 4096  # longer lines are cut into pieces for training (sentencepiece skips over-long lines)
+_META = "\u2581"  # sentencepiece's whitespace symbol: a literal one in the text is encoded as its UTF-8 bytes
+
+# Everything except vocab_size and the seed that decides what the trained model is.
+TRAINER_OPTIONS = dict(
+    model_type="bpe",
+    byte_fallback=True,  # unknown characters become <0xNN> byte pieces: every string encodes
+    character_coverage=0.9995,  # the rarest 0.05% of characters are left to byte fallback
+    normalization_rule_name="identity",  # no NFKC: decode(encode(s)) == s
+    remove_extra_whitespaces=False,
+    add_dummy_prefix=False,
+    allow_whitespace_only_pieces=True,  # indentation runs become single pieces
+    split_digits=True,
+    user_defined_symbols=["\n"],
+    unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+    input_sentence_size=0,  # we bound the text ourselves (max_bytes), in a fixed order
+    shuffle_input_sentence=False,
+    max_sentence_length=4 * _MAX_LINE_CHARS,  # bytes
+    num_threads=2,  # the pieces do not depend on it, but the model file records it: fixed for a stable hash
+)
+
+
+class Tokenizer:
+    """A trained sentencepiece model: ``encode(str) -> list[int]``, ``decode(ids) -> str``."""
+
+    def __init__(self, model_path: str, trained: bool = False):
+        import sentencepiece as spm
+
+        if not os.path.isfile(model_path):
+            raise FileNotFoundError(f"tokenizer model {model_path!r} does not exist; train one with "
+                                    f"megacomp.data.train_tokenizer")
+        with open(model_path, "rb") as f:
+            proto = f.read()
+        self.model_path = os.path.abspath(model_path)
+        self.trained = trained
+        """True when this call trained the model, False when it was loaded from the cache."""
+        self.fingerprint = hashlib.sha256(proto).hexdigest()
+        """sha256 of the model file: token files record it, so a different tokenizer forces a rebuild."""
+        self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        self._meta_ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in _META.encode("utf-8")]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.vocab_size()
+
+    @property
+    def eos_id(self) -> int:
+        return self.sp.eos_id()
+
+    @property
+    def bos_id(self) -> int:
+        return self.sp.bos_id()
+
+    @property
+    def unk_id(self) -> int:
+        return self.sp.unk_id()
+
+    def encode(self, text: str) -> list[int]:
+        if _META not in text:
+            return self.sp.encode(text)
+        ids: list[int] = []
+        for i, part in enumerate(text.split(_META)):
+            if i:
+                ids.extend(self._meta_ids)
+            ids.extend(self.sp.encode(part))
+        return ids
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """``[encode(t) for t in texts]``, on ``num_threads`` threads."""
+        if any(_META in t for t in texts):
+            return [self.encode(t) for t in texts]
+        return self.sp.encode(list(texts), num_threads=num_threads)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of a sequence of ids (a list, numpy array or tensor)."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        return self.sp.decode([int(i) for i in ids])
+
+    def id_to_piece(self, token_id: int) -> str:
+        return self.sp.id_to_piece(int(token_id))
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __reduce__(self):  # pickles as its path (e.g. into DataLoader workers)
+        return (Tokenizer, (self.model_path, self.trained))
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(vocab_size={self.vocab_size}, model_path={self.model_path!r})"
+
+
+def training_lines(files: Sequence[str], max_bytes: int) -> Iterator[str]:
+    """The corpus as sentencepiece training sentences: the lines of the files in order, over-long lines cut
+    into pieces, stopping after ``max_bytes`` bytes of text."""
+    budget = max_bytes
+    for path in files:
+        for line in read_text(path).split("\n"):
+            for start in range(0, max(len(line), 1), _MAX_LINE_CHARS):
+                piece = line[start:start + _MAX_LINE_CHARS]
+                budget -= len(piece.encode("utf-8")) + 1
+                if budget < 0:
+                    return
+                if piece:
+                    yield piece
+
+
+def tokenizer_cache_key(files: Sequence[str], vocab_size: int, max_bytes: int, seed: int) -> str:
+    """sha256 over the corpus fingerprint and every training setting: equal keys give equal models."""
+    spec = dict(format=_CACHE_FORMAT, corpus=corpus_fingerprint(files), vocab_size=vocab_size,
+                max_bytes=max_bytes, seed=seed, options=TRAINER_OPTIONS)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str, *,
+                    max_bytes: int = DEFAULT_MAX_BYTES, seed: int = 0) -> Tokenizer:
+    """Train (or load from ``model_prefix_dir``) a BPE model of ``vocab_size`` pieces on ``files``.
+
+    The cached model is named by a hash of the corpus fingerprint (paths, sizes, mtimes), ``vocab_size``,
+    ``max_bytes``, ``seed`` and the trainer options; ``Tokenizer.trained`` says whether this call trained.
+    Training is deterministic: the same key gives a byte-identical model file.
+    """
+    import sentencepiece as spm
+
+    files = list(files)
+    if not files:
+        raise ValueError("corpus is empty: train_tokenizer got no files; use megacomp.data.collect_files(paths) "
+                         "or default_corpus_files()")
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size={vocab_size} is too small: byte fallback alone takes 256 pieces plus 4 "
+                         f"special ones; use at least 300 (e.g. 4096, 8192, 32000)")
+    if max_bytes <= 0:
+        raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+    key = tokenizer_cache_key(files, vocab_size, max_bytes, seed)
+    os.makedirs(model_prefix_dir, exist_ok=True)
+    path = os.path.join(model_prefix_dir, f"spm-bpe-{vocab_size}-{key[:16]}.model")
+    if os.path.isfile(path):
+        return Tokenizer(path, trained=False)
+
+    spm.set_random_generator_seed(seed)
+    writer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(sentence_iterator=training_lines(files, max_bytes), model_writer=writer,
+                                       vocab_size=vocab_size, minloglevel=2,
+                                       **TRAINER_OPTIONS)
+    except RuntimeError as e:
+        msg = str(e)
+        if "Vocabulary size too high" in msg or "Vocabulary size is smaller" in msg:
+            raise ValueError(f"vocab_size={vocab_size} does not fit this corpus ({len(files)} files, at most "
+                             f"{max_bytes} bytes read): {msg.split('] ')[-1]} Change vocab_size, or give more text "
+                             f"(more files or a larger max_bytes)") from None
+        raise
+    _atomic_write(path, writer.getvalue())
+    meta = dict(vocab_size=vocab_size, max_bytes=max_bytes, seed=seed, num_files=len(files),
+                first_file=files[0], last_file=files[-1], corpus_fingerprint=corpus_fingerprint(files),
+                sentencepiece=spm.__version__, options=TRAINER_OPTIONS)
+    _atomic_write(path[:-len(".model")] + ".json", json.dumps(meta, indent=1).encode())
+    return Tokenizer(path, trained=True)

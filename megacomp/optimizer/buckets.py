@@ -1,0 +1,83 @@
+"""Flat, padded gradient buckets for the sharded optimizer.
+
+Parameters are packed into buckets in reverse registration order (backward produces the last layers'
+gradients first, so a bucket fills early and its communication overlaps the rest of backward). Each
+bucket holds parameters of one param group, is either compressed or not (1-D parameters and buckets
+below ``min_compress_numel`` elements stay uncompressed by explicit rule), and is padded to a multiple
+of the data-parallel size so every rank owns an equal shard ``[rank * shard, (rank + 1) * shard)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Bucket:
+    """One flat gradient buffer and the shard of it this rank owns."""
+
+    index: int
+    """Position in the bucket list (also the error-feedback key)."""
+    group: int
+    """Index of the param group the parameters belong to."""
+    params: list[nn.Parameter]
+    """Parameters in the bucket, in buffer order."""
+    offsets: list[int]
+    """Start of each parameter in the flat buffer."""
+    numel: int
+    """Elements of real parameters (unpadded)."""
+    padded: int
+    """Buffer length: ``numel`` rounded up to a multiple of the DP size."""
+    compressed: bool
+    """Whether the gradient reduce-scatter / parameter all-gather use the codecs."""
+    grad: Optional[torch.Tensor] = None
+    """fp32 accumulation buffer of the (unscaled) gradients, length ``padded``."""
+    ready: set = field(default_factory=set)
+    """ids of parameters whose gradient arrived in the current backward."""
+    work: object = None
+    """Handle of the in-flight reduce-scatter."""
+    reduced: Optional[torch.Tensor] = None
+    """fp32 reduce-scatter output: this rank's shard, summed over ranks."""
+
+    def shard_range(self, rank: int, world: int) -> tuple[int, int]:
+        size = self.padded // world
+        return rank * size, (rank + 1) * size
+
+
+def build_buckets(param_groups: list[list[nn.Parameter]], dp_size: int, bucket_size: int,
+                  compress: bool, min_compress_numel: int) -> list[Bucket]:
+    """Assign parameters to buckets (see module docstring)."""
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size must be > 0 elements, got {bucket_size}")
+    buckets: list[Bucket] = []
+
+    def close(group: int, params: list[nn.Parameter], is_compressed: bool) -> None:
+        if not params:
+            return
+        offsets, n = [], 0
+        for p in params:
+            offsets.append(n)
+            n += p.numel()
+        padded = -(-n // dp_size) * dp_size
+        ok = is_compressed and n >= min_compress_numel
+        buckets.append(Bucket(len(buckets), group, list(params), offsets, n, padded, ok))
+
+    for gi, params in enumerate(param_groups):
+        order = list(reversed(params))
+        if compress:
+            passes = [([p for p in order if p.dim() > 1], True), ([p for p in order if p.dim() <= 1], False)]
+        else:
+            passes = [(order, False)]
+        for plist, wants_codec in passes:
+            current, size = [], 0
+            for p in plist:
+                current.append(p)
+                size += p.numel()
+                if size >= bucket_size:
+                    close(gi, current, wants_codec)
+                    current, size = [], 0
+            close(gi, current, wants_codec)
+    return buckets

@@ -1,0 +1,347 @@
+"""ZeRO-1-style sharded optimizer with compressed gradient reduce-scatter and parameter all-gather.
+
+Algorithm per step, over the data-parallel group of N ranks:
+  1. backward: a post-accumulate-grad hook adds each ``param.grad`` (divided by the loss scale) into its
+     bucket's fp32 buffer and frees ``param.grad``. When a bucket is complete on the last micro-batch
+     (outside :meth:`no_sync`), its reduce-scatter starts at once, asynchronously (it overlaps the rest
+     of backward): with ``grad_codec`` it is megacomp's compressed reduce-scatter (per-destination
+     encode [+ error feedback per bucket] -> all-to-all -> fp32 sum), else torch's.
+  2. ``step()``: waits for the reduce-scatters, averages (/N), checks inf/NaN across the group (skips the
+     step on overflow, backs off the loss scale; error feedback drops non-finite residuals by itself),
+     clips by the global gradient norm, steps ``optimizer_class`` on this rank's fp32 master shard, then
+     all-gathers the updated parameters (with ``param_codec``, e.g. int8 blocks as in ZeRO++ qwZ) into
+     the model parameters.
+
+Small-tensor rule (logged at construction): 1-D parameters (biases, norms) and buckets under
+``min_compress_numel`` elements are reduced uncompressed. With no codecs the result equals
+``optimizer_class`` on the averaged gradients up to fp32 round-off of the reduction.
+
+Failure behaviour: parameters on several devices or dtypes, duplicates, an empty list, or parameters
+that differ across the group (not replicated over ``process_group``) raise ValueError; a second
+backward without ``step()`` or ``no_sync()`` raises RuntimeError; a checkpoint from another layout,
+DP size or codec raises ValueError naming the difference.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..compression import CodecLike, ErrorFeedback, make_codec
+from .buckets import Bucket, build_buckets
+from .loss_scaler import DynamicLossScaler
+
+log = logging.getLogger("megacomp")
+STATE_FORMAT = "megacomp.DistributedOptimizer/1"
+
+
+def default_optimizer_class():
+    """apex FusedAdam (AdamW mode) when apex and CUDA are present, else torch.optim.AdamW."""
+    if torch.cuda.is_available():
+        try:
+            from apex.optimizers import FusedAdam  # type: ignore
+
+            return lambda params, **kw: FusedAdam(params, adam_w_mode=True, **kw)
+        except Exception:
+            pass
+    return torch.optim.AdamW
+
+
+def _param_groups(params) -> list[dict]:
+    params = list(params)
+    if not params:
+        raise ValueError("DistributedOptimizer got an empty parameter list")
+    groups = params if isinstance(params[0], dict) else [{"params": params}]
+    out, seen = [], set()
+    for g in groups:
+        ps = [p for p in g["params"] if p.requires_grad]
+        for p in ps:
+            if id(p) in seen:
+                raise ValueError("a parameter appears twice in DistributedOptimizer's parameters (tied weights must "
+                                 "be passed once)")
+            seen.add(id(p))
+        out.append({**g, "params": ps})
+    everything = [p for g in out for p in g["params"]]
+    devices, dtypes = {p.device for p in everything}, {p.dtype for p in everything}
+    if len(devices) > 1 or len(dtypes) > 1:
+        raise ValueError(f"parameters on devices {sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))} "
+                         f"cannot share one flat buffer; build one DistributedOptimizer per device/dtype")
+    return out
+
+
+class DistributedOptimizer:
+    """Sharded optimizer over ``process_group`` (default: the world); see the module docstring.
+
+    ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig or ErrorFeedback (one error per
+    bucket, checkpointed). ``loss_scaler``: a DynamicLossScaler (fp16) or None. ``defaults`` go to
+    ``optimizer_class`` (e.g. lr, weight_decay, betas).
+    """
+
+    def __init__(self, params: Iterable, optimizer_class=None, process_group=None, *,
+                 grad_codec: CodecLike = None, param_codec: CodecLike = None, error_feedback=None,
+                 bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
+                 grad_norm_group=None, loss_scaler: Optional[DynamicLossScaler] = None,
+                 check_replicated: bool = True, **defaults: Any) -> None:
+        self.group = process_group
+        self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        groups = _param_groups(params)
+        self.grad_codec = None if make_codec(grad_codec).is_identity else make_codec(grad_codec)
+        self.param_codec = None if make_codec(param_codec).is_identity else make_codec(param_codec)
+        if error_feedback is not None and self.grad_codec is None:
+            raise ValueError("error_feedback needs a lossy grad_codec (e.g. grad_codec='int4')")
+        self.ef = error_feedback if isinstance(error_feedback, ErrorFeedback) or error_feedback is None \
+            else ErrorFeedback(error_feedback)
+        self.max_grad_norm, self.grad_norm_group, self.scaler = max_grad_norm, grad_norm_group, loss_scaler
+        self.buckets: list[Bucket] = build_buckets([g["params"] for g in groups], self.world, bucket_size,
+                                                   self.grad_codec is not None or self.param_codec is not None,
+                                                   min_compress_numel)
+        self._describe_policy(min_compress_numel)
+        device = groups[0]["params"][0].device
+        for b in self.buckets:
+            b.grad = torch.zeros(b.padded, dtype=torch.float32, device=device)
+        if check_replicated:
+            self._check_replicated()
+        self.masters = [nn.Parameter(self._flat_params(b)[slice(*b.shard_range(self.rank, self.world))].clone())
+                        for b in self.buckets]
+        inner_groups = []
+        for gi, g in enumerate(groups):
+            opts = {k: v for k, v in g.items() if k != "params"}
+            inner_groups.append({"params": [m for m, b in zip(self.masters, self.buckets) if b.group == gi], **opts})
+        self.optimizer = (optimizer_class or default_optimizer_class())(inner_groups, **defaults)
+        self.step_count, self.skipped_steps, self.last_grad_norm = 0, 0, None
+        self._accumulating, self._validated = False, False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
+                       for b in self.buckets for i, p in enumerate(b.params)]
+
+    # -- set-up helpers -------------------------------------------------------------------------------
+    def _describe_policy(self, min_compress_numel: int) -> None:
+        if self.grad_codec is None and self.param_codec is None:
+            return
+        plain = [b for b in self.buckets if not b.compressed]
+        log.info("megacomp DistributedOptimizer: %d of %d buckets (%d of %d elements) stay uncompressed: 1-D "
+                 "parameters and buckets under min_compress_numel=%d", len(plain), len(self.buckets),
+                 sum(b.numel for b in plain), sum(b.numel for b in self.buckets), min_compress_numel)
+
+    def _flat_params(self, b: Bucket) -> torch.Tensor:
+        flat = torch.zeros(b.padded, dtype=torch.float32, device=b.grad.device)
+        for p, o in zip(b.params, b.offsets):
+            flat[o:o + p.numel()] = p.detach().reshape(-1).float()
+        return flat
+
+    def _check_replicated(self) -> None:
+        sums = torch.stack([torch.stack([f.double().sum(), f.double().square().sum()])
+                            for f in (self._flat_params(b) for b in self.buckets)]).reshape(-1)
+        table = torch.empty(self.world * sums.numel(), dtype=sums.dtype)
+        dist.all_gather_into_tensor(table, sums, group=self.group)
+        table = table.view(self.world, -1)
+        bad = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
+        if bad:
+            raise ValueError(f"DistributedOptimizer: parameters differ across the process group (group ranks {bad} "
+                             f"differ from rank 0); the params must be replicated over process_group (pass the "
+                             f"data-parallel group, and seed or broadcast the model identically on its ranks)")
+
+    # -- backward ---------------------------------------------------------------------------------
+    def _make_hook(self, b: Bucket, i: int):
+        p, o = b.params[i], b.offsets[i]
+
+        def hook(param: torch.Tensor) -> None:
+            if param.grad is None:
+                return
+            if b.work is not None:
+                raise RuntimeError("DistributedOptimizer: a gradient arrived for a bucket that is already being "
+                                   "reduced; call step() after each backward, or wrap the accumulation backwards "
+                                   "in optimizer.no_sync()")
+            scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
+            b.grad[o:o + p.numel()].add_(param.grad.reshape(-1).float(), alpha=scale)
+            param.grad = None
+            if self._accumulating:
+                return
+            b.ready.add(i)  # counted on the communicating backward only
+            if len(b.ready) == len(b.params):
+                self._launch(b)
+        return hook
+
+    def _launch(self, b: Bucket) -> None:
+        codec = self.grad_codec if b.compressed else None
+        b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
+        b.work = comm.reduce_scatter_tensor(
+            b.reduced, b.grad, group=self.group, async_op=True, codec=codec,
+            error_feedback=self.ef if codec is not None else None, tag="dp_gradient",
+            ef_key=f"dp_gradient/b{b.index}", validate=not self._validated)
+        if b.work is None:  # a group of one rank: torch returns no handle
+            b.work = comm.CompressedWork(lambda: None)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients of the backwards inside without communicating (all but the last micro-batch)."""
+        old, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = old
+
+    # -- step -------------------------------------------------------------------------------------
+    def _finish_reduction(self) -> list[torch.Tensor]:
+        for b in self.buckets:  # buckets whose params got no gradient this step: launch in a fixed order
+            if b.work is None:
+                self._launch(b)
+        shards = []
+        for b in self.buckets:
+            b.work.wait()
+            b.work = None
+            shard = b.reduced.mul_(1.0 / self.world)
+            start, end = b.shard_range(self.rank, self.world)
+            if end > b.numel:  # padding carries no gradient (a sign codec would decode 0 as +scale)
+                shard[max(b.numel - start, 0):].zero_()
+            shards.append(shard)
+        return shards
+
+    def _all_reduce_max(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        if self.grad_norm_group is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.grad_norm_group)
+        return t.item()
+
+    def _global_norm(self, shards: list[torch.Tensor]) -> float:
+        sq = torch.stack([s.double().square().sum() for s in shards]).sum().reshape(1)
+        dist.all_reduce(sq, group=self.group)
+        if self.grad_norm_group is not None:
+            dist.all_reduce(sq, group=self.grad_norm_group)
+        return sq.sqrt().item()
+
+    def step(self, closure=None) -> bool:
+        """Reduce, update the local shard, all-gather parameters. Returns False when the step was skipped."""
+        if closure is not None:
+            raise ValueError("DistributedOptimizer.step does not take a closure")
+        shards = self._finish_reduction()
+        overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards)))
+        if overflow:
+            self.skipped_steps += 1
+            if self.scaler is not None:
+                self.scaler.update(True)
+            log.warning("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
+                        self.step_count, self.skipped_steps,
+                        f"; loss scale now {self.scaler.scale:g}" if self.scaler is not None else "")
+            self._reset()
+            return False
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = self._global_norm(shards)
+            coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
+            if coef < 1.0:
+                for s in shards:
+                    s.mul_(coef)
+        for m, s in zip(self.masters, shards):
+            m.grad = s
+        self.optimizer.step()
+        self.sync_params()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self._reset()
+        self.step_count += 1
+        self._validated = True
+        return True
+
+    def sync_params(self) -> None:
+        """All-gather the master shards into the model parameters (``param_codec`` on compressed buckets)."""
+        for b, m in zip(self.buckets, self.masters):
+            dtype = b.params[0].dtype
+            full = torch.empty(b.padded, dtype=dtype, device=m.device)
+            comm.all_gather_into_tensor(full, m.detach().to(dtype), group=self.group,
+                                        codec=self.param_codec if b.compressed else None, tag="dp_parameter",
+                                        validate=not self._validated)
+            with torch.no_grad():
+                for p, o in zip(b.params, b.offsets):
+                    p.copy_(full[o:o + p.numel()].view_as(p))
+
+    def _reset(self) -> None:
+        for b, m in zip(self.buckets, self.masters):
+            b.grad.zero_()
+            b.ready.clear()
+            b.reduced = None
+            m.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop accumulated gradients (finishing any reduction already in flight, so ranks stay in step)."""
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            for p in b.params:
+                p.grad = None
+        self._reset()
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    # -- checkpointing ----------------------------------------------------------------------------
+    def _layout(self) -> list:
+        return [[b.group, b.numel, b.padded, b.compressed, [list(p.shape) for p in b.params]] for b in self.buckets]
+
+    def init_state(self) -> None:
+        """Create the inner optimizer's state (as torch's DCP helpers do) so a fresh optimizer's state_dict()
+        can serve as the template for torch.distributed.checkpoint.load."""
+        from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+        _init_optim_state(self.optimizer)
+        if self.ef is not None:
+            for b in self.buckets:
+                if b.compressed:
+                    self.ef.init_key(f"dp_gradient/b{b.index}/worker", (b.padded,))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard, under a key naming the DP rank (so torch.distributed.checkpoint keeps every
+        rank's shard): masters, inner optimizer state, error feedback, counters, loss scale, codecs, layout."""
+        local = {
+            "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(),
+            "grad_codec": self.grad_codec.to_dict() if self.grad_codec else None,
+            "param_codec": self.param_codec.to_dict() if self.param_codec else None,
+            "masters": [m.detach().clone() for m in self.masters],
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # torch returns live references
+            "error_feedback": self.ef.state_dict() if self.ef is not None else None,
+            "step": self.step_count, "skipped": self.skipped_steps,
+            "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+        return {f"dp_rank_{self.rank}": local}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        key = f"dp_rank_{self.rank}"
+        if key not in state:
+            raise ValueError(f"optimizer state has no shard for data-parallel rank {self.rank} (keys: {sorted(state)}); "
+                             f"it was saved with another data-parallel size")
+        s = state[key]
+        checks = [("format", STATE_FORMAT), ("dp_size", self.world), ("layout", self._layout()),
+                  ("grad_codec", self.grad_codec.to_dict() if self.grad_codec else None),
+                  ("param_codec", self.param_codec.to_dict() if self.param_codec else None)]
+        for name, mine in checks:
+            if _plain(s.get(name)) != _plain(mine):
+                raise ValueError(f"optimizer checkpoint {name} differs from this optimizer ({s.get(name)!r} vs "
+                                 f"{mine!r}); resume with the same model, data-parallel size and codecs")
+        if (s["error_feedback"] is None) != (self.ef is None):
+            raise ValueError("optimizer checkpoint and this optimizer disagree on error feedback; use the same setting")
+        with torch.no_grad():
+            for m, saved in zip(self.masters, s["masters"]):
+                m.copy_(saved)
+        self.optimizer.load_state_dict(s["optimizer"])
+        if self.ef is not None:
+            self.ef.load_state_dict(s["error_feedback"])
+        self.step_count, self.skipped_steps = int(s["step"]), int(s["skipped"])
+        if self.scaler is not None and s["loss_scaler"] is not None:
+            self.scaler.load_state_dict(s["loss_scaler"])
+        self.sync_params()
+
+
+def _plain(x):
+    """Lists/tuples/dicts as plain nested lists/dicts, for comparing a loaded checkpoint with the live one."""
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x

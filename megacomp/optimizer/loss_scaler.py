@@ -1,0 +1,45 @@
+"""Dynamic loss scaling for fp16 training (the torch.cuda.amp.GradScaler rule, device-agnostic).
+
+The loss is multiplied by ``scale`` before backward; the optimizer divides the gradients by it before
+they are communicated (so error-feedback state is in unscaled units and never needs rescaling). On a
+step with inf/NaN gradients the step is skipped and ``scale *= backoff_factor``; after
+``growth_interval`` clean steps in a row ``scale *= growth_factor``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class DynamicLossScaler:
+    """State and rule of the dynamic loss scale."""
+
+    scale: float = 2.0 ** 16
+    """Current loss scale."""
+    growth_factor: float = 2.0
+    """Multiplier after ``growth_interval`` clean steps."""
+    backoff_factor: float = 0.5
+    """Multiplier after an overflow."""
+    growth_interval: int = 2000
+    """Clean steps before growing the scale."""
+    min_scale: float = 1.0
+    """The scale never drops below this."""
+    clean_steps: int = 0
+    """Clean steps since the last change."""
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale = max(self.scale * self.backoff_factor, self.min_scale)
+            self.clean_steps = 0
+            return
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= self.growth_factor
+            self.clean_steps = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
