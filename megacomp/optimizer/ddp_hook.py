@@ -11,8 +11,6 @@ PowerSGD hook shows on gloo). Buckets below ``min_compress_numel`` elements, and
 ``start_iter`` iterations (DDP rebuilds its buckets after iteration 1), use the plain all-reduce.
 ``codec=None`` is bit-identical to DDP's default hook (divide by the world size, then all-reduce SUM).
 """
-from __future__ import annotations
-
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -62,7 +60,7 @@ class CompressedHookState:
             self.error_feedback.load_state_dict(state["error_feedback"])
 
 
-def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futures.Future:
+def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket.buffer()`` over the group with ``state.codec``."""
     buf = bucket.buffer()
     if bucket.index() == 0:
@@ -76,6 +74,6 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     comm.all_reduce(buf, group=state.process_group, codec=state.codec, error_feedback=state.error_feedback,
                     tag="dp_gradient", ef_key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
                     validate=state.iteration == state.start_iter + 1)
-    fut: torch.futures.Future = torch.futures.Future()
+    fut = torch.futures.Future()
     fut.set_result(buf)
     return fut
