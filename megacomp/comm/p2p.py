@@ -4,7 +4,8 @@ Algorithm: the sender encodes the tensor into one uint8 buffer (payload + scales
 receiver knows shape, dtype and codec, so it knows the exact byte count, receives and decodes into its
 tensor. ``codec=None`` sends the tensor itself through torch.distributed (bit-identical).
 
-Validation (default on, see :func:`megacomp.comm.set_validation`; both ends must agree): a 5-integer
+Without validation the receive is posted at once (so a pair of ranks that both isend then irecv
+never deadlock). Validation (default on, see :func:`megacomp.comm.set_validation`; both ends must agree): a 5-integer
 header (numel, dtype, codec, wire bytes, non-finite flag) precedes the payload. On a mismatch the
 receiver still drains the sender's payload, so the sender never hangs, and raises ValueError naming
 both ranks. With ``check_finite=True`` a non-finite input makes both ends raise FloatingPointError
@@ -70,6 +71,21 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: Co
     header = torch.empty(_HEADER, dtype=torch.int64)
     hwork = dist.irecv(header, src, group=group, tag=tag) if checked else None
     nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
+    if not checked:  # sizes agreed up front: post the receive now so paired send/recv pairs never deadlock
+        buf = torch.empty(nbytes, dtype=torch.uint8) if not codec.is_identity else (
+            tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format))
+        work = dist.irecv(buf, src, group=group, tag=tag)
+
+        def finish_posted() -> None:
+            work.wait()
+            if codec.is_identity:
+                if buf is not tensor:
+                    tensor.copy_(buf)
+            else:
+                tensor.copy_(codec.decode_flat(buf, tensor.numel(), tensor.dtype).view(tensor.shape))
+            _stats.record(label or "recv", nbytes, tensor.numel() * tensor.element_size())
+
+        return CompressedWork(finish_posted)
 
     def finish() -> None:
         if hwork is not None:

@@ -1,0 +1,155 @@
+"""GPT built from the tensor-parallel layers, splittable into pipeline stages.
+
+    ids [b, s] -> word embedding (vocab parallel) + learned positions -> [s, b, h]
+        -> L pre-LN TransformerBlocks -> final LayerNorm -> logits = h @ E^T (vocab parallel, tied)
+        -> vocab-parallel cross entropy -> mean loss
+
+A stage holds layers ``layer_range`` of the full model; the first stage (``pre_process``) owns the
+embeddings, the last (``post_process``) the final norm and the output head. With tied embeddings and
+several stages the last stage keeps its own copy of the word embedding; call
+:func:`sync_tied_embedding_grads` after backward to sum the two copies' gradients over the embedding
+group (first and last stage), as Megatron does, so they stay equal.
+
+Initialisation does not depend on the parallel layout: every layer draws its weights from a generator
+seeded with ``(seed, layer index)`` (embeddings and head from their own seeds), so TP x PP x DP splits of
+the same model start from the same numbers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelParallelConfig
+from ..tensor_parallel import VocabParallelEmbedding, mappings, vocab_parallel_cross_entropy
+from .transformer import TransformerBlock, TransformerConfig, layer_norm
+
+
+@dataclass
+class GPTConfig(TransformerConfig):
+    """GPT shape: the transformer's plus vocabulary and context length."""
+
+    vocab_size: int = 32000
+    """Vocabulary size (divisible by the TP size)."""
+    max_seq_length: int = 1024
+    """Context length (size of the position table)."""
+    seed: int = 1234
+    """Seed of the parallelism-invariant initialisation."""
+
+
+class _Seeded:
+    """Run a block of module construction with torch's RNG seeded, restoring the caller's RNG after."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __enter__(self):
+        self.state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+
+    def __exit__(self, *exc):
+        torch.random.set_rng_state(self.state)
+
+
+class GPTModel(nn.Module):
+    """One pipeline stage of a GPT (the whole model when it is the only stage)."""
+
+    def __init__(self, cfg: GPTConfig, config: ModelParallelConfig, *, pre_process: bool = True,
+                 post_process: bool = True, layer_range: Optional[range] = None, tp_group=None) -> None:
+        super().__init__()
+        self.cfg, self.config = cfg, config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_range = layer_range if layer_range is not None else range(cfg.num_layers)
+        self.tp_group = config.tp_group(tp_group)
+        self.sp = config.sequence_parallel
+        if pre_process:
+            with _Seeded(cfg.seed):
+                self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config,
+                                                              reduce_scatter_embeddings=self.sp, tp_group=self.tp_group)
+            with _Seeded(cfg.seed + 1):
+                self.position_embeddings = nn.Parameter(torch.randn(cfg.max_seq_length, cfg.hidden_size) * cfg.init_std)
+            self.position_embeddings.sequence_parallel = self.sp
+        layers = []
+        for i in self.layer_range:
+            with _Seeded(cfg.seed + 1000 * (i + 1)):
+                layers.append(TransformerBlock(cfg, config, self.tp_group))
+        self.layers = nn.ModuleList(layers)
+        if post_process:
+            self.final_norm = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, self.sp, config.params_dtype)
+            if not pre_process:  # the last stage's copy of the tied word embedding
+                with _Seeded(cfg.seed):
+                    head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config, tp_group=self.tp_group)
+                self.output_weight = head.weight
+        self.output_weight_is_tied_copy = post_process and not pre_process
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``[b, s]`` ids -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
+        s = ids.shape[1]
+        if s > self.cfg.max_seq_length:
+            raise ValueError(f"sequence length {s} exceeds max_seq_length {self.cfg.max_seq_length}")
+        words = self.word_embeddings(ids)
+        if self.sp:  # already reduce-scattered to [s/tp, b, h]: add the positions of this rank's slice
+            tp, r = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
+            pos = self.position_embeddings[r * s // tp:(r + 1) * s // tp]
+            return words + pos.unsqueeze(1)
+        return (words + self.position_embeddings[:s].unsqueeze(0)).transpose(0, 1).contiguous()
+
+    def head_weight(self) -> torch.Tensor:
+        return self.word_embeddings.weight if self.pre_process else self.output_weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and the tied output layer: ``[s, b, V / tp]`` vocabulary-parallel logits."""
+        h = self.final_norm(hidden)
+        comp = self.config.compression
+        if self.sp:
+            codec = comp.codec_for("sp_all_gather", h.numel())
+            back = comp.codec_for("tp_backward", h.numel() * dist.get_world_size(self.tp_group))
+            h = mappings.gather_from_sequence_parallel_region(
+                h, self.tp_group, codec=None if codec.is_identity else codec,
+                backward_codec=None if back.is_identity else back)
+        else:
+            back = comp.codec_for("tp_backward", h.numel())
+            h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group,
+                                                              backward_codec=None if back.is_identity else back)
+        return F.linear(h, self.head_weight())
+
+    def forward(self, input_: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """First stage: ``input_`` is ``[b, s]`` token ids; later stages: hidden states from the previous stage.
+        Last stage with ``labels`` (``[b, s]``): the mean loss; otherwise the hidden states."""
+        x = self.embed(input_) if self.pre_process else input_
+        for layer in self.layers:
+            x = layer(x)
+        if not self.post_process:
+            return x
+        logits = self.logits(x)
+        if labels is None:
+            return logits
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group)
+        return losses.mean()
+
+
+def split_layers(num_layers: int, stages: int, stage: int) -> range:
+    """Contiguous layers of ``stage`` when ``num_layers`` are split as evenly as possible (earlier stages
+    get the remainder)."""
+    if stages > num_layers:
+        raise ValueError(f"{stages} pipeline stages for {num_layers} layers: every stage needs at least one layer; "
+                         f"use at most {num_layers} stages")
+    base, rem = divmod(num_layers, stages)
+    start = stage * base + min(stage, rem)
+    return range(start, start + base + (1 if stage < rem else 0))
+
+
+def sync_tied_embedding_grads(model: GPTModel, embedding_group) -> None:
+    """Sum the gradients of the word embedding (first stage) and its copy (last stage) over the embedding
+    group (uncompressed; no-op with a single stage)."""
+    if embedding_group is None:
+        return
+    w = model.word_embeddings.weight if model.pre_process else (model.output_weight if model.post_process else None)
+    if w is None or w.grad is None:
+        return
+    dist.all_reduce(w.grad, group=embedding_group)

@@ -1,0 +1,163 @@
+"""Stage-to-stage communication with compressed activations and gradients.
+
+Activations go forward with the ``pp_activation`` codec, activation gradients go backward with the
+``pp_gradient`` codec; gradients may use error feedback (``pp_gradient_error_feedback``), with one
+error per stage boundary and micro-batch slot (slot k of every iteration sees the same tensor shape,
+and its residual is carried into slot k of the next iteration, as Optimus-CC's lazy error propagation).
+
+Shapes are agreed up front: :meth:`PipelineCommunicator.handshake` sends each stage's expected shape,
+dtype and codecs to the next stage once (a chain, so it cannot deadlock) and raises a ValueError on both
+sides naming the mismatch; later messages carry no header and no pickling. Paired exchanges
+(send forward + receive backward, and the reverse) post both operations before waiting on either.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..compression import ErrorFeedback
+from ..config import CommCompressionConfig
+
+
+class PipelineCommunicator:
+    """Sends and receives between this stage and its neighbours in ``pp_ranks`` (global ranks, stage order)."""
+
+    def __init__(self, pp_ranks: Sequence[int], compression: Optional[CommCompressionConfig] = None) -> None:
+        self.pp_ranks = list(pp_ranks)
+        self.stage = self.pp_ranks.index(dist.get_rank())
+        self.num_stages = len(self.pp_ranks)
+        self.compression = compression or CommCompressionConfig()
+        efc = self.compression.pp_gradient_error_feedback
+        self.error_feedback: Optional[ErrorFeedback] = ErrorFeedback(efc) if efc is not None else None
+        self._agreed: Optional[tuple] = None
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def _codec(self, path: str, numel: int):
+        return self.compression.codec_for(path, numel)
+
+    def _describe(self, shape, dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        act, grad = self._codec("pp_activation", numel), self._codec("pp_gradient", numel)
+        from ..comm._common import codec_code, dtype_code
+
+        return torch.tensor([len(shape)] + list(shape) + [0] * (8 - len(shape)) +
+                            [dtype_code(dtype), codec_code(act), codec_code(grad)], dtype=torch.int64)
+
+    def handshake(self, shape: Sequence[int], dtype: torch.dtype) -> None:
+        """Check once that neighbouring stages expect the same activation shape, dtype and codecs."""
+        key = (tuple(shape), dtype)
+        if self._agreed == key or self.num_stages == 1:
+            return
+        mine = self._describe(shape, dtype)
+        if not self.is_first:
+            theirs = torch.empty_like(mine)
+            dist.recv(theirs, self.pp_ranks[self.stage - 1])
+            ok = torch.equal(theirs, mine)
+            dist.send(torch.tensor([int(ok)]), self.pp_ranks[self.stage - 1])
+            if not ok:
+                raise ValueError(self._mismatch(theirs, mine, self.stage - 1, self.stage))
+        if not self.is_last:
+            dist.send(mine, self.pp_ranks[self.stage + 1])
+            verdict = torch.empty(1, dtype=torch.int64)
+            dist.recv(verdict, self.pp_ranks[self.stage + 1])
+            if not verdict.item():
+                raise ValueError(f"pipeline stage {self.stage + 1} expects a different activation shape, dtype or "
+                                 f"codec than stage {self.stage} sends ({tuple(shape)}, {dtype}); see the error on "
+                                 f"that stage's rank")
+        self._agreed = key
+
+    @staticmethod
+    def _mismatch(theirs: torch.Tensor, mine: torch.Tensor, a: int, b: int) -> str:
+        def shape_of(t):
+            return tuple(t[1:1 + int(t[0])].tolist())
+        return (f"pipeline stages {a} and {b} disagree on the activation they exchange: stage {a} sends shape "
+                f"{shape_of(theirs)} (dtype/codec codes {theirs[-3:].tolist()}), stage {b} expects {shape_of(mine)} "
+                f"(codes {mine[-3:].tolist()}); use the same micro-batch size, sequence length, hidden size, "
+                f"sequence-parallel setting and compression config on every stage")
+
+    # -- primitive ops (return handles; nothing waits here) ---------------------------------------
+    def _isend_forward(self, t: torch.Tensor):
+        codec = self._codec("pp_activation", t.numel())
+        return comm.isend(t.detach().contiguous(), self.pp_ranks[self.stage + 1], codec=codec,
+                          label="pp_activation", validate=False)
+
+    def _irecv_forward(self, out: torch.Tensor):
+        codec = self._codec("pp_activation", out.numel())
+        return comm.irecv(out, self.pp_ranks[self.stage - 1], codec=codec, label="pp_activation_recv", validate=False)
+
+    def _isend_backward(self, g: torch.Tensor, slot: int):
+        codec = self._codec("pp_gradient", g.numel())
+        g = g.detach().contiguous()
+        if self.error_feedback is not None and not codec.is_identity:
+            key = f"pp_gradient/s{self.stage}->s{self.stage - 1}/mb{slot}"
+            h = self.error_feedback.compensate(key, g)
+            self.error_feedback.update(key, h, codec.roundtrip(h))
+            g = h.to(g.dtype)
+        return comm.isend(g, self.pp_ranks[self.stage - 1], codec=codec, label="pp_gradient", validate=False)
+
+    def _irecv_backward(self, out: torch.Tensor):
+        codec = self._codec("pp_gradient", out.numel())
+        return comm.irecv(out, self.pp_ranks[self.stage + 1], codec=codec, label="pp_gradient_recv", validate=False)
+
+    # -- schedule-level ops ---------------------------------------------------------------------
+    def recv_forward(self, shape, dtype) -> Optional[torch.Tensor]:
+        if self.is_first:
+            return None
+        out = torch.empty(shape, dtype=dtype)
+        self._irecv_forward(out).wait()
+        return out.requires_grad_()
+
+    def send_forward(self, t: Optional[torch.Tensor]) -> None:
+        if not self.is_last:
+            self._isend_forward(t).wait()
+
+    def recv_backward(self, shape, dtype) -> Optional[torch.Tensor]:
+        if self.is_last:
+            return None
+        out = torch.empty(shape, dtype=dtype)
+        self._irecv_backward(out).wait()
+        return out
+
+    def send_backward(self, g: Optional[torch.Tensor], slot: int) -> None:
+        if not self.is_first:
+            self._isend_backward(g, slot).wait()
+
+    def send_forward_recv_backward(self, t, shape, dtype) -> Optional[torch.Tensor]:
+        if self.is_last:
+            return None
+        out = torch.empty(shape, dtype=dtype)
+        recv = self._irecv_backward(out)
+        send = self._isend_forward(t)
+        send.wait()
+        recv.wait()
+        return out
+
+    def send_backward_recv_forward(self, g, slot: int, shape, dtype) -> Optional[torch.Tensor]:
+        if self.is_first:
+            return None
+        out = torch.empty(shape, dtype=dtype)
+        recv = self._irecv_forward(out)
+        send = self._isend_backward(g, slot)
+        send.wait()
+        recv.wait()
+        return out.requires_grad_()
+
+    def state_dict(self) -> dict:
+        return {"error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.error_feedback is not None and state.get("error_feedback") is not None:
+            self.error_feedback.load_state_dict(state["error_feedback"])
+
