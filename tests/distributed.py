@@ -45,7 +45,15 @@ def _worker(fn, rank, world_size, init_file, args, queue, pg_timeout):
 
 
 class RankFailure(AssertionError):
-    pass
+    """A multi-rank test failed; ``results`` (rank -> return value) and ``errors`` (rank -> text) say how."""
+
+    def __init__(self, message: str, results=None, errors=None) -> None:
+        super().__init__(message)
+        self.results, self.errors = results or {}, errors or {}
+
+
+def _load(results: dict) -> dict:
+    return {r: torch.load(io.BytesIO(v), weights_only=False) for r, v in results.items()}
 
 
 def _report(errors: dict) -> str:
@@ -68,13 +76,19 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
     try:
         while len(results) + len(errors) < world_size:
             try:
-                rank, ok, value = queue.get(timeout=max(0.1, deadline - time.monotonic()))
+                rank, ok, value = queue.get(timeout=0.5)
+                (results if ok else errors)[rank] = value
             except queue_mod.Empty:
-                missing = sorted(set(range(world_size)) - set(results) - set(errors))
-                raise RankFailure(f"rank(s) {missing} did not finish in time (hang?){_report(errors)}") from None
-            (results if ok else errors)[rank] = value
+                pass
+            for r, p in enumerate(procs):  # a rank that exited without reporting (crash, os._exit)
+                if r not in results and r not in errors and not p.is_alive() and queue.empty():
+                    errors[r] = f"rank {r} exited with code {p.exitcode} without reporting"
             if errors:  # the others may be stuck in a collective with the failed rank: short grace period
                 deadline = min(deadline, time.monotonic() + 10.0)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(results) - set(errors))
+                raise RankFailure(f"rank(s) {missing} did not finish in time (hang?){_report(errors)}",
+                                  _load(results), errors)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -83,5 +97,6 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: fl
         if os.path.exists(init_file):
             os.unlink(init_file)
     if errors:
-        raise RankFailure(f"{len(errors)} of {world_size} rank(s) failed{_report(errors)}")
-    return [torch.load(io.BytesIO(results[r]), weights_only=False) for r in range(world_size)]
+        raise RankFailure(f"{len(errors)} of {world_size} rank(s) failed{_report(errors)}", _load(results), errors)
+    loaded = _load(results)
+    return [loaded[r] for r in range(world_size)]
