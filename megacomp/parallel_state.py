@@ -53,6 +53,11 @@ class ProcessGroups:
     """Global ranks of this rank's DP group."""
     pp_ranks: list[int] = field(default_factory=list)
     """Global ranks of this rank's pipeline, stage 0 first."""
+    mp: Optional[dist.ProcessGroup] = None
+    """Model-parallel group: every TP and PP rank holding one model replica (for the global grad norm)."""
+    embedding: Optional[dist.ProcessGroup] = None
+    """First and last stage of this rank's pipeline (tied embedding grads); None with one stage or when
+    this rank is a middle stage."""
 
     @property
     def tp_size(self) -> int:
@@ -79,9 +84,9 @@ class ProcessGroups:
         return self.pp_ranks.index(dist.get_rank())
 
     def destroy(self) -> None:
-        for g in {id(g): g for g in (self.tp, self.dp, self.pp) if g is not None}.values():
+        for g in {id(g): g for g in (self.tp, self.dp, self.pp, self.mp, self.embedding) if g is not None}.values():
             dist.destroy_process_group(g)
-        self.tp = self.dp = self.pp = None
+        self.tp = self.dp = self.pp = self.mp = self.embedding = None
 
 
 def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
@@ -100,7 +105,23 @@ def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_par
                 found = (g, ranks)
         mine.append(found)
     (tp, tp_r), (dp, dp_r), (pp, pp_r) = mine
-    return ProcessGroups(tp, dp, pp, tp_r, dp_r, pp_r)
+    mp = emb = None
+    for ranks in model_parallel_groups(world, tensor_model_parallel_size, pipeline_model_parallel_size):
+        g = dist.new_group(ranks)
+        if me in ranks:
+            mp = g
+    for ranks in grids[2]:  # embedding groups: first and last stage of every pipeline
+        if len(ranks) > 1:
+            g = dist.new_group([ranks[0], ranks[-1]])
+            if me in (ranks[0], ranks[-1]):
+                emb = g
+    return ProcessGroups(tp, dp, pp, tp_r, dp_r, pp_r, mp, emb)
+
+
+def model_parallel_groups(world_size: int, tp: int, pp: int) -> list[list[int]]:
+    """Ranks of each model replica (same DP rank), for the layout in the module docstring."""
+    dp = world_size // (tp * pp)
+    return [[t + tp * (d + dp * p) for p in range(pp) for t in range(tp)] for d in range(dp)]
 
 
 # -- Megatron-style façade -----------------------------------------------------------------------------

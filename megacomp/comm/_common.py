@@ -117,7 +117,9 @@ def op_code(op) -> int:
     return _OPS.get(op_name(op), 0)
 
 
+# torch 2.13 renames the flat-tensor collectives (same op, no warning); older torch has the old names
 _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # -- error feedback per call site -----------------------------------------------------------------

@@ -35,7 +35,7 @@ from torch.distributed import ReduceOp
 from ..compression import CodecLike, make_codec
 from ..compression.error_feedback import ErrorFeedbackLike
 from . import stats as _stats
-from ._common import (CompressedWork, _all_gather_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
+from ._common import (CompressedWork, _all_gather_base, _reduce_scatter_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
                       op_code, op_name, resolve_error_feedback, split_sizes)
 from . import _common
 
@@ -174,7 +174,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     raw = (world - 1) * m * _itemsize(input)
     if codec.is_identity or world == 1:
         _stats.record(label, raw, raw)
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return _reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
 
     ef_key = ef_key or tag or callsite()
     ef = resolve_error_feedback(error_feedback, ef_key)

@@ -33,6 +33,9 @@ class Bucket:
     """Buffer length: ``numel`` rounded up to a multiple of the DP size."""
     compressed: bool
     """Whether the gradient reduce-scatter / parameter all-gather use the codecs."""
+    deferred: bool = False
+    """Reduced only in ``step()``, so the caller can first all-reduce these gradients over other groups
+    (tied embeddings over the embedding group, sequence-parallel norms over TP)."""
     grad: Optional[torch.Tensor] = None
     """fp32 accumulation buffer of the (unscaled) gradients, length ``padded``."""
     ready: set = field(default_factory=set)
@@ -48,13 +51,13 @@ class Bucket:
 
 
 def build_buckets(param_groups: list[list[nn.Parameter]], dp_size: int, bucket_size: int,
-                  compress: bool, min_compress_numel: int) -> list[Bucket]:
+                  compress: bool, min_compress_numel: int, deferred: frozenset = frozenset()) -> list[Bucket]:
     """Assign parameters to buckets (see module docstring)."""
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be > 0 elements, got {bucket_size}")
     buckets: list[Bucket] = []
 
-    def close(group: int, params: list[nn.Parameter], is_compressed: bool) -> None:
+    def close(group: int, params: list[nn.Parameter], is_compressed: bool, is_deferred: bool = False) -> None:
         if not params:
             return
         offsets, n = [], 0
@@ -63,21 +66,23 @@ def build_buckets(param_groups: list[list[nn.Parameter]], dp_size: int, bucket_s
             n += p.numel()
         padded = -(-n // dp_size) * dp_size
         ok = is_compressed and n >= min_compress_numel
-        buckets.append(Bucket(len(buckets), group, list(params), offsets, n, padded, ok))
+        buckets.append(Bucket(len(buckets), group, list(params), offsets, n, padded, ok, is_deferred))
 
     for gi, params in enumerate(param_groups):
-        order = list(reversed(params))
+        order = [p for p in reversed(params) if id(p) not in deferred]
+        late = [p for p in reversed(params) if id(p) in deferred]
         if compress:
-            passes = [([p for p in order if p.dim() > 1], True), ([p for p in order if p.dim() <= 1], False)]
+            passes = [([p for p in order if p.dim() > 1], True, False), ([p for p in order if p.dim() <= 1], False, False),
+                      ([p for p in late if p.dim() > 1], True, True), ([p for p in late if p.dim() <= 1], False, True)]
         else:
-            passes = [(order, False)]
-        for plist, wants_codec in passes:
+            passes = [(order, False, False), (late, False, True)]
+        for plist, wants_codec, is_deferred in passes:
             current, size = [], 0
             for p in plist:
                 current.append(p)
                 size += p.numel()
                 if size >= bucket_size:
-                    close(gi, current, wants_codec)
+                    close(gi, current, wants_codec, is_deferred)
                     current, size = [], 0
-            close(gi, current, wants_codec)
+            close(gi, current, wants_codec, is_deferred)
     return buckets

@@ -80,14 +80,18 @@ class DistributedOptimizer:
 
     ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig or ErrorFeedback (one error per
     bucket, checkpointed). ``loss_scaler``: a DynamicLossScaler (fp16) or None. ``defaults`` go to
-    ``optimizer_class`` (e.g. lr, weight_decay, betas).
+    ``optimizer_class`` (e.g. lr, weight_decay, betas). ``grad_norm_group``: a further group (e.g. the
+    model-parallel group) over which the gradient norm and the overflow check are reduced;
+    ``grad_norm_weight(param)``: that parameter's share in the norm (1 / number of copies in the group).
+    ``deferred_params``: reduced only in ``step()`` (see :meth:`main_grad`).
     """
 
     def __init__(self, params: Iterable, optimizer_class=None, process_group=None, *,
                  grad_codec: CodecLike = None, param_codec: CodecLike = None, error_feedback=None,
                  bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
-                 grad_norm_group=None, loss_scaler: Optional[DynamicLossScaler] = None,
-                 check_replicated: bool = True, **defaults: Any) -> None:
+                 grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (),
+                 loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
+                 **defaults: Any) -> None:
         self.group = process_group
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         groups = _param_groups(params)
@@ -100,7 +104,7 @@ class DistributedOptimizer:
         self.max_grad_norm, self.grad_norm_group, self.scaler = max_grad_norm, grad_norm_group, loss_scaler
         self.buckets: list[Bucket] = build_buckets([g["params"] for g in groups], self.world, bucket_size,
                                                    self.grad_codec is not None or self.param_codec is not None,
-                                                   min_compress_numel)
+                                                   min_compress_numel, frozenset(id(p) for p in deferred_params))
         self._describe_policy(min_compress_numel)
         device = groups[0]["params"][0].device
         for b in self.buckets:
@@ -114,6 +118,7 @@ class DistributedOptimizer:
             opts = {k: v for k, v in g.items() if k != "params"}
             inner_groups.append({"params": [m for m, b in zip(self.masters, self.buckets) if b.group == gi], **opts})
         self.optimizer = (optimizer_class or default_optimizer_class())(inner_groups, **defaults)
+        self._norm_weights = self._build_norm_weights(grad_norm_weight)
         self.step_count, self.skipped_steps, self.last_grad_norm = 0, 0, None
         self._accumulating, self._validated = False, False
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
@@ -134,11 +139,34 @@ class DistributedOptimizer:
             flat[o:o + p.numel()] = p.detach().reshape(-1).float()
         return flat
 
+    def _build_norm_weights(self, weight_fn) -> list[Optional[torch.Tensor]]:
+        """Per-shard element weights of the squared gradient norm (None = all ones): a parameter held by
+        several ranks of the norm group (TP-replicated norms, a tied embedding's two copies) gets 1/copies."""
+        out = []
+        for b in self.buckets:
+            if weight_fn is None or all(weight_fn(p) == 1.0 for p in b.params):
+                out.append(None)
+                continue
+            w = torch.zeros(b.padded, dtype=torch.float64)
+            for p, o in zip(b.params, b.offsets):
+                w[o:o + p.numel()] = float(weight_fn(p))
+            out.append(w[slice(*b.shard_range(self.rank, self.world))])
+        return out
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """The fp32 accumulated gradient of ``param`` (a view into its bucket), valid between backward and
+        step. Reduce it over extra groups here only for ``deferred_params``."""
+        for b in self.buckets:
+            for p, o in zip(b.params, b.offsets):
+                if p is param:
+                    return b.grad[o:o + p.numel()].view(p.shape)
+        raise KeyError("parameter is not managed by this DistributedOptimizer")
+
     def _check_replicated(self) -> None:
         sums = torch.stack([torch.stack([f.double().sum(), f.double().square().sum()])
                             for f in (self._flat_params(b) for b in self.buckets)]).reshape(-1)
         table = torch.empty(self.world * sums.numel(), dtype=sums.dtype)
-        dist.all_gather_into_tensor(table, sums, group=self.group)
+        comm._common._all_gather_base(table, sums, group=self.group)
         table = table.view(self.world, -1)
         bad = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
         if bad:
@@ -163,7 +191,7 @@ class DistributedOptimizer:
             if self._accumulating:
                 return
             b.ready.add(i)  # counted on the communicating backward only
-            if len(b.ready) == len(b.params):
+            if len(b.ready) == len(b.params) and not b.deferred:
                 self._launch(b)
         return hook
 
@@ -210,7 +238,8 @@ class DistributedOptimizer:
         return t.item()
 
     def _global_norm(self, shards: list[torch.Tensor]) -> float:
-        sq = torch.stack([s.double().square().sum() for s in shards]).sum().reshape(1)
+        sq = torch.stack([(s.double().square() * w if w is not None else s.double().square()).sum()
+                          for s, w in zip(shards, self._norm_weights)]).sum().reshape(1)
         dist.all_reduce(sq, group=self.group)
         if self.grad_norm_group is not None:
             dist.all_reduce(sq, group=self.grad_norm_group)

@@ -1,0 +1,187 @@
+"""Pretraining configuration: one flat dataclass, filled from a YAML file and Megatron-style CLI flags.
+
+    python -m megacomp.pretrain --config configs/gpt_tiny.yaml --tensor-model-parallel-size 2 \
+        --train-iters 50 --compression loco4 --log-dir runs/a
+
+Every field can be set in the YAML file (same name) or on the command line (``--field-name``, dashes for
+underscores); the command line wins. ``compression`` is a preset name (``configs/compression/NAME.yaml``),
+a YAML file, or an inline mapping in the config. Unknown keys and inconsistent sizes raise ValueError
+naming the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..config import CommCompressionConfig, load_yaml
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass
+class PretrainConfig:
+    """Everything a pretraining run needs."""
+
+    # model
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width (default 4 x hidden)."""
+    seq_length: int = 64
+    """Tokens per sample."""
+    vocab_size: int = 1024
+    """Tokenizer vocabulary (rounded up to a multiple of the TP size for the embedding)."""
+    # parallelism
+    tensor_model_parallel_size: int = 1
+    """TP size."""
+    pipeline_model_parallel_size: int = 1
+    """PP size (1F1B schedule)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside TP."""
+    # batch and optimisation
+    micro_batch_size: int = 4
+    """Samples per micro-batch per DP rank."""
+    global_batch_size: int = 16
+    """Samples per iteration over all DP ranks (a multiple of micro_batch_size x DP size)."""
+    train_iters: int = 100
+    """Iterations to train."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_iters: int = 10
+    """Linear warm-up iterations."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    seed: int = 1234
+    """Seed of the initialisation, the data order and stochastic rounding."""
+    params_dtype: str = "float32"
+    """float32 or bfloat16 model parameters (masters stay fp32)."""
+    # data
+    data_path: Optional[list] = None
+    """Corpus files or directories (default: the Python standard library's sources)."""
+    data_cache_dir: Optional[str] = None
+    """Where the tokenizer and token files are cached (default $MEGACOMP_DATA_CACHE or ~/.cache/megacomp)."""
+    tokenizer_max_bytes: int = 5 * 1024 * 1024
+    """Text used to train the tokenizer."""
+    # compression
+    compression: Any = "none"
+    """Preset name, YAML file or mapping (see megacomp.config.CommCompressionConfig)."""
+    # logging and checkpoints
+    log_dir: Optional[str] = None
+    """Directory for metrics.jsonl (rank 0)."""
+    log_interval: int = 1
+    """Iterations between log lines."""
+    save: Optional[str] = None
+    """Checkpoint directory to write."""
+    save_interval: int = 0
+    """Iterations between checkpoints (0: only at the end when --save is set)."""
+    load: Optional[str] = None
+    """Checkpoint directory to resume from (latest iteration)."""
+    exit_interval: int = 0
+    """Stop (after saving) when the iteration is a multiple of this (0 = off), e.g. to test resume."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of collectives: a dead rank makes the others fail after at most this long."""
+    validate_collectives_every: int = 0
+    """Check collective arguments across ranks on every call (1) or only in the first iteration (0)."""
+
+    def compression_config(self) -> CommCompressionConfig:
+        return load_compression(self.compression)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def load_compression(spec: Union[str, dict, None]) -> CommCompressionConfig:
+    """A CommCompressionConfig from a preset name, a YAML path or a mapping."""
+    if spec is None:
+        return CommCompressionConfig()
+    if isinstance(spec, dict):
+        return CommCompressionConfig.from_dict(spec)
+    if isinstance(spec, CommCompressionConfig):
+        return spec
+    path = Path(spec)
+    if not path.is_file():
+        path = REPO_CONFIGS / "compression" / f"{spec}.yaml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in (REPO_CONFIGS / "compression").glob("*.yaml"))
+        raise ValueError(f"--compression {spec!r} is neither a file nor a preset; presets: {presets}")
+    return CommCompressionConfig.from_dict(load_yaml(str(path)))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication")
+    p.add_argument("--config", help="YAML file with PretrainConfig fields")
+    for f in fields(PretrainConfig):
+        default = f.default if f.default is not MISSING else None
+        t = str(f.type)
+        if t == "bool":
+            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif f.name == "data_path":
+            p.add_argument(_flag(f.name), dest=f.name, nargs="+", default=None, help="corpus files or directories")
+        else:
+            kind = int if "int" in t else float if "float" in t else str
+            p.add_argument(_flag(f.name), dest=f.name, type=kind, default=None, help=f"(default {default!r})")
+    return p
+
+
+def parse_args(argv=None) -> PretrainConfig:
+    """YAML (``--config``) then CLI overrides -> a validated PretrainConfig."""
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    if args.config:
+        values.update(load_yaml(args.config))
+    names = {f.name for f in fields(PretrainConfig)}
+    unknown = set(values) - names
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)} in {args.config}; allowed keys: {sorted(names)}")
+    for name in names:
+        v = getattr(args, name)
+        if v is not None:
+            values[name] = v
+    cfg = PretrainConfig(**values)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
+    """Sizes that must agree; raises ValueError naming the fix."""
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"hidden_size {cfg.hidden_size} must be divisible by num_attention_heads {cfg.num_attention_heads}")
+    if cfg.params_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"params_dtype must be float32 or bfloat16, got {cfg.params_dtype!r}")
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+    if world_size is None:
+        return
+    mp = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
+    if world_size % mp:
+        raise ValueError(f"tensor_model_parallel_size ({cfg.tensor_model_parallel_size}) x "
+                         f"pipeline_model_parallel_size ({cfg.pipeline_model_parallel_size}) = {mp} does not divide "
+                         f"the world size {world_size}; pick sizes whose product divides the number of ranks")
+    dp = world_size // mp
+    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
+                         f"{cfg.micro_batch_size} x data-parallel size {dp}")
+    if cfg.pipeline_model_parallel_size > cfg.num_layers:
+        raise ValueError(f"{cfg.pipeline_model_parallel_size} pipeline stages for {cfg.num_layers} layers: every stage "
+                         f"needs at least one layer")
+    if cfg.sequence_parallel and cfg.seq_length % cfg.tensor_model_parallel_size:
+        raise ValueError(f"sequence_parallel needs seq_length ({cfg.seq_length}) divisible by the TP size")

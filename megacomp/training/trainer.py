@@ -1,0 +1,234 @@
+"""GPT pretraining loop over TP x PP x DP with every traffic kind compressible.
+
+Per iteration: M = global_batch / (micro_batch x DP) micro-batches go through the model (1F1B when
+PP > 1), gradients are accumulated in the sharded optimizer's buffers and reduce-scattered after the
+last micro-batch; tied-embedding and sequence-parallel gradients are summed over their groups first;
+then the optimizer steps and all-gathers parameters. Loss, learning rate, tokens/s and the iteration's
+wire bytes per traffic kind are logged; checkpoints are written every ``save_interval`` iterations.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .. import comm, parallel_state
+from ..config import ModelParallelConfig
+from ..data import DistributedBatchSampler, get_batch, prepare_data
+from ..launch import init_distributed
+from ..models.gpt import GPTConfig, GPTModel, split_layers
+from ..optimizer import DistributedOptimizer
+from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
+from .arguments import PretrainConfig, check
+from .checkpoint import load_checkpoint, save_checkpoint
+from .metrics import MetricsLogger, gather_traffic
+
+
+def learning_rate(cfg: PretrainConfig, it: int) -> float:
+    """Linear warm-up then cosine decay to ``min_lr`` at ``train_iters``."""
+    if it < cfg.lr_warmup_iters:
+        return cfg.lr * (it + 1) / cfg.lr_warmup_iters
+    span = max(1, cfg.train_iters - cfg.lr_warmup_iters)
+    progress = min(1.0, (it - cfg.lr_warmup_iters) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    """Builds everything for one rank and runs the iterations."""
+
+    def __init__(self, cfg: PretrainConfig) -> None:
+        self.cfg = cfg
+        init_distributed(timeout_s=cfg.distributed_timeout_minutes * 60)
+        self.world = dist.get_world_size()
+        check(cfg, self.world)
+        self.groups = parallel_state.initialize_model_parallel(cfg.tensor_model_parallel_size,
+                                                               cfg.pipeline_model_parallel_size)
+        g = self.groups
+        self.compression = cfg.compression_config()
+        self.tokenizer, self.dataset = prepare_data(cfg.data_path, cfg.vocab_size, cfg.seq_length, cfg.data_cache_dir,
+                                                    max_bytes=cfg.tokenizer_max_bytes)
+        tp, pp = g.tp_size, g.pp_size
+        multiple = 8 * tp
+        vocab = -(-self.tokenizer.vocab_size // multiple) * multiple  # pad so the vocabulary splits over TP
+        self.gpt = GPTConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                             ffn_hidden_size=cfg.ffn_hidden_size, num_layers=cfg.num_layers, vocab_size=vocab,
+                             max_seq_length=cfg.seq_length, seed=cfg.seed)
+        mpc = ModelParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  sequence_parallel=cfg.sequence_parallel, params_dtype=cfg.params_dtype,
+                                  compression=self.compression, process_groups=g)
+        self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
+                              layer_range=split_layers(cfg.num_layers, pp, g.pp_rank))
+        self.optimizer = self._build_optimizer()
+        self.communicator = PipelineCommunicator(g.pp_ranks, self.compression) if pp > 1 else None
+        self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
+        self.iteration = 0
+        if cfg.load:
+            self._load()
+        self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
+                                               seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
+        self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=bool(cfg.load))
+
+    # -- construction --------------------------------------------------------------------------------
+    def _tied(self) -> Optional[torch.nn.Parameter]:
+        m = self.model
+        if self.groups.pp_size == 1 or self.groups.embedding is None:
+            return None
+        return m.word_embeddings.weight if m.pre_process else m.output_weight
+
+    def _sp_params(self) -> list:
+        if not (self.cfg.sequence_parallel and self.groups.tp_size > 1):
+            return []
+        return [p for p in self.model.parameters() if getattr(p, "sequence_parallel", False)]
+
+    def _build_optimizer(self) -> DistributedOptimizer:
+        cfg, g, c = self.cfg, self.groups, self.compression
+        params = list(self.model.parameters())
+        decay = [p for p in params if p.dim() > 1]
+        no_decay = [p for p in params if p.dim() <= 1]
+        tied = self._tied()
+        tp = g.tp_size
+
+        def norm_weight(p) -> float:  # each parameter counts once in the model-parallel norm
+            w = 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp
+            return w * (0.5 if p is tied else 1.0)
+
+        deferred = ([tied] if tied is not None else []) + self._sp_params()
+        return DistributedOptimizer(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            torch.optim.AdamW, g.dp, grad_codec=c.dp_gradient, param_codec=c.dp_parameter,
+            error_feedback=c.dp_gradient_error_feedback, min_compress_numel=c.min_compress_numel,
+            max_grad_norm=cfg.clip_grad or None, grad_norm_group=g.mp if g.tp_size * g.pp_size > 1 else None,
+            grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+    def run_info(self) -> dict:
+        info = asdict(self.cfg)
+        info["vocab_size"] = self.gpt.vocab_size
+        info["compression_resolved"] = self.compression.to_dict()
+        info["world_size"] = self.world
+        return info
+
+    # -- state -------------------------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        tp_ef = {name: m.backward_error_feedback.state_dict() for name, m in self.model.named_modules()
+                 if getattr(m, "backward_error_feedback", None) is not None}
+        return {"rng": torch.get_rng_state(), "tp_error_feedback": tp_ef,
+                "pp": self.communicator.state_dict() if self.communicator else None}
+
+    def _load(self) -> None:
+        self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info())
+        torch.set_rng_state(extra["rng"])
+        modules = dict(self.model.named_modules())
+        for name, state in extra["tp_error_feedback"].items():
+            modules[name].backward_error_feedback.load_state_dict(state)
+        if self.communicator is not None and extra["pp"] is not None:
+            self.communicator.load_state_dict(extra["pp"])
+        if dist.get_rank() == 0:
+            print(f"resumed from {self.cfg.load} at iteration {self.iteration}", flush=True)
+
+    def save(self) -> None:
+        save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(), self.groups,
+                        self.run_info())
+
+    # -- one iteration -------------------------------------------------------------------------------
+    def _micro_batches(self) -> list:
+        return [get_batch(self.dataset, next(self._batches)) for _ in range(self.num_microbatches)]
+
+    def _forward_backward(self, batches) -> list[float]:
+        m, M = self.model, self.num_microbatches
+        if self.communicator is None:
+            losses = []
+            for k, (ids, labels) in enumerate(batches):
+                with (self.optimizer.no_sync() if k < M - 1 else torch.enable_grad()):
+                    loss = m(ids, labels)
+                    (loss / M).backward()
+                losses.append(loss.item())
+            return losses
+
+        def stage_forward(x, k):
+            ids, labels = batches[k]
+            inp = ids if m.pre_process else x
+            return m(inp, labels) if m.post_process else m(inp)
+
+        tp = self.groups.tp_size
+        s = self.cfg.seq_length // tp if self.cfg.sequence_parallel else self.cfg.seq_length
+        dtype = next(m.parameters()).dtype
+        return forward_backward_pipelining_without_interleaving(
+            stage_forward=stage_forward, num_microbatches=M, communicator=self.communicator,
+            activation_shape=(s, self.cfg.micro_batch_size, self.cfg.hidden_size), dtype=dtype,
+            no_sync=self.optimizer.no_sync)
+
+    def _finalize_grads(self) -> None:
+        """Sum gradients that several model-parallel ranks compute for one parameter (uncompressed)."""
+        tied = self._tied()
+        if tied is not None:
+            dist.all_reduce(self.optimizer.main_grad(tied), group=self.groups.embedding)
+        sp = self._sp_params()
+        if sp:
+            grads = [self.optimizer.main_grad(p) for p in sp]
+            flat = torch.cat([x.reshape(-1) for x in grads])
+            dist.all_reduce(flat, group=self.groups.tp)
+            off = 0
+            for x in grads:
+                x.copy_(flat[off:off + x.numel()].view_as(x))
+                off += x.numel()
+
+    def _global_loss(self, losses: list[float]) -> float:
+        """Mean loss over micro-batches and DP ranks, known on every rank."""
+        g = self.groups
+        mine = sum(losses) / len(losses) if losses else 0.0
+        t = torch.tensor([mine], dtype=torch.float64)
+        if g.pp_size > 1:
+            dist.all_reduce(t, group=g.pp)  # only the last stage contributes
+        dist.all_reduce(t, group=g.dp)
+        return t.item() / g.dp_size
+
+    def train_step(self) -> dict:
+        cfg = self.cfg
+        lr = learning_rate(cfg, self.iteration)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        batches = self._micro_batches()
+        losses = self._forward_backward(batches)
+        self._finalize_grads()
+        stepped = self.optimizer.step()
+        elapsed = time.perf_counter() - t0
+        loss = self._global_loss(losses)
+        traffic = gather_traffic()
+        self.iteration += 1
+        if self.iteration == 1 and not cfg.validate_collectives_every:
+            comm.set_validation(False)  # shapes are fixed from now on: skip the per-call argument check
+        return {"iteration": self.iteration, "loss": loss, "lr": lr,
+                "tokens_per_second": cfg.global_batch_size * cfg.seq_length / elapsed, "iteration_time_s": elapsed,
+                "wire_bytes": sum(w for w, _ in traffic.values()),
+                "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
+                "grad_norm": self.optimizer.last_grad_norm, "skipped": not stepped}
+
+    def train(self) -> list[dict]:
+        cfg = self.cfg
+        self._batches = iter(self.sampler)
+        history = []
+        while self.iteration < cfg.train_iters:
+            record = self.train_step()
+            history.append(record)
+            if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
+                self.metrics.log(record)
+            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+                self.save()
+            if cfg.exit_interval and self.iteration % cfg.exit_interval == 0 and self.iteration < cfg.train_iters:
+                if cfg.save and not (cfg.save_interval and self.iteration % cfg.save_interval == 0):
+                    self.save()
+                break
+        else:
+            if cfg.save:
+                self.save()
+        self.metrics.close()
+        return history
+
+    def close(self) -> None:
+        comm.set_validation(True)
+        parallel_state.destroy_model_parallel()
