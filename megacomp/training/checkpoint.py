@@ -46,10 +46,17 @@ def _iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _state(model, optimizer, extra: dict, groups) -> dict[str, Any]:
+def _state(model, optimizer, extra: bytes, groups) -> dict[str, Any]:
     where = f"pp{groups.pp_rank}_tp{groups.tp_rank}"
     return {f"model/{where}": model.state_dict(), f"optim/{where}": optimizer.state_dict(),
             f"extra/rank{dist.get_rank()}": extra}
+
+
+def _pack(extra: dict) -> bytes:
+    """Per-rank state of any nesting as one opaque entry (DCP only fills entries its template already has)."""
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    return buf.getvalue()
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, groups, run_info: dict) -> str:
@@ -60,7 +67,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, gr
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, extra, groups), checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, _pack(extra), groups), checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "megacomp.json"), "w", encoding="utf-8") as f:
@@ -101,9 +108,10 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict) -> tupl
         saved = json.loads(f.read())
     check_compatible(saved, run_info, path)
     optimizer.init_state()
-    state = _state(model, optimizer, {}, groups)
+    state = _state(model, optimizer, b"", groups)
     dcp.load(state, checkpoint_id=path, planner=SafeLoadPlanner())
     where = f"pp{groups.pp_rank}_tp{groups.tp_rank}"
     model.load_state_dict(state[f"model/{where}"])
     optimizer.load_state_dict(state[f"optim/{where}"])
-    return iteration, state[f"extra/rank{dist.get_rank()}"]
+    extra = torch.load(io.BytesIO(state[f"extra/rank{dist.get_rank()}"]), weights_only=True)
+    return iteration, extra

@@ -1,0 +1,104 @@
+"""End-to-end pretraining on real ranks (megacomp.training): layout invariance, compression, resume, bad input.
+
+The corpus is a small slice of the Python standard library (real text); the tokenizer and token file
+are built once per session in a temporary cache.
+"""
+import json
+import os
+import sysconfig
+from dataclasses import replace
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from megacomp.data import default_corpus_files
+from megacomp.training import PretrainConfig, Trainer, parse_args
+from megacomp.training.arguments import check
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("data-cache")
+    files = default_corpus_files()[:40]
+    return PretrainConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
+                          micro_batch_size=2, global_batch_size=8, train_iters=3, lr=3e-3, lr_warmup_iters=2,
+                          data_path=files, data_cache_dir=str(cache), tokenizer_max_bytes=400_000, log_interval=1)
+
+
+def _train_body(rank, world, cfg):
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    return [(h["loss"], h["wire_bytes"], h["uncompressed_bytes"], h["traffic"]) for h in history]
+
+
+def losses(history):
+    return [h[0] for h in history]
+
+
+def test_loss_does_not_depend_on_the_parallel_layout(base):
+    runs = {}
+    for tp, pp, sp in [(1, 1, False), (2, 1, False), (1, 2, False), (2, 2, True), (4, 1, True)]:
+        cfg = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp)
+        per_rank = run_ranks(_train_body, 4, cfg)
+        assert all(losses(h) == losses(per_rank[0]) for h in per_rank)  # every rank reports the same loss
+        runs[(tp, pp, sp)] = losses(per_rank[0])
+    ref = runs[(1, 1, False)]
+    assert ref[-1] < ref[0]
+    for layout, got in runs.items():
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=2e-5, atol=0,
+                                   msg=lambda m: f"layout tp/pp/sp={layout}: {m}")
+
+
+def test_loco4_keeps_the_loss_and_cuts_gradient_bytes(base):
+    cfg = replace(base, train_iters=12)
+    plain = run_ranks(_train_body, 2, cfg)[0]
+    loco = run_ranks(_train_body, 2, replace(cfg, compression="loco4"))[0]
+    assert abs(losses(loco)[-1] - losses(plain)[-1]) <= 0.03 * losses(plain)[-1]
+    dp_plain, dp_loco = plain[-1][3]["dp_gradient"], loco[-1][3]["dp_gradient"]
+    assert dp_plain[0] == dp_plain[1] and dp_loco[1] == dp_plain[1]
+    assert dp_loco[0] < 0.3 * dp_loco[1]  # int4 + scales on the matrices; 1-D params stay uncompressed
+    assert loco[-1][1] < plain[-1][1]
+
+
+def test_kill_and_resume_continues_the_same_curve(base, tmp_path):
+    cfg = replace(base, train_iters=6, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                  compression="all" if os.path.exists("configs/compression/all.yaml") else "loco4",
+                  save=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "logs"))
+    full = losses(run_ranks(_train_body, 4, replace(cfg, save=None, log_dir=None))[0])
+    first = losses(run_ranks(_train_body, 4, replace(cfg, exit_interval=3))[0])
+    assert len(first) == 3 and (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    rest = losses(run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "ckpt")))[0])
+    assert first + rest == full
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in lines] == [1, 2, 3, 4, 5, 6]
+    assert all({"loss", "tokens_per_second", "wire_bytes", "uncompressed_bytes"} <= set(r) for r in lines)
+    # a checkpoint from another configuration is refused, naming the difference
+    other = replace(cfg, hidden_size=64, load=str(tmp_path / "ckpt"), save=None, log_dir=None)
+    with pytest.raises(AssertionError, match="hidden_size: checkpoint 32 vs this run 64"):
+        run_ranks(_train_body, 4, other)
+
+
+def test_bad_configuration_errors(base, tmp_path):
+    cfg_file = tmp_path / "bad.yaml"
+    cfg_file.write_text("num_layers: 2\nhiden_size: 64\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['hiden_size'\]"):
+        parse_args(["--config", str(cfg_file)])
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(3\) x pipeline_model_parallel_size \(1\) = 3 "
+                                         r"does not divide the world size 4"):
+        check(replace(base, tensor_model_parallel_size=3), world_size=4)
+    with pytest.raises(ValueError, match="global_batch_size 6 is not a multiple"):
+        check(replace(base, global_batch_size=6), world_size=2)
+    with pytest.raises(ValueError, match="neither a file nor a preset"):
+        replace(base, compression="lolo").compression_config()
+    missing = replace(base, data_path=[str(tmp_path / "nope")], data_cache_dir=str(tmp_path / "c"))
+    with pytest.raises(AssertionError, match="nope"):
+        run_ranks(_train_body, 2, missing)
+    (tmp_path / "empty").mkdir()
+    empty = replace(base, data_path=[str(tmp_path / "empty")], data_cache_dir=str(tmp_path / "c"))
+    with pytest.raises(AssertionError, match="corpus is empty"):
+        run_ranks(_train_body, 2, empty)
+    assert sysconfig.get_paths()["stdlib"]
