@@ -1,0 +1,144 @@
+"""Loss curves of compressed vs uncompressed pretraining (same seed, same data, same layout).
+
+    python scripts/convergence.py --iters 300 --out docs/convergence
+
+Runs ``python -m megacomp.pretrain`` under torchrun once per variant on the tiny GPT config (real text:
+the Python standard library's sources) and writes, under ``--out``:
+  - ``<suite>/<variant>/metrics.jsonl``      the runs' logs,
+  - ``convergence.md``                        a table per suite: final loss (mean of the last 10% of
+                                              iterations), its gap to the uncompressed run, wire bytes
+                                              per iteration of the compressed traffic kinds,
+  - ``<suite>_loss.png``, ``<suite>_loss_vs_bytes.png``  the curves.
+
+Suites: ``dp`` (4 DP ranks): none, int4 + LoCo (loco4), int4 without error feedback, int2 without
+error feedback, int2 + LoCo, int4 + LoCo with int8 parameter all-gather (ZeRO++ qwZ style);
+``pp`` (PP 2 x DP 2): none vs int8 activations + int8 gradients with error feedback.
+Numbers are measured, never asserted: the tests bound codec errors, this script shows training quality.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+INT4 = {"name": "int4", "block_size": 128}
+INT2 = {"name": "int2", "block_size": 128}
+SUITES = {
+    "dp": {"layout": [], "variants": {
+        "none": {},
+        "int4+LoCo": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco"},
+        "int4 (no EF)": {"dp_gradient": INT4},
+        "int2 (no EF)": {"dp_gradient": INT2},
+        "int2+LoCo": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco"},
+        "int4+LoCo, int8 params": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco",
+                                   "dp_parameter": {"name": "int8", "block_size": 256}},
+    }},
+    "pp": {"layout": ["--pipeline-model-parallel-size", "2"], "variants": {
+        "none": {},
+        "int8 act + int8/EF grad": {"pp_activation": {"name": "int8", "block_size": 128},
+                                    "pp_gradient": {"name": "int8", "block_size": 128},
+                                    "pp_gradient_error_feedback": "ef"},
+    }},
+}
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
+
+
+def run_variant(out: Path, suite: str, name: str, compression: dict, args) -> Path:
+    run_dir = out / suite / slug(name)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    preset = run_dir / "compression.yaml"
+    preset.write_text(yaml.safe_dump({**compression, "min_compress_numel": 4096}))
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "megacomp.pretrain",
+           "--config", args.config, "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
+           "--compression", str(preset), "--log-dir", str(run_dir), "--log-interval", "1",
+           *SUITES[suite]["layout"]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    t0 = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f"{suite}/{name} failed ({proc.returncode}); see {run_dir / 'stdout.txt'}")
+    print(f"  {suite:3s} {name:28s} {time.time() - t0:6.1f} s", flush=True)
+    return run_dir / "metrics.jsonl"
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
+    tail = max(1, len(runs["none"]) // 10)
+    base = sum(r["loss"] for r in runs["none"][-tail:]) / tail
+    kinds = sorted({k for recs in runs.values() for k in recs[-1]["traffic"] if k.startswith(("dp_", "pp_"))})
+    lines = [f"### {suite}: final loss = mean of the last {tail} iterations", "",
+             "| variant | final loss | vs none | " + " | ".join(f"{k} MB/iter (wire / fp32)" for k in kinds) + " |",
+             "|---|---|---|" + "---|" * len(kinds)]
+    for name, recs in runs.items():
+        final = sum(r["loss"] for r in recs[-tail:]) / tail
+        cells = []
+        for k in kinds:
+            w, u = recs[-1]["traffic"].get(k, [0, 0])
+            cells.append(f"{w / 1e6:.3f} / {u / 1e6:.3f}")
+        lines.append(f"| {name} | {final:.4f} | {100 * (final - base) / base:+.2f}% | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for kind in ("loss", "loss_vs_bytes"):
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for name, recs in runs.items():
+            y = [r["loss"] for r in recs]
+            if kind == "loss":
+                x = [r["iteration"] for r in recs]
+            else:
+                total, x = 0, []
+                for r in recs:
+                    total += r["wire_bytes"]
+                    x.append(total / 1e6)
+            ax.plot(x, y, label=name, linewidth=1.2)
+        ax.set_xlabel("iteration" if kind == "loss" else "cumulative wire MB (all ranks)")
+        ax.set_ylabel("training loss (nats/token)")
+        ax.set_title(f"{suite} suite: {'loss vs iteration' if kind == 'loss' else 'loss vs bytes on the wire'}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{suite}_{kind}.png", dpi=110)
+        plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--config", default="configs/gpt_tiny.yaml")
+    p.add_argument("--suites", default="dp,pp")
+    p.add_argument("--out", default="results/convergence")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = ["# Convergence: compressed vs uncompressed pretraining", "",
+              f"Command: `{' '.join([sys.executable.split('/')[-1]] + sys.argv)}`; tiny GPT ({args.config}), "
+              f"{args.nproc} gloo ranks, {args.iters} iterations, same seed and data order for every variant.", ""]
+    for suite in args.suites.split(","):
+        runs = {name: read(run_variant(out, suite, name, comp, args)) for name, comp in SUITES[suite]["variants"].items()}
+        report += summarise(suite, runs) + [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)", ""]
+        plot(suite, runs, out)
+    (out / "convergence.md").write_text("\n".join(report))
+    print("\n".join(report))
+
+
+if __name__ == "__main__":
+    main()
