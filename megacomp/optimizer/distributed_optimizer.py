@@ -83,17 +83,31 @@ class DistributedOptimizer:
     ``optimizer_class`` (e.g. lr, weight_decay, betas). ``grad_norm_group``: a further group (e.g. the
     model-parallel group) over which the gradient norm and the overflow check are reduced;
     ``grad_norm_weight(param)``: that parameter's share in the norm (1 / number of copies in the group).
-    ``deferred_params``: reduced only in ``step()`` (see :meth:`main_grad`).
+    ``deferred_params``: reduced only in ``step()`` (see :meth:`main_grad`). ``hierarchy``: a pair
+    (intra-node group, inter-node group) partitioning ``process_group``: gradients are reduce-scattered in
+    full precision inside a node, then with ``grad_codec`` across nodes; parameters are all-gathered with
+    ``param_codec`` across nodes, then in full precision inside (tags ``*_intra`` in comm.stats()).
     """
 
     def __init__(self, params: Iterable, optimizer_class=None, process_group=None, *,
                  grad_codec: CodecLike = None, param_codec: CodecLike = None, error_feedback=None,
                  bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
-                 grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (),
+                 grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
                  **defaults: Any) -> None:
         self.group = process_group
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+        self.hierarchy = hierarchy
+        self.shard_index = self.rank
+        if hierarchy is not None:
+            intra, inter = hierarchy
+            n_local, n_nodes = dist.get_world_size(intra), dist.get_world_size(inter)
+            if n_local * n_nodes != self.world:
+                raise ValueError(f"hierarchy: intra-node group ({n_local} ranks) x inter-node group ({n_nodes} ranks) "
+                                 f"must cover the {self.world} ranks of process_group")
+            # after the intra-node reduce-scatter this rank holds chunk <local rank>; the inter-node one
+            # splits that chunk over the nodes: this rank ends with sub-chunk <node> of it
+            self.shard_index = dist.get_rank(intra) * n_nodes + dist.get_rank(inter)
         groups = _param_groups(params)
         self.grad_codec = None if make_codec(grad_codec).is_identity else make_codec(grad_codec)
         self.param_codec = None if make_codec(param_codec).is_identity else make_codec(param_codec)
@@ -111,7 +125,7 @@ class DistributedOptimizer:
             b.grad = torch.zeros(b.padded, dtype=torch.float32, device=device)
         if check_replicated:
             self._check_replicated()
-        self.masters = [nn.Parameter(self._flat_params(b)[slice(*b.shard_range(self.rank, self.world))].clone())
+        self.masters = [nn.Parameter(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.world))].clone())
                         for b in self.buckets]
         inner_groups = []
         for gi, g in enumerate(groups):
@@ -150,7 +164,7 @@ class DistributedOptimizer:
             w = torch.zeros(b.padded, dtype=torch.float64)
             for p, o in zip(b.params, b.offsets):
                 w[o:o + p.numel()] = float(weight_fn(p))
-            out.append(w[slice(*b.shard_range(self.rank, self.world))])
+            out.append(w[slice(*b.shard_range(self.shard_index, self.world))])
         return out
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
@@ -198,12 +212,30 @@ class DistributedOptimizer:
     def _launch(self, b: Bucket) -> None:
         codec = self.grad_codec if b.compressed else None
         b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
+        if self.hierarchy is not None:
+            self._launch_hierarchical(b, codec)
+            return
         b.work = comm.reduce_scatter_tensor(
             b.reduced, b.grad, group=self.group, async_op=True, codec=codec,
             error_feedback=self.ef if codec is not None else None, tag="dp_gradient",
             ef_key=f"dp_gradient/b{b.index}", validate=not self._validated)
         if b.work is None:  # a group of one rank: torch returns no handle
             b.work = comm.CompressedWork(lambda: None)
+
+    def _launch_hierarchical(self, b: Bucket, codec) -> None:
+        """Full precision inside a node (fast links), the codec across nodes (slow links): ZeRO++ qgZ/hpZ."""
+        intra, inter = self.hierarchy
+        partial = torch.empty(b.padded // dist.get_world_size(intra), dtype=torch.float32, device=b.grad.device)
+        first = comm.reduce_scatter_tensor(partial, b.grad, group=intra, async_op=True, tag="dp_gradient_intra",
+                                           validate=not self._validated)
+
+        def finish() -> None:
+            if first is not None:
+                first.wait()
+            comm.reduce_scatter_tensor(b.reduced, partial, group=inter, codec=codec,
+                                       error_feedback=self.ef if codec is not None else None, tag="dp_gradient",
+                                       ef_key=f"dp_gradient/b{b.index}", validate=not self._validated)
+        b.work = comm.CompressedWork(finish)
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -224,7 +256,7 @@ class DistributedOptimizer:
             b.work.wait()
             b.work = None
             shard = b.reduced.mul_(1.0 / self.world)
-            start, end = b.shard_range(self.rank, self.world)
+            start, end = b.shard_range(self.shard_index, self.world)
             if end > b.numel:  # padding carries no gradient (a sign codec would decode 0 as +scale)
                 shard[max(b.numel - start, 0):].zero_()
             shards.append(shard)
@@ -282,9 +314,17 @@ class DistributedOptimizer:
         for b, m in zip(self.buckets, self.masters):
             dtype = b.params[0].dtype
             full = torch.empty(b.padded, dtype=dtype, device=m.device)
-            comm.all_gather_into_tensor(full, m.detach().to(dtype), group=self.group,
-                                        codec=self.param_codec if b.compressed else None, tag="dp_parameter",
-                                        validate=not self._validated)
+            codec = self.param_codec if b.compressed else None
+            if self.hierarchy is None:
+                comm.all_gather_into_tensor(full, m.detach().to(dtype), group=self.group, codec=codec,
+                                            tag="dp_parameter", validate=not self._validated)
+            else:  # across nodes with the codec, then full precision inside the node (qwZ + hpZ)
+                intra, inter = self.hierarchy
+                chunk = torch.empty(b.padded // dist.get_world_size(intra), dtype=dtype, device=m.device)
+                comm.all_gather_into_tensor(chunk, m.detach().to(dtype), group=inter, codec=codec, tag="dp_parameter",
+                                            validate=not self._validated)
+                comm.all_gather_into_tensor(full, chunk, group=intra, tag="dp_parameter_intra",
+                                            validate=not self._validated)
             with torch.no_grad():
                 for p, o in zip(b.params, b.offsets):
                     p.copy_(full[o:o + p.numel()].view_as(p))
