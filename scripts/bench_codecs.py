@@ -5,8 +5,10 @@ Part A, codec throughput (this process, --threads torch threads, inputs torch.ra
   one warm-up call, then the median of --repeats timed calls. GB/s = fp32 input bytes (4 * numel) / time,
   for encode and decode alike. The reference is memcpy measured in the same run with the same convention:
   ``dst.copy_(src)`` into a preallocated dst of the same size (GB/s of fp32 bytes, not read+write).
-  The codecs allocate their outputs on every call; with glibc malloc large buffers are returned to the OS
-  and page-fault again (platform.md §6), so LD_PRELOAD (printed in the header) changes these numbers.
+  Encode and decode write into preallocated outputs (``out=``), like the memcpy reference: a fresh
+  >32 MiB buffer per call would time glibc's page faults instead (platform.md §6). Scaled int/fp8 codecs
+  run the fused kernels of megacomp.kernels (backend printed in the header; MEGACOMP_KERNELS=reference
+  measures the eager reference); casts and the sign codec are eager torch.
   wire B/elem = codec.wire_bytes(numel) / numel (scales included); ratio = 4 / that.
   rel err = ||x - decode(encode(x))|| / ||x||.
 
@@ -98,8 +100,10 @@ def bench_codec(spec: dict, x: torch.Tensor, repeats: int) -> dict:
     codec, n = make_codec(**spec), x.numel()
     buf = codec.encode_flat(x)
     err = relative_error(x, codec.decode_flat(buf, n))
-    t_enc = statistics.median(time_calls(lambda: codec.encode_flat(x), repeats))
-    t_dec = statistics.median(time_calls(lambda: codec.decode_flat(buf, n), repeats))
+    # preallocated outputs, as the memcpy reference has: fresh >32 MiB buffers would time page faults
+    dec_out = torch.empty(n, dtype=torch.float32)
+    t_enc = statistics.median(time_calls(lambda: codec.encode_flat(x, out=buf), repeats))
+    t_dec = statistics.median(time_calls(lambda: codec.decode_flat(buf, n, out=dec_out), repeats))
     wire = codec.wire_bytes(n) / n
     return {"codec": str(codec), "spec": spec, "wire_B_per_elem": wire, "ratio_vs_fp32": 4 / wire,
             "encode_ms": t_enc * 1e3, "encode_GBps": n * 4 / t_enc / 1e9,
@@ -250,7 +254,8 @@ def main() -> None:
     info = machine_info(args.threads)
     lines = ["# megacomp codec benchmark", "",
              f"Machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, python {info['python']}; "
-             f"part A threads {args.threads}; LD_PRELOAD={info['LD_PRELOAD'] or '(none, glibc malloc)'}",
+             f"part A threads {args.threads}; LD_PRELOAD={info['LD_PRELOAD'] or '(none, glibc malloc)'}; "
+             f"codec kernels: {__import__('megacomp.kernels', fromlist=['x']).backend_name()}",
              f"Command: `{info['command']}`", ""]
     print("\n".join(lines), flush=True)
     results = {"machine": info, "args": {k: (sorted(v) if isinstance(v, set) else v) for k, v in vars(args).items()}}

@@ -78,12 +78,9 @@ def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool) ->
     """Sum the ``world`` encodings in ``recv`` in fp32 (in the rotated basis for Hadamard codecs, which is
     rotated back once at the end)."""
     w = codec.wire_bytes(numel)
-    acc = None
-    for j in range(world):  # fixed rank order: deterministic, identical on every rank
-        part = codec.decode_flat(recv[j * w:(j + 1) * w], numel, rotated=True)
-        acc = part.clone() if acc is None else acc.add_(part)
-    if acc is None:
-        acc = torch.zeros(numel)
+    acc = codec.decode_flat(recv[:w], numel, rotated=True).clone() if world else torch.zeros(numel)
+    for j in range(1, world):  # fixed rank order: deterministic, identical on every rank
+        acc = codec.decode_accumulate(recv[j * w:(j + 1) * w], numel, acc)
     if avg:
         acc /= world
     return codec.unrotate(acc, numel)

@@ -160,8 +160,10 @@ class Codec:
             object.__setattr__(self, "_generator", g)
         return self._generator
 
-    def encode_flat(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Encode the elements of ``x`` (any shape, read in row-major order) into a flat uint8 buffer."""
+    def encode_flat(self, x: torch.Tensor, generator: Optional[torch.Generator] = None,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode the elements of ``x`` (any shape, read in row-major order) into a flat uint8 buffer
+        (``out``: a reusable buffer of ``wire_bytes(numel)`` bytes; used by the fused kernels)."""
         self._check_dtype(x.dtype)
         fmt = self.format
         flat = x.reshape(-1)
@@ -172,10 +174,10 @@ class Codec:
             return y.contiguous().view(torch.uint8)
         x32 = transforms.rotate(flat, self.hadamard) if self.hadamard and flat.numel() else flat.to(torch.float32)
         return quantize.encode_scaled(x32, fmt, self.block_size, self.dual_scale,
-                                      self.rounding == "stochastic", self._rng(generator))
+                                      self.rounding == "stochastic", self._rng(generator), out=out)
 
     def decode_flat(self, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
-                    rotated: bool = False) -> torch.Tensor:
+                    rotated: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Decode a buffer from :meth:`encode_flat` into a 1-D tensor of ``numel`` elements of ``dtype``.
 
         With a Hadamard codec and ``rotated=True`` the values stay in the rotated basis (fp32, padded to a
@@ -198,7 +200,18 @@ class Codec:
             padded = transforms.padded_numel(numel, self.hadamard)
             y = quantize.decode_scaled(buf, padded, fmt, self.block_size, self.dual_scale)
             return y if rotated else self.unrotate(y, numel).to(dtype)
+        if out is not None and dtype == torch.float32:
+            return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale, out=out)
         return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale).to(dtype)
+
+    def decode_accumulate(self, buf: torch.Tensor, numel: int, acc: torch.Tensor) -> torch.Tensor:
+        """``acc += decode_flat(buf, numel, fp32, rotated=True)`` in one fused pass where a kernel exists
+        (the reduce side of reduce-scatter); ``acc`` is fp32 with the decoded (rotated, padded) length."""
+        fmt = self.format
+        if fmt.scaled and not (fmt.kind == "sign") and buf.numel() == self.wire_bytes(numel):
+            padded = transforms.padded_numel(numel, self.hadamard) if self.hadamard and numel else numel
+            return quantize.decode_scaled(buf, padded, fmt, self.block_size, self.dual_scale, accumulate_into=acc)
+        return acc.add_(self.decode_flat(buf, numel, rotated=True))
 
     def unrotate(self, rotated: torch.Tensor, numel: int) -> torch.Tensor:
         """Back from the rotated basis: the first ``numel`` elements, fp32 (identity without hadamard)."""

@@ -81,7 +81,53 @@ def _dual_exponents(amax_b: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return k.to(torch.float32)
 
 
-def encode_scaled(
+def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
+    """The fused CPU kernels when they cover this case (else None: use the eager reference below)."""
+    if stochastic or fmt.kind not in ("int", "float8") or x.device.type != "cpu":
+        return None
+    from megacomp import kernels
+
+    return kernels.cpu_kernels()
+
+
+def _kind_code(fmt: Format) -> int:
+    if fmt.kind == "int":
+        return 0
+    return 1 if fmt.dtype == torch.float8_e4m3fn else 2
+
+
+def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, stochastic: bool,
+                  generator: Optional[torch.Generator], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Encode a flat fp32 tensor into the wire layout above (fused kernel when available, bit-identical).
+    ``out``: a preallocated uint8 buffer of the exact size (reused buffers avoid page faults on big tensors)."""
+    k = _kernels(fmt, stochastic, x32)
+    if k is None:
+        res = encode_scaled_reference(x32, fmt, block_size, dual, stochastic, generator)
+        return res if out is None else out.copy_(res)
+    n = x32.numel()
+    if out is None:
+        out = torch.empty(scale_nbytes(n, block_size, dual) + payload_nbytes(n, fmt), dtype=torch.uint8)
+    k.encode_into(x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
+    return out
+
+
+def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, dual: bool,
+                  accumulate_into: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Decode the wire layout above into fp32 (into ``out`` if given), or add it into ``accumulate_into``."""
+    k = _kernels(fmt, False, buf)
+    target = accumulate_into if accumulate_into is not None else out
+    if k is None or (target is not None and not target.is_contiguous()):
+        res = decode_scaled_reference(buf, numel, fmt, block_size, dual)
+        if accumulate_into is not None:
+            return accumulate_into.add_(res)
+        return res if out is None else out.copy_(res)
+    if target is None:
+        target = torch.empty(numel, dtype=torch.float32)
+    k.decode_into(buf.contiguous(), target, _kind_code(fmt), fmt.bits, block_size, dual, accumulate_into is not None)
+    return target
+
+
+def encode_scaled_reference(
     x32: torch.Tensor,
     fmt: Format,
     block_size: int,
@@ -89,7 +135,7 @@ def encode_scaled(
     stochastic: bool,
     generator: Optional[torch.Generator],
 ) -> torch.Tensor:
-    """Encode a flat fp32 tensor into the wire layout above; returns a 1-D uint8 tensor."""
+    """Encode a flat fp32 tensor into the wire layout above; returns a 1-D uint8 tensor (eager reference)."""
     n = x32.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=x32.device)
@@ -146,8 +192,8 @@ def encode_scaled(
     return torch.cat([scale_bytes, codes])
 
 
-def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, dual: bool) -> torch.Tensor:
-    """Decode the wire layout above into a flat fp32 tensor of ``numel`` elements."""
+def decode_scaled_reference(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, dual: bool) -> torch.Tensor:
+    """Decode the wire layout above into a flat fp32 tensor of ``numel`` elements (eager reference)."""
     if numel == 0:
         return torch.empty(0, dtype=torch.float32, device=buf.device)
     nb = num_blocks(numel, block_size)

@@ -1,0 +1,1 @@
+"""C++ CPU kernels (see kernels/__init__.py)."""
