@@ -4,7 +4,6 @@ The corpus is a small slice of the Python standard library (real text); the toke
 are built once per session in a temporary cache.
 """
 import json
-import os
 import sysconfig
 from dataclasses import replace
 
@@ -14,7 +13,8 @@ import torch
 from distributed import run_ranks
 from megacomp.data import default_corpus_files
 from megacomp.training import PretrainConfig, Trainer, parse_args
-from megacomp.training.arguments import check
+from megacomp.config import load_yaml
+from megacomp.training.arguments import REPO_CONFIGS, check
 
 
 @pytest.fixture(scope="module")
@@ -65,14 +65,18 @@ def test_loco4_keeps_the_loss_and_cuts_gradient_bytes(base):
 
 
 def test_kill_and_resume_continues_the_same_curve(base, tmp_path):
+    # every kind compressed, with error feedback on PP gradients and DP gradients, down to tiny tensors
+    everything = {**load_yaml(str(REPO_CONFIGS / "compression" / "all.yaml")), "min_compress_numel": 0}
     cfg = replace(base, train_iters=6, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
-                  compression="all" if os.path.exists("configs/compression/all.yaml") else "loco4",
-                  save=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "logs"))
+                  compression=everything, save=str(tmp_path / "ckpt"), log_dir=str(tmp_path / "logs"))
     full = losses(run_ranks(_train_body, 4, replace(cfg, save=None, log_dir=None))[0])
     first = losses(run_ranks(_train_body, 4, replace(cfg, exit_interval=3))[0])
     assert len(first) == 3 and (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
-    rest = losses(run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "ckpt")))[0])
-    assert first + rest == full
+    rest_history = run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "ckpt")))[0]
+    assert first + losses(rest_history) == full
+    traffic = rest_history[-1][3]
+    for kind in ("pp_activation", "pp_gradient", "dp_gradient", "dp_parameter"):
+        assert traffic[kind][0] < traffic[kind][1], kind  # really compressed
     lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in lines] == [1, 2, 3, 4, 5, 6]
     assert all({"loss", "tokens_per_second", "wire_bytes", "uncompressed_bytes"} <= set(r) for r in lines)
