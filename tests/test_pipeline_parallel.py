@@ -21,7 +21,7 @@ from megacomp.pipeline_parallel import PipelineCommunicator, forward_backward_pi
 from megacomp.tensor_parallel import allreduce_sequence_parallel_gradients
 
 CFG = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_layers=4, max_seq_length=16, seed=7)
-S, B, M = 16, 2, 3
+S, B, M = 16, 2, 4
 
 
 def micro_batch(k, dp_rank=0):
@@ -133,6 +133,26 @@ def test_mismatched_stage_shapes_raise_on_both_stages():
     sender, receiver = run_ranks(_mismatch_body, 2)
     assert "stages 0 and 1 disagree" in receiver and "sends shape (16, 2, 32)" in receiver
     assert "stage 1 expects a different activation shape" in sender
+
+
+def _schedule_errors_body(rank, world):
+    groups = parallel_state.initialize_model_parallel(1, 2)
+    c = PipelineCommunicator(groups.pp_ranks)
+    msgs = []
+    for kwargs in (dict(num_microbatches=3), dict(num_microbatches=2, model=torch.nn.Identity())):
+        try:
+            forward_backward_pipelining_without_interleaving(stage_forward=lambda x, k: x, communicator=c,
+                                                             activation_shape=(2, 2), **kwargs)
+        except ValueError as e:
+            msgs.append(str(e))
+    parallel_state.destroy_model_parallel()
+    return msgs
+
+
+def test_uneven_micro_batches_and_empty_stages_are_refused():
+    for msgs in run_ranks(_schedule_errors_body, 2):
+        assert "num_microbatches (3) must be a positive multiple of the pipeline stages (2)" in msgs[0]
+        assert "has no trainable parameters" in msgs[1]
 
 
 def test_more_stages_than_layers_is_refused():

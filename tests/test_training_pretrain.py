@@ -96,6 +96,8 @@ def test_bad_configuration_errors(base, tmp_path):
         check(replace(base, tensor_model_parallel_size=3), world_size=4)
     with pytest.raises(ValueError, match="global_batch_size 6 is not a multiple"):
         check(replace(base, global_batch_size=6), world_size=2)
+    with pytest.raises(ValueError, match="3 micro-batches per iteration .* not a multiple of the 2 pipeline stages"):
+        check(replace(base, global_batch_size=12, micro_batch_size=2, pipeline_model_parallel_size=2), world_size=4)
     with pytest.raises(ValueError, match="neither a file nor a preset"):
         replace(base, compression="lolo").compression_config()
     missing = replace(base, data_path=[str(tmp_path / "nope")], data_cache_dir=str(tmp_path / "c"))

@@ -34,16 +34,26 @@ def forward_backward_pipelining_without_interleaving(
         *, stage_forward: Callable[[Optional[torch.Tensor], int], torch.Tensor], num_microbatches: int,
         communicator: PipelineCommunicator, activation_shape: Sequence[int], dtype: torch.dtype = torch.float32,
         forward_only: bool = False, no_sync: Optional[Callable[[], contextlib.AbstractContextManager]] = None,
+        model: Optional[torch.nn.Module] = None,
 ) -> list[float]:
     """Run one global batch through the pipeline; returns the micro-batch losses on the last stage, [] elsewhere.
 
     ``stage_forward(input, k)``: this stage's forward of micro-batch ``k`` (``input`` is None on the first
     stage, which reads its own data); on the last stage it returns the loss of that micro-batch.
     ``activation_shape``/``dtype``: the tensor exchanged between stages (checked once by a handshake).
+    ``model``: this stage's module, checked to hold parameters.
+
+    Raises ValueError when the micro-batch count is not a positive multiple of the stage count (every
+    stage then runs whole 1F1B rounds and the bubble stays (P-1)/M; fix the global batch size) or the
+    stage has no trainable parameters (split the layers differently).
     """
-    if num_microbatches < 1:
-        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
     c = communicator
+    if num_microbatches < 1 or num_microbatches % c.num_stages:
+        raise ValueError(f"num_microbatches ({num_microbatches}) must be a positive multiple of the pipeline stages "
+                         f"({c.num_stages}); choose global_batch_size = k * {c.num_stages} * micro_batch_size * "
+                         f"data-parallel size")
+    if model is not None and not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"pipeline stage {c.stage} has no trainable parameters; give every stage at least one layer")
     c.handshake(activation_shape, dtype)
     shape = tuple(activation_shape)
     losses: list[float] = []

@@ -180,6 +180,11 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if cfg.global_batch_size % (cfg.micro_batch_size * dp):
         raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
                          f"{cfg.micro_batch_size} x data-parallel size {dp}")
+    micro = cfg.global_batch_size // (cfg.micro_batch_size * dp)
+    if micro % cfg.pipeline_model_parallel_size:
+        raise ValueError(f"{micro} micro-batches per iteration (global_batch_size {cfg.global_batch_size} / "
+                         f"(micro_batch_size {cfg.micro_batch_size} x DP {dp})) is not a multiple of the "
+                         f"{cfg.pipeline_model_parallel_size} pipeline stages; raise global_batch_size")
     if cfg.pipeline_model_parallel_size > cfg.num_layers:
         raise ValueError(f"{cfg.pipeline_model_parallel_size} pipeline stages for {cfg.num_layers} layers: every stage "
                          f"needs at least one layer")

@@ -159,7 +159,7 @@ class Trainer:
         return forward_backward_pipelining_without_interleaving(
             stage_forward=stage_forward, num_microbatches=M, communicator=self.communicator,
             activation_shape=(s, self.cfg.micro_batch_size, self.cfg.hidden_size), dtype=dtype,
-            no_sync=self.optimizer.no_sync)
+            no_sync=self.optimizer.no_sync, model=m)
 
     def _finalize_grads(self) -> None:
         """Sum gradients that several model-parallel ranks compute for one parameter (uncompressed)."""
