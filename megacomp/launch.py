@@ -71,7 +71,8 @@ def _rendezvous(env: LaunchEnv) -> str:
         except ImportError:
             raise RuntimeError("launched by MPI without MASTER_ADDR/MASTER_PORT: export them (mpirun -x MASTER_ADDR=... "
                                "-x MASTER_PORT=...) or pip install mpi4py so rank 0 can broadcast its address") from None
-        info = (socket.gethostbyname(socket.gethostname()), free_port()) if env.rank == 0 else None
+        # MASTER_ADDR alone (no port) is honoured: gethostbyname may say 127.0.1.1 on Debian-style hosts
+        info = (addr or socket.gethostbyname(socket.gethostname()), free_port()) if env.rank == 0 else None
         addr, port = MPI.COMM_WORLD.bcast(info, root=0)
         return f"tcp://{addr}:{port}"
     raise RuntimeError("no rendezvous address: set MASTER_ADDR and MASTER_PORT (torchrun sets them)")

@@ -11,7 +11,9 @@ the Python standard library's sources) and writes, under ``--out``:
   - ``<suite>_loss.png``, ``<suite>_loss_vs_bytes.png``  the curves.
 
 Suites: ``dp`` (4 DP ranks): none, int4 + LoCo (loco4), int4 without error feedback, int2 without
-error feedback, int2 + LoCo, int4 + LoCo with int8 parameter all-gather (ZeRO++ qwZ style);
+error feedback, int2 + LoCo, int4 + LoCo with int8 parameter all-gather (ZeRO++ qwZ style), and int4
+with one scale per bucket shard (the coarse regime of LoCo's fixed scale) without EF, with LoCo and
+with classic EF, and int2 with classic EF;
 ``pp`` (PP 2 x DP 2): none vs int8 activations + int8 gradients with error feedback.
 Numbers are measured, never asserted: the tests bound codec errors, this script shows training quality.
 """
@@ -29,6 +31,7 @@ import yaml
 
 INT4 = {"name": "int4", "block_size": 128}
 INT2 = {"name": "int2", "block_size": 128}
+INT4_TENSOR = {"name": "int4", "block_size": 0}
 SUITES = {
     "dp": {"layout": [], "variants": {
         "none": {},
@@ -38,6 +41,11 @@ SUITES = {
         "int2+LoCo": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco"},
         "int4+LoCo, int8 params": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco",
                                    "dp_parameter": {"name": "int8", "block_size": 256}},
+        # one scale per bucket shard (the coarse regime of LoCo's fixed global scale): where EF matters
+        "int4/tensor (no EF)": {"dp_gradient": INT4_TENSOR},
+        "int4/tensor+LoCo": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "loco"},
+        "int4/tensor+EF": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef"},
+        "int2+EF": {"dp_gradient": INT2, "dp_gradient_error_feedback": "ef"},
     }},
     "pp": {"layout": ["--pipeline-model-parallel-size", "2"], "variants": {
         "none": {},

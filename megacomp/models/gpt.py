@@ -71,7 +71,8 @@ class GPTModel(nn.Module):
                 self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config,
                                                               reduce_scatter_embeddings=self.sp, tp_group=self.tp_group)
             with _Seeded(cfg.seed + 1):
-                self.position_embeddings = nn.Parameter(torch.randn(cfg.max_seq_length, cfg.hidden_size) * cfg.init_std)
+                self.position_embeddings = nn.Parameter(
+                    (torch.randn(cfg.max_seq_length, cfg.hidden_size) * cfg.init_std).to(config.params_dtype))
             self.position_embeddings.sequence_parallel = self.sp
         layers = []
         for i in self.layer_range:
