@@ -29,6 +29,12 @@ def _worker(fn, rank, world_size, init_file, args, queue, pg_timeout):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
         result = fn(rank, world_size, *args)
+        # Wait for every rank before tearing down: a fast rank closing its sockets while a peer still
+        # sets up a group (new_group is not a barrier for non-members) fails the peer spuriously.
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=30))
+        except Exception:
+            pass  # another rank failed: its own report says why
         # Serialise tensors by value: torch's default queue pickling shares them through file
         # descriptors that vanish when this process exits.
         buf = io.BytesIO()
