@@ -47,6 +47,13 @@ SUITES = {
         "int4/tensor+EF": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef"},
         "int2+EF": {"dp_gradient": INT2, "dp_gradient_error_feedback": "ef"},
     }},
+    # longer runs of the coarse (one scale per shard) int4 regime, where error feedback has work to do
+    "ef": {"layout": [], "variants": {
+        "none": {},
+        "int4/tensor (no EF)": {"dp_gradient": INT4_TENSOR},
+        "int4/tensor+EF": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef"},
+        "int4/tensor+LoCo": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "loco"},
+    }},
     "pp": {"layout": ["--pipeline-model-parallel-size", "2"], "variants": {
         "none": {},
         "int8 act + int8/EF grad": {"pp_activation": {"name": "int8", "block_size": 128},
@@ -132,7 +139,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--suites", default="dp,pp")
+    p.add_argument("--suites", default="dp,pp", help="dp, pp and/or ef (the long error-feedback suite)")
     p.add_argument("--out", default="results/convergence")
     args = p.parse_args()
     out = Path(args.out)

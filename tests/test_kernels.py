@@ -101,3 +101,18 @@ def test_reference_can_be_forced_and_build_failures_fall_back(monkeypatch, caplo
     x = torch.randn(300)
     codec = make_codec("int8")
     assert torch.equal(codec.encode_flat(x), quantize.encode_scaled_reference(x, codec.format, 128, False, False, None))
+
+
+@needs_cpu
+@pytest.mark.parametrize("name,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_rounding_ties_exhaustive(name, dtype):
+    """Every float8 value, the midpoints between neighbours (round-half-even ties) and their fp32
+    neighbours one ulp away: the kernel's conversion equals torch's, with a scale of exactly 1."""
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    vals = torch.unique(vals[torch.isfinite(vals)])
+    mids = (vals[1:] + vals[:-1]) / 2
+    probes = torch.cat([vals, mids, torch.nextafter(mids, torch.full_like(mids, float("inf"))),
+                        torch.nextafter(mids, torch.full_like(mids, -float("inf")))])
+    fmax = torch.finfo(dtype).max
+    x = torch.cat([probes.clamp(-fmax, fmax), torch.tensor([fmax])])  # amax = fmax -> scale 1
+    check_identical(make_codec(name, block_size=0), x)

@@ -43,12 +43,61 @@ inline float absmax(const float* x, int64_t n) {
   return any_nan ? NAN : r;
 }
 
+// fp32 -> float8 bits, round to nearest even: the same integer arithmetic as c10's
+// fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value, written with selects instead of branches so the
+// quantize loop vectorises. Callers pass finite values already clamped to the format's range.
 template <typename F8>
-inline uint8_t f8_bits(float y) {
-  F8 v(y);
-  uint8_t out;
-  std::memcpy(&out, &v, 1);
-  return out;
+inline uint8_t f8_bits(float f);
+
+template <>
+inline uint8_t f8_bits<c10::Float8_e4m3fn>(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t sign = b & 0x80000000u;
+  b ^= sign;
+  float fa;
+  std::memcpy(&fa, &b, 4);
+  const float dn = fa + 16384.0f;  // fp32_from_bits(141 << 23): aligns subnormals to the fp8 grid
+  uint32_t dnb;
+  std::memcpy(&dnb, &dn, 4);
+  const uint32_t den = dnb - (141u << 23);
+  const uint32_t norm = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
+  const uint32_t r = b >= (1087u << 20) ? 0x7Fu : (b < (121u << 23) ? den : norm);
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+template <>
+inline uint8_t f8_bits<c10::Float8_e5m2>(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t sign = b & 0x80000000u;
+  b ^= sign;
+  float fa;
+  std::memcpy(&fa, &b, 4);
+  const float dn = fa + 128.0f;  // fp32_from_bits(134 << 23)
+  uint32_t dnb;
+  std::memcpy(&dnb, &dn, 4);
+  const uint32_t den = dnb - (134u << 23);
+  const uint32_t norm = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + ((b >> 21) & 1u)) >> 21;
+  const uint32_t big = b > (255u << 23) ? 0x7Fu : 0x7Cu;
+  const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? den : norm);
+  return static_cast<uint8_t>(r | (sign >> 24));
+}
+
+// float8 bits -> fp32 through a 256-entry table built with c10's own conversion (exact)
+template <typename F8>
+const float* f8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      F8 v;
+      const uint8_t c = static_cast<uint8_t>(i);
+      std::memcpy(&v, &c, 1);
+      t[i] = static_cast<float>(v);
+    }
+    return t;
+  }();
+  return table.data();
 }
 
 // codes[i] for y_i = (x_i * mult) / div, the reference's op sequence; KIND 0 = int, 1 = float8
@@ -113,15 +162,9 @@ inline void unpack(const uint8_t* in, int64_t n, int bits, uint8_t* codes) {
 template <int KIND, typename F8>
 inline void dequantize_span(const uint8_t* codes, int64_t n, float scale, float coarse, float down, bool dual,
                             float offset, float* out, bool accumulate) {
+  const float* table = KIND == 0 ? nullptr : f8_table<F8>();
   for (int64_t i = 0; i < n; ++i) {
-    float v;
-    if (KIND == 0) {
-      v = static_cast<float>(codes[i]) - offset;
-    } else {
-      F8 f;
-      std::memcpy(&f, codes + i, 1);
-      v = static_cast<float>(f);
-    }
+    const float v = KIND == 0 ? static_cast<float>(codes[i]) - offset : table[codes[i]];
     const float r = dual ? (v * coarse) * down : v * scale;
     out[i] = accumulate ? out[i] + r : r;
   }
