@@ -137,3 +137,44 @@ def test_p2p_mismatch_raises_on_the_receiver_and_the_sender_completes():
     assert "codec: sender" in receiver["codec"]
     assert "rank 0 sent non-finite values" in receiver["nan"]
     assert "non-finite values (inf/NaN) in the tensor sent from rank 0 to rank 1" in sender["nan"]
+
+
+def _outstanding_irecvs_body(rank, world):
+    if rank == 0:
+        works = [comm.isend(torch.full((5,), float(i), dtype=torch.float64), 1, codec="int8") for i in range(3)]
+        for w in works:
+            w.wait()
+        return None
+    outs = [torch.empty(5, dtype=torch.float64) for _ in range(3)]
+    handles = [comm.irecv(o, 0, codec="int8") for o in outs]  # validation on: header + payload each
+    for h in handles:
+        h.wait()
+    return [o[0].item() for o in outs]
+
+
+def test_several_outstanding_irecvs_from_one_sender_match_in_order():
+    assert run_ranks(_outstanding_irecvs_body, 2)[1] == [0.0, 1.0, 2.0]
+
+
+def _fp16_overflow_body(rank, world):
+    t = torch.ones(64)
+    t[:4] = 40000.0  # each input fits fp16; the sum does not
+    comm.all_reduce(t, codec="fp16")
+    healthy(world)
+    return t
+
+
+def test_fp16_sum_overflow_becomes_inf_on_every_rank_instead_of_hanging():
+    for t in run_ranks(_fp16_overflow_body, 2, timeout=60):
+        assert torch.isinf(t[:4]).all() and torch.equal(t[4:], torch.full((60,), 2.0))
+
+
+def _requires_grad_body(rank, world):
+    p = torch.nn.Parameter(torch.ones(300))
+    comm.all_reduce(p, codec="int8")
+    return p.detach()
+
+
+def test_lossy_collectives_accept_tensors_that_require_grad():
+    for t in run_ranks(_requires_grad_body, 2):
+        assert torch.equal(t, torch.full((300,), 2.0))

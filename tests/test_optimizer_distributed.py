@@ -163,6 +163,7 @@ def _errors_body(rank, world):
     assert opt2.step()
     (loss_fn(model2, *batch(rank, 1)) * float("inf")).backward()
     assert not opt2.step() and scaler.scale == 2.0 ** 9
+    assert all(opt2.ef.error(k) is None for k in opt2.ef.keys()) and not list(opt2.ef.keys())  # EF dropped
     assert all(torch.isfinite(p).all() for p in model2.parameters())
     (loss_fn(model2, *batch(rank, 2)) * scaler.scale).backward()
     assert opt2.step()

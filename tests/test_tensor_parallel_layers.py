@@ -285,3 +285,22 @@ def test_tp_backward_error_feedback_averages_out_the_int2_error():
     exact one; without it the int2 bias stays."""
     for res in run_ranks(_tp_error_feedback_body, 2):
         assert res["ef"] < 0.25 * res["None"], res
+
+
+def _small_tensor_ef_body(rank, world):
+    parallel_state.initialize_model_parallel(2)
+    comp = CommCompressionConfig(tp_backward="int8", tp_backward_error_feedback="ef")  # default threshold 65536
+    cfg = ModelParallelConfig(tensor_model_parallel_size=2, compression=comp)
+    col = ColumnParallelLinear(H, O, config=cfg)
+    x = randn(S, B, H, seed=1).requires_grad_()
+    col(x)[0].sum().backward()  # below the threshold: uncompressed, and no error feedback either
+    lazy = ColumnParallelLinear(H, O, config=ModelParallelConfig(tensor_model_parallel_size=2,
+                                                                 perform_initialization=False))
+    attrs = (lazy.weight.tensor_model_parallel, lazy.weight.partition_dim, lazy.bias.partition_dim)
+    parallel_state.destroy_model_parallel()
+    return x.grad is not None, attrs
+
+
+def test_small_tensors_skip_error_feedback_and_uninitialised_shards_keep_their_attributes():
+    for ok, attrs in run_ranks(_small_tensor_ef_body, 2):
+        assert ok and attrs == (True, 0, 0)

@@ -108,3 +108,12 @@ def test_bad_configuration_errors(base, tmp_path):
     with pytest.raises(AssertionError, match="corpus is empty"):
         run_ranks(_train_body, 2, empty)
     assert sysconfig.get_paths()["stdlib"]
+
+
+def test_single_rank_resume_with_error_feedback(base, tmp_path):
+    """One DP rank never compresses (nothing to send) yet its checkpoints carry the EF keys a resume expects."""
+    cfg = replace(base, train_iters=3, compression="loco4", save=str(tmp_path / "c"))
+    full = losses(run_ranks(_train_body, 1, replace(cfg, save=None))[0])
+    first = losses(run_ranks(_train_body, 1, replace(cfg, exit_interval=1))[0])
+    rest = losses(run_ranks(_train_body, 1, replace(cfg, load=str(tmp_path / "c")))[0])
+    assert first + rest == full

@@ -145,7 +145,8 @@ def resolve_error_feedback(spec: ErrorFeedbackLike, key: str) -> Optional[ErrorF
 
 def error_feedback_states() -> dict[str, ErrorFeedback]:
     """The error-feedback states the collectives keep for ``error_feedback='ef'/'loco'/config`` calls,
-    keyed by tag (or call site). Save their ``state_dict()`` with your checkpoint."""
+    keyed by ``ef_key`` when given, else ``'file:line#tag'`` of the call site. Save their ``state_dict()``
+    with your checkpoint (pass ``ef_key`` for keys that survive code edits)."""
     return _EF_STATES
 
 

@@ -67,7 +67,7 @@ def _encode_chunks(codec, h: torch.Tensor, sizes, ef, ef_key):
     """Encode consecutive chunks of flat ``h``; with error feedback update it from their decodings."""
     bufs, offs = [], offsets(sizes)
     for o, s in zip(offs, sizes):
-        bufs.append(codec.encode_flat(h[o:o + s]))
+        bufs.append(codec.encode_flat(h[o:o + s], strict=False))
     if ef is not None:
         h_hat = torch.cat([codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)])
         ef.update(ef_key, h, h_hat)
@@ -91,10 +91,10 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
                tag: Optional[str] = None, validate: Optional[bool] = None, ef_key: Optional[str] = None):
     """``torch.distributed.all_reduce`` with an optional codec (see module docstring), in place.
 
-    ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig (state kept per ``tag`` or call site)
-    or an ErrorFeedback object; it keeps a worker error (full tensor) and a server error (own shard).
-    ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce') and keys the error feedback
-    (``ef_key`` overrides that key, e.g. one per bucket under a shared tag; default: tag, else call site).
+    ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig (then the state is kept per call site
+    and tag, see ``comm.error_feedback_states()``), or an ErrorFeedback object you own (keys inside it:
+    ``ef_key`` or ``tag``, plus '/worker' for the full tensor and '/server' for the own shard).
+    ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce').
     """
     codec = make_codec(codec)
     world = dist.get_world_size(group)
@@ -114,8 +114,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
         _stats.record(label, uncompressed if world > 1 else 0, uncompressed if world > 1 else 0)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    ef_key = ef_key or tag or callsite()
-    ef = resolve_error_feedback(error_feedback, ef_key)
+    ef = resolve_error_feedback(error_feedback, ef_key or f"{callsite()}#{tag or ''}")
+    ef_key = ef_key or tag or "all_reduce"
     flat = tensor.reshape(-1)
     h = ef.compensate(ef_key + "/worker", flat) if ef is not None else flat
     bufs = _encode_chunks(codec, h, sizes, ef, ef_key + "/worker")
@@ -138,7 +138,8 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
         _all_gather_base(gathered, padded, group)
         out = torch.cat([codec.decode_flat(gathered[j * wmax:j * wmax + codec.wire_bytes(s)], s)
                          for j, s in enumerate(sizes)])
-        tensor.copy_(out.view(tensor.shape))
+        with torch.no_grad():  # also for tensors that require grad, as torch's in-place collectives
+            tensor.copy_(out.view(tensor.shape))
 
     handle = CompressedWork(finish)
     if async_op:
@@ -173,9 +174,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
         _stats.record(label, raw, raw)
         return _reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
 
-    ef_key = ef_key or tag or callsite()
-    ef = resolve_error_feedback(error_feedback, ef_key)
-    ef_key += "/worker"
+    ef = resolve_error_feedback(error_feedback, ef_key or f"{callsite()}#{tag or ''}")
+    ef_key = (ef_key or tag or "reduce_scatter") + "/worker"
     flat = input.reshape(-1)
     h = ef.compensate(ef_key, flat) if ef is not None else flat
     bufs = _encode_chunks(codec, h, [m] * world, ef, ef_key)
@@ -186,7 +186,8 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
 
     def finish() -> None:
         work.wait()
-        output.copy_(_decode_sum(codec, recv, m, world, op_name(op) == "AVG").view(output.shape))
+        with torch.no_grad():
+            output.copy_(_decode_sum(codec, recv, m, world, op_name(op) == "AVG").view(output.shape))
 
     handle = CompressedWork(finish)
     if async_op:
@@ -221,7 +222,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         _stats.record(label, raw, raw)
         return _all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    enc = codec.encode_flat(input_tensor)
+    enc = codec.encode_flat(input_tensor, strict=False)
     w = enc.numel()
     gathered = torch.empty(world * w, dtype=torch.uint8)
     _stats.record(label, (world - 1) * w, raw)
@@ -230,7 +231,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     def finish() -> None:
         work.wait()
         out = torch.cat([codec.decode_flat(gathered[j * w:(j + 1) * w], m) for j in range(world)])
-        output_tensor.copy_(out.view(output_tensor.shape))
+        with torch.no_grad():
+            output_tensor.copy_(out.view(output_tensor.shape))
 
     handle = CompressedWork(finish)
     if async_op:
@@ -298,7 +300,8 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     def finish() -> None:
         work.wait()
         parts = [codec.decode_flat(recv[o:o + b], s * row) for o, b, s in zip(offsets(out_bytes), out_bytes, out_splits)]
-        output.copy_(torch.cat(parts).view(output.shape))
+        with torch.no_grad():
+            output.copy_(torch.cat(parts).view(output.shape))
 
     handle = CompressedWork(finish)
     if async_op:

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..compression import CodecLike, make_codec
+from ..compression import CodecLike, ErrorFeedback, make_codec
 from . import _common
 from . import stats as _stats
 from ._common import CompressedWork, codec_code, dtype_code, has_nonfinite
@@ -36,10 +36,16 @@ def _validate(validate: Optional[bool]) -> bool:
 
 
 def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: CodecLike = None,
-          check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None):
-    """Start sending ``tensor`` to global rank ``dst``; returns a handle with ``wait()``."""
+          error_feedback: Optional[ErrorFeedback] = None, ef_key: Optional[str] = None, check_finite: bool = False,
+          label: Optional[str] = None, validate: Optional[bool] = None):
+    """Start sending ``tensor`` to global rank ``dst``; returns a handle with ``wait()``.
+
+    ``error_feedback`` (an ErrorFeedback, lossy codecs only): the message is ``Q(tensor + e)`` and ``e`` is
+    updated from exactly the bytes sent (key ``ef_key``, else ``label``, else 'send')."""
     codec = make_codec(codec)
     codec._check_dtype(tensor.dtype)
+    if error_feedback is not None and codec.is_identity:
+        raise ValueError("megacomp.comm.send: error_feedback needs a lossy codec")
     bad = check_finite and has_nonfinite(tensor)
     works = []
     if _validate(validate) or check_finite:
@@ -47,8 +53,13 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: Co
     raw = tensor.numel() * tensor.element_size()
     if codec.is_identity:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
+    elif error_feedback is not None:
+        key = ef_key or label or "send"
+        h = error_feedback.compensate(key, tensor.reshape(-1))
+        payload = codec.encode_flat(h, strict=False)
+        error_feedback.update(key, h, codec.decode_flat(payload, h.numel(), h.dtype))
     else:
-        payload = codec.encode_flat(tensor)
+        payload = codec.encode_flat(tensor, strict=False)
     _stats.record(label or "send", payload.numel() * payload.element_size(), raw)
     works.append(dist.isend(payload, dst, group=group, tag=tag))
 
@@ -62,69 +73,98 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: Co
     return CompressedWork(finish)
 
 
+def _payload_buffer(tensor: torch.Tensor, codec, nbytes: int) -> torch.Tensor:
+    if not codec.is_identity:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+def _deliver(tensor: torch.Tensor, codec, buf: torch.Tensor, label: Optional[str], nbytes: int) -> None:
+    with torch.no_grad():  # also into tensors that require grad
+        if codec.is_identity:
+            if buf is not tensor:
+                tensor.copy_(buf)
+        else:
+            tensor.copy_(codec.decode_flat(buf, tensor.numel(), tensor.dtype).view(tensor.shape))
+    _stats.record(label or "recv", nbytes, tensor.numel() * tensor.element_size())
+
+
+def _check_header(header: torch.Tensor, tensor: torch.Tensor, codec, src: int) -> Optional[str]:
+    expected = _header(tensor, codec, False)
+    if torch.equal(header[:3], expected[:3]):
+        return None
+    names = ("numel", "dtype", "codec")
+    diff = [f"{n}: sender {int(header[i])} vs receiver {int(expected[i])}" for i, n in enumerate(names)
+            if header[i] != expected[i]]
+    return (f"megacomp.comm.recv: message from rank {src} to rank {dist.get_rank()} does not match the receiving "
+            f"tensor ({'; '.join(diff)}); both ends must use the same shape, dtype and codec")
+
+
+def _nonfinite_error(src: int) -> FloatingPointError:
+    return FloatingPointError(f"megacomp.comm.recv: rank {src} sent non-finite values (inf/NaN) to rank "
+                              f"{dist.get_rank()} (check_finite=True)")
+
+
 def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: CodecLike = None,
           check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None):
-    """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` decodes into it."""
+    """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` decodes into it.
+
+    Both the header (when validating) and the payload receive are posted at once, so several outstanding
+    irecvs from one sender match its messages in order. A header mismatch raises at ``wait()``; the
+    payload receive posted for the expected size then cannot complete cleanly, so treat the pair of
+    ranks as broken (the blocking :func:`recv` drains the message instead and stays usable)."""
     codec = make_codec(codec)
     codec._check_dtype(tensor.dtype)
     checked = _validate(validate) or check_finite
+    nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
     header = torch.empty(_HEADER, dtype=torch.int64)
     hwork = dist.irecv(header, src, group=group, tag=tag) if checked else None
-    nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
-    if not checked:  # sizes agreed up front: post the receive now so paired send/recv pairs never deadlock
-        buf = torch.empty(nbytes, dtype=torch.uint8) if not codec.is_identity else (
-            tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format))
-        work = dist.irecv(buf, src, group=group, tag=tag)
-
-        def finish_posted() -> None:
-            work.wait()
-            if codec.is_identity:
-                if buf is not tensor:
-                    tensor.copy_(buf)
-            else:
-                tensor.copy_(codec.decode_flat(buf, tensor.numel(), tensor.dtype).view(tensor.shape))
-            _stats.record(label or "recv", nbytes, tensor.numel() * tensor.element_size())
-
-        return CompressedWork(finish_posted)
+    buf = _payload_buffer(tensor, codec, nbytes)
+    work = dist.irecv(buf, src, group=group, tag=tag)
 
     def finish() -> None:
         if hwork is not None:
             hwork.wait()
-            expected = _header(tensor, codec, False)
-            if not torch.equal(header[:3], expected[:3]):
-                sink = torch.empty(int(header[3]), dtype=torch.uint8)
-                dist.recv(sink, src, group=group, tag=tag)
-                names = ("numel", "dtype", "codec")
-                diff = [f"{n}: sender {int(header[i])} vs receiver {int(expected[i])}"
-                        for i, n in enumerate(names) if header[i] != expected[i]]
-                raise ValueError(f"megacomp.comm.recv: message from rank {src} to rank {dist.get_rank()} does not match "
-                                 f"the receiving tensor ({'; '.join(diff)}); both ends must use the same shape, dtype "
-                                 f"and codec")
-        if codec.is_identity:
-            buf = tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            dist.recv(buf, src, group=group, tag=tag)
-            if buf is not tensor:
-                tensor.copy_(buf)
-        else:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            dist.recv(buf, src, group=group, tag=tag)
-            tensor.copy_(codec.decode_flat(buf, tensor.numel(), tensor.dtype).view(tensor.shape))
-        _stats.record(label or "recv", nbytes, tensor.numel() * tensor.element_size())
+            msg = _check_header(header, tensor, codec, src)
+            if msg:
+                raise ValueError(msg)
+        work.wait()
+        _deliver(tensor, codec, buf, label, nbytes)
         if hwork is not None and check_finite and int(header[4]):
-            raise FloatingPointError(f"megacomp.comm.recv: rank {src} sent non-finite values (inf/NaN) to rank "
-                                     f"{dist.get_rank()} (check_finite=True)")
+            raise _nonfinite_error(src)
 
     return CompressedWork(finish)
 
 
 def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: CodecLike = None,
-         check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None) -> None:
+         error_feedback: Optional[ErrorFeedback] = None, ef_key: Optional[str] = None, check_finite: bool = False,
+         label: Optional[str] = None, validate: Optional[bool] = None) -> None:
     """``torch.distributed.send`` with an optional codec (blocking)."""
-    isend(tensor, dst, group, tag, codec=codec, check_finite=check_finite, label=label, validate=validate).wait()
+    isend(tensor, dst, group, tag, codec=codec, error_feedback=error_feedback, ef_key=ef_key,
+          check_finite=check_finite, label=label, validate=validate).wait()
 
 
 def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: CodecLike = None,
          check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None) -> int:
-    """``torch.distributed.recv`` with an optional codec (blocking; ``src`` is required). Returns ``src``."""
-    irecv(tensor, src, group, tag, codec=codec, check_finite=check_finite, label=label, validate=validate).wait()
+    """``torch.distributed.recv`` with an optional codec (blocking; ``src`` is required). Returns ``src``.
+
+    With validation the header is read first; on a mismatch the sender's payload is drained (so neither
+    end hangs and the pair stays usable) and ValueError names both ranks and the differing fields."""
+    codec = make_codec(codec)
+    codec._check_dtype(tensor.dtype)
+    if not (_validate(validate) or check_finite):
+        irecv(tensor, src, group, tag, codec=codec, label=label, validate=False).wait()
+        return src
+    header = torch.empty(_HEADER, dtype=torch.int64)
+    dist.recv(header, src, group=group, tag=tag)
+    msg = _check_header(header, tensor, codec, src)
+    nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
+    if msg:
+        dist.recv(torch.empty(int(header[3]), dtype=torch.uint8), src, group=group, tag=tag)
+        raise ValueError(msg)
+    buf = _payload_buffer(tensor, codec, nbytes)
+    dist.recv(buf, src, group=group, tag=tag)
+    _deliver(tensor, codec, buf, label, nbytes)
+    if check_finite and int(header[4]):
+        raise _nonfinite_error(src)
     return src

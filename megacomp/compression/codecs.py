@@ -161,16 +161,20 @@ class Codec:
         return self._generator
 
     def encode_flat(self, x: torch.Tensor, generator: Optional[torch.Generator] = None,
-                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, strict: bool = True) -> torch.Tensor:
         """Encode the elements of ``x`` (any shape, read in row-major order) into a flat uint8 buffer
-        (``out``: a reusable buffer of ``wire_bytes(numel)`` bytes; used by the fused kernels)."""
+        (``out``: a reusable buffer of ``wire_bytes(numel)`` bytes; used by the fused kernels).
+
+        ``strict=False`` lets fp16 overflow become inf instead of raising: collectives use it, because a
+        reduced sum can overflow on one rank only, and raising there would leave the other ranks waiting;
+        the inf then reaches every rank, where a loss scaler's overflow check sees it."""
         self._check_dtype(x.dtype)
         fmt = self.format
         flat = x.reshape(-1)
         if fmt.kind == "identity":
             return flat.contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
         if fmt.kind == "cast":
-            y = _to_fp16_checked(flat) if fmt.dtype == torch.float16 else flat.to(fmt.dtype)
+            y = _to_fp16_checked(flat) if fmt.dtype == torch.float16 and strict else flat.to(fmt.dtype)
             return y.contiguous().view(torch.uint8)
         x32 = transforms.rotate(flat, self.hadamard) if self.hadamard and flat.numel() else flat.to(torch.float32)
         return quantize.encode_scaled(x32, fmt, self.block_size, self.dual_scale,
@@ -224,8 +228,9 @@ class Codec:
         return Packet(self.encode_flat(x, generator), x.shape, x.dtype)
 
     def decode(self, packet: Packet) -> torch.Tensor:
-        """Return a tensor of the packet's shape and dtype."""
-        return self.decode_flat(packet.data, packet.numel, packet.dtype).view(packet.shape)
+        """Return a new tensor of the packet's shape and dtype (never a view of the packet or the input)."""
+        y = self.decode_flat(packet.data, packet.numel, packet.dtype).view(packet.shape)
+        return y.clone() if self.is_identity else y
 
     def roundtrip(self, x: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """``decode(encode(x))``: what the receiver of ``x`` sees."""

@@ -89,8 +89,8 @@ class DistributedOptimizer:
     ``param_codec`` across nodes, then in full precision inside (tags ``*_intra`` in comm.stats()).
     """
 
-    def __init__(self, params: Iterable, optimizer_class=None, process_group=None, *,
-                 grad_codec: CodecLike = None, param_codec: CodecLike = None, error_feedback=None,
+    def __init__(self, params: Iterable, optimizer_class=None, process_group=None,
+                 grad_codec: CodecLike = None, param_codec: CodecLike = None, error_feedback=None, *,
                  bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
                  grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
@@ -195,10 +195,10 @@ class DistributedOptimizer:
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
-            if b.work is not None:
+            if b.work is not None or (not self._accumulating and i in b.ready):
                 raise RuntimeError("DistributedOptimizer: a gradient arrived for a bucket that is already being "
-                                   "reduced; call step() after each backward, or wrap the accumulation backwards "
-                                   "in optimizer.no_sync()")
+                                   "reduced (or was already reported in this step); call step() after each "
+                                   "backward, or wrap the accumulation backwards in optimizer.no_sync()")
             scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
             b.grad[o:o + p.numel()].add_(param.grad.reshape(-1).float(), alpha=scale)
             param.grad = None
@@ -285,6 +285,8 @@ class DistributedOptimizer:
         overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards)))
         if overflow:
             self.skipped_steps += 1
+            if self.ef is not None:  # residuals of a discarded gradient must not leak into later steps
+                self.ef.reset()
             if self.scaler is not None:
                 self.scaler.update(True)
             log.warning("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
@@ -360,14 +362,22 @@ class DistributedOptimizer:
         from torch.distributed.checkpoint.state_dict import _init_optim_state
 
         _init_optim_state(self.optimizer)
-        if self.ef is not None:
-            for b in self.buckets:
-                if b.compressed:
-                    self.ef.init_key(f"dp_gradient/b{b.index}/worker", (b.padded,))
+        self._init_ef_keys()
+
+    def _init_ef_keys(self) -> None:
+        """Zero errors for every compressed bucket that has none yet (same behaviour as no error), so saved
+        and template state dicts have the same keys whatever the group sizes or steps taken."""
+        if self.ef is None:
+            return
+        n_local = dist.get_world_size(self.hierarchy[0]) if self.hierarchy is not None else 1
+        for b in self.buckets:
+            if b.compressed:  # the error lives on the input of the compressed (inter-node) reduce-scatter
+                self.ef.init_key(f"dp_gradient/b{b.index}/worker", (b.padded // n_local,))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard, under a key naming the DP rank (so torch.distributed.checkpoint keeps every
         rank's shard): masters, inner optimizer state, error feedback, counters, loss scale, codecs, layout."""
+        self._init_ef_keys()
         local = {
             "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(),
             "grad_codec": self.grad_codec.to_dict() if self.grad_codec else None,

@@ -99,13 +99,10 @@ class PipelineCommunicator:
 
     def _isend_backward(self, g: torch.Tensor, slot: int):
         codec = self._codec("pp_gradient", g.numel())
-        g = g.detach().contiguous()
-        if self.error_feedback is not None and not codec.is_identity:
-            key = f"pp_gradient/s{self.stage}->s{self.stage - 1}/mb{slot}"
-            h = self.error_feedback.compensate(key, g)
-            self.error_feedback.update(key, h, codec.roundtrip(h))
-            g = h.to(g.dtype)
-        return comm.isend(g, self.pp_ranks[self.stage - 1], codec=codec, label="pp_gradient", validate=False)
+        ef = self.error_feedback if not codec.is_identity else None
+        return comm.isend(g.detach().contiguous(), self.pp_ranks[self.stage - 1], codec=codec, error_feedback=ef,
+                          ef_key=f"pp_gradient/s{self.stage}->s{self.stage - 1}/mb{slot}", label="pp_gradient",
+                          validate=False)
 
     def _irecv_backward(self, out: torch.Tensor):
         codec = self._codec("pp_gradient", out.numel())

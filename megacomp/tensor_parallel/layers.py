@@ -37,13 +37,22 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-def _init_shard(param: nn.Parameter, full_shape, dim: int, rank: int, world: int, init_method: Callable) -> None:
-    """Draw the full weight (fp32) and copy this rank's shard along ``dim`` into ``param``."""
+def _mark_sharded(param: nn.Parameter, dim: int) -> None:
+    """Megatron's attributes of a TP-sharded parameter (read by optimizers, norms and checkpoints)."""
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
+
+
+def _init_shard(param: nn.Parameter, full_shape, dim: int, rank: int, world: int, init_method: Callable,
+                initialize: bool) -> None:
+    """Mark ``param`` as sharded along ``dim``; if ``initialize``, draw the full weight (fp32) with
+    ``init_method`` and copy this rank's shard into it."""
+    _mark_sharded(param, dim)
+    if not initialize:
+        return
     master = torch.empty(full_shape, dtype=torch.float32)
     init_method(master)
     with torch.no_grad():
         param.copy_(master.chunk(world, dim=dim)[rank])
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, 1
 
 
 class _TPModule(nn.Module):
@@ -79,12 +88,11 @@ class ColumnParallelLinear(_TPModule):
         self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
         out_per_rank = _divide(output_size, self.tp_size, "ColumnParallelLinear output_size")
         self.weight = nn.Parameter(torch.empty(out_per_rank, input_size, dtype=config.params_dtype))
-        if config.perform_initialization:
-            _init_shard(self.weight, (output_size, input_size), 0, self.tp_rank, self.tp_size,
-                        init_method or init_method_normal(0.02))
+        _init_shard(self.weight, (output_size, input_size), 0, self.tp_rank, self.tp_size,
+                    init_method or init_method_normal(0.02), config.perform_initialization)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_per_rank, dtype=config.params_dtype))
-            self.bias.tensor_model_parallel, self.bias.partition_dim, self.bias.partition_stride = True, 0, 1
+            _mark_sharded(self.bias, 0)
         else:
             self.register_parameter("bias", None)
 
@@ -129,9 +137,8 @@ class RowParallelLinear(_TPModule):
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
         self.in_per_rank = _divide(input_size, self.tp_size, "RowParallelLinear input_size")
         self.weight = nn.Parameter(torch.empty(output_size, self.in_per_rank, dtype=config.params_dtype))
-        if config.perform_initialization:
-            _init_shard(self.weight, (output_size, input_size), 1, self.tp_rank, self.tp_size,
-                        init_method or init_method_normal(0.02))
+        _init_shard(self.weight, (output_size, input_size), 1, self.tp_rank, self.tp_size,
+                    init_method or init_method_normal(0.02), config.perform_initialization)
         if bias:
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=config.params_dtype))
             # under SP each rank adds the bias to its sequence slice: grads must be summed over TP
@@ -181,9 +188,8 @@ class VocabParallelEmbedding(_TPModule):
         per_rank = _divide(num_embeddings, self.tp_size, "VocabParallelEmbedding num_embeddings")
         self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=config.params_dtype))
-        if config.perform_initialization:
-            _init_shard(self.weight, (num_embeddings, embedding_dim), 0, self.tp_rank, self.tp_size,
-                        init_method or init_method_normal(0.02))
+        _init_shard(self.weight, (num_embeddings, embedding_dim), 0, self.tp_rank, self.tp_size,
+                    init_method or init_method_normal(0.02), config.perform_initialization)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
         if input_.dtype not in (torch.int64, torch.int32):

@@ -41,7 +41,8 @@ def _all_reduce(x: torch.Tensor, group, codec, tag: str, ef=None) -> torch.Tenso
     if dist.get_world_size(group) == 1:
         return x
     out = x.contiguous().clone()
-    comm.all_reduce(out, group=group, codec=codec, error_feedback=ef, tag=tag)
+    # below the small-tensor threshold the layer passes no codec: then there is no error to feed back
+    comm.all_reduce(out, group=group, codec=codec, error_feedback=ef if codec is not None else None, tag=tag)
     return out
 
 
@@ -76,7 +77,8 @@ def _reduce_scatter_first(x: torch.Tensor, group, codec, tag: str, ef=None) -> t
                          f"tensor-parallel size {world}; pad the sequence length to a multiple of it")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    comm.reduce_scatter_tensor(out, x, group=group, codec=codec, error_feedback=ef, tag=tag)
+    comm.reduce_scatter_tensor(out, x, group=group, codec=codec, error_feedback=ef if codec is not None else None,
+                               tag=tag)
     return out
 
 

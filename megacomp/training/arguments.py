@@ -67,7 +67,8 @@ class PretrainConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     seed: int = 1234
-    """Seed of the initialisation, the data order and stochastic rounding."""
+    """Seed of the initialisation and the data order. Stochastic-rounding codecs without their own seed
+    draw from torch's generator, whose state the checkpoints save."""
     params_dtype: str = "float32"
     """float32 or bfloat16 model parameters (masters stay fp32)."""
     # data

@@ -66,6 +66,7 @@ class Trainer:
         self.communicator = PipelineCommunicator(g.pp_ranks, self.compression) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
+        self._validated_once = False
         if cfg.load:
             self._load()
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
@@ -200,8 +201,9 @@ class Trainer:
         loss = self._global_loss(losses)
         traffic = gather_traffic()
         self.iteration += 1
-        if self.iteration == 1 and not cfg.validate_collectives_every:
+        if not self._validated_once and not cfg.validate_collectives_every:
             comm.set_validation(False)  # shapes are fixed from now on: skip the per-call argument check
+        self._validated_once = True
         return {"iteration": self.iteration, "loss": loss, "lr": lr,
                 "tokens_per_second": cfg.global_batch_size * cfg.seq_length / elapsed, "iteration_time_s": elapsed,
                 "wire_bytes": sum(w for w, _ in traffic.values()),
@@ -211,7 +213,7 @@ class Trainer:
     def train(self) -> list[dict]:
         cfg = self.cfg
         self._batches = iter(self.sampler)
-        history = []
+        history, saved_at = [], None
         while self.iteration < cfg.train_iters:
             record = self.train_step()
             history.append(record)
@@ -219,13 +221,11 @@ class Trainer:
                 self.metrics.log(record)
             if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
                 self.save()
+                saved_at = self.iteration
             if cfg.exit_interval and self.iteration % cfg.exit_interval == 0 and self.iteration < cfg.train_iters:
-                if cfg.save and not (cfg.save_interval and self.iteration % cfg.save_interval == 0):
-                    self.save()
                 break
-        else:
-            if cfg.save:
-                self.save()
+        if cfg.save and history and saved_at != self.iteration:  # the last iteration, once
+            self.save()
         self.metrics.close()
         return history
 
