@@ -115,7 +115,9 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
     for kind in ("loss", "loss_vs_bytes"):
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for name, recs in runs.items():
-            y = [r["loss"] for r in recs]
+            raw = [r["loss"] for r in recs]
+            win = max(1, len(raw) // 30)  # centred-enough running mean: per-iteration losses are noisy
+            y = [sum(raw[max(0, i - win + 1):i + 1]) / len(raw[max(0, i - win + 1):i + 1]) for i in range(len(raw))]
             if kind == "loss":
                 x = [r["iteration"] for r in recs]
             else:
@@ -125,7 +127,7 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
                     x.append(total / 1e6)
             ax.plot(x, y, label=name, linewidth=1.2)
         ax.set_xlabel("iteration" if kind == "loss" else "cumulative wire MB (all ranks)")
-        ax.set_ylabel("training loss (nats/token)")
+        ax.set_ylabel("training loss (nats/token, running mean)")
         ax.set_title(f"{suite} suite: {'loss vs iteration' if kind == 'loss' else 'loss vs bytes on the wire'}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -141,7 +143,14 @@ def main() -> None:
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
     p.add_argument("--suites", default="dp,pp", help="dp, pp and/or ef (the long error-feedback suite)")
     p.add_argument("--out", default="results/convergence")
+    p.add_argument("--plot-only", action="store_true", help="redraw the plots from the metrics already in --out")
     args = p.parse_args()
+    if args.plot_only:
+        for suite in args.suites.split(","):
+            runs = {name: read(Path(args.out) / suite / slug(name) / "metrics.jsonl")
+                    for name in SUITES[suite]["variants"]}
+            plot(suite, runs, Path(args.out))
+        return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = ["# Convergence: compressed vs uncompressed pretraining", "",
