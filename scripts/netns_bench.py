@@ -15,6 +15,9 @@ setting for links with a large bandwidth-delay product), since collectives are b
 of the ideal speedup (ideal speedup = fp32 wire bytes / compressed wire bytes).
 ``train``: ``python -m megacomp.pretrain`` on the tiny GPT, DP 2 across the link, per compression preset:
 median iteration time (first 2 iterations excluded), wire MB per iteration, final loss.
+``ddp``: the same GPT code (TP 1, larger by default) under torch DDP with fp32 all-reduce, the fp16
+compress hook, PowerSGD rank 4 (one bucket: torch's hook breaks with several on gloo), and megacomp's
+int4 + LoCo DDP hook: median step time and the loss after the same iterations.
 Output: Markdown tables on stdout and in ``--out`` (default results/netns). Numbers are measured, never
 asserted; medians with min-max spread.
 """
@@ -68,8 +71,14 @@ def rate_bytes_per_s(rate: str) -> float:
     raise ValueError(f"rate must end in gbit/mbit/kbit, got {rate!r}")
 
 
+_runs = 0
+
+
 def run_pair(argv: list[str], port: int, timeout: float) -> list[str]:
-    """Run ``argv`` as rank 0 in namespace A and rank 1 in namespace B; return both stdouts."""
+    """Run ``argv`` as rank 0 in namespace A and rank 1 in namespace B; return both stdouts. Every run
+    gets its own rendezvous port (no reuse of a port the previous run's sockets may still hold)."""
+    global _runs
+    port, _runs = port + _runs, _runs + 1
     procs = []
     for rank, (ns, dev) in enumerate(zip(NS, DEV)):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": ADDR[0],
@@ -126,6 +135,84 @@ def collective_worker(mib: float, codecs: list[str], repeats: int) -> None:
     dist.destroy_process_group()
 
 
+DDP_METHODS = ("ddp_fp32", "ddp_fp16_hook", "ddp_powersgd4", "megacomp_hook_int4_loco")
+
+
+def ddp_worker(method: str, iters: int, hidden: int, layers: int) -> None:
+    """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from megacomp import comm, parallel_state
+    from megacomp.config import ModelParallelConfig
+    from megacomp.data import DistributedBatchSampler, get_batch, prepare_data
+    from megacomp.launch import init_distributed
+    from megacomp.models.gpt import GPTConfig, GPTModel
+    from megacomp.optimizer import CompressedHookState, compressed_allreduce_hook
+
+    torch.set_num_threads(1)
+    init_distributed()
+    comm.set_validation(False)
+    groups = parallel_state.initialize_model_parallel(1, 1)
+    tok, data = prepare_data(None, 1024, 64)
+    cfg = GPTConfig(hidden_size=hidden, num_attention_heads=4, num_layers=layers, vocab_size=1024, max_seq_length=64)
+    model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
+    one_bucket = method == "ddp_powersgd4"  # torch's PowerSGD hook breaks with several buckets on gloo
+    ddp = DDP(model, bucket_cap_mb=1024 if one_bucket else 25)
+    if method == "ddp_fp16_hook":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method == "ddp_powersgd4":
+        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
+                                                           start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+    elif method == "megacomp_hook_int4_loco":
+        ddp.register_comm_hook(CompressedHookState(codec="int4", error_feedback="loco"), compressed_allreduce_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), 2, seed=1))
+    times, losses = [], []
+    for _ in range(iters):
+        ids, labels = get_batch(data, next(sampler))
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = ddp(ids, labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        dt = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        l = loss.detach().reshape(1)
+        dist.all_reduce(l)
+        times.append(dt.item())
+        losses.append(l.item() / 2)
+    params = sum(p.numel() for p in model.parameters())
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({"times": times, "losses": losses, "params": params}))
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def bench_ddp(args) -> list[str]:
+    lines = [f"## Torch DDP and its comm hooks vs megacomp's hook over a shaped link (GPT h={args.hidden}, "
+             f"{args.layers} layers, DP 2, {args.iters} iterations)", "",
+             "| link | method | params | median step s (min-max, iterations 3..) | loss at last iteration |",
+             "|---|---|---|---|---|"]
+    for rate in args.rates.split(","):
+        setup(rate)
+        base = None
+        for method in args.methods.split(","):
+            out = run_pair([sys.executable, __file__, "_ddp", method, str(args.iters), str(args.hidden),
+                            str(args.layers)], args.port, args.timeout)[0]
+            res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+            steps = res["times"][2:]
+            med = statistics.median(steps)
+            base = base or med
+            lines.append(f"| {rate} | {method} | {res['params']:,} | {med:.3f} ({min(steps):.3f}-{max(steps):.3f}); "
+                         f"{base / med:.2f}x vs first | {res['losses'][-1]:.4f} |")
+            print(lines[-1], flush=True)
+    return lines + [""]
+
+
 def bench_collectives(args) -> list[str]:
     lines = ["## Compressed all-reduce over a shaped link (2 ranks, one per namespace)", "",
              "| link | MiB | codec | median ms (min-max) | wire MB/rank | ideal ms | speedup vs fp32 | ideal speedup | "
@@ -175,8 +262,11 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_collective":
         collective_worker(float(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "_ddp":
+        ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", choices=["collectives", "train"])
+    p.add_argument("workload", choices=["collectives", "train", "ddp"])
     p.add_argument("--rates", default="1gbit,100mbit")
     p.add_argument("--mib", default="25,100")
     p.add_argument("--codecs", default="none,bf16,int8,int4")
@@ -184,6 +274,9 @@ def main() -> None:
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--compression", default="none,loco4,dp_int8")
+    p.add_argument("--methods", default=",".join(DDP_METHODS))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/netns")
@@ -194,7 +287,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     t0 = time.time()
     try:
-        lines = bench_collectives(args) if args.workload == "collectives" else bench_train(args)
+        lines = {"collectives": bench_collectives, "train": bench_train, "ddp": bench_ddp}[args.workload](args)
     finally:
         teardown()
     header = [f"# netns benchmark: {args.workload}", "", f"Command: `python {' '.join(sys.argv)}` "
