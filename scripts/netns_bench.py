@@ -248,7 +248,8 @@ def bench_train(args) -> list[str]:
             with tempfile.TemporaryDirectory() as log_dir:
                 run_pair([sys.executable, "-m", "megacomp.pretrain", "--config", args.config, "--train-iters",
                           str(args.iters), "--compression", preset, "--log-dir", log_dir, "--log-interval", "1",
-                          "--global-batch-size", "16", "--micro-batch-size", "8"], args.port, args.timeout)
+                          "--global-batch-size", "16", "--micro-batch-size", "8", *args.model_args],
+                         args.port, args.timeout)
                 recs = [json.loads(x) for x in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
             steps = [r["iteration_time_s"] for r in recs[2:]]
             lines.append(f"| {rate} | {preset} | {statistics.median(steps):.3f} ({min(steps):.3f}-{max(steps):.3f}) | "
@@ -280,7 +281,12 @@ def main() -> None:
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/netns")
+    p.add_argument("--train-model", choices=["tiny", "ddp"], default="tiny",
+                   help="train workload: the tiny config, or the ddp workload's GPT (--hidden, --layers, seq 64)")
     args = p.parse_args()
+    args.model_args = [] if args.train_model == "tiny" else [
+        "--hidden-size", str(args.hidden), "--num-layers", str(args.layers), "--num-attention-heads", "4",
+        "--seq-length", "64", "--vocab-size", "1024", "--lr-warmup-iters", "1"]
     if os.geteuid() != 0:
         raise SystemExit("network namespaces and tc need root (CAP_NET_ADMIN)")
     atexit.register(teardown)
