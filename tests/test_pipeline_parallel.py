@@ -108,6 +108,20 @@ def _pipeline_body(rank, world, tp, pp, sp):
         torch.testing.assert_close(grads[name], want, msg=lambda m: f"{name}: {m}")
     if model.post_process:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    # the forward-only path (evaluation) gives the same losses and leaves no gradients behind
+    model.zero_grad()
+
+    def stage_forward(x, k):
+        ids, labels = micro_batch(k, groups.dp_rank)
+        inp = ids if model.pre_process else x
+        return model(inp, labels) if model.post_process else model(inp)
+    shape = (S // tp if sp else S, B, CFG["hidden_size"])
+    eval_losses = forward_backward_pipelining_without_interleaving(
+        stage_forward=stage_forward, num_microbatches=M, communicator=PipelineCommunicator(groups.pp_ranks),
+        activation_shape=shape, forward_only=True)
+    if model.post_process:
+        torch.testing.assert_close(torch.tensor(eval_losses), torch.tensor(ref_losses))
+    assert all(p.grad is None for p in model.parameters())
     parallel_state.destroy_model_parallel()
     return len(grads)
 

@@ -72,6 +72,9 @@ def test_kill_and_resume_continues_the_same_curve(base, tmp_path):
     full = losses(run_ranks(_train_body, 4, replace(cfg, save=None, log_dir=None))[0])
     first = losses(run_ranks(_train_body, 4, replace(cfg, exit_interval=3))[0])
     assert len(first) == 3 and (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    # a later save killed half-way leaves only its .tmp directory behind: the last good checkpoint is used
+    (tmp_path / "ckpt" / "iter_0000005.tmp").mkdir()
+    (tmp_path / "ckpt" / "iter_0000005.tmp" / "half-written").write_text("x")
     rest_history = run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "ckpt")))[0]
     assert first + losses(rest_history) == full
     traffic = rest_history[-1][3]
