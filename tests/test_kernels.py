@@ -116,3 +116,38 @@ def test_fp8_rounding_ties_exhaustive(name, dtype):
     fmax = torch.finfo(dtype).max
     x = torch.cat([probes.clamp(-fmax, fmax), torch.tensor([fmax])])  # amax = fmax -> scale 1
     check_identical(make_codec(name, block_size=0), x)
+
+
+@needs_cpu
+@pytest.mark.parametrize("beta", [0.0, 0.8])
+@pytest.mark.parametrize("spec", [dict(name="int4", block_size=128), dict(name="int8", block_size=0),
+                                  dict(name="fp8_e4m3", block_size=32, dual_scale=True)])
+def test_fused_error_feedback_update_matches_reference(beta, spec, monkeypatch):
+    """ErrorFeedback.update_encoded (one fused pass per chunk) stores exactly the reference's errors,
+    across steps (no error yet, then an error to decay), chunkings and a non-finite step."""
+    from megacomp.compression import ErrorFeedback, ErrorFeedbackConfig
+
+    codec = make_codec(spec)
+    sizes = [700, 1300]
+
+    def run(reference: bool):
+        if reference:
+            monkeypatch.setenv("MEGACOMP_KERNELS", "reference")
+        else:
+            monkeypatch.delenv("MEGACOMP_KERNELS", raising=False)
+        ef = ErrorFeedback(ErrorFeedbackConfig(beta=beta, reset_interval=4))
+        states = []
+        for step in range(6):
+            g = inputs(2000, step, "non_finite" if step == 3 else "normal")
+            h = ef.compensate("k", g)
+            bufs = [codec.encode_flat(h[o:o + s]) for o, s in zip([0, 700], sizes)]
+            ef.update_encoded("k", h, codec, bufs, sizes)
+            e = ef.error("k")
+            states.append(None if e is None else e.clone())
+        return states, dict(ef.dropped)
+
+    fused, dropped_f = run(False)
+    ref, dropped_r = run(True)
+    assert dropped_f == dropped_r == {"k": 1}
+    for a, b in zip(fused, ref):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))

@@ -314,6 +314,60 @@ void decode_impl(const uint8_t* buf, const Layout& L, float* out, bool accumulat
   });
 }
 
+// Error-feedback update from the encoded bytes, in one pass per span: h_hat = decode(buf) and
+// mode 0: e_out = h - h_hat;  mode 1: e_out = (1 - beta) * (h - h_hat);  mode 2: e_out = beta * e + (1 - beta) * (h - h_hat)
+// (the reference's expressions and order). Returns false if any residual h - h_hat is not finite.
+template <int KIND, typename F8>
+bool ef_update_impl(const uint8_t* buf, const Layout& L, const float* h, const float* e, float* e_out, float beta,
+                    float one_minus_beta, int mode) {
+  const float offset = static_cast<float>(1 << (L.bits - 1));
+  const uint8_t* payload = buf + L.scale_bytes;
+  float coarse = 0.f;
+  if (L.dual) std::memcpy(&coarse, buf, 4);
+  const int64_t span = L.nb == 1 ? std::max<int64_t>(L.per, kGrain - kGrain % L.per) : L.width;
+  const int64_t spans = (L.n + span - 1) / span;
+  std::vector<char> bad(spans, 0);
+  at::parallel_for(0, spans, std::max<int64_t>(1, kGrain / span), [&](int64_t s0, int64_t s1) {
+    std::vector<uint8_t> codes(span);
+    std::vector<float> hat(span);
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t start = s * span, len = std::min(span, L.n - start), b = start / L.width;
+      float scale = 0.f, down = 0.f;
+      if (L.dual) down = std::ldexp(1.0f, -static_cast<int>(buf[4 + b]));
+      else std::memcpy(&scale, buf + 4 * b, 4);
+      unpack(payload + start / L.per, len, L.bits, codes.data());
+      dequantize_span<KIND, F8>(codes.data(), len, scale, coarse, down, L.dual, offset, hat.data(), false);
+      int nonfinite = 0;
+      for (int64_t i = 0; i < len; ++i) {
+        const float r = h[start + i] - hat[i];
+        nonfinite |= !std::isfinite(r);
+        e_out[start + i] = mode == 0 ? r : (mode == 1 ? one_minus_beta * r : beta * e[start + i] + one_minus_beta * r);
+      }
+      bad[s] = static_cast<char>(nonfinite);
+    }
+  });
+  for (char c : bad) if (c) return false;
+  return true;
+}
+
+bool ef_update_into(torch::Tensor buf, torch::Tensor h, torch::Tensor e, torch::Tensor e_out, int64_t kind,
+                    int64_t bits, int64_t block, bool dual, double beta, int64_t mode) {
+  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous(), "buf: contiguous uint8");
+  TORCH_CHECK(h.dtype() == torch::kFloat32 && h.is_contiguous() && e_out.dtype() == torch::kFloat32 &&
+              e_out.is_contiguous() && e_out.numel() == h.numel(), "h, e_out: contiguous fp32 of one size");
+  TORCH_CHECK(mode != 2 || (e.dtype() == torch::kFloat32 && e.is_contiguous() && e.numel() == h.numel()), "e");
+  if (h.numel() == 0) return true;
+  const Layout L(h.numel(), block, dual, kind == 0 ? (int)bits : 8);
+  TORCH_CHECK(L.width % L.per == 0 || L.nb == 1, "blocks must start on a byte boundary");
+  TORCH_CHECK(buf.numel() == L.scale_bytes + (L.n * L.bits + 7) / 8, "buf has the wrong size");
+  const float* ep = mode == 2 ? e.data_ptr<float>() : nullptr;
+  const float b = static_cast<float>(beta), omb = static_cast<float>(1.0 - beta);
+  const uint8_t* bp = buf.data_ptr<uint8_t>();
+  if (kind == 0) return ef_update_impl<0, c10::Float8_e4m3fn>(bp, L, h.data_ptr<float>(), ep, e_out.data_ptr<float>(), b, omb, (int)mode);
+  if (kind == 1) return ef_update_impl<1, c10::Float8_e4m3fn>(bp, L, h.data_ptr<float>(), ep, e_out.data_ptr<float>(), b, omb, (int)mode);
+  return ef_update_impl<1, c10::Float8_e5m2>(bp, L, h.data_ptr<float>(), ep, e_out.data_ptr<float>(), b, omb, (int)mode);
+}
+
 // kind: 0 int, 1 float8 e4m3fn, 2 float8 e5m2
 void encode_into(torch::Tensor x, torch::Tensor out, int64_t kind, int64_t bits, double qmax, int64_t block, bool dual) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
@@ -348,4 +402,5 @@ void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bit
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_into", &encode_into, "fused scaled encode (bit-identical to the eager reference)");
   m.def("decode_into", &decode_into, "fused scaled decode, optionally accumulating into out");
+  m.def("ef_update_into", &ef_update_into, "fused error-feedback update from the encoded bytes");
 }

@@ -69,8 +69,7 @@ def _encode_chunks(codec, h: torch.Tensor, sizes, ef, ef_key):
     for o, s in zip(offs, sizes):
         bufs.append(codec.encode_flat(h[o:o + s], strict=False))
     if ef is not None:
-        h_hat = torch.cat([codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)])
-        ef.update(ef_key, h, h_hat)
+        ef.update_encoded(ef_key, h, codec, bufs, sizes)
     return bufs
 
 

@@ -134,14 +134,43 @@ class ErrorFeedback:
         beta = self.config.beta
         residual = h - h_hat
         if not bool(torch.isfinite(residual).all()):
-            self.dropped[key] = self.dropped.get(key, 0) + 1
-            new = torch.zeros_like(residual)
+            self._commit(key, torch.zeros_like(residual), finite=False)
+            return
+        e = self.error(key, like=residual)
+        if e is None or beta == 0.0:
+            new = residual if beta == 0.0 else (1.0 - beta) * residual
         else:
-            e = self.error(key, like=residual)
-            if e is None or beta == 0.0:
-                new = residual if beta == 0.0 else (1.0 - beta) * residual
+            new = beta * self._checked(key, e, residual) + (1.0 - beta) * residual
+        self._commit(key, new)
+
+    def update_encoded(self, key: str, h: torch.Tensor, codec, bufs, sizes) -> None:
+        """:meth:`update` from the encoded chunks of ``h`` (``bufs[i]`` holds ``sizes[i]`` consecutive elements):
+        one fused pass per chunk where a kernel covers the codec (same bits as the reference), else
+        decode and :meth:`update`."""
+        from .quantize import ef_update_scaled
+
+        fmt = codec.format
+        e = self.error(key)
+        if (self.config.storage == "fp32" and fmt.kind in ("int", "float8") and not codec.hadamard
+                and h.dtype == torch.float32 and (e is None or e.shape == h.shape)):
+            new, finite, off = torch.empty_like(h), True, 0
+            for buf, s in zip(bufs, sizes):
+                ok = ef_update_scaled(buf, h[off:off + s], None if e is None else e[off:off + s], new[off:off + s],
+                                      fmt, codec.block_size, codec.dual_scale, self.config.beta)
+                if ok is None:
+                    break
+                finite &= ok
+                off += s
             else:
-                new = beta * self._checked(key, e, residual) + (1.0 - beta) * residual
+                self._commit(key, new if finite else torch.zeros_like(h), finite=finite)
+                return
+        h_hat = torch.cat([codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)])
+        self.update(key, h, h_hat)
+
+    def _commit(self, key: str, new: torch.Tensor, finite: bool = True) -> None:
+        """Store the new error (counting a non-finite drop), advance the step, apply the periodic reset."""
+        if not finite:
+            self.dropped[key] = self.dropped.get(key, 0) + 1
         step = self.steps.get(key, 0) + 1
         self.steps[key] = step
         if self.config.reset_interval and step % self.config.reset_interval == 0:

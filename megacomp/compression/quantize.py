@@ -127,6 +127,24 @@ def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, d
     return target
 
 
+def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tensor], e_out: torch.Tensor, fmt: Format,
+                     block_size: int, dual: bool, beta: float) -> Optional[bool]:
+    """Fused ``e_out = beta * e + (1 - beta) * (h - decode(buf))`` (``h - decode`` for beta 0, ``e`` None
+    means no error yet); returns whether every residual was finite, or None when no kernel covers the
+    case (then the caller runs the reference)."""
+    k = _kernels(fmt, False, h)
+    n = h.numel()
+    width = n if block_size == 0 else block_size
+    per = 8 // fmt.bits
+    if k is None or not (width % per == 0 or num_blocks(n, block_size) == 1) or h.dtype != torch.float32:
+        return None
+    if e is not None and e.dtype != torch.float32:
+        return None
+    mode = 0 if beta == 0.0 else (1 if e is None else 2)
+    return bool(k.ef_update_into(buf.contiguous(), h.contiguous(), e if e is not None else h, e_out, _kind_code(fmt),
+                                 fmt.bits, block_size, dual, float(beta), mode))
+
+
 def encode_scaled_reference(
     x32: torch.Tensor,
     fmt: Format,
