@@ -5,13 +5,13 @@ the reducing collectives); ``codec=None`` is bit-identical to torch.distributed.
 """
 from torch.distributed import ReduceOp
 
-from ._common import CompressedWork, error_feedback_states, set_validation
+from ._common import CompressedWork, comm_device, error_feedback_states, set_validation
 from .collectives import all_gather_into_tensor, all_reduce, all_to_all_single, reduce_scatter_tensor
 from .p2p import irecv, isend, recv, send
 from .stats import WireStats, reset_stats, stats
 
 __all__ = [
-    "CompressedWork", "ReduceOp", "WireStats", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
+    "CompressedWork", "ReduceOp", "WireStats", "comm_device", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
     "error_feedback_states", "irecv", "isend", "recv", "reduce_scatter_tensor", "reset_stats", "send",
     "set_validation", "stats",
 ]

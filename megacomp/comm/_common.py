@@ -31,6 +31,14 @@ def set_validation(enabled: bool) -> bool:
     return old
 
 
+def comm_device(group=None) -> torch.device:
+    """Where small bookkeeping tensors of a collective must live: the current CUDA device under NCCL,
+    the CPU otherwise."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def split_sizes(numel: int, parts: int) -> list[int]:
     """``numel`` split into ``parts`` contiguous chunks, the first ``numel % parts`` one larger."""
     base, rem = divmod(numel, parts)
@@ -72,7 +80,7 @@ def has_nonfinite(t: torch.Tensor) -> bool:
 
 def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = (),
              extra_check: Optional[Callable[[torch.Tensor], Optional[str]]] = None,
-             nonfinite: Optional[bool] = None, tag: str = "") -> None:
+             nonfinite: Optional[bool] = None, tag: str = "", device=None) -> None:
     """All-gather ``fields`` (+ ``extra``) of every rank and raise the same error on all ranks on mismatch.
 
     ``fields`` must be equal on every rank. ``extra`` is checked by ``extra_check(table)`` (rows = ranks),
@@ -81,9 +89,10 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
     """
     names = list(fields)
     row = [fields[n] for n in names] + [int(bool(nonfinite))] + list(extra)
-    mine = torch.tensor(row, dtype=torch.int64)
+    device = device if device is not None else comm_device(group)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
-    table = torch.empty(world * mine.numel(), dtype=torch.int64)
+    table = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
     _all_gather_base(table, mine, group)
     table = table.view(world, -1)
     ranks = global_ranks(group)

@@ -77,7 +77,7 @@ def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool) ->
     """Sum the ``world`` encodings in ``recv`` in fp32 (in the rotated basis for Hadamard codecs, which is
     rotated back once at the end)."""
     w = codec.wire_bytes(numel)
-    acc = codec.decode_flat(recv[:w], numel, rotated=True).clone() if world else torch.zeros(numel)
+    acc = codec.decode_flat(recv[:w], numel, rotated=True).clone() if world else torch.zeros(numel, device=recv.device)
     for j in range(1, world):  # fixed rank order: deterministic, identical on every rank
         acc = codec.decode_accumulate(recv[j * w:(j + 1) * w], numel, acc)
     if avg:
@@ -103,7 +103,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     if _should_validate(validate) or check_finite:
         _common.validate("all_reduce", group, {"numel": n, "dtype": dtype_code(tensor.dtype),
                                                "codec": codec_code(codec), "op": op_code(op)},
-                         nonfinite=has_nonfinite(tensor) if check_finite else None, tag=tag or "")
+                         nonfinite=has_nonfinite(tensor) if check_finite else None, tag=tag or "", device=tensor.device)
     sizes = split_sizes(n, world)
     rank = dist.get_rank(group)
     label = tag or "all_reduce"
@@ -121,7 +121,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     send = torch.cat(bufs)
     in_splits = [b.numel() for b in bufs]
     w_own = codec.wire_bytes(sizes[rank])
-    recv = torch.empty(world * w_own, dtype=torch.uint8)
+    recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
     wmax = max(codec.wire_bytes(s) for s in sizes)
     _stats.record(label, sum(in_splits) - in_splits[rank] + (world - 1) * wmax, uncompressed)
     work = dist.all_to_all_single(recv, send, [w_own] * world, in_splits, group=group, async_op=True)
@@ -131,9 +131,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
         shard = _decode_sum(codec, recv, sizes[rank], world, op_name(op) == "AVG")
         hs = ef.compensate(ef_key + "/server", shard) if ef is not None else shard
         enc = _encode_chunks(codec, hs, [sizes[rank]], ef, ef_key + "/server")[0]
-        padded = torch.zeros(wmax, dtype=torch.uint8)
+        padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
         padded[:enc.numel()] = enc
-        gathered = torch.empty(world * wmax, dtype=torch.uint8)
+        gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
         _all_gather_base(gathered, padded, group)
         out = torch.cat([codec.decode_flat(gathered[j * wmax:j * wmax + codec.wire_bytes(s)], s)
                          for j, s in enumerate(sizes)])
@@ -166,7 +166,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     if _should_validate(validate) or check_finite:
         _common.validate("reduce_scatter_tensor", group,
                          {"numel": m, "dtype": dtype_code(input.dtype), "codec": codec_code(codec), "op": op_code(op)},
-                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "")
+                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "", device=input.device)
     label = tag or "reduce_scatter"
     raw = (world - 1) * m * _itemsize(input)
     if codec.is_identity or world == 1:
@@ -179,7 +179,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     h = ef.compensate(ef_key, flat) if ef is not None else flat
     bufs = _encode_chunks(codec, h, [m] * world, ef, ef_key)
     w = codec.wire_bytes(m)
-    recv = torch.empty(world * w, dtype=torch.uint8)
+    recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
     _stats.record(label, (world - 1) * w, raw)
     work = dist.all_to_all_single(recv, torch.cat(bufs), [w] * world, [w] * world, group=group, async_op=True)
 
@@ -214,7 +214,8 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if _should_validate(validate) or check_finite:
         _common.validate("all_gather_into_tensor", group,
                          {"numel": m, "dtype": dtype_code(input_tensor.dtype), "codec": codec_code(codec)},
-                         nonfinite=has_nonfinite(input_tensor) if check_finite else None, tag=tag or "")
+                         nonfinite=has_nonfinite(input_tensor) if check_finite else None, tag=tag or "",
+                         device=input_tensor.device)
     label = tag or "all_gather"
     raw = (world - 1) * m * _itemsize(input_tensor)
     if codec.is_identity or world == 1:
@@ -223,7 +224,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
 
     enc = codec.encode_flat(input_tensor, strict=False)
     w = enc.numel()
-    gathered = torch.empty(world * w, dtype=torch.uint8)
+    gathered = torch.empty(world * w, dtype=torch.uint8, device=input_tensor.device)
     _stats.record(label, (world - 1) * w, raw)
     work = _all_gather_base(gathered, enc, group=group, async_op=True)
 
@@ -280,7 +281,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         _common.validate("all_to_all_single", group,
                          {"row numel": row, "dtype": dtype_code(input.dtype), "codec": codec_code(codec)},
                          extra=in_splits + out_splits, extra_check=_split_check(in_splits, out_splits),
-                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "")
+                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "", device=input.device)
     label = tag or "all_to_all"
     raw = (rows_in - in_splits[rank]) * row * _itemsize(input)
     if codec.is_identity or world == 1:
@@ -292,7 +293,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     bufs = _encode_chunks(codec, flat, [s * row for s in in_splits], None, "")
     in_bytes = [b.numel() for b in bufs]
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
-    recv = torch.empty(sum(out_bytes), dtype=torch.uint8)
+    recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)
     _stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
     work = dist.all_to_all_single(recv, torch.cat(bufs), out_bytes, in_bytes, group=group, async_op=True)
 

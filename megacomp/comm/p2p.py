@@ -28,7 +28,8 @@ _HEADER = 5
 
 def _header(tensor, codec, nonfinite: bool) -> torch.Tensor:
     return torch.tensor([tensor.numel(), dtype_code(tensor.dtype), codec_code(codec),
-                         codec.wire_bytes(tensor.numel(), tensor.dtype), int(nonfinite)], dtype=torch.int64)
+                         codec.wire_bytes(tensor.numel(), tensor.dtype), int(nonfinite)], dtype=torch.int64,
+                        device=tensor.device)
 
 
 def _validate(validate: Optional[bool]) -> bool:
@@ -75,7 +76,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: Co
 
 def _payload_buffer(tensor: torch.Tensor, codec, nbytes: int) -> torch.Tensor:
     if not codec.is_identity:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8, device=tensor.device)
     return tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
@@ -117,7 +118,7 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: Co
     codec._check_dtype(tensor.dtype)
     checked = _validate(validate) or check_finite
     nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
-    header = torch.empty(_HEADER, dtype=torch.int64)
+    header = torch.empty(_HEADER, dtype=torch.int64, device=tensor.device)
     hwork = dist.irecv(header, src, group=group, tag=tag) if checked else None
     buf = _payload_buffer(tensor, codec, nbytes)
     work = dist.irecv(buf, src, group=group, tag=tag)
@@ -155,12 +156,12 @@ def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: Cod
     if not (_validate(validate) or check_finite):
         irecv(tensor, src, group, tag, codec=codec, label=label, validate=False).wait()
         return src
-    header = torch.empty(_HEADER, dtype=torch.int64)
+    header = torch.empty(_HEADER, dtype=torch.int64, device=tensor.device)
     dist.recv(header, src, group=group, tag=tag)
     msg = _check_header(header, tensor, codec, src)
     nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
     if msg:
-        dist.recv(torch.empty(int(header[3]), dtype=torch.uint8), src, group=group, tag=tag)
+        dist.recv(torch.empty(int(header[3]), dtype=torch.uint8, device=tensor.device), src, group=group, tag=tag)
         raise ValueError(msg)
     buf = _payload_buffer(tensor, codec, nbytes)
     dist.recv(buf, src, group=group, tag=tag)

@@ -161,7 +161,7 @@ class DistributedOptimizer:
             if weight_fn is None or all(weight_fn(p) == 1.0 for p in b.params):
                 out.append(None)
                 continue
-            w = torch.zeros(b.padded, dtype=torch.float64)
+            w = torch.zeros(b.padded, dtype=torch.float64, device=b.grad.device)
             for p, o in zip(b.params, b.offsets):
                 w[o:o + p.numel()] = float(weight_fn(p))
             out.append(w[slice(*b.shard_range(self.shard_index, self.world))])
@@ -179,7 +179,7 @@ class DistributedOptimizer:
     def _check_replicated(self) -> None:
         sums = torch.stack([torch.stack([f.double().sum(), f.double().square().sum()])
                             for f in (self._flat_params(b) for b in self.buckets)]).reshape(-1)
-        table = torch.empty(self.world * sums.numel(), dtype=sums.dtype)
+        table = torch.empty(self.world * sums.numel(), dtype=sums.dtype, device=sums.device)
         comm._common._all_gather_base(table, sums, group=self.group)
         table = table.view(self.world, -1)
         bad = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
@@ -263,7 +263,7 @@ class DistributedOptimizer:
         return shards
 
     def _all_reduce_max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.buckets[0].grad.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if self.grad_norm_group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.grad_norm_group)

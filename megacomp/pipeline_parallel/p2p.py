@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm import comm_device
 from ..compression import ErrorFeedback
 from ..config import CommCompressionConfig
 
@@ -33,6 +34,7 @@ class PipelineCommunicator:
         efc = self.compression.pp_gradient_error_feedback
         self.error_feedback: Optional[ErrorFeedback] = ErrorFeedback(efc) if efc is not None else None
         self._agreed: Optional[tuple] = None
+        self.device = comm_device()  # where received activations and gradients are allocated
 
     @property
     def is_first(self) -> bool:
@@ -53,7 +55,8 @@ class PipelineCommunicator:
         from ..comm._common import codec_code, dtype_code
 
         return torch.tensor([len(shape)] + list(shape) + [0] * (8 - len(shape)) +
-                            [dtype_code(dtype), codec_code(act), codec_code(grad)], dtype=torch.int64)
+                            [dtype_code(dtype), codec_code(act), codec_code(grad)], dtype=torch.int64,
+                            device=self.device)
 
     def handshake(self, shape: Sequence[int], dtype: torch.dtype) -> None:
         """Check once that neighbouring stages expect the same activation shape, dtype and codecs."""
@@ -65,12 +68,12 @@ class PipelineCommunicator:
             theirs = torch.empty_like(mine)
             dist.recv(theirs, self.pp_ranks[self.stage - 1])
             ok = torch.equal(theirs, mine)
-            dist.send(torch.tensor([int(ok)]), self.pp_ranks[self.stage - 1])
+            dist.send(torch.tensor([int(ok)], device=self.device), self.pp_ranks[self.stage - 1])
             if not ok:
                 raise ValueError(self._mismatch(theirs, mine, self.stage - 1, self.stage))
         if not self.is_last:
             dist.send(mine, self.pp_ranks[self.stage + 1])
-            verdict = torch.empty(1, dtype=torch.int64)
+            verdict = torch.empty(1, dtype=torch.int64, device=self.device)
             dist.recv(verdict, self.pp_ranks[self.stage + 1])
             if not verdict.item():
                 raise ValueError(f"pipeline stage {self.stage + 1} expects a different activation shape, dtype or "
@@ -112,7 +115,7 @@ class PipelineCommunicator:
     def recv_forward(self, shape, dtype) -> Optional[torch.Tensor]:
         if self.is_first:
             return None
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._irecv_forward(out).wait()
         return out.requires_grad_()
 
@@ -123,7 +126,7 @@ class PipelineCommunicator:
     def recv_backward(self, shape, dtype) -> Optional[torch.Tensor]:
         if self.is_last:
             return None
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         self._irecv_backward(out).wait()
         return out
 
@@ -134,7 +137,7 @@ class PipelineCommunicator:
     def send_forward_recv_backward(self, t, shape, dtype) -> Optional[torch.Tensor]:
         if self.is_last:
             return None
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         recv = self._irecv_backward(out)
         send = self._isend_forward(t)
         send.wait()
@@ -144,7 +147,7 @@ class PipelineCommunicator:
     def send_backward_recv_forward(self, g, slot: int, shape, dtype) -> Optional[torch.Tensor]:
         if self.is_first:
             return None
-        out = torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype, device=self.device)
         recv = self._irecv_forward(out)
         send = self._isend_backward(g, slot)
         send.wait()

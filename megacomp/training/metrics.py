@@ -28,9 +28,9 @@ def gather_traffic() -> dict[str, list[int]]:
     dist.all_gather_object(names, sorted(local))
     keys = sorted(set().union(*map(set, names)))
     vec = torch.tensor([[local[k].wire_bytes, local[k].uncompressed_bytes] if k in local else [0, 0] for k in keys],
-                       dtype=torch.int64).reshape(-1, 2)
+                       dtype=torch.int64, device=comm.comm_device()).reshape(-1, 2)
     dist.all_reduce(vec)
-    return {k: [int(a), int(b)] for k, (a, b) in zip(keys, vec.tolist())}
+    return {k: [int(a), int(b)] for k, (a, b) in zip(keys, vec.cpu().tolist())}
 
 
 class MetricsLogger:

@@ -60,8 +60,9 @@ class Trainer:
         mpc = ModelParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   sequence_parallel=cfg.sequence_parallel, params_dtype=cfg.params_dtype,
                                   compression=self.compression, process_groups=g)
+        self.device = comm.comm_device()  # cuda:<local rank> under NCCL (set by init_distributed), else CPU
         self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
-                              layer_range=split_layers(cfg.num_layers, pp, g.pp_rank))
+                              layer_range=split_layers(cfg.num_layers, pp, g.pp_rank)).to(self.device)
         self.optimizer = self._build_optimizer()
         self.communicator = PipelineCommunicator(g.pp_ranks, self.compression) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
@@ -116,12 +117,15 @@ class Trainer:
     def _extra_state(self) -> dict:
         tp_ef = {name: m.backward_error_feedback.state_dict() for name, m in self.model.named_modules()
                  if getattr(m, "backward_error_feedback", None) is not None}
-        return {"rng": torch.get_rng_state(), "tp_error_feedback": tp_ef,
+        return {"rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None, "tp_error_feedback": tp_ef,
                 "pp": self.communicator.state_dict() if self.communicator else None}
 
     def _load(self) -> None:
         self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info())
         torch.set_rng_state(extra["rng"])
+        if extra.get("cuda_rng") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(extra["cuda_rng"])
         modules = dict(self.model.named_modules())
         for name, state in extra["tp_error_feedback"].items():
             modules[name].backward_error_feedback.load_state_dict(state)
@@ -136,7 +140,8 @@ class Trainer:
 
     # -- one iteration -------------------------------------------------------------------------------
     def _micro_batches(self) -> list:
-        return [get_batch(self.dataset, next(self._batches)) for _ in range(self.num_microbatches)]
+        batches = [get_batch(self.dataset, next(self._batches)) for _ in range(self.num_microbatches)]
+        return [(ids.to(self.device), labels.to(self.device)) for ids, labels in batches]
 
     def _forward_backward(self, batches) -> list[float]:
         m, M = self.model, self.num_microbatches
@@ -181,7 +186,7 @@ class Trainer:
         """Mean loss over micro-batches and DP ranks, known on every rank."""
         g = self.groups
         mine = sum(losses) / len(losses) if losses else 0.0
-        t = torch.tensor([mine], dtype=torch.float64)
+        t = torch.tensor([mine], dtype=torch.float64, device=self.device)
         if g.pp_size > 1:
             dist.all_reduce(t, group=g.pp)  # only the last stage contributes
         dist.all_reduce(t, group=g.dp)
