@@ -65,27 +65,11 @@ else
   )
 fi
 
-GPT_MODEL_ARGS=(--config "$CONFIG")   # layers, hidden size, heads, sequence length, vocabulary: in the YAML
+# shellcheck source=scripts/pretrain_args.sh
+source "$REPO/scripts/pretrain_args.sh"
+build_pretrain_args
 
-TRAINING_ARGS=()
-[ -n "$TRAIN_ITERS" ] && TRAINING_ARGS+=(--train-iters "$TRAIN_ITERS")
-
-MODEL_PARALLEL_ARGS=()
-[ -n "$TP" ] && MODEL_PARALLEL_ARGS+=(--tensor-model-parallel-size "$TP")
-[ -n "$PP" ] && MODEL_PARALLEL_ARGS+=(--pipeline-model-parallel-size "$PP")
-
-COMPRESSION_ARGS=()
-[ -n "$COMPRESSION" ] && COMPRESSION_ARGS+=(--compression "$COMPRESSION")
-
-LOGGING_ARGS=(--log-dir "$LOG_DIR")
-
-CHECKPOINT_ARGS=()
-[ -n "$SAVE" ] && CHECKPOINT_ARGS+=(--save "$SAVE")
-[ -n "$LOAD" ] && CHECKPOINT_ARGS+=(--load "$LOAD")
-
-CMD=("${LAUNCHER[@]}" "${DISTRIBUTED_ARGS[@]}" -m megacomp.pretrain
-     "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${COMPRESSION_ARGS[@]}"
-     "${LOGGING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "$@")
+CMD=("${LAUNCHER[@]}" "${DISTRIBUTED_ARGS[@]}" -m megacomp.pretrain "${PRETRAIN_ARGS[@]}" "$@")
 
 if [ -n "${DRY_RUN:-}" ]; then
   printf '%q ' "${CMD[@]}"; echo
