@@ -12,7 +12,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megacomp", "megacomp.*"]) + ["megacomp.kernels", "megacomp.kernels.cpu"],
+    packages=find_packages(include=["megacomp", "megacomp.*"])
+    + ["megacomp.kernels", "megacomp.kernels.cpu", "megacomp.kernels.triton"],
     package_dir={"megacomp.kernels": "kernels"},  # kernels/ lives at the top level, installed as megacomp.kernels
     package_data={"megacomp.kernels": ["cpu/*.cpp"]},
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece"],

@@ -1,15 +1,21 @@
 """Fused codec kernels behind one dispatch (installed as ``megacomp.kernels``).
 
-Backends, fastest first, each bit-identical to the eager reference in megacomp/compression/quantize.py
-(the oracle):
-  ``cpu``        a small C++ extension (kernels/cpu/codec_kernels.cpp) built on first use with
-                 torch.utils.cpp_extension and cached; int8/int4/int2/fp8 round-to-nearest encode,
-                 decode and decode-accumulate on contiguous fp32 CPU tensors.
-  ``reference``  the eager torch code; always available and used for everything the others do not
-                 cover (stochastic rounding, the sign codec, CUDA tensors until the Triton path lands).
+Backends, each bit-identical to the eager reference in megacomp/compression/quantize.py (the oracle) run
+on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef_update_scaled) picks:
+  ``triton``     CUDA tensors (fp32, bf16, fp16 inputs): Triton kernels in kernels/triton/ for
+                 int8/int4/int2/fp8 encode (round to nearest, and stochastic rounding from the reference's
+                 own torch.rand draws), decode (into fp32/bf16/fp16), decode-accumulate and the fused
+                 error-feedback update; per-tensor, per-block and dual scaling. Compiled by triton on first
+                 launch per configuration and cached. Needs the ``triton`` package; its interpreter
+                 (``codec_triton.interpreted()``) runs the same kernels on CPU tensors for the tests.
+  ``cpu``        contiguous fp32 CPU tensors: a small C++ extension (kernels/cpu/codec_kernels.cpp) built on
+                 first use with torch.utils.cpp_extension and cached; int8/int4/int2/fp8 round-to-nearest
+                 encode, decode, decode-accumulate and the fused error-feedback update.
+  ``reference``  the eager torch code: always available; everything the others do not cover (the sign
+                 codec, stochastic rounding on CPU, other devices and dtypes).
 
-``MEGACOMP_KERNELS=reference`` forces the reference. A build failure (no compiler, no headers) falls back
-to the reference with one logged warning, never an error.
+``MEGACOMP_KERNELS=reference`` forces the reference. A build, compile or launch failure (no compiler, no
+triton, a triton error) falls back to the reference with one logged warning per backend, never an error.
 """
 from __future__ import annotations
 
@@ -19,6 +25,8 @@ import os
 log = logging.getLogger("megacomp")
 _cpu = None
 _cpu_failed = False
+_triton = None
+_triton_failed = False
 
 
 def forced_reference() -> bool:
@@ -43,8 +51,40 @@ def cpu_kernels():
     return _cpu
 
 
-def backend_name() -> str:
+def triton_kernels():
+    """The Triton codec backend for CUDA tensors, or None (reference forced, triton missing, or an earlier
+    failure: logged once)."""
+    global _triton, _triton_failed
+    if forced_reference() or _triton_failed:
+        return None
+    if _triton is None:
+        try:
+            from .triton import codec_triton
+
+            if not codec_triton.HAVE_TRITON:
+                raise RuntimeError(f"triton is not importable: {codec_triton.IMPORT_ERROR}")
+            _triton = codec_triton.backend()
+        except Exception as e:
+            triton_failed(e)
+            return None
+    return _triton
+
+
+def triton_failed(exc: BaseException) -> None:
+    """Turn the Triton backend off after ``exc`` (a missing package, a compile or launch error), with one
+    logged warning; the dispatch then uses the eager reference."""
+    global _triton_failed
+    if not _triton_failed:
+        log.warning("megacomp.kernels: the Triton codec kernels failed (%s: %s); using the eager reference",
+                    type(exc).__name__, (str(exc).splitlines() or [""])[0])
+    _triton_failed = True
+
+
+def backend_name(device: str = "cpu") -> str:
+    """The backend the codec layer uses for int/fp8 codecs on tensors of ``device`` ("cpu" or "cuda")."""
+    if str(device).startswith("cuda"):
+        return "triton" if triton_kernels() is not None else "reference"
     return "cpu" if cpu_kernels() is not None else "reference"
 
 
-__all__ = ["backend_name", "cpu_kernels", "forced_reference"]
+__all__ = ["backend_name", "cpu_kernels", "forced_reference", "triton_failed", "triton_kernels"]

@@ -2,7 +2,8 @@
 # Install megacomp in editable mode. If torch is missing, install the pinned CPU wheel first
 # (seconds, instead of a multi-GB CUDA download); an existing torch (e.g. a CUDA build) is never replaced.
 #   bash scripts/install.sh          # the package
-#   bash scripts/install.sh test     # the package + test requirements (pytest, hypothesis)
+#   bash scripts/install.sh test     # the package + test requirements (pytest, hypothesis, and triton on Linux
+#                                      x86_64 so that the Triton kernel tests run under its interpreter)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -12,3 +13,7 @@ fi
 extra=""
 [ "${1:-}" = "test" ] && extra="[test]"
 "$PY" -m pip install --quiet --no-build-isolation -e ".${extra}"
+# triton (~286 MB wheel): only if none is importable, so a CUDA torch keeps the triton it was built with
+if [ "${1:-}" = "test" ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet "triton==3.9.0"
+fi

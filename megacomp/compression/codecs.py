@@ -176,7 +176,12 @@ class Codec:
         if fmt.kind == "cast":
             y = _to_fp16_checked(flat) if fmt.dtype == torch.float16 and strict else flat.to(fmt.dtype)
             return y.contiguous().view(torch.uint8)
-        x32 = transforms.rotate(flat, self.hadamard) if self.hadamard and flat.numel() else flat.to(torch.float32)
+        if self.hadamard and flat.numel():
+            x32 = transforms.rotate(flat, self.hadamard)
+        elif flat.is_cuda and flat.dtype in (torch.bfloat16, torch.float16):
+            x32 = flat  # the Triton kernels read half inputs directly (exactly as their fp32 values)
+        else:
+            x32 = flat.to(torch.float32)
         return quantize.encode_scaled(x32, fmt, self.block_size, self.dual_scale,
                                       self.rounding == "stochastic", self._rng(generator), out=out)
 
@@ -205,6 +210,9 @@ class Codec:
             y = quantize.decode_scaled(buf, padded, fmt, self.block_size, self.dual_scale)
             return y if rotated else self.unrotate(y, numel).to(dtype)
         if out is not None and dtype == torch.float32:
+            return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale, out=out)
+        if buf.is_cuda and dtype in (torch.bfloat16, torch.float16):  # the Triton kernels write half directly
+            out = torch.empty(numel, dtype=dtype, device=buf.device)
             return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale, out=out)
         return quantize.decode_scaled(buf, numel, fmt, self.block_size, self.dual_scale).to(dtype)
 

@@ -82,12 +82,31 @@ def _dual_exponents(amax_b: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 
 def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
-    """The fused CPU kernels when they cover this case (else None: use the eager reference below)."""
-    if stochastic or fmt.kind not in ("int", "float8") or x.device.type != "cpu":
+    """The fused kernels covering this case, or None (then the eager reference below runs): Triton for
+    CUDA tensors, the C++ extension for CPU tensors (round to nearest only), nothing else."""
+    if fmt.kind not in ("int", "float8"):
         return None
     from megacomp import kernels
 
-    return kernels.cpu_kernels()
+    if x.device.type == "cuda":
+        return kernels.triton_kernels()
+    if x.device.type == "cpu" and not (stochastic and fmt.kind == "int"):
+        return kernels.cpu_kernels()
+    return None
+
+
+def _is_triton(k) -> bool:
+    return getattr(k, "supports_stochastic", False)  # the Triton backend object (the C++ module has no such flag)
+
+
+def _kernel_failed(k, exc: Exception) -> bool:
+    """A Triton compile/launch failure: log once, turn Triton off, let the caller use the reference."""
+    if not _is_triton(k):
+        return False
+    from megacomp import kernels
+
+    kernels.triton_failed(exc)
+    return True
 
 
 def _kind_code(fmt: Format) -> int:
@@ -98,33 +117,59 @@ def _kind_code(fmt: Format) -> int:
 
 def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, stochastic: bool,
                   generator: Optional[torch.Generator], out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Encode a flat fp32 tensor into the wire layout above (fused kernel when available, bit-identical).
-    ``out``: a preallocated uint8 buffer of the exact size (reused buffers avoid page faults on big tensors)."""
+    """Encode a flat tensor (fp32; bf16/fp16 too, read as fp32 exactly) into the wire layout above (fused
+    kernel when available, bit-identical). ``out``: a preallocated uint8 buffer of the exact size (reused
+    buffers avoid page faults on big tensors)."""
     k = _kernels(fmt, stochastic, x32)
-    if k is None:
-        res = encode_scaled_reference(x32, fmt, block_size, dual, stochastic, generator)
-        return res if out is None else out.copy_(res)
-    n = x32.numel()
-    if out is None:
-        out = torch.empty(scale_nbytes(n, block_size, dual) + payload_nbytes(n, fmt), dtype=torch.uint8)
-    k.encode_into(x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
-    return out
+    if k is not None and x32.dtype not in getattr(k, "input_dtypes", (torch.float32,)):
+        x32 = x32.to(torch.float32)
+    if k is not None:
+        n = x32.numel()
+        if out is None:
+            out = torch.empty(scale_nbytes(n, block_size, dual) + payload_nbytes(n, fmt), dtype=torch.uint8,
+                              device=x32.device)
+        args = (x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
+        state = None
+        try:
+            if stochastic and fmt.kind == "int":  # the reference's own draws (same generator, shape, order)
+                state = generator.get_state() if generator is not None else None
+                u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
+                               generator=generator, device=x32.device)
+                k.encode_into(*args, u=u)
+            else:
+                k.encode_into(*args)
+            return out
+        except Exception as e:
+            if not _kernel_failed(k, e):
+                raise
+            if state is not None:
+                generator.set_state(state)
+    x32 = x32.to(torch.float32)
+    res = encode_scaled_reference(x32, fmt, block_size, dual, stochastic, generator)
+    return res if out is None else out.copy_(res)
 
 
 def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, dual: bool,
                   accumulate_into: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Decode the wire layout above into fp32 (into ``out`` if given), or add it into ``accumulate_into``."""
+    """Decode the wire layout above into fp32 (into ``out`` if given: fp32, or bf16/fp16 rounded like
+    ``.to(dtype)``), or add it into ``accumulate_into`` (fp32)."""
     k = _kernels(fmt, False, buf)
     target = accumulate_into if accumulate_into is not None else out
-    if k is None or (target is not None and not target.is_contiguous()):
-        res = decode_scaled_reference(buf, numel, fmt, block_size, dual)
-        if accumulate_into is not None:
-            return accumulate_into.add_(res)
-        return res if out is None else out.copy_(res)
-    if target is None:
-        target = torch.empty(numel, dtype=torch.float32)
-    k.decode_into(buf.contiguous(), target, _kind_code(fmt), fmt.bits, block_size, dual, accumulate_into is not None)
-    return target
+    dtypes = (torch.float32,) if accumulate_into is not None else getattr(k, "input_dtypes", (torch.float32,))
+    if k is not None and (target is None or (target.is_contiguous() and target.dtype in dtypes)):
+        if target is None:
+            target = torch.empty(numel, dtype=torch.float32, device=buf.device)
+        try:
+            k.decode_into(buf.contiguous(), target, _kind_code(fmt), fmt.bits, block_size, dual,
+                          accumulate_into is not None)
+            return target
+        except Exception as e:
+            if not _kernel_failed(k, e):
+                raise
+    res = decode_scaled_reference(buf, numel, fmt, block_size, dual)
+    if accumulate_into is not None:
+        return accumulate_into.add_(res)
+    return res if out is None else out.copy_(res)
 
 
 def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tensor], e_out: torch.Tensor, fmt: Format,
@@ -136,13 +181,20 @@ def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tenso
     n = h.numel()
     width = n if block_size == 0 else block_size
     per = 8 // fmt.bits
-    if k is None or not (width % per == 0 or num_blocks(n, block_size) == 1) or h.dtype != torch.float32:
+    if k is None or h.dtype != torch.float32:
+        return None
+    if not _is_triton(k) and not (width % per == 0 or num_blocks(n, block_size) == 1):
         return None
     if e is not None and e.dtype != torch.float32:
         return None
     mode = 0 if beta == 0.0 else (1 if e is None else 2)
-    return bool(k.ef_update_into(buf.contiguous(), h.contiguous(), e if e is not None else h, e_out, _kind_code(fmt),
-                                 fmt.bits, block_size, dual, float(beta), mode))
+    try:
+        return bool(k.ef_update_into(buf.contiguous(), h.contiguous(), e if e is not None else h, e_out,
+                                     _kind_code(fmt), fmt.bits, block_size, dual, float(beta), mode))
+    except Exception as ex:
+        if not _kernel_failed(k, ex):
+            raise
+        return None
 
 
 def encode_scaled_reference(

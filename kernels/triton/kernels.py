@@ -1,0 +1,295 @@
+"""Triton kernel bodies for the fused codecs (imported only when triton is installed; see codec_triton.py).
+
+Every kernel repeats the eager reference's arithmetic element by element (megacomp/compression/quantize.py):
+fp32 math on the loaded values (bf16/fp16 inputs are widened exactly), IEEE division (``tl.math.div_rn``,
+never the approximate ``/``), no fused multiply-adds (launched with ``enable_fp_fusion=False``), no
+libdevice calls (whose flush-to-zero reflection would flush subnormals). The block maximum is an integer
+maximum over the bits of ``|x|``: for non-negative floats the bit order is the numeric order and every NaN
+sorts above inf, so it propagates NaN like ``torch.amax`` (made the default quiet NaN, as torch does).
+
+Tiles: a "rows" kernel holds ``R`` whole blocks as an ``[R, W]`` tile (``W`` >= block size, a power of two;
+contiguous when the block is ``W``); ``P`` codes per payload byte are packed by a reshape to ``[R, W/P, P]``
+and a shifted sum over the last axis; it needs blocks that start on a byte boundary. A "flat" kernel walks
+``T * P`` contiguous elements (``T`` payload bytes) and looks up each element's block (any block size, or
+one scale for the whole tensor with ``ONE``).
+
+KIND: 0 int, 1 float8 e4m3fn, 2 float8 e5m2. EPI (decode): 0 store, 1 accumulate into fp32, 2/3/4 error
+feedback update modes 0/1/2 (``h - d``, ``(1-beta)(h - d)``, ``beta e + (1-beta)(h - d)``).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _imax(v, axis: tl.constexpr):
+    # tl.reduce with triton's own combine functions (not tl.max/tl.sum, which are jit functions that the
+    # interpreter cannot call when triton was first imported without TRITON_INTERPRET)
+    return tl.reduce(v, axis, tl.standard._elementwise_max)
+
+
+@triton.jit
+def _isum(v, axis: tl.constexpr):
+    return tl.reduce(v, axis, tl.standard._sum_combine)
+
+
+@triton.jit
+def _canonical(amax_bits):
+    # torch.amax returns the default quiet NaN (0x7FC00000) whatever NaN it met
+    return tl.where(amax_bits > 0x7F800000, 0x7FC00000, amax_bits)
+
+
+@triton.jit
+def _load_f32(ptr, idx, m, BF16: tl.constexpr):
+    """fp32 values of the input; bf16 arrives as its int16 bits and widens by a shift (exact, NaN payloads
+    kept, the same on every backend)."""
+    if BF16:
+        x = (tl.load(ptr + idx, mask=m, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(ptr + idx, mask=m, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _quantize(y, u, qmax, offset, KIND: tl.constexpr, STOCH: tl.constexpr):
+    """Codes (int32, < 256) of the scaled values ``y``: the reference's round/floor, clamp, NaN -> 0."""
+    if KIND == 0:
+        if STOCH:
+            y = y + u  # floor(y + u) below
+        c = tl.where(y < -qmax, -qmax, tl.where(y > qmax, qmax, y))  # NaN passes through, like clamp_
+        c = tl.where(c != c, 0.0, c)
+        # |c| <= 127: adding 1.5 * 2^23 rounds half to even onto the integer grid (exact)
+        q = (c + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+        if STOCH:  # floor without tl.floor, which compiles to a flush-to-zero cvt.rmi.ftz
+            q = q - (q.to(tl.float32) > c).to(tl.int32)
+        out = q + offset
+    else:
+        c = tl.where(y < -qmax, -qmax, tl.where(y > qmax, qmax, y))
+        c = tl.where(c != c, 0.0, c)
+        b = c.to(tl.int32, bitcast=True)
+        neg = b < 0
+        b = b & 0x7FFFFFFF
+        fa = b.to(tl.float32, bitcast=True)
+        # c10's fp32 -> float8 round-to-nearest-even integer arithmetic (torch's own cast), as selects
+        if KIND == 1:
+            den = (fa + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+            norm = (b - (120 << 23) + 0x7FFFF + ((b >> 20) & 1)) >> 20
+            r = tl.where(b >= (1087 << 20), 0x7F, tl.where(b < (121 << 23), den, norm))
+        else:
+            den = (fa + 128.0).to(tl.int32, bitcast=True) - (134 << 23)
+            norm = (b - (112 << 23) + 0xFFFFF + ((b >> 21) & 1)) >> 21
+            big = tl.where(b > (255 << 23), 0x7F, 0x7C)
+            r = tl.where(b >= (143 << 23), big, tl.where(b < (113 << 23), den, norm))
+        out = tl.where(neg, r | 0x80, r)
+    return out
+
+
+@triton.jit
+def _dequantize(code, table_ptr, offset, KIND: tl.constexpr):
+    if KIND == 0:
+        v = (code - offset).to(tl.float32)
+    else:
+        v = tl.load(table_ptr + code)  # torch's own float8 -> fp32 values, 256 entries
+    return v
+
+
+@triton.jit
+def _epilogue(r, idx, m, out_ptr, h_ptr, e_ptr, beta, omb, EPI: tl.constexpr):
+    """Write decoded values ``r``; returns 1 where an error-feedback residual is not finite, else 0."""
+    bad = tl.full(r.shape, 0, tl.int32)
+    if EPI == 0:
+        if out_ptr.dtype.element_ty == tl.int16:  # bf16 output as int16 bits: round half to even by hand
+            b = r.to(tl.int32, bitcast=True)
+            rb = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            tl.store(out_ptr + idx, tl.where(r != r, 0x7FC0, rb).to(tl.int16), mask=m)
+        else:
+            tl.store(out_ptr + idx, r.to(out_ptr.dtype.element_ty), mask=m)
+    elif EPI == 1:
+        acc = tl.load(out_ptr + idx, mask=m, other=0.0)
+        tl.store(out_ptr + idx, acc + r, mask=m)
+    else:
+        h = tl.load(h_ptr + idx, mask=m, other=0.0)
+        res = h - r
+        bad = (((res.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & m).to(tl.int32)
+        if EPI == 2:
+            val = res
+        elif EPI == 3:
+            val = omb * res
+        else:
+            e = tl.load(e_ptr + idx, mask=m, other=0.0)
+            val = beta * e + omb * res
+        tl.store(out_ptr + idx, val, mask=m)
+    return bad
+
+
+@triton.jit
+def _pack(code, NB: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
+    """[..., NB * P] codes (last axis contiguous elements) -> [..., NB] bytes (first code in the low bits)."""
+    if P == 1:
+        packed = code
+    else:
+        if len(code.shape) == 2:
+            c3 = tl.reshape(code, [code.shape[0], NB, P])
+            packed = _isum(c3 << (tl.arange(0, P)[None, None, :] * BITS), 2)
+        else:
+            c2 = tl.reshape(code, [NB, P])
+            packed = _isum(c2 << (tl.arange(0, P)[None, :] * BITS), 1)
+    return packed
+
+
+@triton.jit
+def _unpack(byte, NB: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
+    """Inverse of _pack: [..., NB] bytes (int32) -> [..., NB * P] codes."""
+    if P == 1:
+        code = byte
+    else:
+        if len(byte.shape) == 2:
+            c3 = (byte[:, :, None] >> (tl.arange(0, P)[None, None, :] * BITS)) & ((1 << BITS) - 1)
+            code = tl.reshape(c3, [byte.shape[0], NB * P])
+        else:
+            c2 = (byte[:, None] >> (tl.arange(0, P)[None, :] * BITS)) & ((1 << BITS) - 1)
+            code = tl.reshape(c2, [NB * P])
+    return code
+
+
+@triton.jit
+def _row_index(pid, n, B, R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, FULL: tl.constexpr):
+    """Element and payload-byte indices and masks of R rows (blocks) of W (>= B, a power of two) columns;
+    FULL: B == W, so the tile is one contiguous span (vector loads and stores)."""
+    r2 = pid * R + tl.arange(0, R)[:, None]
+    col = tl.arange(0, W)[None, :]
+    c2 = tl.arange(0, W // P)[None, :]
+    if FULL:
+        idx = r2 * W + col
+        m = idx < n
+        bidx = r2 * (W // P) + c2
+        bm = bidx * P < n
+    else:
+        idx = r2 * B + col
+        m = (col < B) & (idx < n)
+        bidx = r2 * (B // P) + c2
+        bm = (c2 * P < B) & (r2 * B + c2 * P < n)
+    return idx, m, bidx, bm
+
+
+@triton.jit
+def enc_rows(x_ptr, scale_ptr, mult_ptr, div_ptr, u_ptr, pay_ptr, n, B, nrows, qmax, inv_q, offset,
+             R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr,
+             STAGE: tl.constexpr, STOCH: tl.constexpr, RECIP: tl.constexpr, BF16: tl.constexpr, FULL: tl.constexpr):
+    """R whole blocks per program. STAGE 0: block maxima, scales (written as fp32) and codes in one pass;
+    1: block maxima only (into ``scale_ptr``); 2: codes from given per-block ``mult`` and ``div`` (dual).
+    RECIP: the scale is ``amax * inv_q`` (torch's CUDA division by a CPU scalar multiplies by its fp32
+    reciprocal), else ``amax / qmax`` (torch's CPU division). Blocks must start on a byte boundary (or be one)."""
+    pid = tl.program_id(0)
+    idx, m, bidx, bm = _row_index(pid, n, B, R, W, P, FULL)
+    x = _load_f32(x_ptr, idx, m, BF16)
+    rows = pid * R + tl.arange(0, R)
+    if STAGE == 2:
+        mult = tl.load(mult_ptr + rows, mask=rows < nrows, other=1.0)[:, None]
+        div = tl.load(div_ptr + rows, mask=rows < nrows, other=1.0)[:, None]
+        y = tl.math.div_rn(x * mult, div)
+    else:
+        amax = _canonical(_imax(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1)).to(tl.float32, bitcast=True)
+        if STAGE == 1:
+            tl.store(scale_ptr + rows, amax, mask=rows < nrows)
+            y = x
+        else:
+            if RECIP:
+                scale = amax * inv_q
+            else:
+                scale = tl.math.div_rn(amax, qmax)
+            tl.store(scale_ptr + rows, scale, mask=rows < nrows)
+            safe = tl.where(scale > 0.0, scale, 1.0)[:, None]
+            y = tl.math.div_rn(x, safe)
+    if STAGE != 1:
+        u = 0.0
+        if STOCH:
+            u = tl.load(u_ptr + idx, mask=m, other=0.0)
+        code = tl.where(m, _quantize(y, u, qmax, offset, KIND, STOCH), 0)
+        tl.store(pay_ptr + bidx, _pack(code, W // P, P, BITS).to(tl.uint8), mask=bm)
+
+
+@triton.jit
+def enc_flat(x_ptr, mult_ptr, div_ptr, u_ptr, pay_ptr, n, B, qmax, offset, T: tl.constexpr, P: tl.constexpr,
+             BITS: tl.constexpr, KIND: tl.constexpr, DUAL: tl.constexpr, ONE: tl.constexpr, STOCH: tl.constexpr,
+             BF16: tl.constexpr):
+    """T payload bytes (T * P elements) per program, codes from given per-block ``mult`` (dual) and ``div``;
+    any block size (``ONE``: a single block)."""
+    pid = tl.program_id(0)
+    idx = pid * (T * P) + tl.arange(0, T * P)
+    m = idx < n
+    x = _load_f32(x_ptr, idx, m, BF16)
+    if ONE:
+        div = tl.load(div_ptr)
+        if DUAL:
+            x = x * tl.load(mult_ptr)
+    else:
+        blk = idx // B
+        div = tl.load(div_ptr + blk, mask=m, other=1.0)
+        if DUAL:
+            x = x * tl.load(mult_ptr + blk, mask=m, other=1.0)
+    y = tl.math.div_rn(x, div)
+    u = 0.0
+    if STOCH:
+        u = tl.load(u_ptr + idx, mask=m, other=0.0)
+    code = tl.where(m, _quantize(y, u, qmax, offset, KIND, STOCH), 0)
+    b1 = pid * T + tl.arange(0, T)
+    tl.store(pay_ptr + b1, _pack(code, T, P, BITS).to(tl.uint8), mask=b1 * P < n)
+
+
+@triton.jit
+def amax_segments(x_ptr, part_ptr, n, B, nseg, SEG, T: tl.constexpr, BF16: tl.constexpr):
+    """Maximum of |x| (as int32 bits) over segment s of block b, for blocks too large for one tile."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    acc = tl.full([T], 0, tl.int32)
+    for i in range(0, SEG, T):
+        col = s * SEG + i + tl.arange(0, T)
+        idx = b * B + col
+        x = _load_f32(x_ptr, idx, (col < B) & (idx < n), BF16)
+        acc = tl.maximum(acc, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    tl.store(part_ptr + b * nseg + s, _canonical(_imax(acc, 0)))
+
+
+@triton.jit
+def dec_rows(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, flag_ptr, n, B, nrows, offset, coarse_ptr,
+             beta, omb, R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr,
+             DUAL: tl.constexpr, EPI: tl.constexpr, FULL: tl.constexpr):
+    pid = tl.program_id(0)
+    idx, m, bidx, bm = _row_index(pid, n, B, R, W, P, FULL)
+    code = _unpack(tl.load(pay_ptr + bidx, mask=bm, other=0).to(tl.int32), W // P, P, BITS)
+    v = _dequantize(code, table_ptr, offset, KIND)
+    rows = pid * R + tl.arange(0, R)
+    if DUAL:  # (v * coarse) * 2^-k, with 2^-k per block computed by torch.exp2 like the reference
+        down = tl.load(down_ptr + rows, mask=rows < nrows, other=0.0)[:, None]
+        r = (v * tl.load(coarse_ptr)) * down
+    else:
+        r = v * tl.load(scale_ptr + rows, mask=rows < nrows, other=0.0)[:, None]
+    bad = _epilogue(r, idx, m, out_ptr, h_ptr, e_ptr, beta, omb, EPI)
+    if EPI >= 2:
+        tl.store(flag_ptr + pid, _imax(_imax(bad, 1), 0).to(tl.int8))
+
+
+@triton.jit
+def dec_flat(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, flag_ptr, n, B, offset, coarse_ptr, beta, omb,
+             T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, DUAL: tl.constexpr,
+             ONE: tl.constexpr, EPI: tl.constexpr):
+    pid = tl.program_id(0)
+    b1 = pid * T + tl.arange(0, T)
+    code = _unpack(tl.load(pay_ptr + b1, mask=b1 * P < n, other=0).to(tl.int32), T, P, BITS)
+    idx = pid * (T * P) + tl.arange(0, T * P)
+    m = idx < n
+    v = _dequantize(code, table_ptr, offset, KIND)
+    if ONE:
+        if DUAL:
+            r = (v * tl.load(coarse_ptr)) * tl.load(down_ptr)
+        else:
+            r = v * tl.load(scale_ptr)
+    else:
+        blk = idx // B
+        if DUAL:
+            r = (v * tl.load(coarse_ptr)) * tl.load(down_ptr + blk, mask=m, other=0.0)
+        else:
+            r = v * tl.load(scale_ptr + blk, mask=m, other=0.0)
+    bad = _epilogue(r, idx, m, out_ptr, h_ptr, e_ptr, beta, omb, EPI)
+    if EPI >= 2:
+        tl.store(flag_ptr + pid, _imax(bad, 0).to(tl.int8))

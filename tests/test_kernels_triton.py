@@ -1,0 +1,308 @@
+"""Triton codec kernels are bit-identical to the eager reference (kernels/triton).
+
+Without a GPU the kernels run under triton's interpreter (``codec_triton.interpreted()``, TRITON_INTERPRET
+semantics) on tiny CPU tensors (~1 MB/s) and are compared with the reference on CPU; the tests on CUDA
+compare the compiled kernels with the reference on the GPU. The dispatch and import-guard tests run
+everywhere.
+"""
+import importlib.util
+import itertools
+import logging
+import sys
+
+import pytest
+import torch
+
+import megacomp.kernels as kernels
+from megacomp.compression import make_codec, quantize
+from megacomp.kernels.triton import codec_triton as ct
+
+needs_triton = pytest.mark.skipif(not ct.HAVE_TRITON, reason=f"triton is not installed ({ct.IMPORT_ERROR}); "
+                                  "`pip install triton` or `bash scripts/install.sh test`")
+needs_cuda = pytest.mark.skipif(not (ct.HAVE_TRITON and torch.cuda.is_available()),
+                                reason="compiled Triton kernels need a CUDA GPU and triton (none here)")
+quiet = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy inf/NaN arithmetic inside the interpreter
+NAMES = ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"]
+CONFIGS = [(0, False), (128, False), (7, False), (100, False), (32, True), (5, True)]
+
+
+def kind(fmt):
+    return quantize._kind_code(fmt)
+
+
+def mixed(n, seed, dtype=torch.float32):
+    """Blocks of different regimes in one tensor: normal, ~1e-36, subnormal, zeros, non-finite."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    q = max(1, n // 6)
+    x[q:2 * q] *= 2.0 ** -120
+    x[2 * q:3 * q] *= 1e-42
+    x[3 * q:4 * q] = 0.0
+    if n > 8:
+        x[5 * q] = float("nan")
+        x[5 * q + 1] = float("inf")
+        x[-1] = -float("inf")
+    return x.to(dtype)
+
+
+def same_bits(a, b):
+    """Bitwise equal; for half outputs NaN payloads are not compared (the interpreter's fp32 -> bf16/fp16
+    rounding and torch's CPU one pick different NaN bits; on a GPU both are the hardware conversion)."""
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    nan = torch.isnan(a)
+    return torch.equal(nan, torch.isnan(b)) and torch.equal(a[~nan].view(torch.int16), b[~nan].view(torch.int16))
+
+
+def check(T, name, block, dual, x, out_dtype=torch.float32):
+    fmt = make_codec(name).format
+    n = x.numel()
+    ref = quantize.encode_scaled_reference(x.float(), fmt, block, dual, False, None)
+    got = torch.full_like(ref, 0xAB)
+    T.encode_into(x, got, kind(fmt), fmt.bits, fmt.qmax, block, dual)
+    assert torch.equal(got, ref), f"{name}/{block}/{dual}/{x.dtype} n={n}: encoded bytes differ"
+    dref = quantize.decode_scaled_reference(ref, n, fmt, block, dual)
+    dec = torch.empty(n, dtype=out_dtype)
+    T.decode_into(ref, dec, kind(fmt), fmt.bits, block, dual, False)
+    assert same_bits(dec, dref.to(out_dtype)), f"{name}/{block}/{dual}: decoded values differ"
+    acc0 = torch.randn(n)
+    acc = acc0.clone()
+    T.decode_into(ref, acc, kind(fmt), fmt.bits, block, dual, True)
+    assert torch.equal(acc.view(torch.int32), (acc0 + dref).view(torch.int32)), f"{name}/{block}/{dual}: accumulate"
+
+
+@pytest.fixture(scope="module")
+def T():
+    return ct.interpreted()
+
+
+@needs_triton
+@quiet
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("block,dual", CONFIGS)
+def test_interpreted_bit_identical(T, name, block, dual):
+    dtype = [torch.float32, torch.bfloat16, torch.float16][(NAMES.index(name) + CONFIGS.index((block, dual))) % 3]
+    for n, seed in ((1, 1), (13, 2), (301, 3)):
+        x = mixed(n, seed)
+        check(T, name, block, dual, x)
+        if block == 0 and n > 8:  # one scale: a NaN would make every element NaN, so also finite inputs
+            check(T, name, block, dual, torch.randn(n, generator=torch.Generator().manual_seed(seed)))
+    check(T, name, block, dual, mixed(301, 4).to(dtype), out_dtype=dtype)  # half inputs and half outputs
+
+
+@needs_triton
+@quiet
+@pytest.mark.parametrize("name", ["int4", "int2", "fp8_e4m3"])
+def test_interpreted_large_block_paths(T, name, monkeypatch):
+    """Small tile limits send the same inputs through the block-maximum segments and the flat passes
+    (one scale per tensor, big blocks, dual scaling without the row kernel)."""
+    for attr, v in (("ROW_MAX", 32), ("TILE", 128), ("SEG", 64), ("SEG_TILE", 32)):
+        monkeypatch.setattr(ct, attr, v)
+    for block, dual in ((0, False), (100, False), (64, True), (36, False)):
+        check(T, name, block, dual, mixed(301, block))
+    check(T, name, 0, False, torch.randn(299, generator=torch.Generator().manual_seed(9)))
+
+
+@needs_triton
+@quiet
+@pytest.mark.parametrize("name,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_interpreted_fp8_ties_exhaustive(T, name, dtype):
+    """Every float8 value, the midpoints between neighbours (ties) and their fp32 neighbours, scale 1."""
+    vals = torch.arange(256, dtype=torch.uint8).view(dtype).float()
+    vals = torch.unique(vals[torch.isfinite(vals)])
+    mids = (vals[1:] + vals[:-1]) / 2
+    inf = torch.full_like(mids, float("inf"))
+    probes = torch.cat([vals, mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf)])
+    fmax = torch.finfo(dtype).max
+    check(T, name, 0, False, torch.cat([probes.clamp(-fmax, fmax), torch.tensor([fmax])]))
+
+
+@needs_triton
+@quiet
+@pytest.mark.parametrize("bits_name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("block,dual", [(0, False), (64, False), (7, False), (16, True)])
+def test_interpreted_stochastic_rounding(T, bits_name, block, dual):
+    """Stochastic rounding consumes the reference's own torch.rand draws, so the bytes are identical."""
+    fmt = make_codec(bits_name).format
+    x = mixed(203, 11)
+    ref = quantize.encode_scaled_reference(x, fmt, block, dual, True, torch.Generator().manual_seed(5))
+    width = x.numel() if block == 0 else block
+    u = torch.rand((quantize.num_blocks(x.numel(), block), width), generator=torch.Generator().manual_seed(5))
+    got = torch.empty_like(ref)
+    T.encode_into(x, got, 0, fmt.bits, fmt.qmax, block, dual, u=u)
+    assert torch.equal(got, ref)
+
+
+@needs_triton
+@quiet
+@pytest.mark.parametrize("name,block,dual", [("int4", 64, False), ("int8", 0, False), ("fp8_e4m3", 32, True),
+                                             ("int2", 7, False)])
+def test_interpreted_error_feedback_update(T, name, block, dual):
+    """e' = h - d, (1-beta)(h - d), beta e + (1-beta)(h - d) with the reference's expressions; the flag says
+    whether every residual was finite."""
+    fmt = make_codec(name).format
+    h = mixed(300, 21)  # NaN and inf at the end
+    e = torch.randn(300)
+    for x, finite in ((h[:130].clone(), True), (h, False)):
+        buf = quantize.encode_scaled_reference(x, fmt, block, dual, False, None)
+        res = x - quantize.decode_scaled_reference(buf, x.numel(), fmt, block, dual)
+        for mode, beta, want in ((0, 0.0, res), (1, 0.8, (1.0 - 0.8) * res),
+                                 (2, 0.8, 0.8 * e[:x.numel()] + (1.0 - 0.8) * res)):
+            out = torch.empty_like(x)
+            ok = T.ef_update_into(buf, x, e[:x.numel()], out, kind(fmt), fmt.bits, block, dual, beta, mode)
+            assert ok == finite
+            if finite:
+                assert torch.equal(out.view(torch.int32), want.view(torch.int32)), (mode, beta)
+
+
+@needs_triton
+@quiet
+def test_interpreted_cuda_scale_rule(T):
+    """With RECIP (CUDA tensors) the per-block scale is amax * fp32(1/qmax), torch's CUDA division by a
+    CPU scalar; checked on CPU against that expression."""
+    fmt = make_codec("int4").format
+    x = torch.randn(256, generator=torch.Generator().manual_seed(3)) * 3.7
+    out = torch.empty(quantize.scale_nbytes(256, 64, False) + 128, dtype=torch.uint8)
+    orig = T._recip
+    T._recip = lambda device: True
+    try:
+        T.encode_into(x, out, 0, 4, fmt.qmax, 64, False)
+    finally:
+        T._recip = orig
+    inv = torch.tensor(1.0) / torch.tensor(fmt.qmax)
+    want = x.view(4, 64).abs().amax(dim=1) * inv
+    assert torch.equal(out[:16].view(torch.float32), want)
+
+
+def _compile_sm90(fn, sig, const):
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    full = {name: sig.get(name, "constexpr") for name in fn.arg_names}
+    div16 = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in sig if k in ("n", "B") or k.endswith("_ptr")}
+    src = ASTSource(fn, full, constexprs=const, attrs=div16)
+    return triton_compile(src, target=GPUTarget("cuda", 90, 32), options=dict(ct.TritonCodecs(None, False).opts))
+
+
+@needs_triton
+def test_kernels_compile_for_hopper_with_exact_arithmetic():
+    """The real compiler (not only the interpreter) accepts the kernels, for sm_90 without a GPU, and the
+    PTX has IEEE division only, no fused multiply-add and no flush-to-zero; element loads/stores vectorise."""
+    from megacomp.kernels.triton import kernels as K
+
+    f = "*fp32"
+    enc = dict(x_ptr="*i16", scale_ptr=f, mult_ptr=f, div_ptr=f, u_ptr=f, pay_ptr="*u8", n="i32", B="i32",
+               nrows="i32", qmax="fp32", inv_q="fp32", offset="i32")
+    dec = dict(pay_ptr="*u8", scale_ptr=f, down_ptr=f, table_ptr=f, out_ptr=f, h_ptr=f, e_ptr=f, flag_ptr="*i8",
+               n="i32", B="i32", nrows="i32", offset="i32", coarse_ptr=f, beta="fp32", omb="fp32")
+    flat = dict(x_ptr="*fp16", mult_ptr=f, div_ptr=f, u_ptr=f, pay_ptr="*u8", n="i32", B="i32", qmax="fp32",
+                offset="i32")
+    jobs = [(K.enc_rows, enc, dict(R=32, W=128, P=2, BITS=4, KIND=0, STAGE=0, STOCH=False, RECIP=True, BF16=True,
+                                   FULL=True)),
+            (K.enc_rows, enc, dict(R=32, W=128, P=1, BITS=8, KIND=1, STAGE=2, STOCH=True, RECIP=True, BF16=True,
+                                   FULL=True)),
+            (K.enc_flat, flat, dict(T=1024, P=4, BITS=2, KIND=0, DUAL=True, ONE=False, STOCH=True, BF16=False)),
+            (K.dec_rows, dec, dict(R=32, W=128, P=2, BITS=4, KIND=0, DUAL=False, EPI=0, FULL=True)),
+            (K.dec_rows, dec, dict(R=32, W=128, P=1, BITS=8, KIND=2, DUAL=True, EPI=4, FULL=True))]
+    for fn, sig, const in jobs:
+        ptx = _compile_sm90(fn, sig, const).asm["ptx"]
+        for bad in ("div.full", "div.approx", "fma.", ".ftz", "ex2.approx"):
+            assert bad not in ptx, (fn.__name__, const, bad)
+        assert "v4.b32" in ptx, (fn.__name__, const)
+
+
+def test_dispatch_keeps_cpu_tensors_off_triton():
+    x = torch.randn(100)
+    for name in NAMES:
+        k = quantize._kernels(make_codec(name).format, False, x)
+        assert not quantize._is_triton(k)
+    assert quantize._kernels(make_codec("int4").format, True, x) is None  # stochastic int on CPU: reference
+
+
+class _Broken:
+    supports_stochastic = True
+    input_dtypes = (torch.float32,)
+
+    def encode_into(self, *a, **k):
+        raise RuntimeError("PTX compile failed")
+
+    decode_into = ef_update_into = encode_into
+
+
+def test_triton_failure_falls_back_to_reference_with_warning(monkeypatch, caplog):
+    monkeypatch.setattr(kernels, "_triton_failed", False)
+    monkeypatch.setattr(quantize, "_kernels", lambda fmt, stochastic, x: _Broken())
+    fmt = make_codec("int4").format
+    x = torch.randn(300)
+    with caplog.at_level(logging.WARNING, logger="megacomp"):
+        got = quantize.encode_scaled(x, fmt, 64, False, True, torch.Generator().manual_seed(1))
+    assert "Triton codec kernels failed" in caplog.text and "PTX compile failed" in caplog.text
+    assert kernels._triton_failed and kernels.triton_kernels() is None
+    assert torch.equal(got, quantize.encode_scaled_reference(x, fmt, 64, False, True, torch.Generator().manual_seed(1)))
+    buf = quantize.encode_scaled_reference(x, fmt, 64, False, False, None)
+    dec = quantize.decode_scaled_reference(buf, 300, fmt, 64, False)
+    assert torch.equal(quantize.decode_scaled(buf, 300, fmt, 64, False), dec)
+    assert quantize.ef_update_scaled(buf, x, None, torch.empty(300), fmt, 64, False, 0.0) is None
+
+
+def test_module_imports_without_triton(monkeypatch, caplog):
+    """With triton absent codec_triton still imports (HAVE_TRITON False) and CUDA tensors would use the
+    reference after one warning."""
+    monkeypatch.setitem(sys.modules, "triton", None)
+    spec = importlib.util.spec_from_file_location("_codec_triton_no_triton", ct.__file__)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert not mod.HAVE_TRITON and "triton" in mod.IMPORT_ERROR
+    with pytest.raises(RuntimeError, match="triton is not available"):
+        mod.backend()
+    monkeypatch.setattr(kernels, "_triton", None)
+    monkeypatch.setattr(kernels, "_triton_failed", False)
+    monkeypatch.setitem(sys.modules, "megacomp.kernels.triton.codec_triton", mod)
+    monkeypatch.setattr(sys.modules["megacomp.kernels.triton"], "codec_triton", mod)
+    with caplog.at_level(logging.WARNING, logger="megacomp"):
+        assert kernels.triton_kernels() is None
+    assert "using the eager reference" in caplog.text
+    assert kernels.backend_name("cuda") == "reference"
+
+
+def test_reference_forced_turns_triton_off(monkeypatch):
+    monkeypatch.setenv("MEGACOMP_KERNELS", "reference")
+    assert kernels.triton_kernels() is None and kernels.backend_name("cuda") == "reference"
+
+
+# -- compiled kernels on a GPU -------------------------------------------------------------------------------
+@needs_cuda
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("block,dual", CONFIGS + [(4096, False), (10000, False)])
+def test_cuda_dispatch_bit_identical(name, block, dual):
+    """codec.encode_flat / decode_flat / decode_accumulate on CUDA (the Triton backend) against the
+    reference run on the same GPU, fp32/bf16/fp16 inputs and outputs."""
+    assert kernels.backend_name("cuda") == "triton"
+    codec = make_codec(name, block_size=block, dual_scale=dual)
+    fmt = codec.format
+    for (n, seed), dtype in itertools.product(((1, 1), (1000, 2), (100_003, 3)),
+                                              (torch.float32, torch.bfloat16, torch.float16)):
+        x = mixed(n, seed).to(dtype).cuda()
+        ref = quantize.encode_scaled_reference(x.float(), fmt, block, dual, False, None)
+        assert torch.equal(codec.encode_flat(x), ref)
+        dref = quantize.decode_scaled_reference(ref, n, fmt, block, dual)
+        assert torch.equal(codec.decode_flat(ref, n).view(torch.int32), dref.view(torch.int32))
+        assert same_bits(codec.decode_flat(ref, n, dtype), dref.to(dtype))
+        acc0 = torch.randn(n, device="cuda")
+        acc = codec.decode_accumulate(ref, n, acc0.clone())
+        assert torch.equal(acc.view(torch.int32), (acc0 + dref).view(torch.int32))
+
+
+@needs_cuda
+def test_cuda_stochastic_and_error_feedback():
+    fmt = make_codec("int4").format
+    x = torch.randn(50_000, device="cuda")
+    g1, g2 = (torch.Generator(device="cuda").manual_seed(7) for _ in range(2))
+    ref = quantize.encode_scaled_reference(x, fmt, 128, False, True, g1)
+    assert torch.equal(quantize.encode_scaled(x, fmt, 128, False, True, g2), ref)
+    e = torch.randn_like(x)
+    res = x - quantize.decode_scaled_reference(ref, x.numel(), fmt, 128, False)
+    out = torch.empty_like(x)
+    assert quantize.ef_update_scaled(ref, x, e, out, fmt, 128, False, 0.9)
+    assert torch.equal(out.view(torch.int32), (0.9 * e + (1.0 - 0.9) * res).view(torch.int32))
