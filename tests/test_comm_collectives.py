@@ -83,8 +83,15 @@ def test_codec_none_is_bit_identical_to_torch_distributed(world):
 
 # ---------------------------------------------------------------------------------------------------
 def replica_all_reduce(xs, codecs, avg):
-    """The compressed all-reduce recomputed from every rank's input: (reduced shards, final result)."""
+    """The compressed all-reduce recomputed from every rank's input: (reduced shards, final result).
+    Two ranks exchange their whole encodings (no shards, one quantization); more ranks reduce-scatter
+    and all-gather the re-encoded shards."""
     world, n = len(xs), xs[0].numel()
+    if world == 2:
+        acc = torch.zeros(n)
+        for r in range(world):
+            acc += codecs[r].decode_flat(codecs[r].encode_flat(xs[r]), n)
+        return None, acc / world if avg else acc
     sizes = split_sizes(n, world)
     offs = [sum(sizes[:j]) for j in range(world)]
     enc = [[codecs[r].encode_flat(xs[r][o:o + s]) for o, s in zip(offs, sizes)] for r in range(world)]
@@ -139,10 +146,13 @@ def test_compressed_all_reduce_and_reduce_scatter(world, numel):
         sizes = split_sizes(numel, world)
         bound = torch.zeros(numel, dtype=torch.float64)
         o = 0
-        for s, shard in zip(sizes, shards):
+        if shards is None:  # two ranks: each whole input quantized once
             for x in xs:
+                bound += elementwise_bound(codec, x) / (world if avg else 1)
+        for j, s in enumerate(sizes if shards is not None else []):
+            for x in xs:  # each chunk quantized by its sender, then the reduced shard re-quantized
                 bound[o:o + s] += elementwise_bound(codec, x[o:o + s]) / (world if avg else 1)
-            bound[o:o + s] += elementwise_bound(codec, shard)
+            bound[o:o + s] += elementwise_bound(codec, shards[j])
             o += s
         bound += exact.abs() * world * 2.0 ** -22  # fp32 summation
         assert ((final.double() - exact).abs() <= bound).all(), (spec, avg)

@@ -92,10 +92,11 @@ def _non_finite_body(rank, world):
     healthy(world)
     y = x.clone()
     comm.all_reduce(y, codec="int8")
-    # blocks (128) start at each rank's chunk (500 elements for 2 ranks): [0, 128) and [628, 756) hold the bad values
+    # two ranks exchange whole encodings: blocks of 128 from element 0, so [0, 128) and [640, 768) hold the
+    # bad values (with more ranks blocks would start at each rank's chunk)
     bad = torch.zeros(1000, dtype=torch.bool)
     bad[0:128] = True
-    bad[628:756] = True
+    bad[640:768] = True
     out = torch.empty(world * 1000)
     comm.all_gather_into_tensor(out, x, codec="int4")
     rs = torch.empty(500)
@@ -165,8 +166,12 @@ def _fp16_overflow_body(rank, world):
 
 
 def test_fp16_sum_overflow_becomes_inf_on_every_rank_instead_of_hanging():
+    # three ranks re-encode the reduced shard in fp16: 120000 overflows to inf on every rank, no hang
+    for t in run_ranks(_fp16_overflow_body, 3, timeout=60):
+        assert torch.isinf(t[:4]).all() and torch.equal(t[4:], torch.full((60,), 3.0))
+    # two ranks exchange the fp16 inputs (which fit) and sum them in fp32: the fp32 result is exact
     for t in run_ranks(_fp16_overflow_body, 2, timeout=60):
-        assert torch.isinf(t[:4]).all() and torch.equal(t[4:], torch.full((60,), 2.0))
+        assert torch.equal(t[:4], torch.full((4,), 80000.0)) and torch.equal(t[4:], torch.full((60,), 2.0))
 
 
 def _requires_grad_body(rank, world):

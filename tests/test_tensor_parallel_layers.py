@@ -275,7 +275,8 @@ def _tp_error_feedback_body(rank, world):
         exact = (G @ full_weight((O, H), 1)).double()
         out[str(ef)] = ((total / steps - exact).norm() / exact.norm()).item()
         if ef:
-            assert sorted(col.backward_error_feedback.keys()) == ["tp_backward/server", "tp_backward/worker"]
+            # two ranks exchange whole encodings: no server-side error (more ranks also keep 'tp_backward/server')
+            assert sorted(col.backward_error_feedback.keys()) == ["tp_backward/worker"]
     parallel_state.destroy_model_parallel()
     return out
 

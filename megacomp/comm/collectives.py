@@ -8,14 +8,20 @@ name on the same tensors, so results are bit-identical to it. With a lossy codec
       (/N for AVG) -> cast. Quantized payloads are never summed by the backend (uint8 SUM wraps).
   all_reduce: the reduce-scatter above on N near-equal chunks of the flattened tensor, then the reduced
       shard is re-encoded ([server error feedback]) and all-gathered; every rank decodes the same bytes,
-      so all ranks end with identical results (own shard included).
+      so all ranks end with identical results (own shard included). Two ranks instead all-gather their
+      whole encodings and both decode-sum them in rank order: the same bytes on the wire as the two
+      phases, one quantization instead of two, half the encode work, no server error.
+  Pipelining: tensors over ``transport.set_pipeline_numel`` elements (default 2M) are cut into
+      segments that run the steps above independently, so encoding, transfer and decoding of
+      consecutive segments overlap. Segments start new scale blocks (and per-tensor scales become
+      per-segment scales); bytes travel as in megacomp.comm.transport (full-duplex p2p on gloo).
   all_gather_into_tensor: encode the input -> all-gather bytes -> decode every slot (own slot included).
   all_to_all_single: encode each outgoing chunk -> all_to_all_single of bytes -> decode.
 
 Error bound: each element of a reduce-scatter result equals the fp32 sum of the dequantized inputs up
 to fp32 round-off; versus the exact sum the error is at most the sum over ranks of each codec's
-per-element bound (see megacomp.compression.quantize). All-reduce adds one more quantization of the
-reduced shard.
+per-element bound (see megacomp.compression.quantize). All-reduce over more than two ranks adds one
+more quantization of the reduced shard.
 
 Failure behaviour: every call first all-gathers a small description of its arguments (``validate``;
 see :func:`set_validation`) so that mismatched sizes, dtypes, codecs or ops raise the same ValueError on
@@ -38,6 +44,7 @@ from . import stats as _stats
 from ._common import (CompressedWork, _all_gather_base, _reduce_scatter_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
                       op_code, op_name, resolve_error_feedback, split_sizes)
 from . import _common
+from .transport import all_gather_bytes, all_to_all_bytes, pipeline_segments
 
 
 def _should_validate(validate: Optional[bool]) -> bool:
@@ -73,16 +80,127 @@ def _encode_chunks(codec, h: torch.Tensor, sizes, ef, ef_key):
     return bufs
 
 
-def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool) -> torch.Tensor:
+def _decode_into(codec, buf: torch.Tensor, numel: int, dst: torch.Tensor) -> None:
+    """Decode ``buf`` into the 1-D view ``dst`` (any float dtype; cast like ``Tensor.copy_``), in place
+    when a kernel can write fp32 directly: no temporary of the decoded size."""
+    out = dst if dst.dtype == torch.float32 and dst.is_contiguous() else None
+    vals = codec.decode_flat(buf, numel, out=out)
+    if out is None or vals.data_ptr() != out.data_ptr():
+        dst.copy_(vals)
+
+
+def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum the ``world`` encodings in ``recv`` in fp32 (in the rotated basis for Hadamard codecs, which is
-    rotated back once at the end)."""
+    rotated back once at the end); ``out``: an fp32 destination to sum into (ignored for Hadamard)."""
     w = codec.wire_bytes(numel)
-    acc = codec.decode_flat(recv[:w], numel, rotated=True).clone() if world else torch.zeros(numel, device=recv.device)
+    if not world:
+        return torch.zeros(numel, device=recv.device)
+    out = out if out is not None and not codec.hadamard and out.dtype == torch.float32 and out.is_contiguous() else None
+    acc = codec.decode_flat(recv[:w], numel, rotated=True, out=out)
+    if out is not None and acc.data_ptr() != out.data_ptr():
+        acc = out.copy_(acc)
+    elif acc.untyped_storage().data_ptr() == recv.untyped_storage().data_ptr():  # a view of the bytes: own it
+        acc = acc.clone()
     for j in range(1, world):  # fixed rank order: deterministic, identical on every rank
         acc = codec.decode_accumulate(recv[j * w:(j + 1) * w], numel, acc)
     if avg:
         acc /= world
     return codec.unrotate(acc, numel)
+
+
+def _all_reduce_direct(tensor, h, codec, group, ef, ef_key, avg):
+    """Two ranks: each sends its whole encoded tensor to the other (all-gather of the encodings) and both
+    decode-sum the two in rank order. Same bytes on the wire as reduce-scatter + all-gather for two ranks,
+    but one quantization instead of two and half the encode work; no server-side error."""
+    n = tensor.numel()
+    gathers, bufs, wire, base = [], [], 0, 0
+    segs = pipeline_segments(n)
+    for length in segs:
+        enc = codec.encode_flat(h[base:base + length], strict=False)
+        gathered = torch.empty(2 * enc.numel(), dtype=torch.uint8, device=tensor.device)
+        gathers.append((gathered, all_gather_bytes(gathered, enc, group)))
+        bufs.append(enc)
+        wire += enc.numel()
+        base += length
+    if ef is not None:
+        ef.update_encoded(ef_key + "/worker", h, codec, bufs, segs)
+
+    def finish() -> None:
+        dst = tensor.view(-1) if tensor.is_contiguous() else torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        pos = 0
+        with torch.no_grad():
+            for length, (gathered, work) in zip(segs, gathers):
+                work.wait()
+                seg = dst[pos:pos + length]
+                total = _decode_sum(codec, gathered, length, 2, avg, out=seg)
+                if total.data_ptr() != seg.data_ptr():
+                    seg.copy_(total)
+                pos += length
+            if not tensor.is_contiguous():
+                tensor.copy_(dst.view(tensor.shape))
+
+    return finish, wire
+
+
+def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
+    """Reduce-scatter (all-to-all of encoded chunks, fp32 decode-sum) then all-gather of the re-encoded
+    shard; returns (finish, wire bytes sent by this rank)."""
+    world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.numel()
+    wkey, skey = ef_key + "/worker", ef_key + "/server"
+    # Pipeline: every segment is an independent reduce-scatter + all-gather; all segments' all-to-alls
+    # are issued while the next segment is encoded, then each is reduced and its all-gather issued as
+    # soon as its bytes are in, so encode, wire and decode overlap.
+    segs = [split_sizes(length, world) for length in pipeline_segments(n)]
+    bufs, recvs, works, wire, base = [], [], [], 0, 0
+    for ss in segs:
+        seg_bufs = [codec.encode_flat(h[base + o:base + o + s], strict=False) for o, s in zip(offsets(ss), ss)]
+        in_splits = [b.numel() for b in seg_bufs]
+        w_own = codec.wire_bytes(ss[rank])
+        recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
+        works.append(all_to_all_bytes(recv, torch.cat(seg_bufs), [w_own] * world, in_splits, group))
+        recvs.append(recv)
+        bufs += seg_bufs
+        wire += sum(in_splits) - in_splits[rank] + (world - 1) * max(codec.wire_bytes(s) for s in ss)
+        base += sum(ss)
+    if ef is not None:  # from the bytes actually sent, while they are on the wire
+        ef.update_encoded(wkey, h, codec, bufs, [s for ss in segs for s in ss])
+
+    def finish() -> None:
+        own = [ss[rank] for ss in segs]
+        e_srv = ef.error(skey) if ef is not None else None
+        if e_srv is not None:
+            ef._checked(skey, e_srv, torch.empty(sum(own), device="meta"))
+        hs_parts, encs, gathers, o = [], [], [], 0
+        for ss, recv, work in zip(segs, recvs, works):
+            work.wait()
+            hs = _decode_sum(codec, recv, ss[rank], world, avg)
+            if e_srv is not None:  # server-side compensation, elementwise as ErrorFeedback.compensate
+                hs = hs + e_srv[o:o + ss[rank]].to(hs.dtype)
+            o += ss[rank]
+            hs_parts.append(hs)
+            enc = codec.encode_flat(hs, strict=False)
+            encs.append(enc)
+            wmax = max(codec.wire_bytes(s) for s in ss)
+            padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
+            padded[:enc.numel()] = enc
+            gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
+            gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group)))
+        if ef is not None:
+            ef.update_encoded(skey, torch.cat(hs_parts), codec, encs, own)
+        # decode straight into the tensor (no full-size temporary: fresh large buffers cost page faults)
+        dst = tensor.view(-1) if tensor.is_contiguous() else torch.empty(n, dtype=tensor.dtype, device=tensor.device)
+        pos = 0
+        with torch.no_grad():  # also for tensors that require grad, as torch's in-place collectives
+            for ss, (gathered, wmax, work) in zip(segs, gathers):
+                work.wait()
+                for j, s in enumerate(ss):
+                    _decode_into(codec, gathered[j * wmax:j * wmax + codec.wire_bytes(s)], s, dst[pos:pos + s])
+                    pos += s
+            if not tensor.is_contiguous():
+                tensor.copy_(dst.view(tensor.shape))
+
+    return finish, wire
 
 
 def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
@@ -117,29 +235,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     ef_key = ef_key or tag or "all_reduce"
     flat = tensor.reshape(-1)
     h = ef.compensate(ef_key + "/worker", flat) if ef is not None else flat
-    bufs = _encode_chunks(codec, h, sizes, ef, ef_key + "/worker")
-    send = torch.cat(bufs)
-    in_splits = [b.numel() for b in bufs]
-    w_own = codec.wire_bytes(sizes[rank])
-    recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
-    wmax = max(codec.wire_bytes(s) for s in sizes)
-    _stats.record(label, sum(in_splits) - in_splits[rank] + (world - 1) * wmax, uncompressed)
-    work = dist.all_to_all_single(recv, send, [w_own] * world, in_splits, group=group, async_op=True)
-
-    def finish() -> None:
-        work.wait()
-        shard = _decode_sum(codec, recv, sizes[rank], world, op_name(op) == "AVG")
-        hs = ef.compensate(ef_key + "/server", shard) if ef is not None else shard
-        enc = _encode_chunks(codec, hs, [sizes[rank]], ef, ef_key + "/server")[0]
-        padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
-        padded[:enc.numel()] = enc
-        gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
-        _all_gather_base(gathered, padded, group)
-        out = torch.cat([codec.decode_flat(gathered[j * wmax:j * wmax + codec.wire_bytes(s)], s)
-                         for j, s in enumerate(sizes)])
-        with torch.no_grad():  # also for tensors that require grad, as torch's in-place collectives
-            tensor.copy_(out.view(tensor.shape))
-
+    algo = _all_reduce_direct if world == 2 else _all_reduce_rs_ag
+    finish, wire = algo(tensor, h, codec, group, ef, ef_key, op_name(op) == "AVG")
+    _stats.record(label, wire, uncompressed)
     handle = CompressedWork(finish)
     if async_op:
         return handle
@@ -181,7 +279,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     w = codec.wire_bytes(m)
     recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
     _stats.record(label, (world - 1) * w, raw)
-    work = dist.all_to_all_single(recv, torch.cat(bufs), [w] * world, [w] * world, group=group, async_op=True)
+    work = all_to_all_bytes(recv, torch.cat(bufs), [w] * world, [w] * world, group)
 
     def finish() -> None:
         work.wait()
@@ -226,7 +324,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     w = enc.numel()
     gathered = torch.empty(world * w, dtype=torch.uint8, device=input_tensor.device)
     _stats.record(label, (world - 1) * w, raw)
-    work = _all_gather_base(gathered, enc, group=group, async_op=True)
+    work = all_gather_bytes(gathered, enc, group)
 
     def finish() -> None:
         work.wait()
@@ -295,7 +393,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)
     _stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
-    work = dist.all_to_all_single(recv, torch.cat(bufs), out_bytes, in_bytes, group=group, async_op=True)
+    work = all_to_all_bytes(recv, torch.cat(bufs), out_bytes, in_bytes, group)
 
     def finish() -> None:
         work.wait()

@@ -4,7 +4,8 @@
     ddp.register_comm_hook(CompressedHookState(codec="int4", error_feedback="loco"), compressed_allreduce_hook)
 
 Each DDP bucket is averaged with megacomp's compressed all-reduce (encode -> all-to-all -> fp32 sum ->
-re-encode -> all-gather), with a worker and a server error per bucket under error feedback. The hook
+re-encode -> all-gather, with a worker and a server error per bucket under error feedback; two ranks
+exchange their whole encodings instead, one quantization and a worker error only). The hook
 runs the collective to completion before returning (a completed future): issuing the second phase
 from a gloo callback thread would race the main thread's collectives (the failure torch's own
 PowerSGD hook shows on gloo). Buckets below ``min_compress_numel`` elements, and the first
