@@ -138,7 +138,7 @@ def collective_worker(mib: float, codecs: list[str], repeats: int) -> None:
 DDP_METHODS = ("ddp_fp32", "ddp_fp16_hook", "ddp_powersgd4", "megacomp_hook_int4_loco")
 
 
-def ddp_worker(method: str, iters: int, hidden: int, layers: int) -> None:
+def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0) -> None:
     """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication."""
     import torch
     import torch.distributed as dist
@@ -160,12 +160,18 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int) -> None:
     cfg = GPTConfig(hidden_size=hidden, num_attention_heads=4, num_layers=layers, vocab_size=1024, max_seq_length=64)
     model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
     one_bucket = method == "ddp_powersgd4"  # torch's PowerSGD hook breaks with several buckets on gloo
-    ddp = DDP(model, bucket_cap_mb=1024 if one_bucket else 25)
+    ddp = DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
     if method == "ddp_fp16_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method == "ddp_powersgd4":
         ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
                                                            start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+    elif method == "no_communication":  # the compute floor: buckets are not averaged (timing only)
+        def no_comm(_state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        ddp.register_comm_hook(None, no_comm)
     elif method == "megacomp_hook_int4_loco":
         ddp.register_comm_hook(CompressedHookState(codec="int4", error_feedback="loco"), compressed_allreduce_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -202,7 +208,7 @@ def bench_ddp(args) -> list[str]:
         base = None
         for method in args.methods.split(","):
             out = run_pair([sys.executable, __file__, "_ddp", method, str(args.iters), str(args.hidden),
-                            str(args.layers)], args.port, args.timeout)[0]
+                            str(args.layers), str(args.bucket_mb)], args.port, args.timeout)[0]
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
             steps = res["times"][2:]
             med = statistics.median(steps)
@@ -264,7 +270,7 @@ def main() -> None:
         collective_worker(float(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_ddp":
-        ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+        ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=["collectives", "train", "ddp"])
@@ -278,6 +284,8 @@ def main() -> None:
     p.add_argument("--methods", default=",".join(DDP_METHODS))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP bucket_cap_mb for every method but PowerSGD (one bucket: torch's hook breaks with more on gloo)")
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/netns")

@@ -50,3 +50,25 @@ def test_hook_matches_plain_ddp_and_converges():
         assert tail(loco) < 0.5 * tail(base[:20])  # it trains
         assert abs(tail(loco) - tail(base)) <= 0.05 * tail(base) + 1e-3, (tail(loco), tail(base))
         assert ratio < 0.3  # int4 on the large buckets after the 2 uncompressed warm-up iterations
+
+
+def _overlap_body(rank, world):
+    out = {}
+    for overlap in (False, True):
+        state = CompressedHookState(codec="int4", error_feedback="ef", min_compress_numel=1000, overlap=overlap)
+        params, losses = train(rank, state, 8)
+        out[overlap] = (params, losses, {k: v.clone() for k, v in state.error_feedback._errors.items()})
+    return out
+
+
+def test_overlapped_hook_equals_the_synchronous_one():
+    """Completing the all-reduce in a background thread (overlap=True) changes nothing but the timing: same
+    parameters, losses and error-feedback state, for two ranks (one phase) and three (the second phase
+    is posted from the background thread while the main thread issues the next bucket)."""
+    for world in (2, 3):
+        for res in run_ranks(_overlap_body, world):
+            sync, overlapped = res[False], res[True]
+            assert all(torch.equal(a, b) for a, b in zip(sync[0], overlapped[0]))
+            assert sync[1] == overlapped[1]
+            assert sync[2].keys() == overlapped[2].keys() and sync[2]
+            assert all(torch.equal(sync[2][k], overlapped[2][k]) for k in sync[2])

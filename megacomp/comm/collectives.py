@@ -11,7 +11,7 @@ name on the same tensors, so results are bit-identical to it. With a lossy codec
       so all ranks end with identical results (own shard included). Two ranks instead all-gather their
       whole encodings and both decode-sum them in rank order: the same bytes on the wire as the two
       phases, one quantization instead of two, half the encode work, no server error.
-  Pipelining: tensors over ``transport.set_pipeline_numel`` elements (default 2M) are cut into
+  Pipelining: tensors over ``transport.set_pipeline_numel`` elements (default 1M) are cut into
       segments that run the steps above independently, so encoding, transfer and decoding of
       consecutive segments overlap. Segments start new scale blocks (and per-tensor scales become
       per-segment scales); bytes travel as in megacomp.comm.transport (full-duplex p2p on gloo).
@@ -44,7 +44,7 @@ from . import stats as _stats
 from ._common import (CompressedWork, _all_gather_base, _reduce_scatter_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
                       op_code, op_name, resolve_error_feedback, split_sizes)
 from . import _common
-from .transport import all_gather_bytes, all_to_all_bytes, pipeline_segments
+from .transport import all_gather_bytes, all_to_all_bytes, next_tags, pipeline_segments
 
 
 def _should_validate(validate: Optional[bool]) -> bool:
@@ -116,10 +116,11 @@ def _all_reduce_direct(tensor, h, codec, group, ef, ef_key, avg):
     n = tensor.numel()
     gathers, bufs, wire, base = [], [], 0, 0
     segs = pipeline_segments(n)
+    tag = next_tags(group)
     for length in segs:
         enc = codec.encode_flat(h[base:base + length], strict=False)
         gathered = torch.empty(2 * enc.numel(), dtype=torch.uint8, device=tensor.device)
-        gathers.append((gathered, all_gather_bytes(gathered, enc, group)))
+        gathers.append((gathered, all_gather_bytes(gathered, enc, group, tag)))
         bufs.append(enc)
         wire += enc.numel()
         base += length
@@ -153,12 +154,13 @@ def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
     # soon as its bytes are in, so encode, wire and decode overlap.
     segs = [split_sizes(length, world) for length in pipeline_segments(n)]
     bufs, recvs, works, wire, base = [], [], [], 0, 0
+    tag = next_tags(group)  # tag: the all-to-alls, tag + 1: the all-gathers (issued later, maybe elsewhere)
     for ss in segs:
         seg_bufs = [codec.encode_flat(h[base + o:base + o + s], strict=False) for o, s in zip(offsets(ss), ss)]
         in_splits = [b.numel() for b in seg_bufs]
         w_own = codec.wire_bytes(ss[rank])
         recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
-        works.append(all_to_all_bytes(recv, torch.cat(seg_bufs), [w_own] * world, in_splits, group))
+        works.append(all_to_all_bytes(recv, torch.cat(seg_bufs), [w_own] * world, in_splits, group, tag))
         recvs.append(recv)
         bufs += seg_bufs
         wire += sum(in_splits) - in_splits[rank] + (world - 1) * max(codec.wire_bytes(s) for s in ss)
@@ -185,7 +187,7 @@ def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
             padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
             padded[:enc.numel()] = enc
             gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
-            gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group)))
+            gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group, tag + 1)))
         if ef is not None:
             ef.update_encoded(skey, torch.cat(hs_parts), codec, encs, own)
         # decode straight into the tensor (no full-size temporary: fresh large buffers cost page faults)
@@ -279,7 +281,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     w = codec.wire_bytes(m)
     recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
     _stats.record(label, (world - 1) * w, raw)
-    work = all_to_all_bytes(recv, torch.cat(bufs), [w] * world, [w] * world, group)
+    work = all_to_all_bytes(recv, torch.cat(bufs), [w] * world, [w] * world, group, next_tags(group))
 
     def finish() -> None:
         work.wait()
@@ -324,7 +326,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     w = enc.numel()
     gathered = torch.empty(world * w, dtype=torch.uint8, device=input_tensor.device)
     _stats.record(label, (world - 1) * w, raw)
-    work = all_gather_bytes(gathered, enc, group)
+    work = all_gather_bytes(gathered, enc, group, next_tags(group))
 
     def finish() -> None:
         work.wait()
@@ -393,7 +395,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)
     _stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
-    work = all_to_all_bytes(recv, torch.cat(bufs), out_bytes, in_bytes, group)
+    work = all_to_all_bytes(recv, torch.cat(bufs), out_bytes, in_bytes, group, next_tags(group))
 
     def finish() -> None:
         work.wait()

@@ -41,8 +41,8 @@ def set_duplex(enabled: Optional[bool]) -> Optional[bool]:
 
 # Elements per pipeline segment of a compressed collective: larger tensors are cut into segments whose
 # encode, transfer and decode overlap (segment k+1 is encoded while segment k is on the wire).
-PIPELINE_NUMEL = 1 << 21
-_pipeline_numel = PIPELINE_NUMEL
+PIPELINE_NUMEL = 1 << 20
+_pipeline_numel = int(os.environ.get("MEGACOMP_PIPELINE_NUMEL", PIPELINE_NUMEL))
 
 
 def set_pipeline_numel(numel: int) -> int:
@@ -106,7 +106,26 @@ class _Exchange:
         return True
 
 
-def _exchange(sends: Sequence[Optional[torch.Tensor]], recvs: Sequence[Optional[torch.Tensor]], group) -> _Exchange:
+_tags: dict = {}
+
+
+def next_tags(group, count: int = 2) -> int:
+    """Reserve ``count`` consecutive p2p tags for one compressed collective on ``group`` (drawn when the
+    collective is issued, so equal on every rank). Messages are matched by tag, so the phases of
+    different collectives may be posted in any order, e.g. a second phase from a background thread."""
+    key = id(group) if group is not None else None
+    base = _tags.get(key, 0)
+    _tags[key] = (base + count) % (1 << 30)
+    return base + 1  # tag 0 stays with untagged torch.distributed p2p
+
+
+def uses_duplex(group) -> bool:
+    """Whether the compressed collectives on ``group`` move their bytes with tagged p2p (see module doc)."""
+    return _use_duplex(group)
+
+
+def _exchange(sends: Sequence[Optional[torch.Tensor]], recvs: Sequence[Optional[torch.Tensor]], group,
+              tag: int = 0) -> _Exchange:
     """Send ``sends[j]`` to group rank j and receive ``recvs[j]`` from it, for every j != own rank, all at
     once, each direction of each pair on its own connection."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -116,15 +135,15 @@ def _exchange(sends: Sequence[Optional[torch.Tensor]], recvs: Sequence[Optional[
     # post every receive before any send, so that no incoming message waits for its buffer
     for j in range(world):
         if j != rank and recvs[j] is not None and recvs[j].numel():
-            works.append(dist.irecv(recvs[j], ranks[j], group=up if j < rank else down))
+            works.append(dist.irecv(recvs[j], ranks[j], group=up if j < rank else down, tag=tag))
     for j in range(world):
         if j != rank and sends[j] is not None and sends[j].numel():
-            works.append(dist.isend(sends[j], ranks[j], group=up if rank < j else down))
+            works.append(dist.isend(sends[j], ranks[j], group=up if rank < j else down, tag=tag))
     return _Exchange(works, list(sends))
 
 
 def all_to_all_bytes(recv: torch.Tensor, send: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-                     group):
+                     group, tag: int = 0):
     """``all_to_all_single(recv, send, out_splits, in_splits, group, async_op=True)`` on flat uint8 buffers."""
     if not _use_duplex(group):
         return dist.all_to_all_single(recv, send, list(out_splits), list(in_splits), group=group, async_op=True)
@@ -132,10 +151,10 @@ def all_to_all_bytes(recv: torch.Tensor, send: torch.Tensor, out_splits: Sequenc
     ins = [send[o:o + s] for o, s in zip(offsets(in_splits), in_splits)]
     outs = [recv[o:o + s] for o, s in zip(offsets(out_splits), out_splits)]
     outs[rank].copy_(ins[rank])
-    return _exchange(ins, outs, group)
+    return _exchange(ins, outs, group, tag)
 
 
-def all_gather_bytes(output: torch.Tensor, input: torch.Tensor, group):
+def all_gather_bytes(output: torch.Tensor, input: torch.Tensor, group, tag: int = 0):
     """``all_gather_into_tensor(output, input, group, async_op=True)`` on flat uint8 buffers."""
     if not _use_duplex(group):
         return _all_gather_base(output, input, group=group, async_op=True)
@@ -143,4 +162,4 @@ def all_gather_bytes(output: torch.Tensor, input: torch.Tensor, group):
     w = input.numel()
     outs = [output[j * w:(j + 1) * w] for j in range(world)]
     outs[rank].copy_(input)
-    return _exchange([input] * world, outs, group)
+    return _exchange([input] * world, outs, group, tag)

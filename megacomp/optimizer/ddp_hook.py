@@ -6,18 +6,25 @@
 Each DDP bucket is averaged with megacomp's compressed all-reduce (encode -> all-to-all -> fp32 sum ->
 re-encode -> all-gather, with a worker and a server error per bucket under error feedback; two ranks
 exchange their whole encodings instead, one quantization and a worker error only). The hook
-runs the collective to completion before returning (a completed future): issuing the second phase
-from a gloo callback thread would race the main thread's collectives (the failure torch's own
-PowerSGD hook shows on gloo). Buckets below ``min_compress_numel`` elements, and the first
-``start_iter`` iterations (DDP rebuilds its buckets after iteration 1), use the plain all-reduce.
+issues the collective and returns a future that a background thread completes (wait, decode), so the
+transfer overlaps the rest of backward. That is safe where the completion issues no backend
+collective: two ranks (one phase), or megacomp's tagged p2p transport on gloo (the second phase's
+messages are matched by tag, whatever thread posts them). Otherwise (``overlap=False``, or NCCL with
+more than two ranks) the hook finishes the all-reduce before returning: issuing a backend collective
+from another thread would race the main thread's (the failure torch's own PowerSGD hook shows on gloo).
+Buckets below ``min_compress_numel`` elements, and the first ``start_iter`` iterations (DDP rebuilds
+its buckets after iteration 1), use the plain all-reduce.
 ``codec=None`` is bit-identical to DDP's default hook (divide by the world size, then all-reduce SUM).
 """
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from ..comm.transport import uses_duplex
 
 from .. import comm
 from ..compression import CodecLike, ErrorFeedback, make_codec
@@ -39,6 +46,11 @@ class CompressedHookState:
     """Smaller buckets are averaged uncompressed."""
     start_iter: int = 2
     """Iterations run uncompressed first (DDP finalises its bucket layout after iteration 1)."""
+    overlap: bool = True
+    """Finish each compressed all-reduce (wait, decode, and for more than two ranks the second phase) in a
+    background thread, so the transfer overlaps the rest of backward. Only where that finish issues no
+    backend collective (megacomp's tagged p2p transport on gloo, or two ranks); otherwise, and with
+    False, the hook completes the all-reduce before returning."""
     iteration: int = field(default=0, init=False)
     """Iterations seen (counted on bucket 0)."""
 
@@ -72,9 +84,23 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     if not lossy:
         work = comm.all_reduce(buf, group=state.process_group, tag="dp_gradient", validate=False, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    comm.all_reduce(buf, group=state.process_group, codec=state.codec, error_feedback=state.error_feedback,
-                    tag="dp_gradient", ef_key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
-                    validate=state.iteration == state.start_iter + 1)
+    work = comm.all_reduce(buf, group=state.process_group, codec=state.codec, error_feedback=state.error_feedback,
+                           tag="dp_gradient", ef_key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
+                           validate=state.iteration == state.start_iter + 1, async_op=True)
     fut = torch.futures.Future()
-    fut.set_result(buf)
+    if state.overlap and (world == 2 or uses_duplex(state.process_group)):
+        threading.Thread(target=_finish, args=(work, buf, fut), daemon=True,
+                         name=f"megacomp-ddp-bucket{bucket.index()}").start()
+    else:
+        _finish(work, buf, fut)
     return fut
+
+
+def _finish(work, buf: torch.Tensor, fut: torch.futures.Future) -> None:
+    """Complete the compressed all-reduce and hand the bucket to DDP (errors reach DDP through the future)."""
+    try:
+        work.wait()
+    except BaseException as e:  # DDP re-raises it from the future in finalize_backward
+        fut.set_exception(e)
+        return
+    fut.set_result(buf)
