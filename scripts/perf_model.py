@@ -1,0 +1,399 @@
+"""Analytical alpha-beta model of collective and data-parallel step time, calibrated on the netns benchmark.
+
+    python scripts/perf_model.py results.json [--out section.md] [--plot proj.png]
+
+Notation: S = fp32 bytes of the tensor (nccl-tests convention: all_reduce in/out S, reduce_scatter in S,
+all_gather out S), p = ranks, B = nominal link rate (bytes/s), b = wire bits per element of a codec
+(scales included; 32 for fp32), enc/dec = codec throughput in fp32 bytes per second.
+
+Collectives (one call):
+  wire bytes per rank     W = f_op(p) * S * b/32,  f = 2(p-1)/p for all_reduce, (p-1)/p for RS and AG
+  transfer time           T_w = W / (eta * B)
+  codec compute           T_c = E*S/enc + D*S/dec, with (E, D) the fp32 bytes encoded/decoded per byte of S:
+                            all_reduce p=2: (1, 2)   [each rank encodes its tensor, decode-sums both]
+                            all_reduce p>2: (1+1/p, 2) [RS: encode all chunks, decode-sum; AG: re-encode the
+                                                        shard, decode every slot]
+                            reduce_scatter: (1, 1)   all_gather: (1/p, 1)   uncompressed: (0, 0)
+  uncompressed            T = alpha + T_w
+  compressed all_reduce   pipelined in segments of 1M elements (n = ceil(S/4 / 2^20) segments), so codec
+                          and wire overlap; two-stage pipeline of n equal segments:
+                            T = alpha + max(T_w, T_c) + min(T_w, T_c)/n   (the min term: one segment's
+                            fill/drain; n = 1 gives the serial alpha + T_w + T_c)
+  compressed RS / AG      not segmented: T = alpha + T_w + T_c
+Calibration (fit): alpha and 1/eta by linear least squares in relative error on the uncompressed points
+(T = alpha + W/B * 1/eta); codec throughputs from codec_throughput when measured, otherwise one throughput
+R per codec (enc = dec = R) by a 1-D search minimising the squared relative error of that codec's points.
+
+DDP step: T_step = T_comp + max(0, T_comm - o * T_bwd) + T_after, T_comp = measured no_communication floor,
+T_bwd = 2/3 T_comp, o = 1 for hooks whose buckets are reduced during backward (DDP fp32/fp16/bf16, the
+megacomp hook), 0 for PowerSGD (one bucket, reduced after backward); T_comm = calls*alpha + the transfer
+(and pipelined codec compute) of wire_bytes_per_step; ZeRO adds its parameter broadcast after the step
+(T_after). The model ignores CPU contention between codec and backward and PowerSGD's matmuls/QR.
+
+Projection (project): ring all_reduce T = 2(p-1)*alpha_c + 2(p-1)/p * S_g/(eta*B) for bf16/fp32 gradients,
+compressed RS+AG T = 2(p-1)*alpha_c + pipeline(2(p-1)/p * N*b/8 / (eta*B), codec on the GPU); every GPU
+number (alpha_c, codec throughput, FLOP/s, tokens) is an explicit, labelled assumption.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+SEGMENT_ELEMS = 1 << 20  # megacomp.comm.transport pipeline segment (elements)
+MiB = 1 << 20
+DEFAULT_BITS = {"none": 32.0, "fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.25, "int4": 4.25}
+
+
+@dataclass
+class Codec:
+    encode_Bps: float  # fp32 bytes encoded per second
+    decode_Bps: float  # fp32 bytes decoded per second
+    source: str  # "measured" (codec_throughput), "fitted" or "unidentifiable (transfer-bound)"
+
+
+@dataclass
+class Model:
+    alpha_s: float  # per-call latency
+    eta: float  # achieved fraction of the nominal link rate
+    codecs: dict[str, Codec] = field(default_factory=dict)
+    bits: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BITS))
+    n_points: int = 0  # uncompressed points alpha/eta were fitted on
+    segment_elems: int = SEGMENT_ELEMS
+
+
+@dataclass
+class Row:
+    kind: str  # "collective" | "ddp"
+    point: str
+    measured_s: float
+    predicted_s: float
+
+    @property
+    def rel_err(self) -> float:
+        return (self.predicted_s - self.measured_s) / self.measured_s
+
+
+@dataclass
+class Validation:
+    rows: list[Row]
+
+    def summary(self, kind: str | None = None) -> dict:
+        errs = [abs(r.rel_err) for r in self.rows if kind is None or r.kind == kind]
+        return {"n": len(errs), "median": statistics.median(errs) if errs else math.nan,
+                "max": max(errs, default=math.nan)}
+
+
+# -- collective model ----------------------------------------------------------------------------------
+def wire_bytes(op: str, bits: float, S: float, world: int) -> float:
+    f = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+    return f * S * bits / 32
+
+
+def codec_work(op: str, world: int) -> tuple[float, float]:
+    """(E, D): fp32 bytes encoded and decoded per fp32 byte of S (see the module docstring)."""
+    if op == "all_reduce":
+        return (1.0, 2.0) if world == 2 else (1.0 + 1.0 / world, 2.0)
+    return (1.0, 1.0) if op == "reduce_scatter" else (1.0 / world, 1.0)
+
+
+def pipeline(t_wire: float, t_codec: float, segments: int) -> float:
+    """Two-stage pipeline of ``segments`` equal segments: max of the stages + one segment's fill/drain."""
+    return max(t_wire, t_codec) + min(t_wire, t_codec) / max(1, segments)
+
+
+def _codec_time(model: Model, op: str, codec: str, S: float, world: int, codec_obj: Codec | None = None) -> float:
+    c = codec_obj or model.codecs.get(codec)
+    if c is None:
+        return 0.0
+    E, D = codec_work(op, world)
+    return E * S / c.encode_Bps + D * S / c.decode_Bps
+
+
+def predict_collective(model: Model, op: str, codec: str, nbytes: float, world: int, rate_Bps: float,
+                       _codec_obj: Codec | None = None) -> float:
+    """Predicted seconds for one call of ``op`` on ``nbytes`` fp32 bytes (S) at ``world`` ranks."""
+    bits = model.bits.get(codec, DEFAULT_BITS.get(codec, 32.0))
+    t_wire = wire_bytes(op, bits, nbytes, world) / (model.eta * rate_Bps)
+    if codec in ("none", "fp32"):
+        return model.alpha_s + t_wire
+    t_codec = _codec_time(model, op, codec, nbytes, world, _codec_obj)
+    if op == "all_reduce":
+        return model.alpha_s + pipeline(t_wire, t_codec, math.ceil(nbytes / 4 / model.segment_elems))
+    return model.alpha_s + t_wire + t_codec
+
+
+# -- calibration ---------------------------------------------------------------------------------------
+def _points(results: dict):
+    for r in results.get("collectives", []):
+        if r.get("times_s"):
+            yield r, r["mib"] * MiB, statistics.median(r["times_s"])
+
+
+def fit(results: dict, refit_codecs: bool = False) -> Model:
+    """Calibrate alpha, eta (uncompressed points) and per-codec throughput (measured, else fitted)."""
+    pts = list(_points(results))
+    bits: dict[str, list[float]] = {}
+    for r, _, _ in pts:
+        bits.setdefault(r["codec"], []).append(float(r.get("bits_per_element") or DEFAULT_BITS.get(r["codec"], 32)))
+    model = Model(alpha_s=0.0, eta=1.0)  # alpha, eta set below
+    model.bits.update({c: statistics.median(v) for c, v in bits.items()})
+    base = [p for p in pts if p[0]["codec"] in ("none", "fp32")] or pts  # fallback: ignore codec compute
+    if not base:
+        raise ValueError("no collective measurements to calibrate on")
+    x = np.array([wire_bytes(r["op"], model.bits.get(r["codec"], 32.0), S, r["world"]) / r["rate_Bps"]
+                  for r, S, _ in base])
+    t = np.array([tm for _, _, tm in base])
+    A = np.stack([1 / t, x / t], axis=1)  # rows divided by t: least squares in relative error
+    if len(base) >= 2 and np.ptp(x) > 0:
+        (alpha, inv_eta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    else:
+        alpha, inv_eta = 0.0, float(np.median(t / x))
+    if alpha < 0:  # latency not resolved by the data: pure-bandwidth fit
+        alpha, inv_eta = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    model.alpha_s, model.eta, model.n_points = float(alpha), float(1 / inv_eta), len(base)
+    measured = results.get("codec_throughput") or {}
+    for codec in sorted({r["codec"] for r, _, _ in pts} - {"none", "fp32"}):
+        m = measured.get(codec)
+        if m and not refit_codecs:
+            model.codecs[codec] = Codec(float(m["encode_Bps"]), float(m["decode_Bps"]), "measured")
+        else:
+            model.codecs[codec] = _fit_codec(model, codec, [p for p in pts if p[0]["codec"] == codec])
+    return model
+
+
+def _fit_codec(model: Model, codec: str, pts: list) -> Codec:
+    """One throughput R (encode = decode = R) minimising sum((pred - meas)/meas)^2 over log R."""
+    def loss(logR: float) -> float:
+        c = Codec(math.exp(logR), math.exp(logR), "fitted")
+        return sum(((predict_collective(model, r["op"], codec, S, r["world"], r["rate_Bps"], c) - tm) / tm) ** 2
+                   for r, S, tm in pts)
+    grid = np.linspace(math.log(1e6), math.log(1e13), 141)
+    vals = [loss(g) for g in grid]
+    i = int(np.argmin(vals))
+    lo, hi = grid[max(0, i - 1)], grid[min(len(grid) - 1, i + 1)]
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(60):  # golden-section refinement inside the bracketing grid cells
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if loss(a) < loss(b):
+            hi = b
+        else:
+            lo = a
+    R = math.exp((lo + hi) / 2)
+    flat = vals[-1] - min(vals) <= 1e-9 * max(1.0, min(vals))
+    return Codec(R, R, "unidentifiable (transfer-bound)" if flat else "fitted")
+
+
+# -- DDP step model ------------------------------------------------------------------------------------
+def _method_comm(method: str, params: int, world: int, wire: float | None, bucket_bytes: float):
+    """(codec, calls, overlap, wire bytes overlapped with backward, wire bytes after the step, codec S)."""
+    S = 4.0 * params
+    ar = 2 * (world - 1) / world
+    buckets = max(1, math.ceil(S / bucket_bytes))
+    if method == "ddp_fp32":
+        return "none", buckets, 1.0, wire if wire is not None else ar * S, 0.0, 0.0
+    if method in ("ddp_fp16_hook", "ddp_bf16_hook"):  # casts neglected
+        return "none", buckets, 1.0, wire if wire is not None else ar * S / 2, 0.0, 0.0
+    if method.startswith("ddp_powersgd"):  # one bucket after backward: rest, P and Q all-reduces
+        return ("none", 3, 0.0, wire, 0.0, 0.0) if wire is not None else None
+    if method == "zero_redundancy":  # DDP fp32 all-reduce, then each rank's shard broadcast after the step
+        bcast = (world - 1) / world * S
+        return "none", buckets + 1, 1.0, (wire - bcast if wire is not None else ar * S), bcast, 0.0
+    if method.startswith("megacomp_hook_"):
+        codec = method.split("_")[2]
+        return codec, buckets, 1.0, wire, 0.0, S
+    return None
+
+
+def predict_step(model: Model, method: str, params: int, world: int, rate_Bps: float, t_compute: float,
+                 wire_bytes_per_step: float | None = None, bucket_bytes: float = 25 * MiB) -> float | None:
+    """Predicted DDP step seconds (None when the method is unknown or its bytes are not known)."""
+    if method == "no_communication":
+        return t_compute
+    spec = _method_comm(method, params, world, wire_bytes_per_step, bucket_bytes)
+    if spec is None:
+        return None
+    codec, calls, overlap, wire, after, S_codec = spec
+    if wire is None:  # compressed hook without measured bytes: the codec's bits per element
+        wire = wire_bytes("all_reduce", model.bits.get(codec, DEFAULT_BITS.get(codec, 32.0)), S_codec, world)
+    t_wire = wire / (model.eta * rate_Bps)
+    t_codec = _codec_time(model, "all_reduce", codec, S_codec, world) if S_codec else 0.0
+    t_comm = calls * model.alpha_s + pipeline(t_wire, t_codec, math.ceil(S_codec / 4 / model.segment_elems))
+    exposed = max(0.0, t_comm - overlap * (2.0 / 3.0) * t_compute)
+    return t_compute + exposed + after / (model.eta * rate_Bps)
+
+
+def validate(model: Model, results: dict) -> Validation:
+    rows = []
+    for r, S, tm in _points(results):
+        label = f"{r['op']} {r['codec']} {r['mib']:g} MiB p{r['world']} @{r['rate']}"
+        rows.append(Row("collective", label, tm, predict_collective(model, r["op"], r["codec"], S, r["world"],
+                                                                    r["rate_Bps"])))
+    ddp = [d for d in results.get("ddp", []) if d.get("times_s")]
+    for d in ddp:
+        if d["method"] == "no_communication":
+            continue  # the floor is an input of the step model, not a prediction
+        floors = [f for f in ddp if f["method"] == "no_communication" and f["world"] == d["world"]
+                  and f["params"] == d["params"]]
+        same_rate = [f for f in floors if f["rate"] == d["rate"]] or floors
+        if not same_rate:
+            continue
+        t_comp = statistics.median(t for f in same_rate for t in f["times_s"])
+        pred = predict_step(model, d["method"], d["params"], d["world"], d["rate_Bps"], t_comp,
+                            d.get("wire_bytes_per_step"))
+        if pred is not None:
+            rows.append(Row("ddp", f"{d['method']} p{d['world']} @{d['rate']}", statistics.median(d["times_s"]), pred))
+    return Validation(rows)
+
+
+# -- projection to GPU clusters ------------------------------------------------------------------------
+@dataclass
+class Projection:
+    rows: list[dict]
+    assumptions: list[str]
+
+
+def project(model: Model, params=(1.3e9, 7e9), worlds=(8, 64, 256, 1024), rates_gbit=(10, 100, 200, 400),
+            codecs=("int4", "int8"), baselines=("bf16", "fp32"), alpha_s: float = 10e-6,
+            gpu_codec_Bps: float = 2.0e12, tokens_per_gpu: int = 16384, flops: float = 400e12,
+            eta: float | None = None) -> Projection:
+    """Speedup of compressed over bf16/fp32 gradient all-reduce and of the DP step, per (N, p, B, codec)."""
+    eta = model.eta if eta is None else eta
+    rows = []
+
+    def step(t_comm: float) -> float:  # DP step: compute + communication not hidden behind backward
+        return t_compute + max(0.0, t_comm - (2.0 / 3.0) * t_compute)
+
+    for N in params:
+        t_compute = 6 * N * tokens_per_gpu / flops
+        for p in worlds:
+            lat = 2 * (p - 1) * alpha_s
+            for gb in rates_gbit:
+                B = gb * 1e9 / 8 * eta
+                base_t = {b: lat + 2 * (p - 1) / p * N * DEFAULT_BITS[b] / 8 / B for b in baselines}
+                for c in codecs:
+                    t_wire = 2 * (p - 1) / p * N * model.bits.get(c, DEFAULT_BITS[c]) / 8 / B
+                    E, D = codec_work("all_reduce", p)
+                    t_codec = (E + D) * 2 * N / gpu_codec_Bps  # bf16 gradient bytes per pass
+                    t_c = lat + pipeline(t_wire, t_codec, math.ceil(N / SEGMENT_ELEMS))
+                    for b, t_b in base_t.items():
+                        rows.append(dict(params=N, world=p, rate_gbit=gb, codec=c, baseline=b, t_base=t_b,
+                                         t_comp=t_c, t_codec=t_codec, t_compute=t_compute,
+                                         coll_speedup=t_b / t_c, step_speedup=step(t_b) / step(t_c)))
+    assumptions = [
+        f"ASSUMPTION: GPU codec throughput {gpu_codec_Bps:.3g} B/s of bf16 gradient per encode/decode pass "
+        "(about 60% of an H100's HBM bandwidth); not measured here (CPU-only machine).",
+        f"ASSUMPTION: per-hop latency alpha = {alpha_s * 1e6:g} us (NCCL-class inter-node), paid 2(p-1) times "
+        "per gradient all-reduce, once for the whole gradient (bucketing adds latency to both sides).",
+        f"Link efficiency eta = {eta:.3f} (the fitted value from this link unless given), for both sides.",
+        f"Compute per step = 6 * params * {tokens_per_gpu} tokens/GPU / {flops:.3g} FLOP/s achieved (assumed); "
+        "backward = 2/3 of it, and the gradient exchange overlaps backward fully (o = 1) for all methods.",
+        "Compressed all-reduce = reduce-scatter (all-to-all of encoded chunks) + all-gather of re-encoded "
+        "shards, pipelined over 1M-element segments; error-feedback updates are not costed.",
+        "Ring algorithms for the baselines; NCCL tree/NVLS variants and intra-node NVLink hierarchy ignored.",
+    ]
+    return Projection(rows, assumptions)
+
+
+# -- report --------------------------------------------------------------------------------------------
+def markdown(model: Model, validation: Validation, projection: Projection) -> str:
+    out = ["## Analytical alpha-beta model", "",
+           "T = alpha + W/(eta*B) uncompressed; compressed all-reduce T = alpha + max(T_wire, T_codec) + "
+           "min(T_wire, T_codec)/n_segments (codec and wire pipelined over 1M-element segments); compressed "
+           "RS/AG T = alpha + T_wire + T_codec. DDP step = compute floor + max(0, T_comm - o * 2/3 compute).",
+           "", "### Fitted parameters", "", "| parameter | value | source |", "|---|---|---|",
+           f"| alpha (per-call latency) | {model.alpha_s * 1e3:.3f} ms | least squares, {model.n_points} fp32 points |",
+           f"| eta (link efficiency) | {model.eta:.3f} | least squares, {model.n_points} fp32 points |"]
+    for name, c in sorted(model.codecs.items()):
+        out.append(f"| {name}: encode / decode throughput, wire bits/elem | {c.encode_Bps / 1e9:.3f} / "
+                   f"{c.decode_Bps / 1e9:.3f} GB/s (fp32 bytes), {model.bits.get(name, math.nan):g} b | {c.source} |")
+    out += ["", "### Validation against the measured points", "", "| point | measured s | predicted s | rel. error |",
+            "|---|---|---|---|"] + [f"| {r.point} | {r.measured_s:.4f} | {r.predicted_s:.4f} | "
+                                    f"{100 * r.rel_err:+.1f}% |" for r in validation.rows] + [""]
+    for kind, title in (("collective", "collectives"), ("ddp", "DDP steps"), (None, "all points")):
+        if (s := validation.summary(kind))["n"]:
+            out.append(f"- {title} ({s['n']} points): median |error| {100 * s['median']:.1f}%, "
+                       f"max {100 * s['max']:.1f}%")
+    rates = sorted({r["rate_gbit"] for r in projection.rows})
+    out += ["", "### Projected speedups (cell: all-reduce speedup / DP-step speedup)", ""]
+    keys = sorted({(r["params"], r["baseline"], r["codec"]) for r in projection.rows},
+                  key=lambda k: (k[0], k[1] != "bf16", k[2]))
+    for N, b, c in keys:
+        sel = [r for r in projection.rows if (r["params"], r["baseline"], r["codec"]) == (N, b, c)]
+        out += [f"**{N / 1e9:g}B params, {c} vs {b} gradient all-reduce** (compute/step "
+                f"{sel[0]['t_compute']:.3f} s)", "", "| GPUs | " + " | ".join(f"{g:g} Gbit/s" for g in rates) + " |",
+                "|---" * (len(rates) + 1) + "|"]
+        for p in sorted({r["world"] for r in sel}):
+            cells = {r["rate_gbit"]: r for r in sel if r["world"] == p}
+            out.append(f"| {p} | " + " | ".join(f"{cells[g]['coll_speedup']:.2f}x / {cells[g]['step_speedup']:.2f}x"
+                                                  for g in rates) + " |")
+        out.append("")
+    out += ["### Assumptions", ""] + [f"- {a}" for a in projection.assumptions] + [
+        "- Calibration: alpha and eta from the fp32 points only; codec throughput as measured single-threaded "
+        "on this CPU (codec_throughput) or fitted (one throughput per codec, encode = decode) when absent.",
+        "- DDP step: T_backward = 2/3 of the no_communication floor; overlap o = 1 for DDP fp32/fp16/bf16 and "
+        "the megacomp hook, 0 for PowerSGD (one bucket); PowerSGD matmuls/QR, casts and CPU contention between "
+        "codec and backward are not costed; ZeRO's parameter broadcast is exposed."]
+    return "\n".join(out) + "\n"
+
+
+def plot(projection: Projection, path: str, codec: str = "int4", baseline: str = "bf16") -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    sizes = sorted({r["params"] for r in projection.rows})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4), squeeze=False)
+    for ax, N in zip(axes[0], sizes):
+        sel = [r for r in projection.rows if r["params"] == N and r["codec"] == codec and r["baseline"] == baseline]
+        for p in sorted({r["world"] for r in sel}):
+            pts = sorted((r["rate_gbit"], r["coll_speedup"], r["step_speedup"]) for r in sel if r["world"] == p)
+            line, = ax.plot([q[0] for q in pts], [q[1] for q in pts], marker="o", label=f"{p} GPUs all-reduce")
+            ax.plot([q[0] for q in pts], [q[2] for q in pts], marker="s", ls="--", color=line.get_color(),
+                    label=f"{p} GPUs DP step")
+        ax.set(xscale="log", xlabel="link rate (Gbit/s)", ylabel=f"projected speedup, {codec} vs {baseline}",
+               title=f"{N / 1e9:g}B params")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("alpha-beta model projection (GPU codec throughput and latency assumed)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", help="JSON written by scripts/bench_report.py")
+    ap.add_argument("--out", help="write the Markdown section here (default: stdout)")
+    ap.add_argument("--plot", help="PNG of projected speedup vs link rate per cluster size")
+    ap.add_argument("--refit-codecs", action="store_true", help="fit codec throughput even when measured")
+    ap.add_argument("--gpu-codec-Bps", type=float, default=2.0e12, help="ASSUMED GPU codec throughput")
+    ap.add_argument("--alpha-us", type=float, default=10.0, help="ASSUMED cluster per-hop latency (us)")
+    ap.add_argument("--tokens-per-gpu", type=int, default=16384)
+    ap.add_argument("--tflops", type=float, default=400.0, help="ASSUMED achieved TFLOP/s per GPU")
+    a = ap.parse_args(argv)
+    results = json.loads(Path(a.results).read_text())
+    model = fit(results, refit_codecs=a.refit_codecs)
+    proj = project(model, alpha_s=a.alpha_us * 1e-6, gpu_codec_Bps=a.gpu_codec_Bps,
+                   tokens_per_gpu=a.tokens_per_gpu, flops=a.tflops * 1e12)
+    text = markdown(model, validate(model, results), proj)
+    print(f"note: projections ASSUME GPU codec throughput {a.gpu_codec_Bps:.3g} B/s and per-hop latency "
+          f"{a.alpha_us:g} us (not measured here)")
+    if a.out:
+        Path(a.out).write_text(text)
+    else:
+        print(text)
+    if a.plot:
+        print(f"plot: {a.plot}" if plot(proj, a.plot) else "plot skipped: matplotlib not installed")
+
+
+if __name__ == "__main__":
+    main()
