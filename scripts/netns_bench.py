@@ -15,9 +15,13 @@ setting for links with a large bandwidth-delay product), since collectives are b
 of the ideal speedup (ideal speedup = fp32 wire bytes / compressed wire bytes).
 ``train``: ``python -m megacomp.pretrain`` on the tiny GPT, DP 2 across the link, per compression preset:
 median iteration time (first 2 iterations excluded), wire MB per iteration, final loss.
-``ddp``: the same GPT code (TP 1, larger by default) under torch DDP with fp32 all-reduce, the fp16
-compress hook, PowerSGD rank 4 (one bucket: torch's hook breaks with several on gloo), and megacomp's
-int4 + LoCo DDP hook: median step time and the loss after the same iterations.
+``ddp``: the same GPT code (TP 1, larger by default) under torch DDP with fp32 all-reduce, the fp16 and
+bf16 compress hooks, PowerSGD ranks 1 and 4 (one bucket: torch's hook breaks with several on gloo),
+ZeroRedundancyOptimizer, and megacomp's int4 + LoCo DDP hook, plus a no-communication floor (buckets
+not averaged): median step time, wire bytes per step (measured for megacomp, from the algorithms'
+byte counts for torch's), the loss after the same iterations.
+``--ops`` picks the collectives (all_reduce, reduce_scatter, all_gather). scripts/bench_report.py runs
+all workloads and writes the report.
 Output: Markdown tables on stdout and in ``--out`` (default results/netns). Numbers are measured, never
 asserted; medians with min-max spread.
 """
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 NS = ("mcbenchA", "mcbenchB")
 DEV = ("mcvA", "mcvB")
@@ -102,7 +107,12 @@ def run_pair(argv: list[str], port: int, timeout: float) -> list[str]:
 
 
 # -- workload run inside the namespaces (python scripts/netns_bench.py _collective ...) ------------------
-def collective_worker(mib: float, codecs: list[str], repeats: int) -> None:
+OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "all_reduce") -> None:
+    """Time ``op`` of ``mib`` MiB of fp32 (the full tensor; reduce-scatter output / all-gather input is
+    1/world of it) per codec; every repeat's time is the slowest rank's."""
     import torch
     import torch.distributed as dist
 
@@ -112,8 +122,10 @@ def collective_worker(mib: float, codecs: list[str], repeats: int) -> None:
     torch.set_num_threads(1)
     init_distributed()
     comm.set_validation(False)
-    n = int(mib * (1 << 20)) // 4
+    world = dist.get_world_size()
+    n = int(mib * (1 << 20)) // 4 // world * world
     x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
+    shard = torch.empty(n // world)
     results = {}
     for name in codecs:
         codec = None if name == "none" else name
@@ -123,7 +135,12 @@ def collective_worker(mib: float, codecs: list[str], repeats: int) -> None:
             comm.reset_stats()
             dist.barrier()
             t0 = time.perf_counter()
-            comm.all_reduce(t, codec=codec, tag="bench")
+            if op == "all_reduce":
+                comm.all_reduce(t, codec=codec, tag="bench")
+            elif op == "reduce_scatter":
+                comm.reduce_scatter_tensor(shard, t, codec=codec, tag="bench")
+            else:
+                comm.all_gather_into_tensor(t, x[:n // world], codec=codec, tag="bench")
             dt = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i:
@@ -135,7 +152,23 @@ def collective_worker(mib: float, codecs: list[str], repeats: int) -> None:
     dist.destroy_process_group()
 
 
-DDP_METHODS = ("ddp_fp32", "ddp_fp16_hook", "ddp_powersgd4", "megacomp_hook_int4_loco")
+DDP_METHODS = ("no_communication", "ddp_fp32", "ddp_fp16_hook", "ddp_bf16_hook", "ddp_powersgd1", "ddp_powersgd4",
+               "zero_redundancy", "megacomp_hook_int4_loco")
+
+
+def _powersgd_bytes(model, rank: int, world: int) -> int:
+    """Bytes each rank sends per step under torch's PowerSGD hook (one bucket; ring all-reduces, as gloo
+    runs them): matrices with m*n > (m+n)*rank*2 send P (n x r) and Q (m x r) in fp32, the rest is
+    all-reduced uncompressed (torch's min_compression_rate rule)."""
+    elems = 0
+    for p in model.parameters():
+        if p.dim() > 1:
+            m, n = p.shape[0], p.numel() // p.shape[0]
+            r = min(m, n, rank)
+            elems += (m + n) * r if m * n > (m + n) * r * 2 else m * n
+        else:
+            elems += p.numel()
+    return int(elems * 4 * 2 * (world - 1) / world)
 
 
 def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0) -> None:
@@ -143,6 +176,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from megacomp import comm, parallel_state
@@ -155,17 +189,29 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     torch.set_num_threads(1)
     init_distributed()
     comm.set_validation(False)
+    world = dist.get_world_size()
     groups = parallel_state.initialize_model_parallel(1, 1)
     tok, data = prepare_data(None, 1024, 64)
     cfg = GPTConfig(hidden_size=hidden, num_attention_heads=4, num_layers=layers, vocab_size=1024, max_seq_length=64)
     model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
-    one_bucket = method == "ddp_powersgd4"  # torch's PowerSGD hook breaks with several buckets on gloo
+    params = sum(p.numel() for p in model.parameters())
+    one_bucket = method.startswith("ddp_powersgd")  # torch's PowerSGD hook breaks with several buckets on gloo
     ddp = DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
+    wire = {"ddp_fp32": 4, "zero_redundancy": 4, "ddp_fp16_hook": 2, "ddp_bf16_hook": 2}.get(method, 0) * params
+    wire = int(wire * 2 * (world - 1) / world)  # ring all-reduce
+    if method == "zero_redundancy":
+        wire += int(4 * params * (world - 1) / world)  # each rank's updated shard broadcast to the others
     if method == "ddp_fp16_hook":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif method == "ddp_powersgd4":
-        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=4,
+    elif method == "ddp_bf16_hook":
+        # DDP refuses the hook by name without CUDA/NCCL; gloo all-reduces bf16 on CPU, so call it through
+        # a wrapper (same function, same bytes)
+        ddp.register_comm_hook(None, lambda st, bucket: default_hooks.bf16_compress_hook(st, bucket))
+    elif method.startswith("ddp_powersgd"):
+        rank = int(method[len("ddp_powersgd"):])
+        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
                                                            start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+        wire = _powersgd_bytes(model, rank, world)
     elif method == "no_communication":  # the compute floor: buckets are not averaged (timing only)
         def no_comm(_state, bucket):
             fut = torch.futures.Future()
@@ -174,11 +220,16 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         ddp.register_comm_hook(None, no_comm)
     elif method == "megacomp_hook_int4_loco":
         ddp.register_comm_hook(CompressedHookState(codec="int4", error_feedback="loco"), compressed_allreduce_hook)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), 2, seed=1))
+    if method == "zero_redundancy":
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), world, seed=1))
     times, losses = [], []
-    for _ in range(iters):
+    for it in range(iters):
         ids, labels = get_batch(data, next(sampler))
+        if it == iters - 1:
+            comm.reset_stats()
         dist.barrier()
         t0 = time.perf_counter()
         loss = ddp(ids, labels)
@@ -190,19 +241,25 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         l = loss.detach().reshape(1)
         dist.all_reduce(l)
         times.append(dt.item())
-        losses.append(l.item() / 2)
-    params = sum(p.numel() for p in model.parameters())
+        losses.append(l.item() / world)
+    if method.startswith("megacomp"):
+        wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"times": times, "losses": losses, "params": params}))
+        print("RESULT " + json.dumps({"times": times, "losses": losses, "params": params, "wire": wire}))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
 
-def bench_ddp(args) -> list[str]:
-    lines = [f"## Torch DDP and its comm hooks vs megacomp's hook over a shaped link (GPT h={args.hidden}, "
-             f"{args.layers} layers, DP 2, {args.iters} iterations)", "",
-             "| link | method | params | median step s (min-max, iterations 3..) | loss at last iteration |",
-             "|---|---|---|---|---|"]
+def median_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    return f"{fmt.format(statistics.median(xs) * scale)} ({fmt.format(min(xs) * scale)}-{fmt.format(max(xs) * scale)})"
+
+
+def bench_ddp(args, records: Optional[list] = None) -> list[str]:
+    lines = [f"## DP training step: torch DDP, its comm hooks, ZeroRedundancyOptimizer and megacomp's hook (GPT "
+             f"h={args.hidden}, {args.layers} layers, DP 2 across the link, {args.iters} iterations, DDP buckets "
+             f"{args.bucket_mb:g} MB; PowerSGD one bucket)", "",
+             "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | wire MB/step/rank | "
+             f"loss at iteration {args.iters} |", "|---|---|---|---|---|---|"]
     for rate in args.rates.split(","):
         setup(rate)
         base = None
@@ -212,62 +269,89 @@ def bench_ddp(args) -> list[str]:
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
             steps = res["times"][2:]
             med = statistics.median(steps)
-            base = base or med
-            lines.append(f"| {rate} | {method} | {res['params']:,} | {med:.3f} ({min(steps):.3f}-{max(steps):.3f}); "
-                         f"{base / med:.2f}x vs first | {res['losses'][-1]:.4f} |")
+            if method == "ddp_fp32":
+                base = med
+            speed = f"{base / med:.2f}x" if base else "-"
+            lines.append(f"| {rate} | {method} | {median_spread(steps)} | {speed} | {res['wire'] / 1e6:.2f} | "
+                         f"{res['losses'][-1]:.4f} |")
             print(lines[-1], flush=True)
+            if records is not None:
+                records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "method": method, "world": 2,
+                                "params": res["params"], "times_s": steps, "all_times_s": res["times"],
+                                "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"]})
     return lines + [""]
 
 
-def bench_collectives(args) -> list[str]:
-    lines = ["## Compressed all-reduce over a shaped link (2 ranks, one per namespace)", "",
-             "| link | MiB | codec | median ms (min-max) | wire MB/rank | ideal ms | speedup vs fp32 | ideal speedup | "
-             "fraction of ideal |", "|---|---|---|---|---|---|---|---|---|"]
+BITS = {"none": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.25, "int4": 4.25, "int2": 2.25}
+
+
+def bench_collectives(args, records: Optional[list] = None) -> list[str]:
+    lines = []
     codecs = args.codecs.split(",")
-    for rate in args.rates.split(","):
-        setup(rate)
-        bps = rate_bytes_per_s(rate)
-        for mib in [float(m) for m in args.mib.split(",")]:
-            out = run_pair([sys.executable, __file__, "_collective", str(mib), args.codecs, str(args.repeats)],
-                           args.port, args.timeout)[0]
-            res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
-            base = statistics.median(res["none"]["times"])
-            for name in codecs:
-                r = res[name]
-                med = statistics.median(r["times"])
-                ideal_speedup = res["none"]["wire"] / r["wire"]
-                speedup = base / med
-                lines.append(f"| {rate} | {mib:g} | {name} | {med * 1e3:.1f} ({min(r['times']) * 1e3:.1f}-"
-                             f"{max(r['times']) * 1e3:.1f}) | {r['wire'] / 1e6:.2f} | {r['wire'] / bps * 1e3:.1f} | "
-                             f"{speedup:.2f}x | {ideal_speedup:.2f}x | {speedup / ideal_speedup:.0%} |")
-            print("\n".join(lines[-len(codecs):]), flush=True)
-    return lines + [""]
+    for op in args.ops.split(","):
+        lines += [f"## Compressed {op} over a shaped link (2 ranks, one per namespace)", "",
+                  "| link | MiB | codec | median ms (min-max) | wire MB/rank | ideal ms | speedup vs fp32 | ideal speedup | "
+                  "fraction of ideal |", "|---|---|---|---|---|---|---|---|---|"]
+        for rate in args.rates.split(","):
+            setup(rate)
+            bps = rate_bytes_per_s(rate)
+            for mib in [float(m) for m in args.mib.split(",")]:
+                out = run_pair([sys.executable, __file__, "_collective", str(mib), args.codecs, str(args.repeats), op],
+                               args.port, args.timeout)[0]
+                res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+                base = statistics.median(res["none"]["times"])
+                for name in codecs:
+                    r = res[name]
+                    med = statistics.median(r["times"])
+                    ideal_speedup = res["none"]["wire"] / r["wire"]
+                    speedup = base / med
+                    lines.append(f"| {rate} | {mib:g} | {name} | {median_spread(r['times'], 1e3, '{:.1f}')} | "
+                                 f"{r['wire'] / 1e6:.2f} | {r['wire'] / bps * 1e3:.1f} | {speedup:.2f}x | "
+                                 f"{ideal_speedup:.2f}x | {speedup / ideal_speedup:.0%} |")
+                    if records is not None:
+                        records.append({"rate": rate, "rate_Bps": bps, "op": op, "world": 2, "mib": mib, "codec": name,
+                                        "bits_per_element": BITS.get(name, 32.0), "times_s": r["times"],
+                                        "wire_bytes": r["wire"], "raw_bytes": r["raw"]})
+                print("\n".join(lines[-len(codecs):]), flush=True)
+        lines.append("")
+    return lines
 
 
-def bench_train(args) -> list[str]:
-    lines = ["## DP training step over a shaped link (tiny GPT, DP 2, one rank per namespace)", "",
-             "| link | compression | median iteration s (min-max) | wire MB/iter (all ranks) | fp32 MB/iter | "
-             "loss at last iteration |", "|---|---|---|---|---|---|"]
+LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+
+
+def bench_train(args, records: Optional[list] = None) -> list[str]:
+    """``python -m megacomp.pretrain`` across the link: per layout (dp2, tp2 or pp2: the two ranks hold data,
+    tensor or pipeline parallel halves) and compression preset, the median iteration time."""
+    layout = getattr(args, "layout", "dp2")
+    lines = [f"## megacomp pretraining step over a shaped link ({layout}: one rank per namespace; "
+             f"{args.config}{' + ddp model' if args.model_args else ''}, {args.iters} iterations)", "",
+             "| link | layout | compression | median iteration s (min-max), iterations 3.. | wire MB/iter (all ranks) | "
+             "fp32 MB/iter | loss at last iteration |", "|---|---|---|---|---|---|---|"]
     for rate in args.rates.split(","):
         setup(rate)
         for preset in args.compression.split(","):
             with tempfile.TemporaryDirectory() as log_dir:
                 run_pair([sys.executable, "-m", "megacomp.pretrain", "--config", args.config, "--train-iters",
                           str(args.iters), "--compression", preset, "--log-dir", log_dir, "--log-interval", "1",
-                          "--global-batch-size", "16", "--micro-batch-size", "8", *args.model_args],
-                         args.port, args.timeout)
+                          "--global-batch-size", "16", "--micro-batch-size", "8", *LAYOUTS[layout],
+                          *args.model_args], args.port, args.timeout)
                 recs = [json.loads(x) for x in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
             steps = [r["iteration_time_s"] for r in recs[2:]]
-            lines.append(f"| {rate} | {preset} | {statistics.median(steps):.3f} ({min(steps):.3f}-{max(steps):.3f}) | "
+            lines.append(f"| {rate} | {layout} | {preset} | {median_spread(steps)} | "
                          f"{recs[-1]['wire_bytes'] / 1e6:.2f} | {recs[-1]['uncompressed_bytes'] / 1e6:.2f} | "
                          f"{recs[-1]['loss']:.4f} |")
             print(lines[-1], flush=True)
+            if records is not None:
+                records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "layout": layout, "compression": preset,
+                                "times_s": steps, "wire_bytes_per_iter": recs[-1]["wire_bytes"],
+                                "fp32_bytes_per_iter": recs[-1]["uncompressed_bytes"], "loss": recs[-1]["loss"]})
     return lines + [""]
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_collective":
-        collective_worker(float(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]))
+        collective_worker(float(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), sys.argv[5])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_ddp":
         ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
@@ -277,8 +361,10 @@ def main() -> None:
     p.add_argument("--rates", default="1gbit,100mbit")
     p.add_argument("--mib", default="25,100")
     p.add_argument("--codecs", default="none,bf16,int8,int4")
+    p.add_argument("--ops", default="all_reduce", help="collectives: comma list of " + ",".join(OPS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2", help="train workload: what the two ranks split")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--compression", default="none,loco4,dp_int8")
     p.add_argument("--methods", default=",".join(DDP_METHODS))

@@ -1,0 +1,218 @@
+"""One command for the whole bandwidth-limited performance report (issue #7).
+
+    python scripts/bench_report.py --out docs/benchmarks          # ~25 min on the 2-core dev machine
+    python scripts/bench_report.py --quick --out /tmp/report       # smoke run, ~4 min
+
+Runs, over shaped veth links between two network namespaces (scripts/netns_bench.py; root needed):
+  1. codec throughput on this CPU (one thread, preallocated buffers): the compute side of every codec;
+  2. collectives: all-reduce of 4-100 MiB, reduce-scatter and all-gather of 25 MiB, per codec and link
+     rate, against the fp32 collective and the ideal time (wire bytes / link rate);
+  3. a DP training step of a small GPT under torch DDP (fp32, fp16/bf16 hooks, PowerSGD ranks 1 and 4),
+     ZeroRedundancyOptimizer, megacomp's int4+LoCo DDP hook and a no-communication floor, per link rate:
+     step times, wire bytes, loss after the same iterations, and loss against wall time;
+  4. megacomp pretraining steps with tensor and with pipeline parallelism split across the link;
+  5. the alpha-beta model (scripts/perf_model.py) fitted to these measurements, its validation error
+     against them, and its projection to larger clusters.
+Writes ``report.md``, ``results.json`` and PNG plots into ``--out``. Every number is a median over
+repeats (or iterations) with its min-max spread; nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import netns_bench as nb  # noqa: E402
+
+CODEC_SPECS = ("int8", "int4", "fp8_e4m3", "bf16")
+
+
+def codec_throughput(numel: int, repeats: int) -> dict:
+    """Encode/decode GB/s (fp32 input bytes per second) per codec on one thread, into reused buffers."""
+    import torch
+
+    from megacomp.compression import make_codec
+
+    torch.set_num_threads(1)
+    x = torch.randn(numel)
+    out, res = torch.empty(numel), {}
+    copy = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out.copy_(x)
+        copy.append(time.perf_counter() - t0)
+    res["memcpy"] = {"encode_Bps": 4 * numel / statistics.median(copy), "decode_Bps": 4 * numel / statistics.median(copy)}
+    for name in CODEC_SPECS:
+        codec = make_codec(name)
+        buf = codec.encode_flat(x)
+        enc, dec = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            codec.encode_flat(x, out=buf) if codec.format.scaled else codec.encode_flat(x)
+            enc.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            codec.decode_flat(buf, numel, out=out)
+            dec.append(time.perf_counter() - t0)
+        res[name] = {"encode_Bps": 4 * numel / statistics.median(enc), "decode_Bps": 4 * numel / statistics.median(dec)}
+    return res
+
+
+def throughput_section(tp: dict, numel: int) -> list[str]:
+    lines = [f"## Codec throughput on this CPU (one thread, {numel / 1e6:.0f}M fp32 elements, reused buffers)", "",
+             "| codec | encode GB/s | decode GB/s | encode / memcpy |", "|---|---|---|---|"]
+    mem = tp["memcpy"]["encode_Bps"]
+    for name, r in tp.items():
+        lines.append(f"| {name} | {r['encode_Bps'] / 1e9:.2f} | {r['decode_Bps'] / 1e9:.2f} | {r['encode_Bps'] / mem:.2f} |")
+    return lines + [""]
+
+
+def summary(records: dict) -> list[str]:
+    """The issue's acceptance figures, read off the measurements (never asserted)."""
+    lines = ["## Summary", ""]
+    ar = [r for r in records["collectives"] if r["op"] == "all_reduce"]
+    for r in ar:
+        if r["codec"] != "int4" or r["mib"] < 25:
+            continue
+        base = next(b for b in ar if b["rate"] == r["rate"] and b["mib"] == r["mib"] and b["codec"] == "none")
+        speedup = statistics.median(base["times_s"]) / statistics.median(r["times_s"])
+        ideal = base["wire_bytes"] / r["wire_bytes"]
+        lines.append(f"- int4 all-reduce, {r['mib']:g} MiB at {r['rate']}: {speedup:.2f}x over fp32, "
+                     f"{speedup / ideal:.0%} of the ideal {ideal:.2f}x.")
+    for rate in dict.fromkeys(r["rate"] for r in records["ddp"]):
+        rows = {r["method"]: r for r in records["ddp"] if r["rate"] == rate}
+        if "megacomp_hook_int4_loco" not in rows or "ddp_fp32" not in rows:
+            continue
+        ours = rows["megacomp_hook_int4_loco"]
+        med = statistics.median(ours["times_s"])
+        cmp = ", ".join(f"{m} {statistics.median(r['times_s']):.3f} s" for m, r in rows.items()
+                        if m != "megacomp_hook_int4_loco")
+        loss = (ours["loss"] / rows["ddp_fp32"]["loss"] - 1) * 100
+        lines.append(f"- DP step at {rate}: megacomp int4+LoCo hook {med:.3f} s/step vs {cmp}; its loss after "
+                     f"{len(ours['losses'])} iterations is {loss:+.2f}% vs DDP fp32.")
+    return lines + [""]
+
+
+def plots(records: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return ["(matplotlib not installed: no plots)", ""]
+    made = []
+    ar = [r for r in records["collectives"] if r["op"] == "all_reduce"]
+    sizes = sorted({r["mib"] for r in ar})
+    if ar:
+        fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.8), squeeze=False)
+        for ax, mib in zip(axes[0], sizes):
+            for codec in dict.fromkeys(r["codec"] for r in ar):
+                pts = sorted((r["rate_Bps"] * 8 / 1e6, statistics.median(r["times_s"]) * 1e3) for r in ar
+                             if r["mib"] == mib and r["codec"] == codec)
+                ax.plot(*zip(*pts), marker="o", label=codec)
+            ideal = sorted((r["rate_Bps"] * 8 / 1e6, r["wire_bytes"] / r["rate_Bps"] * 1e3) for r in ar
+                           if r["mib"] == mib and r["codec"] == "int4")
+            if ideal:
+                ax.plot(*zip(*ideal), ls=":", color="k", label="int4 ideal")
+            ax.set(xscale="log", yscale="log", xlabel="link rate (Mbit/s)", ylabel="all-reduce time (ms)",
+                   title=f"{mib:g} MiB, 2 ranks")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "allreduce_time_vs_rate.png", dpi=110)
+        plt.close(fig)
+        made.append("![all-reduce time vs link rate](allreduce_time_vs_rate.png)")
+    rates = list(dict.fromkeys(r["rate"] for r in records["ddp"]))
+    if rates:
+        fig, axes = plt.subplots(1, len(rates), figsize=(5.5 * len(rates), 4), squeeze=False)
+        for ax, rate in zip(axes[0], rates):
+            for r in records["ddp"]:
+                if r["rate"] != rate or r["method"] == "no_communication":
+                    continue
+                wall, acc = [], 0.0
+                for t in r["all_times_s"]:
+                    acc += t
+                    wall.append(acc)
+                ax.plot(wall, r["losses"], label=r["method"], lw=1)
+            ax.set(xlabel="wall time (s)", ylabel="training loss", title=f"DP 2 at {rate}")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "ddp_loss_vs_wall_time.png", dpi=110)
+        plt.close(fig)
+        made.append("![loss vs wall time](ddp_loss_vs_wall_time.png)")
+    return made + [""]
+
+
+def model_section(records: dict, out: Path) -> list[str]:
+    try:
+        import perf_model
+    except ImportError as e:
+        return [f"(alpha-beta model unavailable: {e})", ""]
+    model = perf_model.fit(records)
+    projection = perf_model.project(model)
+    text = perf_model.markdown(model, perf_model.validate(model, records), projection)
+    try:
+        if perf_model.plot(projection, out / "projection.png"):
+            text += "\n\n![projected speedups](projection.png)\n"
+    except Exception as e:  # a plot problem must not lose the measurements
+        text += f"\n\n(projection plot failed: {e})\n"
+    return [text, ""]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="results/report")
+    p.add_argument("--quick", action="store_true", help="small sizes, few repeats (smoke test of the pipeline)")
+    p.add_argument("--collective-rates", default="100mbit,300mbit,1gbit")
+    p.add_argument("--ddp-rates", default="100mbit,1gbit")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--iters", type=int, default=60, help="DP training iterations per method (loss vs wall time)")
+    p.add_argument("--port", type=int, default=29731)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    atexit.register(nb.teardown)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    t0 = time.time()
+    q = args.quick
+    common = dict(port=args.port, timeout=1800, model_args=[], config="configs/gpt_tiny.yaml")
+    records: dict = {"collectives": [], "ddp": [], "train": []}
+    numel = (1 << 22) if q else (1 << 24)
+    records["codec_throughput"] = codec_throughput(numel, 3 if q else 7)
+    sections = throughput_section(records["codec_throughput"], numel)
+    try:
+        sections += nb.bench_collectives(SimpleNamespace(
+            **common, rates="1gbit" if q else args.collective_rates, mib="4" if q else "4,25,100",
+            codecs="none,bf16,int8,int4", repeats=2 if q else args.repeats, ops="all_reduce"), records["collectives"])
+        sections += nb.bench_collectives(SimpleNamespace(
+            **common, rates="1gbit" if q else "100mbit,1gbit", mib="4" if q else "25", codecs="none,int8,int4",
+            repeats=2 if q else args.repeats, ops="reduce_scatter,all_gather"), records["collectives"])
+        sections += nb.bench_ddp(SimpleNamespace(
+            **common, rates="1gbit" if q else args.ddp_rates, methods=",".join(nb.DDP_METHODS),
+            iters=6 if q else args.iters, hidden=256, layers=4, bucket_mb=2.0), records["ddp"])
+        for layout, presets in (("tp2", "none,tp_fp8"), ("pp2", "none,pp_int8")):
+            sections += nb.bench_train(SimpleNamespace(
+                **common, rates="1gbit" if q else "100mbit,1gbit", layout=layout, compression=presets,
+                iters=5 if q else 12), records["train"])
+    finally:
+        nb.teardown()
+    (out / "results.json").write_text(json.dumps(records, indent=1))
+    cmd = "python " + " ".join(sys.argv)
+    header = ["# Bandwidth-limited benchmark report", "",
+              f"Produced by one command: `{cmd}` ({time.time() - t0:.0f} s). Two ranks, one per network namespace, "
+              "joined by a veth pair shaped with `tc tbf` (burst 1mbit) on both ends; gloo over TCP; "
+              "one thread per rank on a 2-core machine. Times are medians over repeats (collectives) or "
+              "iterations 3.. (training) with min-max spread; ideal = wire bytes / link rate. Raw numbers: "
+              "`results.json`.", ""]
+    body = header + summary(records) + plots(records, out) + sections + model_section(records, out)
+    (out / "report.md").write_text("\n".join(body) + "\n")
+    print("\n".join(body))
+
+
+if __name__ == "__main__":
+    main()
