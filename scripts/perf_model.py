@@ -19,7 +19,7 @@ Collectives (one call):
                           and wire overlap; two-stage pipeline of n equal segments:
                             T = alpha + max(T_w, T_c) + min(T_w, T_c)/n   (the min term: one segment's
                             fill/drain; n = 1 gives the serial alpha + T_w + T_c)
-  compressed RS / AG      not segmented: T = alpha + T_w + T_c
+  compressed RS / AG      pipelined the same way (pieces of every chunk travel in turn)
 Calibration (fit): alpha and 1/eta by linear least squares in relative error on the uncompressed points
 (T = alpha + W/B * 1/eta); codec throughputs from codec_throughput when measured, otherwise one throughput
 R per codec (enc = dec = R) by a 1-D search minimising the squared relative error of that codec's points.
@@ -123,9 +123,7 @@ def predict_collective(model: Model, op: str, codec: str, nbytes: float, world: 
     if codec in ("none", "fp32"):
         return model.alpha_s + t_wire
     t_codec = _codec_time(model, op, codec, nbytes, world, _codec_obj)
-    if op == "all_reduce":
-        return model.alpha_s + pipeline(t_wire, t_codec, math.ceil(nbytes / 4 / model.segment_elems))
-    return model.alpha_s + t_wire + t_codec
+    return model.alpha_s + pipeline(t_wire, t_codec, math.ceil(nbytes / 4 / model.segment_elems))
 
 
 # -- calibration ---------------------------------------------------------------------------------------
@@ -305,7 +303,7 @@ def markdown(model: Model, validation: Validation, projection: Projection) -> st
     out = ["## Analytical alpha-beta model", "",
            "T = alpha + W/(eta*B) uncompressed; compressed all-reduce T = alpha + max(T_wire, T_codec) + "
            "min(T_wire, T_codec)/n_segments (codec and wire pipelined over 1M-element segments); compressed "
-           "RS/AG T = alpha + T_wire + T_codec. DDP step = compute floor + max(0, T_comm - o * 2/3 compute).",
+           "RS/AG pipelined the same way. DDP step = compute floor + max(0, T_comm - o * 2/3 compute).",
            "", "### Fitted parameters", "", "| parameter | value | source |", "|---|---|---|",
            f"| alpha (per-call latency) | {model.alpha_s * 1e3:.3f} ms | least squares, {model.n_points} fp32 points |",
            f"| eta (link efficiency) | {model.eta:.3f} | least squares, {model.n_points} fp32 points |"]

@@ -107,3 +107,40 @@ def test_pipeline_segments_and_settings():
             transport.set_pipeline_numel(-1)
     finally:
         transport.set_pipeline_numel(old)
+
+
+def _rs_ag_pipeline_body(rank, world, m, seg):
+    inp = _inputs(rank, world * m, 5)
+    x = _inputs(rank, m, 6)
+    transport.set_pipeline_numel(seg)
+    rs = torch.empty(m)
+    comm.reduce_scatter_tensor(rs, inp, codec="int4", error_feedback="ef", ef_key="rs-piped")
+    ag = torch.empty(world * m)
+    comm.all_gather_into_tensor(ag, x, codec="int4")
+    transport.set_pipeline_numel(0)
+    pieces = transport.split_sizes(m, -(-world * m // seg))
+    rs_ref, ag_ref = torch.empty(m), torch.empty(world * m)
+    o = 0
+    for k, s in enumerate(pieces):  # each piece as its own unpipelined collective
+        part = torch.cat([inp[j * m + o:j * m + o + s] for j in range(world)])
+        out = torch.empty(s)
+        comm.reduce_scatter_tensor(out, part, codec="int4", error_feedback="ef", ef_key=f"rs-piece{k}")
+        rs_ref[o:o + s] = out
+        g = torch.empty(world * s)
+        comm.all_gather_into_tensor(g, x[o:o + s], codec="int4")
+        for j in range(world):
+            ag_ref[j * m + o:j * m + o + s] = g[j * s:(j + 1) * s]
+        o += s
+    transport.set_pipeline_numel(transport.PIPELINE_NUMEL)
+    states = {k.split("#")[0]: v for k, v in comm.error_feedback_states().items()}
+    piped_err = states["rs-piped"].error("rs-piped/worker")
+    piece_errs = [states[f"rs-piece{k}"].error(f"rs-piece{k}/worker") for k in range(len(pieces))]
+    # the piped error is in input order: chunk j's pieces are consecutive
+    ref_err = torch.cat([e[j * s:(j + 1) * s] for j in range(world) for e, s in zip(piece_errs, pieces)])
+    return torch.equal(rs, rs_ref), torch.equal(ag, ag_ref), torch.equal(piped_err, ref_err), len(pieces)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_pipelined_reduce_scatter_and_all_gather_equal_independent_pieces(world):
+    for rs_ok, ag_ok, ef_ok, npieces in run_ranks(_rs_ag_pipeline_body, world, 1001, 700):
+        assert npieces > 2 and rs_ok and ag_ok and ef_ok

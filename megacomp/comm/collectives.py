@@ -12,7 +12,7 @@ name on the same tensors, so results are bit-identical to it. With a lossy codec
       whole encodings and both decode-sum them in rank order: the same bytes on the wire as the two
       phases, one quantization instead of two, half the encode work, no server error.
   Pipelining: tensors over ``transport.set_pipeline_numel`` elements (default 1M) are cut into
-      segments that run the steps above independently, so encoding, transfer and decoding of
+      segments (reduce-scatter / all-gather: pieces of every chunk) that run the steps above independently, so encoding, transfer and decoding of
       consecutive segments overlap. Segments start new scale blocks (and per-tensor scales become
       per-segment scales); bytes travel as in megacomp.comm.transport (full-duplex p2p on gloo).
   all_gather_into_tensor: encode the input -> all-gather bytes -> decode every slot (own slot included).
@@ -277,16 +277,33 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     ef_key = (ef_key or tag or "reduce_scatter") + "/worker"
     flat = input.reshape(-1)
     h = ef.compensate(ef_key, flat) if ef is not None else flat
-    bufs = _encode_chunks(codec, h, [m] * world, ef, ef_key)
-    w = codec.wire_bytes(m)
-    recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
-    _stats.record(label, (world - 1) * w, raw)
-    work = all_to_all_bytes(recv, torch.cat(bufs), [w] * world, [w] * world, group, next_tags(group))
+    # pipeline: piece k of every destination chunk travels in exchange k, encoded while k-1 is on the wire
+    pieces = split_sizes(m, len(pipeline_segments(world * m)))
+    tag, exchanges, wire = next_tags(group), [], 0
+    enc = [[None] * len(pieces) for _ in range(world)]  # enc[j][k]: piece k of the chunk for rank j
+    for k, (o, s) in enumerate(zip(offsets(pieces), pieces)):
+        for j in range(world):
+            enc[j][k] = codec.encode_flat(h[j * m + o:j * m + o + s], strict=False)
+        w = codec.wire_bytes(s)
+        recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
+        exchanges.append((recv, all_to_all_bytes(recv, torch.cat([enc[j][k] for j in range(world)]), [w] * world,
+                                                 [w] * world, group, tag)))
+        wire += (world - 1) * w
+    if ef is not None:  # from the bytes sent, in the order of h
+        ef.update_encoded(ef_key, h, codec, [b for row in enc for b in row], pieces * world)
+    _stats.record(label, wire, raw)
 
     def finish() -> None:
-        work.wait()
+        dst = output.view(-1) if output.is_contiguous() else torch.empty(m, dtype=output.dtype, device=output.device)
         with torch.no_grad():
-            output.copy_(_decode_sum(codec, recv, m, world, op_name(op) == "AVG").view(output.shape))
+            for (recv, work), o, s in zip(exchanges, offsets(pieces), pieces):
+                work.wait()
+                seg = dst[o:o + s]
+                total = _decode_sum(codec, recv, s, world, op_name(op) == "AVG", out=seg)
+                if total.data_ptr() != seg.data_ptr():
+                    seg.copy_(total)
+            if not output.is_contiguous():
+                output.copy_(dst.view(output.shape))
 
     handle = CompressedWork(finish)
     if async_op:
@@ -322,17 +339,26 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
         _stats.record(label, raw, raw)
         return _all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    enc = codec.encode_flat(input_tensor, strict=False)
-    w = enc.numel()
-    gathered = torch.empty(world * w, dtype=torch.uint8, device=input_tensor.device)
-    _stats.record(label, (world - 1) * w, raw)
-    work = all_gather_bytes(gathered, enc, group, next_tags(group))
+    flat = input_tensor.reshape(-1)
+    pieces = split_sizes(m, len(pipeline_segments(world * m)))  # encoded, sent and decoded in turn
+    tag, exchanges, wire = next_tags(group), [], 0
+    for o, s in zip(offsets(pieces), pieces):
+        enc = codec.encode_flat(flat[o:o + s], strict=False)
+        gathered = torch.empty(world * enc.numel(), dtype=torch.uint8, device=input_tensor.device)
+        exchanges.append((gathered, enc.numel(), all_gather_bytes(gathered, enc, group, tag)))
+        wire += (world - 1) * enc.numel()
+    _stats.record(label, wire, raw)
 
     def finish() -> None:
-        work.wait()
-        out = torch.cat([codec.decode_flat(gathered[j * w:(j + 1) * w], m) for j in range(world)])
+        out = output_tensor
+        dst = out.view(-1) if out.is_contiguous() else torch.empty(world * m, dtype=out.dtype, device=out.device)
         with torch.no_grad():
-            output_tensor.copy_(out.view(output_tensor.shape))
+            for (gathered, w, work), o, s in zip(exchanges, offsets(pieces), pieces):
+                work.wait()
+                for j in range(world):
+                    _decode_into(codec, gathered[j * w:(j + 1) * w], s, dst[j * m + o:j * m + o + s])
+            if not out.is_contiguous():
+                out.copy_(dst.view(out.shape))
 
     handle = CompressedWork(finish)
     if async_op:
