@@ -1,7 +1,7 @@
 """Fused codec kernels are bit-identical to the eager reference (megacomp.kernels, kernels/cpu).
 
 The CPU extension is built on first use; where it cannot be built the dispatch falls back to the
-reference, which the last test checks. Triton GPU kernels are not part of this build yet (no GPU here).
+reference, which a test checks. The Triton kernels are tested in test_kernels_triton.py.
 """
 import logging
 
@@ -151,3 +151,32 @@ def test_fused_error_feedback_update_matches_reference(beta, spec, monkeypatch):
     assert dropped_f == dropped_r == {"k": 1}
     for a, b in zip(fused, ref):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@needs_cpu
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8_e4m3"])
+@pytest.mark.parametrize("block,dual", [(0, False), (128, False), (7, False), (32, True), (5, True)])
+def test_stochastic_rounding_bit_identical(name, block, dual):
+    """Stochastic rounding in the kernels consumes the reference's own torch.rand draws (same generator,
+    shape and order), so bytes and the generator's state afterwards are identical."""
+    fmt = make_codec(name).format
+    for n, mode in ((1, "normal"), (1000, "non_finite"), (40_001, "mixture")):
+        x = inputs(n, n, mode)
+        g_ref, g_k = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+        ref = quantize.encode_scaled_reference(x, fmt, block, dual, True, g_ref)
+        got = quantize.encode_scaled(x, fmt, block, dual, True, g_k)
+        assert torch.equal(got, ref), f"{name}/{block}/{dual} n={n}"
+        assert torch.equal(g_ref.get_state(), g_k.get_state())
+
+
+@needs_cpu
+@pytest.mark.parametrize("name,dtype", [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)])
+def test_fp8_decode_every_code(name, dtype):
+    """All 256 float8 codes (NaN and inf codes included) decode to the reference's bits; the kernel computes
+    them arithmetically when that equals c10's conversion table (checked once at load)."""
+    fmt = make_codec(name).format
+    buf = torch.cat([torch.tensor([1.0, 0.5]).view(torch.uint8), torch.arange(256, dtype=torch.uint8)])
+    dec = quantize.decode_scaled(buf, 256, fmt, 128, False)
+    ref = quantize.decode_scaled_reference(buf, 256, fmt, 128, False)
+    assert torch.equal(dec.view(torch.int32), ref.view(torch.int32))
+    assert CPU.f8_decode_arithmetic(1 if dtype == torch.float8_e4m3fn else 2) in (True, False)

@@ -13,34 +13,29 @@
 #include <c10/util/Float8_e5m2.h>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kGrain = 1 << 15;  // elements per parallel task
 
-// absmax with NaN propagation (torch.amax propagates NaN; inf is an ordinary maximum)
-// (8 independent lanes so the compiler can keep them in one vector register)
-inline float absmax(const float* x, int64_t n) {
-  float m[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int nan[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  const int64_t full = n - n % 8;
-  for (int64_t i = 0; i < full; i += 8) {
-    for (int l = 0; l < 8; ++l) {
-      const float a = std::fabs(x[i + l]);
-      nan[l] |= (a != a);
-      m[l] = a > m[l] ? a : m[l];
-    }
+// absmax with NaN propagation (torch.amax propagates NaN, as the default quiet NaN; inf is an ordinary
+// maximum): an unsigned maximum over the bits of |x|, where every NaN sorts above inf (vectorises to vpmaxud)
+#define MC_INLINE inline __attribute__((always_inline))
+
+MC_INLINE float absmax(const float* x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, 4);
+    b &= 0x7FFFFFFFu;
+    m = b > m ? b : m;
   }
-  float r = 0.f;
-  int any_nan = 0;
-  for (int l = 0; l < 8; ++l) { any_nan |= nan[l]; r = m[l] > r ? m[l] : r; }
-  for (int64_t i = full; i < n; ++i) {
-    const float a = std::fabs(x[i]);
-    any_nan |= (a != a);
-    r = a > r ? a : r;
-  }
-  return any_nan ? NAN : r;
+  if (m > 0x7F800000u) return NAN;
+  float r;
+  std::memcpy(&r, &m, 4);
+  return r;
 }
 
 // fp32 -> float8 bits, round to nearest even: the same integer arithmetic as c10's
@@ -100,28 +95,69 @@ const float* f8_table() {
   return table.data();
 }
 
+// Clamp target of the float8 encode: the code of qmax (the format's max)
+struct F8Clamp {
+  uint32_t qmax_code;
+};
+
+template <typename F8>
+F8Clamp f8_clamp(float qmax) {
+  return {f8_bits<F8>(qmax)};
+}
+
+// fp8 code of y as the reference computes it: float8(nan_to_num(clamp(y, -qmax, qmax))). The clamp and the
+// NaN are applied to the integer result (|y| > qmax, inf included: the code of qmax, a minimum because the
+// code grows with |y|; NaN: +0), so the float ops run on every lane and only integer selects follow (the
+// loop vectorises). The rounding is c10's (f8_bits above) for |y| <= qmax; its overflow branches are
+// covered by the clamp. Comparisons are on non-negative int32 values, arithmetic in uint32.
+template <typename F8>
+inline uint32_t f8_code(float y, F8Clamp cl) {
+  constexpr bool e4m3 = std::is_same<F8, c10::Float8_e4m3fn>::value;
+  uint32_t b;
+  std::memcpy(&b, &y, 4);
+  const uint32_t a = b & 0x7FFFFFFFu;
+  float fa;
+  std::memcpy(&fa, &a, 4);
+  const float dn = fa + (e4m3 ? 16384.0f : 128.0f);  // aligns subnormals to the fp8 grid
+  uint32_t dnb;
+  std::memcpy(&dnb, &dn, 4);
+  const uint32_t den = dnb - ((e4m3 ? 141u : 134u) << 23);
+  const uint32_t norm = e4m3 ? (a - (120u << 23) + 0x7FFFFu + ((a >> 20) & 1u)) >> 20
+                             : (a - (112u << 23) + 0xFFFFFu + ((a >> 21) & 1u)) >> 21;
+  const int32_t ai = static_cast<int32_t>(a);
+  uint32_t r = ai < static_cast<int32_t>((e4m3 ? 121u : 113u) << 23) ? den : norm;
+  r = r < cl.qmax_code ? r : cl.qmax_code;  // the clamp: the code is nondecreasing in |y| (inf, NaN: above)
+  r |= (b >> 24) & 0x80u;
+  return ai > 0x7F800000 ? 0u : r;
+}
+
 // codes[i] for y_i = (x_i * mult) / div, the reference's op sequence; KIND 0 = int, 1 = float8
-template <int KIND, typename F8, bool DUAL>
-void quantize_span(const float* x, int64_t n, float mult, float div, float qmax, float offset, uint8_t* codes) {
+// STOCH (int only): floor(y + u) with the reference's uniform draws u instead of round(y)
+template <int KIND, typename F8, bool DUAL, bool STOCH = false>
+MC_INLINE void quantize_span(const float* x, int64_t n, float mult, float div, float qmax, float offset, uint8_t* codes,
+                             const float* u = nullptr) {
   if (KIND == 0) {
     for (int64_t i = 0; i < n; ++i) {
       const float y = DUAL ? (x[i] * mult) / div : x[i] / div;
-      float q = std::nearbyint(y);                    // torch.round: half to even
+      float q = STOCH ? std::floor(y + u[i]) : std::nearbyint(y);  // torch.floor / torch.round (half to even)
       q = q < -qmax ? -qmax : (q > qmax ? qmax : q);  // clamp_ (NaN passes through)
       q = (q != q) ? 0.f : q;                         // nan_to_num
       codes[i] = static_cast<uint8_t>(static_cast<int>(q + offset));
     }
   } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const float y = DUAL ? (x[i] * mult) / div : x[i] / div;
-      float c = y < -qmax ? -qmax : (y > qmax ? qmax : y);
-      c = (c != c) ? 0.f : c;
-      codes[i] = f8_bits<F8>(c);
+    // through a small 32-bit buffer: the conversion loop then runs 8 lanes per register without spills,
+    // and the narrowing to bytes is a separate, cheap loop
+    const F8Clamp cl = f8_clamp<F8>(qmax);
+    uint32_t buf[256];
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+      const int64_t m = std::min<int64_t>(256, n - i0);
+      for (int64_t i = 0; i < m; ++i) buf[i] = f8_code<F8>(DUAL ? (x[i0 + i] * mult) / div : x[i0 + i] / div, cl);
+      for (int64_t i = 0; i < m; ++i) codes[i0 + i] = static_cast<uint8_t>(buf[i]);
     }
   }
 }
 
-inline void pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
+MC_INLINE void pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
   if (bits == 8) {
     std::memcpy(out, codes, n);
     return;
@@ -159,15 +195,68 @@ inline void unpack(const uint8_t* in, int64_t n, int bits, uint8_t* codes) {
   for (int64_t i = full * per; i < n; ++i) codes[i] = (in[i / per] >> ((i % per) * bits)) & mask;
 }
 
+// float8 code -> fp32 by integer arithmetic (vectorises; a table lookup is a gather): normals rebias the
+// exponent, subnormals are m * 2^-(bias + mantissa bits - 1), and the special codes take torch's values
+// (e4m3fn NaN: +-0x7FF00000; e5m2 inf, quieted NaN). Used only if it equals the c10 table for all 256
+// codes (f8_arith_exact), else the table.
+template <typename F8>
+inline float f8_value(uint32_t c) {
+  constexpr bool e4m3 = std::is_same<F8, c10::Float8_e4m3fn>::value;
+  constexpr uint32_t M = e4m3 ? 3 : 2, EMASK = e4m3 ? 15 : 31, REBIAS = e4m3 ? 120 : 112;
+  const uint32_t sign = (c & 0x80u) << 24, e = (c >> M) & EMASK, m = c & ((1u << M) - 1);
+  const float sub = static_cast<float>(static_cast<int32_t>(m)) * (e4m3 ? 0x1p-9f : 0x1p-16f);
+  uint32_t subb;
+  std::memcpy(&subb, &sub, 4);
+  uint32_t r = e == 0 ? (subb | sign) : (sign | ((e + REBIAS) << 23) | (m << (23 - M)));
+  if (e4m3) {
+    r = (c & 0x7Fu) == 0x7Fu ? (sign | 0x7FF00000u) : r;
+  } else {
+    r = e == 31 ? (sign | 0x7F800000u | (m << 21) | (m ? 0x00400000u : 0u)) : r;
+  }
+  float f;
+  std::memcpy(&f, &r, 4);
+  return f;
+}
+
+template <typename F8>
+bool f8_arith_exact() {
+  static const bool ok = [] {
+    const float* t = f8_table<F8>();
+    for (uint32_t c = 0; c < 256; ++c) {
+      const float v = f8_value<F8>(c);
+      if (std::memcmp(&v, t + c, 4) != 0) return false;
+    }
+    return true;
+  }();
+  return ok;
+}
+
+// out[i] (+)= decoded codes[i]: int: (code - offset) * scale; dual: (v * coarse) * down (the reference's order)
+template <int KIND, typename F8, bool DUAL, bool ACC, bool TABLE>
+inline void dequantize_loop(const uint8_t* codes, int64_t n, float scale, float coarse, float down, float offset,
+                            float* out) {
+  const float* table = f8_table<F8>();
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = KIND == 0 ? static_cast<float>(codes[i]) - offset
+                              : (TABLE ? table[codes[i]] : f8_value<F8>(codes[i]));
+    const float r = DUAL ? (v * coarse) * down : v * scale;
+    out[i] = ACC ? out[i] + r : r;
+  }
+}
+
 template <int KIND, typename F8>
 inline void dequantize_span(const uint8_t* codes, int64_t n, float scale, float coarse, float down, bool dual,
                             float offset, float* out, bool accumulate) {
-  const float* table = KIND == 0 ? nullptr : f8_table<F8>();
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = KIND == 0 ? static_cast<float>(codes[i]) - offset : table[codes[i]];
-    const float r = dual ? (v * coarse) * down : v * scale;
-    out[i] = accumulate ? out[i] + r : r;
+  const bool table = KIND != 0 && !f8_arith_exact<F8>();
+#define MC_DQ(D, A, T) dequantize_loop<KIND, F8, D, A, T>(codes, n, scale, coarse, down, offset, out)
+  if (table) {
+    if (dual) { if (accumulate) MC_DQ(true, true, true); else MC_DQ(true, false, true); }
+    else { if (accumulate) MC_DQ(false, true, true); else MC_DQ(false, false, true); }
+  } else {
+    if (dual) { if (accumulate) MC_DQ(true, true, false); else MC_DQ(true, false, false); }
+    else { if (accumulate) MC_DQ(false, true, false); else MC_DQ(false, false, false); }
   }
+#undef MC_DQ
 }
 
 struct Layout {
@@ -182,30 +271,36 @@ struct Layout {
   }
 };
 
-// dual scale: coarse = max(amax_b) / qmax and k_b = clamp(floor(log2(max / amax_b)), 0, 126) (via frexp)
-inline float dual_scales(const std::vector<float>& amax, float qmax, uint8_t* out, std::vector<int>& k) {
-  float a = 0.f;
-  int nan = 0;
-  for (float v : amax) { nan |= (v != v); a = v > a ? v : a; }
-  if (nan) a = NAN;
-  const float coarse = a / qmax;
-  std::memcpy(out, &coarse, 4);
-  for (size_t b = 0; b < amax.size(); ++b) {
-    const float ratio = a / amax[b];
-    int kb = 126;
-    if (std::isfinite(ratio)) {
-      int e;
-      std::frexp(ratio, &e);
-      kb = std::min(std::max(e - 1, 0), 126);
-    }
-    k[b] = kb;
-    out[4 + b] = static_cast<uint8_t>(kb);
-  }
-  return coarse;
+// elements per span of the aligned paths: a chunk of the single block (a multiple of the codes per byte),
+// else as many whole blocks as fit in kSpan
+constexpr int64_t kSpan = 4096;
+inline int64_t span_of(const Layout& L) {
+  if (L.nb == 1) return std::max<int64_t>(L.per, kGrain - kGrain % L.per);
+  return L.width * std::max<int64_t>(1, kSpan / L.width);
 }
 
-template <int KIND, typename F8>
-void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out) {
+// dual scale: k_b = clamp(floor(log2(amax / amax_b)), 0, 126), 126 where the ratio is not finite; the
+// reference's frexp exponent read from the ratio's bits (subnormal and zero ratios give 0 after the clamp)
+inline uint8_t dual_exponent(float amax, float amax_b) {
+  const float ratio = amax / amax_b;
+  uint32_t rb;
+  std::memcpy(&rb, &ratio, 4);
+  int k = static_cast<int>((rb >> 23) & 0xFFu) - 127;
+  k = k < 0 ? 0 : (k > 126 ? 126 : k);
+  return static_cast<uint8_t>((rb & 0x7FFFFFFFu) >= 0x7F800000u ? 126 : k);
+}
+
+inline float pow2(int k) {  // 2^k for -126 <= k <= 127, exactly
+  const uint32_t b = static_cast<uint32_t>(k + 127) << 23;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// W > 0: the block size known at compile time (32, 64, 128, 256), so full blocks run loops of constant
+// length (unrolled, no remainder code); W = 0: any block size
+template <int KIND, typename F8, int W>
+void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, const float* u) {
   const float offset = static_cast<float>(1 << (L.bits - 1));
   uint8_t* payload = out + L.scale_bytes;
   const bool aligned = L.width % L.per == 0 || L.nb == 1;
@@ -214,10 +309,18 @@ void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out) {
       std::vector<uint8_t> codes(L.width);
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t start = b * L.width, len = std::min(L.width, L.n - start);
-        const float scale = absmax(x + start, len) / qmax;
-        std::memcpy(out + 4 * b, &scale, 4);
-        quantize_span<KIND, F8, false>(x + start, len, 1.f, scale > 0.f ? scale : 1.f, qmax, offset, codes.data());
-        pack(codes.data(), len, L.bits, payload + start / L.per);
+        auto block = [&](int64_t m) __attribute__((always_inline)) {
+          const float scale = absmax(x + start, m) / qmax;
+          std::memcpy(out + 4 * b, &scale, 4);
+          const float div = scale > 0.f ? scale : 1.f;
+          if (KIND == 0 && u)
+            quantize_span<KIND, F8, false, true>(x + start, m, 1.f, div, qmax, offset, codes.data(), u + start);
+          else
+            quantize_span<KIND, F8, false>(x + start, m, 1.f, div, qmax, offset, codes.data());
+          pack(codes.data(), m, L.bits, payload + start / L.per);
+        };
+        if (W && len == W) block(W);
+        else block(len);
       }
     });
     return;
@@ -232,31 +335,60 @@ void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out) {
     amax[0] = absmax(part.data(), (int64_t)part.size());  // |.| of non-negative values: same maximum
   } else {
     at::parallel_for(0, L.nb, std::max<int64_t>(1, kGrain / L.width), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) amax[b] = absmax(x + b * L.width, std::min(L.width, L.n - b * L.width));
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t len = std::min(L.width, L.n - b * L.width);
+        amax[b] = W && len == W ? absmax(x + b * L.width, W) : absmax(x + b * L.width, len);
+      }
     });
   }
-  std::vector<float> mult(L.nb, 1.f), div(L.nb);
+  // scale bytes, every block in parallel; the code passes below read them back
+  float safe_coarse = 1.f;
   if (L.dual) {
-    std::vector<int> k(L.nb);
-    const float coarse = dual_scales(amax, qmax, out, k);
-    const float safe = coarse > 0.f ? coarse : 1.f;
-    for (int64_t b = 0; b < L.nb; ++b) { mult[b] = std::ldexp(1.0f, k[b]); div[b] = safe; }
+    const float a = absmax(amax.data(), L.nb);  // max of non-negative maxima (NaN if any is NaN)
+    const float coarse = a / qmax;
+    std::memcpy(out, &coarse, 4);
+    safe_coarse = coarse > 0.f ? coarse : 1.f;
+    at::parallel_for(0, L.nb, kGrain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) out[4 + b] = dual_exponent(a, amax[b]);
+    });
   } else {
-    for (int64_t b = 0; b < L.nb; ++b) {
-      const float scale = amax[b] / qmax;
-      std::memcpy(out + 4 * b, &scale, 4);
-      div[b] = scale > 0.f ? scale : 1.f;
-    }
+    at::parallel_for(0, L.nb, kGrain, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        const float scale = amax[b] / qmax;
+        std::memcpy(out + 4 * b, &scale, 4);
+      }
+    });
   }
-  if (aligned) {  // spans that start on a byte boundary: a block, or a chunk of the single block
-    const int64_t span = L.nb == 1 ? std::max<int64_t>(L.per, kGrain - kGrain % L.per) : L.width;
+  auto div_of = [&](int64_t b) {
+    if (L.dual) return safe_coarse;
+    float scale;
+    std::memcpy(&scale, out + 4 * b, 4);
+    return scale > 0.f ? scale : 1.f;
+  };
+  auto mult_of = [&](int64_t b) { return L.dual ? pow2(out[4 + b]) : 1.f; };  // torch.exp2(k): exact
+  auto quantize = [&](const float* xs, int64_t len, int64_t b, uint8_t* codes) __attribute__((always_inline)) {
+    const float* us = u ? u + (xs - x) : nullptr;
+    if (KIND == 0 && us) {
+      if (L.dual) quantize_span<KIND, F8, true, true>(xs, len, mult_of(b), div_of(b), qmax, offset, codes, us);
+      else quantize_span<KIND, F8, false, true>(xs, len, 1.f, div_of(b), qmax, offset, codes, us);
+    } else if (L.dual) {
+      quantize_span<KIND, F8, true>(xs, len, mult_of(b), div_of(b), qmax, offset, codes);
+    } else {
+      quantize_span<KIND, F8, false>(xs, len, 1.f, div_of(b), qmax, offset, codes);
+    }
+  };
+  if (aligned) {  // spans of whole blocks (or chunks of the single block): one pack per span
+    const int64_t span = span_of(L);
     const int64_t spans = (L.n + span - 1) / span;
     at::parallel_for(0, spans, std::max<int64_t>(1, kGrain / span), [&](int64_t s0, int64_t s1) {
       std::vector<uint8_t> codes(span);
       for (int64_t s = s0; s < s1; ++s) {
-        const int64_t start = s * span, len = std::min(span, L.n - start), b = start / L.width;
-        if (L.dual) quantize_span<KIND, F8, true>(x + start, len, mult[b], div[b], qmax, offset, codes.data());
-        else quantize_span<KIND, F8, false>(x + start, len, 1.f, div[b], qmax, offset, codes.data());
+        const int64_t start = s * span, len = std::min(span, L.n - start);
+        for (int64_t o = 0; o < len; o += L.width) {
+          const int64_t m = std::min(len - o, L.width);
+          if (W && m == W) quantize(x + start + o, W, (start + o) / L.width, codes.data() + o);
+          else quantize(x + start + o, m, (start + o) / L.width, codes.data() + o);
+        }
         pack(codes.data(), len, L.bits, payload + start / L.per);
       }
     });
@@ -268,14 +400,22 @@ void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out) {
     uint8_t c[8];
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t first = j * L.per, len = std::min<int64_t>(L.per, L.n - first);
-      for (int64_t s = 0; s < len; ++s) {
-        const int64_t b = (first + s) / L.width;
-        if (L.dual) quantize_span<KIND, F8, true>(x + first + s, 1, mult[b], div[b], qmax, offset, c + s);
-        else quantize_span<KIND, F8, false>(x + first + s, 1, 1.f, div[b], qmax, offset, c + s);
-      }
+      for (int64_t s = 0; s < len; ++s) quantize(x + first + s, 1, (first + s) / L.width, c + s);
       pack(c, len, L.bits, payload + j);
     }
   });
+}
+
+// u: uniform draws for stochastic rounding (int kinds), one per element (the reference's padded draws, flat)
+template <int KIND, typename F8>
+void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out, const float* u) {
+  switch (L.nb > 1 ? L.width : 0) {
+    case 32: return encode_impl_w<KIND, F8, 32>(x, L, qmax, out, u);
+    case 64: return encode_impl_w<KIND, F8, 64>(x, L, qmax, out, u);
+    case 128: return encode_impl_w<KIND, F8, 128>(x, L, qmax, out, u);
+    case 256: return encode_impl_w<KIND, F8, 256>(x, L, qmax, out, u);
+    default: return encode_impl_w<KIND, F8, 0>(x, L, qmax, out, u);
+  }
 }
 
 template <int KIND, typename F8>
@@ -289,17 +429,21 @@ void decode_impl(const uint8_t* buf, const Layout& L, float* out, bool accumulat
     else std::memcpy(scale, buf + 4 * b, 4);
   };
   const bool aligned = L.width % L.per == 0 || L.nb == 1;
-  if (aligned) {
-    const int64_t span = L.nb == 1 ? std::max<int64_t>(L.per, kGrain - kGrain % L.per) : L.width;
+  if (aligned) {  // spans of whole blocks (or chunks of the single block): one unpack per span
+    const int64_t span = span_of(L);
     const int64_t spans = (L.n + span - 1) / span;
     at::parallel_for(0, spans, std::max<int64_t>(1, kGrain / span), [&](int64_t s0, int64_t s1) {
       std::vector<uint8_t> codes(span);
       for (int64_t s = s0; s < s1; ++s) {
-        const int64_t start = s * span, len = std::min(span, L.n - start), b = start / L.width;
-        float scale = 0.f, down = 0.f;
-        block_scale(b, &scale, &down);
+        const int64_t start = s * span, len = std::min(span, L.n - start);
         unpack(payload + start / L.per, len, L.bits, codes.data());
-        dequantize_span<KIND, F8>(codes.data(), len, scale, coarse, down, L.dual, offset, out + start, accumulate);
+        for (int64_t o = 0; o < len; o += L.width) {  // each block of the span
+          const int64_t blen = std::min(len - o, L.width);
+          float scale = 0.f, down = 0.f;
+          block_scale((start + o) / L.width, &scale, &down);
+          dequantize_span<KIND, F8>(codes.data() + o, blen, scale, coarse, down, L.dual, offset, out + start + o,
+                                    accumulate);
+        }
       }
     });
     return;
@@ -369,18 +513,25 @@ bool ef_update_into(torch::Tensor buf, torch::Tensor h, torch::Tensor e, torch::
 }
 
 // kind: 0 int, 1 float8 e4m3fn, 2 float8 e5m2
-void encode_into(torch::Tensor x, torch::Tensor out, int64_t kind, int64_t bits, double qmax, int64_t block, bool dual) {
+// u (int kinds, stochastic rounding): the reference's torch.rand draws, (blocks, width) fp32, contiguous
+void encode_into(torch::Tensor x, torch::Tensor out, int64_t kind, int64_t bits, double qmax, int64_t block, bool dual,
+                 c10::optional<torch::Tensor> u) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
   TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous(), "out: contiguous uint8");
   if (x.numel() == 0) return;
   const Layout L(x.numel(), block, dual, kind == 0 ? (int)bits : 8);
   TORCH_CHECK(out.numel() == L.scale_bytes + (L.n * L.bits + 7) / 8, "out has the wrong size");
+  const float* up = nullptr;
+  if (u.has_value() && kind == 0) {
+    TORCH_CHECK(u->dtype() == torch::kFloat32 && u->is_contiguous() && u->numel() >= L.n, "u: fp32 draws, >= numel");
+    up = u->data_ptr<float>();
+  }
   const float* xp = x.data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const float q = static_cast<float>(qmax);
-  if (kind == 0) encode_impl<0, c10::Float8_e4m3fn>(xp, L, q, op);
-  else if (kind == 1) encode_impl<1, c10::Float8_e4m3fn>(xp, L, q, op);
-  else encode_impl<1, c10::Float8_e5m2>(xp, L, q, op);
+  if (kind == 0) encode_impl<0, c10::Float8_e4m3fn>(xp, L, q, op, up);
+  else if (kind == 1) encode_impl<1, c10::Float8_e4m3fn>(xp, L, q, op, nullptr);
+  else encode_impl<1, c10::Float8_e5m2>(xp, L, q, op, nullptr);
 }
 
 void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bits, int64_t block, bool dual,
@@ -400,7 +551,13 @@ void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bit
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_into", &encode_into, "fused scaled encode (bit-identical to the eager reference)");
+  m.def("encode_into", &encode_into, "fused scaled encode (bit-identical to the eager reference)", py::arg("x"),
+        py::arg("out"), py::arg("kind"), py::arg("bits"), py::arg("qmax"), py::arg("block"), py::arg("dual"),
+        py::arg("u") = py::none());
+  m.def("f8_decode_arithmetic", [](int64_t kind) {
+    return kind == 1 ? f8_arith_exact<c10::Float8_e4m3fn>() : f8_arith_exact<c10::Float8_e5m2>();
+  }, "whether the float8 decode uses integer arithmetic (it equals c10's table for all 256 codes)");
+  m.attr("supports_stochastic") = true;
   m.def("decode_into", &decode_into, "fused scaled decode, optionally accumulating into out");
   m.def("ef_update_into", &ef_update_into, "fused error-feedback update from the encoded bytes");
 }

@@ -54,6 +54,7 @@ def _next_pow2(v: int) -> int:
 class TritonCodecs:
     """The three codec entry points over one copy of the kernels (compiled, or interpreted)."""
 
+    name = "triton"
     supports_stochastic = True
     input_dtypes = INPUT_DTYPES
 

@@ -83,20 +83,22 @@ def _dual_exponents(amax_b: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     """The fused kernels covering this case, or None (then the eager reference below runs): Triton for
-    CUDA tensors, the C++ extension for CPU tensors (round to nearest only), nothing else."""
+    CUDA tensors, the C++ extension for CPU tensors, nothing else. Stochastic rounding passes the
+    reference's own torch.rand draws to the kernels."""
     if fmt.kind not in ("int", "float8"):
         return None
     from megacomp import kernels
 
     if x.device.type == "cuda":
         return kernels.triton_kernels()
-    if x.device.type == "cpu" and not (stochastic and fmt.kind == "int"):
-        return kernels.cpu_kernels()
+    if x.device.type == "cpu":
+        k = kernels.cpu_kernels()
+        return k if k is not None and (getattr(k, "supports_stochastic", False) or not stochastic) else None
     return None
 
 
 def _is_triton(k) -> bool:
-    return getattr(k, "supports_stochastic", False)  # the Triton backend object (the C++ module has no such flag)
+    return getattr(k, "name", "") == "triton"
 
 
 def _kernel_failed(k, exc: Exception) -> bool:
@@ -121,7 +123,7 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
     kernel when available, bit-identical). ``out``: a preallocated uint8 buffer of the exact size (reused
     buffers avoid page faults on big tensors)."""
     k = _kernels(fmt, stochastic, x32)
-    if k is not None and x32.dtype not in getattr(k, "input_dtypes", (torch.float32,)):
+    if k is not None and x32.dtype not in getattr(k, "input_dtypes", (torch.float32,)):  # C++: fp32 only
         x32 = x32.to(torch.float32)
     if k is not None:
         n = x32.numel()
