@@ -180,3 +180,19 @@ def test_fp8_decode_every_code(name, dtype):
     ref = quantize.decode_scaled_reference(buf, 256, fmt, 128, False)
     assert torch.equal(dec.view(torch.int32), ref.view(torch.int32))
     assert CPU.f8_decode_arithmetic(1 if dtype == torch.float8_e4m3fn else 2) in (True, False)
+
+
+@needs_cpu
+@pytest.mark.parametrize("block", [0, 128, 7, 100, 1])
+@pytest.mark.parametrize("mode", ["normal", "near_zero", "subnormal", "mixture", "non_finite", "zeros"])
+def test_sign_codec_bit_identical(block, mode):
+    """The sign codec: nearest (the reference's mean |x| scale, bits in the kernel), stochastic (the
+    reference's draws), decode and decode-accumulate."""
+    codec = make_codec("sign", block_size=block)
+    fmt = codec.format
+    for n in (1, 13, 1000, 40_001):
+        x = inputs(n, n + len(mode), mode)
+        check_identical(codec, x)
+        g_ref, g_k = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
+        ref = quantize.encode_scaled_reference(x, fmt, block, False, True, g_ref)
+        assert torch.equal(quantize.encode_scaled(x, fmt, block, False, True, g_k), ref)

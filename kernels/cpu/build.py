@@ -1,11 +1,13 @@
 """Build (once, cached by torch under TORCH_EXTENSIONS_DIR) and load the C++ codec kernels."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 from torch.utils.cpp_extension import load as _load
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "codec_kernels.cpp")
+HERE = os.path.dirname(os.path.abspath(__file__))
+SOURCES = [os.path.join(HERE, f) for f in ("codec_kernels.cpp", "codec_sign.cpp")]  # + codec_common.h
 
 
 def load():
@@ -15,7 +17,10 @@ def load():
     # assumption that FP exceptions trap). -O3 -march=native vectorises the loops for this CPU (the
     # extension is built on the machine that runs it; keep TORCH_EXTENSIONS_DIR per machine type).
     # OpenMP via ATen's parallel_for, so torch.set_num_threads applies.
-    return _load(name="megacomp_codec_kernels", sources=[SOURCE],
+    # the header's hash as a define: torch re-versions the extension when sources or flags change
+    with open(os.path.join(HERE, "codec_common.h"), "rb") as f:
+        header = hashlib.sha1(f.read()).hexdigest()[:12]
+    return _load(name="megacomp_codec_kernels", sources=SOURCES,
                  extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp",
-                               "-DAT_PARALLEL_OPENMP=1"],
+                               "-DAT_PARALLEL_OPENMP=1", f"-DMEGACOMP_COMMON_H={header}"],
                  extra_ldflags=["-fopenmp"], verbose=False)

@@ -7,8 +7,7 @@
 // Only the memory traffic differs: a block is read once while it sits in L1 (absmax, then quantize), the
 // inner loops are plain element-wise loops the compiler vectorises, and blocks run in parallel
 // (at::parallel_for). Block sizes that do not align with the packed bytes take a scalar path.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "codec_common.h"
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <cmath>
@@ -16,27 +15,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace megacomp_cpu {
 namespace {
-
-constexpr int64_t kGrain = 1 << 15;  // elements per parallel task
-
-// absmax with NaN propagation (torch.amax propagates NaN, as the default quiet NaN; inf is an ordinary
-// maximum): an unsigned maximum over the bits of |x|, where every NaN sorts above inf (vectorises to vpmaxud)
-#define MC_INLINE inline __attribute__((always_inline))
-
-MC_INLINE float absmax(const float* x, int64_t n) {
-  uint32_t m = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t b;
-    std::memcpy(&b, x + i, 4);
-    b &= 0x7FFFFFFFu;
-    m = b > m ? b : m;
-  }
-  if (m > 0x7F800000u) return NAN;
-  float r;
-  std::memcpy(&r, &m, 4);
-  return r;
-}
 
 // fp32 -> float8 bits, round to nearest even: the same integer arithmetic as c10's
 // fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value, written with selects instead of branches so the
@@ -157,44 +137,6 @@ MC_INLINE void quantize_span(const float* x, int64_t n, float mult, float div, f
   }
 }
 
-MC_INLINE void pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
-  if (bits == 8) {
-    std::memcpy(out, codes, n);
-    return;
-  }
-  const int per = 8 / bits;
-  const int64_t full = n / per;
-  if (bits == 4) {
-    for (int64_t j = 0; j < full; ++j) out[j] = codes[2 * j] | (codes[2 * j + 1] << 4);
-  } else if (bits == 2) {
-    for (int64_t j = 0; j < full; ++j)
-      out[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6);
-  }
-  if (n % per) {
-    uint32_t b = 0;
-    for (int64_t i = full * per; i < n; ++i) b |= static_cast<uint32_t>(codes[i]) << ((i - full * per) * bits);
-    out[full] = static_cast<uint8_t>(b);
-  }
-}
-
-inline void unpack(const uint8_t* in, int64_t n, int bits, uint8_t* codes) {
-  if (bits == 8) {
-    std::memcpy(codes, in, n);
-    return;
-  }
-  const int per = 8 / bits, mask = (1 << bits) - 1;
-  const int64_t full = n / per;
-  if (bits == 4) {
-    for (int64_t j = 0; j < full; ++j) { codes[2 * j] = in[j] & 15; codes[2 * j + 1] = in[j] >> 4; }
-  } else if (bits == 2) {
-    for (int64_t j = 0; j < full; ++j) {
-      codes[4 * j] = in[j] & 3; codes[4 * j + 1] = (in[j] >> 2) & 3;
-      codes[4 * j + 2] = (in[j] >> 4) & 3; codes[4 * j + 3] = in[j] >> 6;
-    }
-  }
-  for (int64_t i = full * per; i < n; ++i) codes[i] = (in[i / per] >> ((i % per) * bits)) & mask;
-}
-
 // float8 code -> fp32 by integer arithmetic (vectorises; a table lookup is a gather): normals rebias the
 // exponent, subnormals are m * 2^-(bias + mantissa bits - 1), and the special codes take torch's values
 // (e4m3fn NaN: +-0x7FF00000; e5m2 inf, quieted NaN). Used only if it equals the c10 table for all 256
@@ -257,26 +199,6 @@ inline void dequantize_span(const uint8_t* codes, int64_t n, float scale, float 
     else { if (accumulate) MC_DQ(false, true, false); else MC_DQ(false, false, false); }
   }
 #undef MC_DQ
-}
-
-struct Layout {
-  int64_t n, width, nb, scale_bytes;
-  int bits, per;
-  bool dual;
-  Layout(int64_t n_, int64_t block, bool dual_, int bits_) : n(n_), bits(bits_), dual(dual_) {
-    width = block == 0 ? n : block;
-    nb = (n + width - 1) / width;
-    per = 8 / bits;
-    scale_bytes = dual ? 4 + nb : 4 * nb;
-  }
-};
-
-// elements per span of the aligned paths: a chunk of the single block (a multiple of the codes per byte),
-// else as many whole blocks as fit in kSpan
-constexpr int64_t kSpan = 4096;
-inline int64_t span_of(const Layout& L) {
-  if (L.nb == 1) return std::max<int64_t>(L.per, kGrain - kGrain % L.per);
-  return L.width * std::max<int64_t>(1, kSpan / L.width);
 }
 
 // dual scale: k_b = clamp(floor(log2(amax / amax_b)), 0, 126), 126 where the ratio is not finite; the
@@ -549,15 +471,21 @@ void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bit
 }
 
 }  // namespace
+}  // namespace megacomp_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("encode_into", &encode_into, "fused scaled encode (bit-identical to the eager reference)", py::arg("x"),
+  m.def("encode_into", &megacomp_cpu::encode_into, "fused scaled encode (bit-identical to the eager reference)", py::arg("x"),
         py::arg("out"), py::arg("kind"), py::arg("bits"), py::arg("qmax"), py::arg("block"), py::arg("dual"),
         py::arg("u") = py::none());
   m.def("f8_decode_arithmetic", [](int64_t kind) {
-    return kind == 1 ? f8_arith_exact<c10::Float8_e4m3fn>() : f8_arith_exact<c10::Float8_e5m2>();
+    return kind == 1 ? megacomp_cpu::f8_arith_exact<c10::Float8_e4m3fn>()
+                     : megacomp_cpu::f8_arith_exact<c10::Float8_e5m2>();
   }, "whether the float8 decode uses integer arithmetic (it equals c10's table for all 256 codes)");
+  m.def("sign_encode_into", &megacomp_cpu::sign_encode_into, "sign codec encode", py::arg("x"), py::arg("out"),
+        py::arg("block"), py::arg("scale") = py::none(), py::arg("u") = py::none());
+  m.def("sign_decode_into", &megacomp_cpu::sign_decode_into, "sign codec decode, optionally accumulating");
   m.attr("supports_stochastic") = true;
-  m.def("decode_into", &decode_into, "fused scaled decode, optionally accumulating into out");
-  m.def("ef_update_into", &ef_update_into, "fused error-feedback update from the encoded bytes");
+  m.attr("supports_sign") = true;
+  m.def("decode_into", &megacomp_cpu::decode_into, "fused scaled decode, optionally accumulating into out");
+  m.def("ef_update_into", &megacomp_cpu::ef_update_into, "fused error-feedback update from the encoded bytes");
 }

@@ -85,16 +85,27 @@ def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     """The fused kernels covering this case, or None (then the eager reference below runs): Triton for
     CUDA tensors, the C++ extension for CPU tensors, nothing else. Stochastic rounding passes the
     reference's own torch.rand draws to the kernels."""
-    if fmt.kind not in ("int", "float8"):
+    if fmt.kind not in ("int", "float8", "sign"):
         return None
     from megacomp import kernels
 
     if x.device.type == "cuda":
-        return kernels.triton_kernels()
+        return kernels.triton_kernels() if fmt.kind != "sign" else None
     if x.device.type == "cpu":
         k = kernels.cpu_kernels()
-        return k if k is not None and (getattr(k, "supports_stochastic", False) or not stochastic) else None
+        if k is None or (stochastic and not getattr(k, "supports_stochastic", False)):
+            return None
+        return k if fmt.kind != "sign" or getattr(k, "supports_sign", False) else None
     return None
+
+
+def _sign_nearest_scale(x32: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The sign codec's nearest-rounding scale, mean_b |x|, with the reference's own torch ops (a float sum
+    in torch's order) so that the kernels write the same bytes."""
+    xb = _blocks(x32, block_size)
+    counts = torch.full((xb.shape[0], 1), float(xb.shape[1]), dtype=torch.float32, device=xb.device)
+    counts[-1] = x32.numel() - (xb.shape[0] - 1) * xb.shape[1]
+    return (xb.abs().sum(dim=1, keepdim=True) / counts).reshape(-1)
 
 
 def _is_triton(k) -> bool:
@@ -130,10 +141,19 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
         if out is None:
             out = torch.empty(scale_nbytes(n, block_size, dual) + payload_nbytes(n, fmt), dtype=torch.uint8,
                               device=x32.device)
+        if n == 0:
+            return out
         args = (x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
         state = None
         try:
-            if stochastic and fmt.kind == "int":  # the reference's own draws (same generator, shape, order)
+            if fmt.kind == "sign":  # C++ only
+                if stochastic:
+                    u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
+                                   generator=generator, device=x32.device)
+                    k.sign_encode_into(args[0], out, block_size, u=u)
+                else:
+                    k.sign_encode_into(args[0], out, block_size, scale=_sign_nearest_scale(args[0], block_size))
+            elif stochastic and fmt.kind == "int":  # the reference's own draws (same generator, shape, order)
                 state = generator.get_state() if generator is not None else None
                 u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
                                generator=generator, device=x32.device)
@@ -162,8 +182,11 @@ def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, d
         if target is None:
             target = torch.empty(numel, dtype=torch.float32, device=buf.device)
         try:
-            k.decode_into(buf.contiguous(), target, _kind_code(fmt), fmt.bits, block_size, dual,
-                          accumulate_into is not None)
+            if fmt.kind == "sign":
+                k.sign_decode_into(buf.contiguous(), target, block_size, accumulate_into is not None)
+            else:
+                k.decode_into(buf.contiguous(), target, _kind_code(fmt), fmt.bits, block_size, dual,
+                              accumulate_into is not None)
             return target
         except Exception as e:
             if not _kernel_failed(k, e):
@@ -179,7 +202,7 @@ def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tenso
     """Fused ``e_out = beta * e + (1 - beta) * (h - decode(buf))`` (``h - decode`` for beta 0, ``e`` None
     means no error yet); returns whether every residual was finite, or None when no kernel covers the
     case (then the caller runs the reference)."""
-    k = _kernels(fmt, False, h)
+    k = _kernels(fmt, False, h) if fmt.kind != "sign" else None
     n = h.numel()
     width = n if block_size == 0 else block_size
     per = 8 // fmt.bits

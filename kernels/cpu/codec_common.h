@@ -1,0 +1,105 @@
+// Helpers shared by the CPU codec kernels (codec_kernels.cpp, codec_sign.cpp): block maxima, sub-byte
+// packing (the first code in the low bits, as megacomp/compression/packing.py) and the wire layout.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace megacomp_cpu {
+
+constexpr int64_t kGrain = 1 << 15;  // elements per parallel task
+
+// absmax with NaN propagation (torch.amax propagates NaN, as the default quiet NaN; inf is an ordinary
+// maximum): an unsigned maximum over the bits of |x|, where every NaN sorts above inf (vectorises to vpmaxud)
+#define MC_INLINE inline __attribute__((always_inline))
+
+MC_INLINE float absmax(const float* x, int64_t n) {
+  uint32_t m = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b;
+    std::memcpy(&b, x + i, 4);
+    b &= 0x7FFFFFFFu;
+    m = b > m ? b : m;
+  }
+  if (m > 0x7F800000u) return NAN;
+  float r;
+  std::memcpy(&r, &m, 4);
+  return r;
+}
+
+MC_INLINE void pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {
+  if (bits == 8) {
+    std::memcpy(out, codes, n);
+    return;
+  }
+  const int per = 8 / bits;
+  const int64_t full = n / per;
+  if (bits == 4) {
+    for (int64_t j = 0; j < full; ++j) out[j] = codes[2 * j] | (codes[2 * j + 1] << 4);
+  } else if (bits == 2) {
+    for (int64_t j = 0; j < full; ++j)
+      out[j] = codes[4 * j] | (codes[4 * j + 1] << 2) | (codes[4 * j + 2] << 4) | (codes[4 * j + 3] << 6);
+  } else if (bits == 1) {
+    for (int64_t j = 0; j < full; ++j) {
+      uint32_t b = 0;
+      for (int k = 0; k < 8; ++k) b |= static_cast<uint32_t>(codes[8 * j + k]) << k;
+      out[j] = static_cast<uint8_t>(b);
+    }
+  }
+  if (n % per) {
+    uint32_t b = 0;
+    for (int64_t i = full * per; i < n; ++i) b |= static_cast<uint32_t>(codes[i]) << ((i - full * per) * bits);
+    out[full] = static_cast<uint8_t>(b);
+  }
+}
+
+inline void unpack(const uint8_t* in, int64_t n, int bits, uint8_t* codes) {
+  if (bits == 8) {
+    std::memcpy(codes, in, n);
+    return;
+  }
+  const int per = 8 / bits, mask = (1 << bits) - 1;
+  const int64_t full = n / per;
+  if (bits == 4) {
+    for (int64_t j = 0; j < full; ++j) { codes[2 * j] = in[j] & 15; codes[2 * j + 1] = in[j] >> 4; }
+  } else if (bits == 2) {
+    for (int64_t j = 0; j < full; ++j) {
+      codes[4 * j] = in[j] & 3; codes[4 * j + 1] = (in[j] >> 2) & 3;
+      codes[4 * j + 2] = (in[j] >> 4) & 3; codes[4 * j + 3] = in[j] >> 6;
+    }
+  } else if (bits == 1) {
+    for (int64_t j = 0; j < full; ++j)
+      for (int k = 0; k < 8; ++k) codes[8 * j + k] = (in[j] >> k) & 1;
+  }
+  for (int64_t i = full * per; i < n; ++i) codes[i] = (in[i / per] >> ((i % per) * bits)) & mask;
+}
+
+struct Layout {
+  int64_t n, width, nb, scale_bytes;
+  int bits, per;
+  bool dual;
+  Layout(int64_t n_, int64_t block, bool dual_, int bits_) : n(n_), bits(bits_), dual(dual_) {
+    width = block == 0 ? n : block;
+    nb = (n + width - 1) / width;
+    per = 8 / bits;
+    scale_bytes = dual ? 4 + nb : 4 * nb;
+  }
+};
+
+// elements per span of the aligned paths: a chunk of the single block (a multiple of the codes per byte),
+// else as many whole blocks as fit in kSpan
+constexpr int64_t kSpan = 4096;
+inline int64_t span_of(const Layout& L) {
+  if (L.nb == 1) return std::max<int64_t>(L.per, kGrain - kGrain % L.per);
+  return L.width * std::max<int64_t>(1, kSpan / L.width);
+}
+
+// the sign codec (codec_sign.cpp)
+void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> scale,
+                      c10::optional<torch::Tensor> u);
+void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool accumulate);
+
+}  // namespace megacomp_cpu
