@@ -96,6 +96,16 @@ def summary(records: dict) -> list[str]:
         loss = (ours["loss"] / rows["ddp_fp32"]["loss"] - 1) * 100
         lines.append(f"- DP step at {rate}: megacomp int4+LoCo hook {med:.3f} s/step vs {cmp}; its loss after "
                      f"{len(ours['losses'])} iterations is {loss:+.2f}% vs DDP fp32.")
+        if "no_communication" in rows:  # where the time goes: compute floor + what communication adds
+            floor = statistics.median(rows["no_communication"]["times_s"])
+            link = ours["wire_bytes_per_step"] / ours["rate_Bps"]
+            parts = [f"{m}: +{statistics.median(r['times_s']) - floor:.3f} s" for m, r in rows.items()
+                     if m != "no_communication"]
+            lines.append(f"  Where the time goes at {rate}: compute floor (no communication) {floor:.3f} s; "
+                         f"megacomp's {ours['wire_bytes_per_step'] / 1e6:.2f} MB/step take {link:.3f} s of link "
+                         f"time; its step is {med - floor:+.3f} s above the floor (the transfer not hidden behind "
+                         f"backward, plus encode/decode and error-feedback work on the rank's one core). Added to "
+                         f"the floor: {'; '.join(parts)}.")
     return lines + [""]
 
 

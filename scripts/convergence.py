@@ -22,10 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
@@ -47,6 +49,19 @@ SUITES = {
         "int4/tensor+EF": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef"},
         "int2+EF": {"dp_gradient": INT2, "dp_gradient_error_feedback": "ef"},
     }},
+    # issue #4's acceptance set, meant to be run over several seeds (--seeds 1,2,3): int4+LoCo against fp32
+    # and against int4/int2 without error feedback, per block and with one scale per shard
+    "zero": {"layout": [], "variants": {
+        "none": {},
+        "int4+LoCo": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco"},
+        "int4 (no EF)": {"dp_gradient": INT4},
+        "int2 (no EF)": {"dp_gradient": INT2},
+        "int2+LoCo": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco"},
+        "int4+LoCo, int8 params": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco",
+                                   "dp_parameter": {"name": "int8", "block_size": 256}},
+        "int4/tensor (no EF)": {"dp_gradient": INT4_TENSOR},
+        "int4/tensor+LoCo": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "loco"},
+    }},
     # longer runs of the coarse (one scale per shard) int4 regime, where error feedback has work to do
     "ef": {"layout": [], "variants": {
         "none": {},
@@ -67,22 +82,22 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
 
-def run_variant(out: Path, suite: str, name: str, compression: dict, args) -> Path:
-    run_dir = out / suite / slug(name)
+def run_variant(out: Path, suite: str, name: str, compression: dict, args, seed: Optional[int] = None) -> Path:
+    run_dir = out / suite / slug(name) / (f"seed{seed}" if seed is not None else "")
     run_dir.mkdir(parents=True, exist_ok=True)
     preset = run_dir / "compression.yaml"
     preset.write_text(yaml.safe_dump({**compression, "min_compress_numel": 4096}))
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "megacomp.pretrain",
            "--config", args.config, "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
            "--compression", str(preset), "--log-dir", str(run_dir), "--log-interval", "1",
-           *SUITES[suite]["layout"]]
+           *SUITES[suite]["layout"], *(["--seed", str(seed)] if seed is not None else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
     if proc.returncode:
         raise SystemExit(f"{suite}/{name} failed ({proc.returncode}); see {run_dir / 'stdout.txt'}")
-    print(f"  {suite:3s} {name:28s} {time.time() - t0:6.1f} s", flush=True)
+    print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s", flush=True)
     return run_dir / "metrics.jsonl"
 
 
@@ -104,6 +119,25 @@ def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
             w, u = recs[-1]["traffic"].get(k, [0, 0])
             cells.append(f"{w / 1e6:.3f} / {u / 1e6:.3f}")
         lines.append(f"| {name} | {final:.4f} | {100 * (final - base) / base:+.2f}% | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]]) -> list[str]:
+    """Final loss per variant as mean and standard deviation over seeds, and its difference to 'none'
+    per seed (same seed = same initialisation and data order, so the paired difference has less noise)."""
+    tail = max(1, len(runs["none"][0]) // 10)
+    final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
+    base = final["none"]
+    lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(base)} seeds", "",
+             "| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | dp_gradient MB/iter "
+             "(wire / fp32) |", "|---|---|---|---|---|"]
+    for name, vals in final.items():
+        rel = [100 * (v - b) / b for v, b in zip(vals, base)]
+        w, u = runs[name][0][-1]["traffic"].get("dp_gradient", [0, 0])
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0
+        lines.append(f"| {name} | {statistics.mean(vals):.4f} ± {sd:.4f} | {statistics.mean(rel):+.2f}% ± {rsd:.2f}% | "
+                     f"{', '.join(f'{x:+.2f}%' for x in rel)} | {w / 1e6:.3f} / {u / 1e6:.3f} |")
     return lines + [""]
 
 
@@ -141,13 +175,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--suites", default="dp,pp", help="dp, pp and/or ef (the long error-feedback suite)")
+    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite) and/or zero (issue #4 set, use --seeds)")
     p.add_argument("--out", default="results/convergence")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the metrics already in --out")
+    p.add_argument("--seeds", default="", help="comma list of seeds: run every variant once per seed and report "
+                                               "mean ± std (plots show the first seed)")
     args = p.parse_args()
+    first = [f"seed{x}" for x in args.seeds.split(",") if x][:1]
     if args.plot_only:
         for suite in args.suites.split(","):
-            runs = {name: read(Path(args.out) / suite / slug(name) / "metrics.jsonl")
+            runs = {name: read(Path(args.out, suite, slug(name), *first, "metrics.jsonl"))
                     for name in SUITES[suite]["variants"]}
             plot(suite, runs, Path(args.out))
         return
@@ -156,9 +193,17 @@ def main() -> None:
     report = ["# Convergence: compressed vs uncompressed pretraining", "",
               f"Command: `{' '.join([sys.executable.split('/')[-1]] + sys.argv)}`; tiny GPT ({args.config}), "
               f"{args.nproc} gloo ranks, {args.iters} iterations, same seed and data order for every variant.", ""]
+    seeds = [int(x) for x in args.seeds.split(",") if x]
     for suite in args.suites.split(","):
-        runs = {name: read(run_variant(out, suite, name, comp, args)) for name, comp in SUITES[suite]["variants"].items()}
-        report += summarise(suite, runs) + [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)", ""]
+        if seeds:
+            multi = {name: [read(run_variant(out, suite, name, comp, args, seed)) for seed in seeds]
+                     for name, comp in SUITES[suite]["variants"].items()}
+            report += summarise_seeds(suite, multi)
+            runs = {name: per_seed[0] for name, per_seed in multi.items()}
+        else:
+            runs = {name: read(run_variant(out, suite, name, comp, args)) for name, comp in SUITES[suite]["variants"].items()}
+            report += summarise(suite, runs)
+        report += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)", ""]
         plot(suite, runs, out)
     (out / "convergence.md").write_text("\n".join(report))
     print("\n".join(report))
