@@ -109,6 +109,35 @@ def summary(records: dict) -> list[str]:
     return lines + [""]
 
 
+def time_to_loss(records: dict, window: int = 10) -> list[str]:
+    """Wall time until a method's running-mean loss (``window`` iterations) first reaches the loss DDP fp32
+    ends with (mean of its last ``window`` iterations): speed and convergence in one number."""
+    lines = []
+    for rate in dict.fromkeys(r["rate"] for r in records["ddp"]):
+        rows = [r for r in records["ddp"] if r["rate"] == rate and r["method"] != "no_communication"]
+        base = next((r for r in rows if r["method"] == "ddp_fp32"), None)
+        if base is None or len(base["losses"]) < 2 * window:
+            continue
+        target = statistics.mean(base["losses"][-window:])
+        if not lines:
+            lines = [f"## Time to reach DDP fp32's final loss (running mean over {window} iterations)", "",
+                     "| link | method | target loss | iterations | wall time s | vs DDP fp32 |", "|---|---|---|---|---|---|"]
+        base_t = None
+        for r in rows:
+            wall, hit = 0.0, None
+            for i, t in enumerate(r["all_times_s"]):
+                wall += t
+                if i + 1 >= window and statistics.mean(r["losses"][i + 1 - window:i + 1]) <= target:
+                    hit = (i + 1, wall)
+                    break
+            if r["method"] == "ddp_fp32" and hit:
+                base_t = hit[1]
+            speed = f"{base_t / hit[1]:.2f}x" if hit and base_t else "-"
+            lines.append(f"| {rate} | {r['method']} | {target:.4f} | {hit[0] if hit else 'not reached'} | "
+                         f"{f'{hit[1]:.1f}' if hit else '-'} | {speed} |")
+    return lines + [""] if lines else []
+
+
 def plots(records: dict, out: Path) -> list[str]:
     try:
         import matplotlib
@@ -219,7 +248,8 @@ def main() -> None:
               "one thread per rank on a 2-core machine. Times are medians over repeats (collectives) or "
               "iterations 3.. (training) with min-max spread; ideal = wire bytes / link rate. Raw numbers: "
               "`results.json`.", ""]
-    body = header + summary(records) + plots(records, out) + sections + model_section(records, out)
+    body = (header + summary(records) + time_to_loss(records) + plots(records, out) + sections
+            + model_section(records, out))
     (out / "report.md").write_text("\n".join(body) + "\n")
     print("\n".join(body))
 
