@@ -10,7 +10,8 @@ Runs, over shaped veth links between two network namespaces (scripts/netns_bench
   3. a DP training step of a small GPT under torch DDP (fp32, fp16/bf16 hooks, PowerSGD ranks 1 and 4),
      ZeroRedundancyOptimizer, megacomp's int4+LoCo DDP hook and a no-communication floor, per link rate:
      step times, wire bytes, loss after the same iterations, and loss against wall time;
-  4. megacomp pretraining steps with tensor and with pipeline parallelism split across the link;
+  4. megacomp pretraining steps across the link: its ZeRO-1 optimizer (DP 2, the DDP workload's GPT:
+     uncompressed, int4+LoCo gradients, plus int8 parameter gathers) and tensor and pipeline parallelism;
   5. the alpha-beta model (scripts/perf_model.py) fitted to these measurements, its validation error
      against them, and its projection to larger clusters.
 Writes ``report.md``, ``results.json`` and PNG plots into ``--out``. Every number is a median over
@@ -234,6 +235,11 @@ def main() -> None:
         sections += nb.bench_ddp(SimpleNamespace(
             **common, rates="1gbit" if q else args.ddp_rates, methods=",".join(nb.DDP_METHODS),
             iters=6 if q else args.iters, hidden=256, layers=4, bucket_mb=2.0), records["ddp"])
+        ddp_model = ["--hidden-size", "256", "--num-layers", "4", "--num-attention-heads", "4", "--seq-length", "64",
+                     "--vocab-size", "1024", "--lr-warmup-iters", "1"]  # the DDP workload's GPT, megacomp's ZeRO
+        sections += nb.bench_train(SimpleNamespace(
+            **{**common, "model_args": ddp_model}, rates="1gbit" if q else args.ddp_rates, layout="dp2",
+            compression="none,loco4,loco4_qwz", iters=5 if q else 12), records["train"])
         for layout, presets in (("tp2", "none,tp_fp8"), ("pp2", "none,pp_int8")):
             sections += nb.bench_train(SimpleNamespace(
                 **common, rates="1gbit" if q else "100mbit,1gbit", layout=layout, compression=presets,
