@@ -1,21 +1,23 @@
-"""Fused codec kernels behind one dispatch (installed as ``megacomp.kernels``).
+"""Fused codec kernels behind one dispatch (installed as ``megacomp.kernels``); see kernels/README.md.
 
 Backends, each bit-identical to the eager reference in megacomp/compression/quantize.py (the oracle) run
 on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef_update_scaled) picks:
-  ``triton``     CUDA tensors (fp32, bf16, fp16 inputs): Triton kernels in kernels/triton/ for
-                 int8/int4/int2/fp8 encode (round to nearest, and stochastic rounding from the reference's
-                 own torch.rand draws), decode (into fp32/bf16/fp16), decode-accumulate and the fused
-                 error-feedback update; per-tensor, per-block and dual scaling. Compiled by triton on first
-                 launch per configuration and cached. Needs the ``triton`` package; its interpreter
-                 (``codec_triton.interpreted()``) runs the same kernels on CPU tensors for the tests.
-  ``cpu``        contiguous fp32 CPU tensors: a small C++ extension (kernels/cpu/codec_kernels.cpp) built on
-                 first use with torch.utils.cpp_extension and cached; int8/int4/int2/fp8 round-to-nearest
-                 encode, decode, decode-accumulate and the fused error-feedback update.
-  ``reference``  the eager torch code: always available; everything the others do not cover (the sign
-                 codec, stochastic rounding on CPU, other devices and dtypes).
+  ``triton``     CUDA tensors (fp32, bf16, fp16 inputs): Triton kernels in kernels/triton/ for the int8,
+                 int4, int2 and fp8 codecs: encode, decode (into fp32/bf16/fp16), decode-accumulate and the
+                 fused error-feedback update; per-tensor, per-block and dual scaling; round to nearest and
+                 stochastic rounding. Compiled by triton on first launch per configuration and cached. Needs
+                 the ``triton`` package; ``codec_triton.interpreted()`` runs the same kernels on CPU tensors
+                 under triton's interpreter (tests).
+  ``cpu``        contiguous fp32 CPU tensors: a C++ extension (kernels/cpu/) built on first use with
+                 torch.utils.cpp_extension and cached; the same codecs plus the sign codec.
+  ``reference``  the eager torch code: always available; everything else (the sign codec on CUDA, other
+                 devices and dtypes, the Hadamard rotation itself).
+
+Stochastic rounding uses the reference's own torch.rand draws (drawn by the dispatch, consumed by the
+kernels), so it matches the reference's random stream exactly.
 
 ``MEGACOMP_KERNELS=reference`` forces the reference. A build, compile or launch failure (no compiler, no
-triton, a triton error) falls back to the reference with one logged warning per backend, never an error.
+triton, a triton error) falls back to the reference with one logged warning, never an error.
 """
 from __future__ import annotations
 

@@ -47,6 +47,11 @@ _F8 = {1: torch.float8_e4m3fn, 2: torch.float8_e5m2}
 _KERNELS_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernels.py")
 
 
+class Unsupported(ValueError):
+    """A case these kernels do not take (size, dtype, layout): the dispatch runs the reference for this call
+    and keeps the Triton backend on (unlike a compile or launch failure)."""
+
+
 def _next_pow2(v: int) -> int:
     return 1 << max(0, (v - 1).bit_length())
 
@@ -117,13 +122,13 @@ class TritonCodecs:
 
         n = x.numel()
         if x.dtype not in INPUT_DTYPES or not x.is_contiguous() or n > MAX_NUMEL:
-            raise ValueError(f"triton encode: contiguous fp32/bf16/fp16 up to {MAX_NUMEL} elements, got {x.dtype}")
+            raise Unsupported(f"triton encode: contiguous fp32/bf16/fp16 up to {MAX_NUMEL} elements, got {x.dtype}")
         if n == 0:
             return
         bits = bits if kind == 0 else 8
         width, nb, per, ns, aligned = self._layout(n, block, dual, bits)
         if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != ns + (n * bits + 7) // 8:
-            raise ValueError("triton encode: out must be a contiguous uint8 buffer of the wire size")
+            raise Unsupported("triton encode: out must be a contiguous uint8 buffer of the wire size")
         bf16 = x.dtype == torch.bfloat16
         x = x.view(-1).view(torch.int16) if bf16 else x.view(-1)  # bf16 widened in the kernel by a shift
         pay = out[ns:]
@@ -170,11 +175,11 @@ class TritonCodecs:
         if n == 0:
             return None
         if n > MAX_NUMEL or not out.is_contiguous():
-            raise ValueError("triton decode: contiguous output up to MAX_NUMEL elements")
+            raise Unsupported("triton decode: contiguous output up to MAX_NUMEL elements")
         bits = bits if kind == 0 else 8
         width, nb, per, ns, aligned = self._layout(n, block, dual, bits)
         if buf.dtype != torch.uint8 or buf.numel() != ns + (n * bits + 7) // 8:
-            raise ValueError("triton decode: buf must be a uint8 buffer of the wire size")
+            raise Unsupported("triton decode: buf must be a uint8 buffer of the wire size")
         buf = buf.contiguous()
         pay = buf[ns:]
         if dual:
@@ -208,7 +213,7 @@ class TritonCodecs:
                     accumulate: bool) -> None:
         """Decode into ``out`` (fp32, or bf16/fp16: rounded like ``.to(dtype)``), or add into fp32 ``out``."""
         if out.dtype not in INPUT_DTYPES or (accumulate and out.dtype != torch.float32):
-            raise ValueError(f"triton decode: output fp32/bf16/fp16 (accumulate: fp32), got {out.dtype}")
+            raise Unsupported(f"triton decode: output fp32/bf16/fp16 (accumulate: fp32), got {out.dtype}")
         out = out.view(-1)
         self._decode(buf, out.view(torch.int16) if out.dtype == torch.bfloat16 else out, kind, bits, block, dual,
                      1 if accumulate else 0)
@@ -218,7 +223,7 @@ class TritonCodecs:
         returns whether every residual h - d was finite."""
         for t in (h, e_out) + ((e,) if mode == 2 else ()):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != h.numel():
-                raise ValueError("triton ef update: contiguous fp32 tensors of one size")
+                raise Unsupported("triton ef update: contiguous fp32 tensors of one size")
         flags = self._decode(buf, e_out.view(-1), kind, bits, block, dual, 2 + mode, h.view(-1),
                              e.view(-1) if mode == 2 else None, beta)
         return flags is None or not bool(flags.any())

@@ -113,12 +113,14 @@ def _is_triton(k) -> bool:
 
 
 def _kernel_failed(k, exc: Exception) -> bool:
-    """A Triton compile/launch failure: log once, turn Triton off, let the caller use the reference."""
+    """A Triton compile/launch failure: log once, turn Triton off, let the caller use the reference (a case
+    the kernels do not take, ``Unsupported``: the reference for this call only)."""
     if not _is_triton(k):
         return False
-    from megacomp import kernels
+    if type(exc).__name__ != "Unsupported":
+        from megacomp import kernels
 
-    kernels.triton_failed(exc)
+        kernels.triton_failed(exc)
     return True
 
 
