@@ -1,7 +1,6 @@
 // Helpers shared by the CPU codec kernels (codec_kernels.cpp, codec_sign.cpp): block maxima, sub-byte
 // packing (the first code in the low bits, as megacomp/compression/packing.py) and the wire layout.
 #pragma once
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -97,9 +96,8 @@ inline int64_t span_of(const Layout& L) {
   return L.width * std::max<int64_t>(1, kSpan / L.width);
 }
 
-// the sign codec (codec_sign.cpp)
-void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> scale,
-                      c10::optional<torch::Tensor> u);
-void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool accumulate);
+// the sign codec (codec_sign.cpp): scale given (nearest) or u given (stochastic); out/buf in the wire layout
+void sign_encode(const float* x, int64_t n, int64_t block, const float* scale, const float* u, uint8_t* out);
+void sign_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, bool accumulate);
 
 }  // namespace megacomp_cpu

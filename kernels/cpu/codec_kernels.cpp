@@ -7,6 +7,7 @@
 // Only the memory traffic differs: a block is read once while it sits in L1 (absmax, then quantize), the
 // inner loops are plain element-wise loops the compiler vectorises, and blocks run in parallel
 // (at::parallel_for). Block sizes that do not align with the packed bytes take a scalar path.
+#include <torch/extension.h>
 #include "codec_common.h"
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -219,8 +220,8 @@ inline float pow2(int k) {  // 2^k for -126 <= k <= 127, exactly
   return f;
 }
 
-// W > 0: the block size known at compile time (32, 64, 128, 256), so full blocks run loops of constant
-// length (unrolled, no remainder code); W = 0: any block size
+// W > 0: the block size known at compile time (32, 128), so full blocks run loops of constant length
+// (unrolled, no remainder code); W = 0: any block size. (More sizes cost build time: ~25 s each.)
 template <int KIND, typename F8, int W>
 void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, const float* u) {
   const float offset = static_cast<float>(1 << (L.bits - 1));
@@ -333,9 +334,7 @@ template <int KIND, typename F8>
 void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out, const float* u) {
   switch (L.nb > 1 ? L.width : 0) {
     case 32: return encode_impl_w<KIND, F8, 32>(x, L, qmax, out, u);
-    case 64: return encode_impl_w<KIND, F8, 64>(x, L, qmax, out, u);
-    case 128: return encode_impl_w<KIND, F8, 128>(x, L, qmax, out, u);
-    case 256: return encode_impl_w<KIND, F8, 256>(x, L, qmax, out, u);
+    case 128: return encode_impl_w<KIND, F8, 128>(x, L, qmax, out, u);  // the codecs' default block
     default: return encode_impl_w<KIND, F8, 0>(x, L, qmax, out, u);
   }
 }
@@ -468,6 +467,33 @@ void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bit
   if (kind == 0) decode_impl<0, c10::Float8_e4m3fn>(bp, L, op, accumulate);
   else if (kind == 1) decode_impl<1, c10::Float8_e4m3fn>(bp, L, op, accumulate);
   else decode_impl<1, c10::Float8_e5m2>(bp, L, op, accumulate);
+}
+
+void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> scale,
+                      c10::optional<torch::Tensor> u) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
+  TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous(), "out: contiguous uint8");
+  TORCH_CHECK(scale.has_value() != u.has_value(), "sign encode: scale (nearest) or u (stochastic), not both");
+  const int64_t n = x.numel();
+  if (n == 0) return;
+  const Layout L(n, block, false, 1);
+  TORCH_CHECK(out.numel() == L.scale_bytes + (n + 7) / 8, "out has the wrong size");
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->dtype() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == L.nb, "scale");
+  } else {
+    TORCH_CHECK(u->dtype() == torch::kFloat32 && u->is_contiguous() && u->numel() >= n, "u: fp32 draws");
+  }
+  sign_encode(x.data_ptr<float>(), n, block, scale.has_value() ? scale->data_ptr<float>() : nullptr,
+              u.has_value() ? u->data_ptr<float>() : nullptr, out.data_ptr<uint8_t>());
+}
+
+void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool accumulate) {
+  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous(), "buf: contiguous uint8");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous(), "out: contiguous fp32");
+  const int64_t n = out.numel();
+  if (n == 0) return;
+  TORCH_CHECK(buf.numel() == Layout(n, block, false, 1).scale_bytes + (n + 7) / 8, "buf has the wrong size");
+  sign_decode(buf.data_ptr<uint8_t>(), n, block, out.data_ptr<float>(), accumulate);
 }
 
 }  // namespace

@@ -4,6 +4,8 @@
 //               reference's own torch ops (a float sum whose order only torch reproduces);
 //   stochastic: scale = amax_b, bit = u < (1 + x / safe) * 0.5 with the reference's torch.rand draws u;
 //   decode:     (2 * bit - 1) * scale, or added to out.
+// Raw pointers only (the Tensor checks and bindings are in codec_kernels.cpp): this file does not parse
+// the torch extension headers, which dominate build time.
 #include "codec_common.h"
 
 namespace megacomp_cpu {
@@ -28,25 +30,12 @@ inline float scale_at(const uint8_t* out, int64_t b) {
 
 }  // namespace
 
-void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> scale,
-                      c10::optional<torch::Tensor> u) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
-  TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous(), "out: contiguous uint8");
-  TORCH_CHECK(scale.has_value() != u.has_value(), "sign encode: scale (nearest) or u (stochastic), not both");
-  const int64_t n = x.numel();
-  if (n == 0) return;
+void sign_encode(const float* xp, int64_t n, int64_t block, const float* scale, const float* up, uint8_t* op) {
   const Layout L(n, block, false, 1);
-  TORCH_CHECK(out.numel() == L.scale_bytes + (n + 7) / 8, "out has the wrong size");
-  const float* xp = x.data_ptr<float>();
-  uint8_t* op = out.data_ptr<uint8_t>();
   uint8_t* payload = op + L.scale_bytes;
-  const float* up = nullptr;
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->dtype() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == L.nb, "scale");
-    std::memcpy(op, scale->data_ptr<float>(), 4 * L.nb);
+  if (scale) {
+    std::memcpy(op, scale, 4 * L.nb);
   } else {
-    TORCH_CHECK(u->dtype() == torch::kFloat32 && u->is_contiguous() && u->numel() >= n, "u: fp32 draws");
-    up = u->data_ptr<float>();
     at::parallel_for(0, L.nb, std::max<int64_t>(1, kGrain / L.width), [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) {
         const float s = absmax(xp + b * L.width, std::min(L.width, n - b * L.width));  // torch.amax
@@ -74,16 +63,9 @@ void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::op
   });
 }
 
-void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool accumulate) {
-  TORCH_CHECK(buf.dtype() == torch::kUInt8 && buf.is_contiguous(), "buf: contiguous uint8");
-  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous(), "out: contiguous fp32");
-  const int64_t n = out.numel();
-  if (n == 0) return;
+void sign_decode(const uint8_t* bp, int64_t n, int64_t block, float* o, bool accumulate) {
   const Layout L(n, block, false, 1);
-  TORCH_CHECK(buf.numel() == L.scale_bytes + (n + 7) / 8, "buf has the wrong size");
-  const uint8_t* bp = buf.data_ptr<uint8_t>();
   const uint8_t* payload = bp + L.scale_bytes;
-  float* o = out.data_ptr<float>();
   const int64_t span = kSpan;
   at::parallel_for(0, (n + span - 1) / span, 1, [&](int64_t s0, int64_t s1) {
     std::vector<uint8_t> codes(span);
