@@ -2,6 +2,9 @@
 // packing (the first code in the low bits, as megacomp/compression/packing.py) and the wire layout.
 #pragma once
 #include <ATen/Parallel.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -27,6 +30,38 @@ MC_INLINE float absmax(const float* x, int64_t n) {
   float r;
   std::memcpy(&r, &m, 4);
   return r;
+}
+
+// the maxima of 8 consecutive full blocks of W elements (W a multiple of 8), as absmax() gives them: one
+// vector per block, then a transposing reduction (no horizontal reduction per block)
+template <int W>
+MC_INLINE void absmax8(const float* x, float* out) {
+#ifdef __AVX2__
+  static_assert(W % 8 == 0, "W: a multiple of 8");
+  const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+  __m256 v[8];
+  for (int k = 0; k < 8; ++k) {
+    const float* p = x + k * W;
+    __m256i m = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), mask);
+    for (int i = 8; i < W; i += 8)
+      m = _mm256_max_epu32(m, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)), mask));
+    v[k] = _mm256_castsi256_ps(m);
+  }
+  // pairwise: per 128-bit half, [max(a0,a1), max(a2,a3), max(b0,b1), max(b2,b3)]
+  auto pmax = [](__m256 a, __m256 b) {
+    return _mm256_castsi256_ps(_mm256_max_epu32(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88)),
+                                                _mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xDD))));
+  };
+  const __m256 t0 = pmax(pmax(v[0], v[1]), pmax(v[2], v[3]));  // halves: blocks 0..3
+  const __m256 t1 = pmax(pmax(v[4], v[5]), pmax(v[6], v[7]));  // halves: blocks 4..7
+  __m256i r = _mm256_max_epu32(_mm256_castps_si256(_mm256_permute2f128_ps(t0, t1, 0x20)),
+                               _mm256_castps_si256(_mm256_permute2f128_ps(t0, t1, 0x31)));
+  const __m256i inf = _mm256_set1_epi32(0x7F800000);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC00000), _mm256_cmpgt_epi32(r, inf));  // NaN: torch's NaN
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), r);
+#else
+  for (int k = 0; k < 8; ++k) out[k] = absmax(x + k * W, W);
+#endif
 }
 
 MC_INLINE void pack(const uint8_t* codes, int64_t n, int bits, uint8_t* out) {

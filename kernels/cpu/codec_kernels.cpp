@@ -257,8 +257,11 @@ void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, co
     });
     amax[0] = absmax(part.data(), (int64_t)part.size());  // |.| of non-negative values: same maximum
   } else {
-    at::parallel_for(0, L.nb, std::max<int64_t>(1, kGrain / L.width), [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) {
+    at::parallel_for(0, L.nb, std::max<int64_t>(8, kGrain / L.width), [&](int64_t b0, int64_t b1) {
+      int64_t b = b0;
+      if (W)  // groups of 8 full blocks
+        for (; b + 8 <= b1 && (b + 8) * L.width <= L.n; b += 8) absmax8<W ? W : 8>(x + b * L.width, &amax[b]);
+      for (; b < b1; ++b) {
         const int64_t len = std::min(L.width, L.n - b * L.width);
         amax[b] = W && len == W ? absmax(x + b * L.width, W) : absmax(x + b * L.width, len);
       }
