@@ -206,11 +206,12 @@ inline void dequantize_span(const uint8_t* codes, int64_t n, float scale, float 
 // reference's frexp exponent read from the ratio's bits (subnormal and zero ratios give 0 after the clamp)
 inline uint8_t dual_exponent(float amax, float amax_b) {
   const float ratio = amax / amax_b;
-  uint32_t rb;
+  int32_t rb;
   std::memcpy(&rb, &ratio, 4);
-  int k = static_cast<int>((rb >> 23) & 0xFFu) - 127;
-  k = k < 0 ? 0 : (k > 126 ? 126 : k);
-  return static_cast<uint8_t>((rb & 0x7FFFFFFFu) >= 0x7F800000u ? 126 : k);
+  rb &= 0x7FFFFFFF;
+  int32_t k = (rb >> 23) - 127;  // inf and NaN: 128, clamped to 126 like the reference's non-finite case
+  k = k < 0 ? 0 : k;
+  return static_cast<uint8_t>(k > 126 ? 126 : k);
 }
 
 inline float pow2(int k) {  // 2^k for -126 <= k <= 127, exactly
@@ -275,7 +276,10 @@ void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, co
     std::memcpy(out, &coarse, 4);
     safe_coarse = coarse > 0.f ? coarse : 1.f;
     at::parallel_for(0, L.nb, kGrain, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) out[4 + b] = dual_exponent(a, amax[b]);
+      const float* __restrict am = amax.data();
+      uint8_t* __restrict ks = out + 4;
+      const float top = a;  // a local copy: the loop vectorises
+      for (int64_t b = b0; b < b1; ++b) ks[b] = dual_exponent(top, am[b]);
     });
   } else {
     at::parallel_for(0, L.nb, kGrain, [&](int64_t b0, int64_t b1) {
