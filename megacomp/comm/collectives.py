@@ -70,14 +70,9 @@ def _itemsize(t: torch.Tensor) -> int:
     return t.element_size()
 
 
-def _encode_chunks(codec, h: torch.Tensor, sizes, ef, ef_key):
-    """Encode consecutive chunks of flat ``h``; with error feedback update it from their decodings."""
-    bufs, offs = [], offsets(sizes)
-    for o, s in zip(offs, sizes):
-        bufs.append(codec.encode_flat(h[o:o + s], strict=False))
-    if ef is not None:
-        ef.update_encoded(ef_key, h, codec, bufs, sizes)
-    return bufs
+def _encode_chunks(codec, h: torch.Tensor, sizes):
+    """Encode consecutive chunks of flat ``h`` (one buffer per chunk)."""
+    return [codec.encode_flat(h[o:o + s], strict=False) for o, s in zip(offsets(sizes), sizes)]
 
 
 def _decode_into(codec, buf: torch.Tensor, numel: int, dst: torch.Tensor) -> None:
@@ -156,7 +151,7 @@ def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
     bufs, recvs, works, wire, base = [], [], [], 0, 0
     tag = next_tags(group)  # tag: the all-to-alls, tag + 1: the all-gathers (issued later, maybe elsewhere)
     for ss in segs:
-        seg_bufs = [codec.encode_flat(h[base + o:base + o + s], strict=False) for o, s in zip(offsets(ss), ss)]
+        seg_bufs = _encode_chunks(codec, h[base:base + sum(ss)], ss)
         in_splits = [b.numel() for b in seg_bufs]
         w_own = codec.wire_bytes(ss[rank])
         recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
@@ -416,7 +411,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
                                       async_op=async_op)
 
     flat = input.reshape(-1)
-    bufs = _encode_chunks(codec, flat, [s * row for s in in_splits], None, "")
+    bufs = _encode_chunks(codec, flat, [s * row for s in in_splits])
     in_bytes = [b.numel() for b in bufs]
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)
