@@ -60,6 +60,9 @@ class CommCompressionConfig:
     """Error feedback on pipeline gradient sends, keyed by stage boundary and micro-batch slot."""
     dp_gradient_error_feedback: Optional[Any] = None
     """Error feedback on data-parallel gradients ('loco' recommended with int4)."""
+    dp_gradient_warmup_steps: int = 0
+    """Optimizer steps whose data-parallel gradients travel uncompressed before dp_gradient starts
+    (1-bit Adam's full-precision warm-up; pair it with adam_freeze_variance_step)."""
     min_compress_numel: int = 65536
     """Tensors with fewer elements travel uncompressed (logged once per path): below this size the
     codec's cost and the per-message latency outweigh the bytes saved."""
@@ -74,6 +77,8 @@ class CommCompressionConfig:
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, make_error_feedback_config(value))
+        if not isinstance(self.dp_gradient_warmup_steps, int) or self.dp_gradient_warmup_steps < 0:
+            raise ValueError(f"dp_gradient_warmup_steps must be an int >= 0, got {self.dp_gradient_warmup_steps!r}")
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
         for ef_name, path in [("tp_backward_error_feedback", "tp_backward"), ("pp_gradient_error_feedback", "pp_gradient"),

@@ -56,6 +56,20 @@ SUITES = {
         "int4/tensor+EF": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef"},
         "int4/tensor+LoCo": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "loco"},
     }},
+    # 1-bit Adam's remedy for Adam x error feedback: full-precision warm-up (first 20% of the iterations),
+    # then Adam's second moment frozen ("freeze": fraction of --iters) while the codec runs
+    "frozen": {"layout": [], "variants": {
+        "none": {},
+        "none, frozen v": {"freeze": 0.2},
+        "int4/tensor (no EF), frozen v": {"dp_gradient": INT4_TENSOR, "freeze": 0.2},
+        "int4/tensor+EF, frozen v": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef", "freeze": 0.2},
+        "int4/tensor+LoCo, frozen v": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "loco", "freeze": 0.2},
+        "int4/tensor+EF, warm-up only": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "ef",
+                                         "warmup": 0.2},
+        "int2 (no EF), frozen v": {"dp_gradient": INT2, "freeze": 0.2},
+        "int2+EF, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "ef", "freeze": 0.2},
+        "int2+LoCo, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco", "freeze": 0.2},
+    }},
     "pp": {"layout": ["--pipeline-model-parallel-size", "2"], "variants": {
         "none": {},
         "int8 act + int8/EF grad": {"pp_activation": {"name": "int8", "block_size": 128},
@@ -80,11 +94,17 @@ def run_variant(out: Path, suite: str, name: str, compression: dict, args, seed:
     run_dir = out / suite / slug(name) / (f"seed{seed}" if seed is not None else "")
     run_dir.mkdir(parents=True, exist_ok=True)
     preset = run_dir / "compression.yaml"
+    compression, extra = dict(compression), []
+    freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
+    if freeze:  # variance frozen after, and compression from, the same step
+        extra = ["--adam-freeze-variance-step", str(max(1, int(freeze * args.iters)))]
+    if (freeze or warmup) and "dp_gradient" in compression:
+        compression["dp_gradient_warmup_steps"] = max(1, int((freeze or warmup) * args.iters))
     preset.write_text(yaml.safe_dump({**compression, "min_compress_numel": 4096}))
     cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "megacomp.pretrain",
            "--config", args.config, "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
            "--compression", str(preset), "--log-dir", str(run_dir), "--log-interval", "1",
-           *SUITES[suite]["layout"], *(["--seed", str(seed)] if seed is not None else [])]
+           *SUITES[suite]["layout"], *extra, *(["--seed", str(seed)] if seed is not None else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -265,3 +265,24 @@ def test_hadamard_rotation_round_trip_and_outlier_channels():
             assert rotated < plain, (name, plain, rotated)
         else:  # float8's relative precision does not depend on the scale: no gain without underflow, no loss
             assert rotated < 1.05 * plain, (name, plain, rotated)
+
+
+@pytest.mark.parametrize("block", [0, 128, 100])
+def test_sign_scale_is_an_order_free_mean(block):
+    """The sign codec's nearest scale is mean_b |x| as an exact integer sum of |x| 2^k (k from the block's
+    amax): it is at most amax_b 2^-23 (plus two roundings) below the float64 mean, and a permutation of
+    each block, which changes every float summation order, gives the same bytes."""
+    codec = make_codec("sign", block_size=block)
+    g = torch.Generator().manual_seed(block)
+    n = 10_000
+    # magnitudes over 30 binades, so that float sums in different orders round differently
+    x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-30, 1, (n,), generator=g).float())
+    width = n if block == 0 else block
+    nb = -(-n // width)
+    scales = codec.encode_flat(x)[:4 * nb].view(torch.float32)
+    for b in range(nb):
+        xb = x[b * width:(b + 1) * width].double().abs()
+        exact, amax = xb.mean().item(), xb.max().item()
+        assert exact - amax * 2.0 ** -23 - 2 * exact * 2.0 ** -24 <= scales[b].item() <= exact * (1 + 2.0 ** -23)
+    perm = torch.cat([torch.randperm(min(width, n - s), generator=g) + s for s in range(0, n, width)])
+    assert torch.equal(codec.encode_flat(x[perm])[:4 * nb], codec.encode_flat(x)[:4 * nb])

@@ -131,8 +131,8 @@ inline int64_t span_of(const Layout& L) {
   return L.width * std::max<int64_t>(1, kSpan / L.width);
 }
 
-// the sign codec (codec_sign.cpp): scale given (nearest) or u given (stochastic); out/buf in the wire layout
-void sign_encode(const float* x, int64_t n, int64_t block, const float* scale, const float* u, uint8_t* out);
+// the sign codec (codec_sign.cpp): nearest (u null) or stochastic with the draws u; out/buf in the wire layout
+void sign_encode(const float* x, int64_t n, int64_t block, const float* u, uint8_t* out);
 void sign_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, bool accumulate);
 
 }  // namespace megacomp_cpu

@@ -476,22 +476,16 @@ void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bit
   else decode_impl<1, c10::Float8_e5m2>(bp, L, op, accumulate);
 }
 
-void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> scale,
-                      c10::optional<torch::Tensor> u) {
+void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> u) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
   TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous(), "out: contiguous uint8");
-  TORCH_CHECK(scale.has_value() != u.has_value(), "sign encode: scale (nearest) or u (stochastic), not both");
   const int64_t n = x.numel();
   if (n == 0) return;
   const Layout L(n, block, false, 1);
   TORCH_CHECK(out.numel() == L.scale_bytes + (n + 7) / 8, "out has the wrong size");
-  if (scale.has_value()) {
-    TORCH_CHECK(scale->dtype() == torch::kFloat32 && scale->is_contiguous() && scale->numel() == L.nb, "scale");
-  } else {
+  if (u.has_value())
     TORCH_CHECK(u->dtype() == torch::kFloat32 && u->is_contiguous() && u->numel() >= n, "u: fp32 draws");
-  }
-  sign_encode(x.data_ptr<float>(), n, block, scale.has_value() ? scale->data_ptr<float>() : nullptr,
-              u.has_value() ? u->data_ptr<float>() : nullptr, out.data_ptr<uint8_t>());
+  sign_encode(x.data_ptr<float>(), n, block, u.has_value() ? u->data_ptr<float>() : nullptr, out.data_ptr<uint8_t>());
 }
 
 void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool accumulate) {
@@ -515,7 +509,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      : megacomp_cpu::f8_arith_exact<c10::Float8_e5m2>();
   }, "whether the float8 decode uses integer arithmetic (it equals c10's table for all 256 codes)");
   m.def("sign_encode_into", &megacomp_cpu::sign_encode_into, "sign codec encode", py::arg("x"), py::arg("out"),
-        py::arg("block"), py::arg("scale") = py::none(), py::arg("u") = py::none());
+        py::arg("block"), py::arg("u") = py::none());
   m.def("sign_decode_into", &megacomp_cpu::sign_decode_into, "sign codec decode, optionally accumulating");
   m.attr("supports_stochastic") = true;
   m.attr("supports_sign") = true;

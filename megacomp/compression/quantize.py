@@ -13,7 +13,8 @@ with ``nb = ceil(n / B)``. The payload holds ``n`` codes only (no block padding 
 Algorithm (per block b of the zero-padded input, in fp32):
   int:    s_b = amax_b / qmax;  q = round(x / s_b) (or floor(x / s_b + u), u ~ U[0,1) for stochastic),
           clamped to [-qmax, qmax]; decode q * s_b.  |error| <= s_b / 2 (nearest), < s_b (stochastic).
-  sign:   nearest: s_b = mean_b |x|, bit = x >= 0, decode +-s_b; |error| <= amax_b.
+  sign:   nearest: s_b = mean_b |x|, bit = x >= 0, decode +-s_b; |error| <= amax_b. The mean is an exact
+          integer sum (see _sign_mean_scale), so any summation order, in any kernel, gives the same bits.
           stochastic: s_b = amax_b, P(+1) = (1 + x / s_b) / 2 (unbiased); |error| <= 2 amax_b.
   float8: s_b = amax_b / fmax; y = float8(x / s_b) (round to nearest even); decode y * s_b.
           |error| <= max(|x| * 2^-(m+1), s_b * min_subnormal / 2), m = mantissa bits.
@@ -22,7 +23,7 @@ Algorithm (per block b of the zero-padded input, in fp32):
           amax_b / qmax <= s_b < 2 amax_b / qmax: near-zero blocks get their own magnification for one
           byte per block instead of four. Scaling uses x * 2^k / c so no scale ever underflows.
 
-Non-finite inputs: amax (and mean |x|) propagate inf/NaN into the block's scale, codes are
+Non-finite inputs: amax (and the sign codec's mean |x|) propagate inf/NaN into the block's scale, codes are
 sanitised, and decode multiplies by that scale, so every element of such a block decodes to inf or
 NaN; a non-finite input never decodes to a finite number.
 """
@@ -99,13 +100,30 @@ def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     return None
 
 
-def _sign_nearest_scale(x32: torch.Tensor, block_size: int) -> torch.Tensor:
-    """The sign codec's nearest-rounding scale, mean_b |x|, with the reference's own torch ops (a float sum
-    in torch's order) so that the kernels write the same bytes."""
-    xb = _blocks(x32, block_size)
-    counts = torch.full((xb.shape[0], 1), float(xb.shape[1]), dtype=torch.float32, device=xb.device)
-    counts[-1] = x32.numel() - (xb.shape[0] - 1) * xb.shape[1]
-    return (xb.abs().sum(dim=1, keepdim=True) / counts).reshape(-1)
+def _pow2_f64(k: torch.Tensor) -> torch.Tensor:
+    """2.0**k in float64 for integer k in [-1022, 1023], built from the exponent bits (exact by construction)."""
+    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _sign_mean_scale(absb: torch.Tensor, amax_b: torch.Tensor, n: int) -> torch.Tensor:
+    """The sign codec's nearest-rounding scale per block, mean_b |x|, defined so that its value does not
+    depend on a summation order (a float sum does: only torch's own loop would reproduce torch's bits).
+
+    With amax_b = m 2^e (m in [0.5, 1)) and k = 24 - e, every |x| 2^k is below 2^24; the scale is
+    ``fp32(fp64(sum_i floor(|x_i| 2^k)) * 2^-k / count_b)``: an exact int64 sum, then two roundings.
+    It is at most amax_b 2^-23 below the exact mean (the floors). A block with a non-finite amax gets that
+    amax (inf, or NaN when there is a NaN), an all-zero block 0. ``absb``: the zero-padded |x| blocks,
+    ``amax_b``: their maxima (nb, 1), ``n``: the number of data elements (the last block's count).
+    """
+    ok = torch.isfinite(amax_b) & (amax_b > 0)
+    _, e = torch.frexp(torch.where(ok, amax_b, torch.ones_like(amax_b)))
+    k = 24 - e.to(torch.int64)
+    clean = torch.where(ok, absb, torch.zeros_like(absb)).double()
+    total = torch.floor(clean * _pow2_f64(k)).to(torch.int64).sum(dim=1, keepdim=True)  # exact, any order
+    counts = torch.full_like(amax_b, float(absb.shape[1]), dtype=torch.float64)
+    counts[-1] = n - (absb.shape[0] - 1) * absb.shape[1]  # the last block's padding is not data
+    mean = ((total.double() * _pow2_f64(-k)) / counts).float()
+    return torch.where(ok, mean, amax_b)
 
 
 def _is_triton(k) -> bool:
@@ -154,7 +172,7 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
                                    generator=generator, device=x32.device)
                     k.sign_encode_into(args[0], out, block_size, u=u)
                 else:
-                    k.sign_encode_into(args[0], out, block_size, scale=_sign_nearest_scale(args[0], block_size))
+                    k.sign_encode_into(args[0], out, block_size)
             elif stochastic and fmt.kind == "int":  # the reference's own draws (same generator, shape, order)
                 state = generator.get_state() if generator is not None else None
                 u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
@@ -241,12 +259,7 @@ def encode_scaled_reference(
     amax_b = absb.amax(dim=1, keepdim=True)  # propagates NaN and inf
 
     if fmt.kind == "sign":
-        if stochastic:
-            scale = amax_b
-        else:
-            counts = torch.full_like(amax_b, float(xb.shape[1]))
-            counts[-1] = n - (xb.shape[0] - 1) * xb.shape[1]  # the last block's padding is not data
-            scale = absb.sum(dim=1, keepdim=True) / counts
+        scale = amax_b if stochastic else _sign_mean_scale(absb, amax_b, n)
         if stochastic:
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             u = torch.rand(xb.shape, generator=generator, device=xb.device)

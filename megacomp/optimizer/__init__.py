@@ -1,7 +1,8 @@
 """Sharded optimizer with compressed gradients/parameters, loss scaling, and the DDP comm hook."""
 from .ddp_hook import CompressedHookState, compressed_allreduce_hook
 from .distributed_optimizer import DistributedOptimizer, default_optimizer_class
+from .frozen_adam import FrozenVarianceAdamW
 from .loss_scaler import DynamicLossScaler
 
-__all__ = ["CompressedHookState", "DistributedOptimizer", "DynamicLossScaler", "compressed_allreduce_hook",
+__all__ = ["CompressedHookState", "DistributedOptimizer", "DynamicLossScaler", "FrozenVarianceAdamW", "compressed_allreduce_hook",
            "default_optimizer_class"]

@@ -87,6 +87,8 @@ class DistributedOptimizer:
     (intra-node group, inter-node group) partitioning ``process_group``: gradients are reduce-scattered in
     full precision inside a node, then with ``grad_codec`` across nodes; parameters are all-gathered with
     ``param_codec`` across nodes, then in full precision inside (tags ``*_intra`` in comm.stats()).
+    ``grad_codec_warmup_steps``: the first that many steps reduce gradients uncompressed (1-bit Adam's
+    full-precision warm-up, e.g. with FrozenVarianceAdamW); error feedback starts with the codec.
     """
 
     def __init__(self, params: Iterable, optimizer_class=None, process_group=None,
@@ -94,6 +96,7 @@ class DistributedOptimizer:
                  bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
                  grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
+                 grad_codec_warmup_steps: int = 0,
                  **defaults: Any) -> None:
         self.group = process_group
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -111,6 +114,9 @@ class DistributedOptimizer:
         groups = _param_groups(params)
         self.grad_codec = None if make_codec(grad_codec).is_identity else make_codec(grad_codec)
         self.param_codec = None if make_codec(param_codec).is_identity else make_codec(param_codec)
+        if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
+            raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
+        self.grad_codec_warmup_steps = grad_codec_warmup_steps
         if error_feedback is not None and self.grad_codec is None:
             raise ValueError("error_feedback needs a lossy grad_codec (e.g. grad_codec='int4')")
         self.ef = error_feedback if isinstance(error_feedback, ErrorFeedback) or error_feedback is None \
@@ -210,7 +216,9 @@ class DistributedOptimizer:
         return hook
 
     def _launch(self, b: Bucket) -> None:
-        codec = self.grad_codec if b.compressed else None
+        # counted in attempted steps (skipped ones too), so every rank switches on the same step
+        warm = self.step_count + self.skipped_steps < self.grad_codec_warmup_steps
+        codec = self.grad_codec if b.compressed and not warm else None
         b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
         if self.hierarchy is not None:
             self._launch_hierarchical(b, codec)

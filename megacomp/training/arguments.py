@@ -64,6 +64,9 @@ class PretrainConfig:
     """AdamW beta1."""
     adam_beta2: float = 0.95
     """AdamW beta2."""
+    adam_freeze_variance_step: int = 0
+    """0 = plain AdamW. N > 0: freeze Adam's second moment after N iterations (1-bit Adam's variance
+    freezing, megacomp.optimizer.FrozenVarianceAdamW), which lets error feedback reach Adam's update."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     seed: int = 1234
@@ -164,6 +167,8 @@ def parse_args(argv=None) -> PretrainConfig:
 
 def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     """Sizes that must agree; raises ValueError naming the fix."""
+    if cfg.adam_freeze_variance_step < 0:
+        raise ValueError(f"adam_freeze_variance_step must be >= 0 (0 = plain AdamW), got {cfg.adam_freeze_variance_step}")
     if cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(f"hidden_size {cfg.hidden_size} must be divisible by num_attention_heads {cfg.num_attention_heads}")
     if cfg.params_dtype not in ("float32", "bfloat16"):

@@ -8,6 +8,7 @@ wire bytes per traffic kind are logged; checkpoints are written every ``save_int
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import asdict
@@ -21,7 +22,7 @@ from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
-from ..optimizer import DistributedOptimizer
+from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
 from .arguments import PretrainConfig, check
 from .checkpoint import load_checkpoint, save_checkpoint
@@ -98,11 +99,15 @@ class Trainer:
             w = 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp
             return w * (0.5 if p is tied else 1.0)
 
+        optimizer_class = torch.optim.AdamW
+        if cfg.adam_freeze_variance_step:
+            optimizer_class = functools.partial(FrozenVarianceAdamW, freeze_step=cfg.adam_freeze_variance_step)
         deferred = ([tied] if tied is not None else []) + self._sp_params()
         return DistributedOptimizer(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            torch.optim.AdamW, g.dp, grad_codec=c.dp_gradient, param_codec=c.dp_parameter,
+            optimizer_class, g.dp, grad_codec=c.dp_gradient, param_codec=c.dp_parameter,
             error_feedback=c.dp_gradient_error_feedback, min_compress_numel=c.min_compress_numel,
+            grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=g.mp if g.tp_size * g.pp_size > 1 else None,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
