@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distributed import run_ranks
+from distributed import RankFailure, run_ranks
 from megacomp import comm
 from megacomp.optimizer import DistributedOptimizer, DynamicLossScaler
 
@@ -252,3 +252,30 @@ def test_error_feedback_telescopes_through_the_optimizer(world):
     assert drift <= worst_error * 1.001 + 1e-3 * steps * exact.abs().max().item() * 2 ** -20
     plain = run_ranks(_ef_telescoping_body, world, None, steps)[0][0]
     assert (plain - exact).abs().max().item() > 5 * drift  # no EF: the bias accumulates
+
+
+def _warmup_body(rank, world, codec, warmup):
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, grad_codec=codec,
+                               error_feedback="loco" if codec else None, grad_codec_warmup_steps=warmup,
+                               min_compress_numel=0, bucket_size=50, lr=1e-2)
+    history, ef_keys = [], []
+    for step in range(4):
+        loss_fn(model, *batch(rank, step)).backward()
+        assert opt.step()
+        history.append([p.detach().clone() for p in model.parameters()])
+        ef_keys.append(len(list(opt.ef.keys())) if opt.ef is not None else 0)
+    return history, ef_keys
+
+
+def test_grad_codec_warmup_steps_are_uncompressed():
+    """1-bit Adam's full-precision warm-up: the first steps are bit-identical to the uncompressed
+    optimizer and leave no error-feedback state; the codec (and EF) start after them."""
+    plain = run_ranks(_warmup_body, 2, None, 0)[0][0]
+    hist, keys = run_ranks(_warmup_body, 2, "int4", 2)[0]
+    for step in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(hist[step], plain[step]))
+    assert keys[:2] == [0, 0] and keys[2] > 0
+    assert not all(torch.equal(a, b) for a, b in zip(hist[3], plain[3]))
+    with pytest.raises(RankFailure, match="grad_codec_warmup_steps must be an int >= 0"):
+        run_ranks(_warmup_body, 1, "int4", -1)
