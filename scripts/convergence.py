@@ -79,11 +79,22 @@ SUITES = {
 }
 
 
+FROZEN = {"freeze": 0.2}
 # issue #4's acceptance set, meant to be run over several seeds (--seeds 1,2,3): int4+LoCo against fp32 and
-# against int4/int2 without error feedback, per block and with one scale per shard (a subset of "dp")
-SUITES["zero"] = {"layout": [], "variants": {name: SUITES["dp"]["variants"][name] for name in (
-    "none", "int4+LoCo", "int4 (no EF)", "int2 (no EF)", "int2+LoCo", "int4+LoCo, int8 params",
-    "int4/tensor (no EF)", "int4/tensor+LoCo")}}
+# against int4/int2 without error feedback, per block and with one scale per shard, under AdamW (a subset
+# of "dp") and under AdamW with 1-bit Adam's warm-up and frozen second moment (compared with "none, frozen v")
+SUITES["zero"] = {"layout": [], "variants": {
+    **{name: SUITES["dp"]["variants"][name] for name in (
+        "none", "int4+LoCo", "int4 (no EF)", "int2 (no EF)", "int2+LoCo", "int4+LoCo, int8 params",
+        "int4/tensor (no EF)", "int4/tensor+LoCo")},
+    "none, frozen v": FROZEN,
+    "int4+LoCo, frozen v": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco", **FROZEN},
+    "int4 (no EF), frozen v": {"dp_gradient": INT4, **FROZEN},
+    "int2+LoCo, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco", **FROZEN},
+    "int2 (no EF), frozen v": {"dp_gradient": INT2, **FROZEN},
+    "int4/tensor+LoCo, frozen v": {"dp_gradient": INT4_TENSOR, "dp_gradient_error_feedback": "loco", **FROZEN},
+    "int4/tensor (no EF), frozen v": {"dp_gradient": INT4_TENSOR, **FROZEN},
+}}
 
 
 def slug(name: str) -> str:
@@ -93,6 +104,10 @@ def slug(name: str) -> str:
 def run_variant(out: Path, suite: str, name: str, compression: dict, args, seed: Optional[int] = None) -> Path:
     run_dir = out / suite / slug(name) / (f"seed{seed}" if seed is not None else "")
     run_dir.mkdir(parents=True, exist_ok=True)
+    done = run_dir / "metrics.jsonl"
+    if args.reuse and done.exists() and len(done.read_text().splitlines()) == args.iters:
+        print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} reused", flush=True)
+        return done
     preset = run_dir / "compression.yaml"
     compression, extra = dict(compression), []
     freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
@@ -141,11 +156,15 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]]) -> list[str]:
     per seed (same seed = same initialisation and data order, so the paired difference has less noise)."""
     tail = max(1, len(runs["none"][0]) // 10)
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
-    base = final["none"]
-    lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(base)} seeds", "",
+    variants = SUITES[suite]["variants"]
+    lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(final['none'])} seeds", "",
+             "Each variant is compared with the uncompressed run of the same optimizer (`none` for AdamW, "
+             "`none, frozen v` for the frozen-variance variants), seed by seed.", "",
              "| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | dp_gradient MB/iter "
              "(wire / fp32) |", "|---|---|---|---|---|"]
     for name, vals in final.items():
+        ref = "none, frozen v" if variants.get(name, {}).get("freeze") and "none, frozen v" in final else "none"
+        base = final[ref] if name != ref else final["none"]
         rel = [100 * (v - b) / b for v, b in zip(vals, base)]
         w, u = runs[name][0][-1]["traffic"].get("dp_gradient", [0, 0])
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
@@ -191,6 +210,8 @@ def main() -> None:
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
     p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite) and/or zero (issue #4 set, use --seeds)")
     p.add_argument("--out", default="results/convergence")
+    p.add_argument("--reuse", action="store_true", help="keep runs whose metrics.jsonl in --out already has --iters "
+                                                        "records (same code and settings: the runs are deterministic)")
     p.add_argument("--plot-only", action="store_true", help="redraw the plots from the metrics already in --out")
     p.add_argument("--seeds", default="", help="comma list of seeds: run every variant once per seed and report "
                                                "mean ± std (plots show the first seed)")

@@ -173,6 +173,56 @@ def test_interpreted_cuda_scale_rule(T):
     want = x.view(4, 64).abs().amax(dim=1) * inv
     assert torch.equal(out[:16].view(torch.float32), want)
 
+def check_sign(T, block, x):
+    fmt = make_codec("sign").format
+    n = x.numel()
+    ref = quantize.encode_scaled_reference(x.float(), fmt, block, False, False, None)
+    got = torch.full_like(ref, 0xAB)
+    T.sign_encode_into(x, got, block)
+    assert torch.equal(got, ref), f"sign/{block}/{x.dtype} n={n}: encoded bytes differ"
+    dref = quantize.decode_scaled_reference(ref, n, fmt, block, False)
+    dec = torch.empty(n)
+    T.sign_decode_into(ref, dec, block, False)
+    assert same_bits(dec, dref), f"sign/{block}: decoded values differ"
+    acc0 = torch.randn(n)
+    acc = acc0.clone()
+    T.sign_decode_into(ref, acc, block, True)
+    assert torch.equal(acc.view(torch.int32), (acc0 + dref).view(torch.int32)), f"sign/{block}: accumulate"
+
+
+@needs_triton
+@quiet
+@pytest.mark.parametrize("block", [0, 128, 16, 8, 7, 100])
+def test_interpreted_sign_bit_identical(T, block):
+    """The sign codec: the one-pass row kernel (blocks of a multiple of 8), the segment sums with fused
+    bits (one block), and the separate bit pass (blocks off byte boundaries); the exact integer sums give
+    the reference's scale whatever the order. Magnitudes over 60 binades make float sums order-dependent."""
+    for i, (n, seed) in enumerate(((1, 1), (13, 2), (301, 3), (1000, 4))):
+        x = mixed(n, seed)
+        check_sign(T, block, x)
+        g = torch.Generator().manual_seed(seed)
+        wide = torch.randn(n, generator=g) * torch.exp2(torch.randint(-60, 1, (n,), generator=g).float())
+        check_sign(T, block, wide.to([torch.float32, torch.bfloat16, torch.float16][i % 3]))
+
+
+@needs_triton
+@quiet
+def test_interpreted_sign_segment_paths(T, monkeypatch):
+    """Small tile limits send big and unaligned blocks through the segments (several per block)."""
+    for attr, v in (("ROW_MAX", 32), ("TILE", 128), ("SEG", 64), ("SEG_TILE", 32)):
+        monkeypatch.setattr(ct, attr, v)
+    for block in (0, 96, 100, 36):
+        check_sign(T, block, mixed(301, block))
+    check_sign(T, 0, torch.randn(299, generator=torch.Generator().manual_seed(9)))
+
+
+def test_sign_dispatch_uses_the_kernels_for_nearest_only():
+    """Stochastic sign goes to the reference on CUDA (its draws would need a kernel-side division path)."""
+    assert ct.TritonCodecs.supports_sign
+    with pytest.raises(ct.Unsupported, match="stochastic"):
+        ct.TritonCodecs(None, True).sign_encode_into(torch.zeros(8), torch.zeros(5, dtype=torch.uint8), 8,
+                                                     u=torch.zeros(8))
+
 
 def _compile_sm90(fn, sig, const):
     from triton import compile as triton_compile
@@ -205,14 +255,20 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic():
                                    FULL=True)),
             (K.enc_flat, flat, dict(T=1024, P=4, BITS=2, KIND=0, DUAL=True, ONE=False, STOCH=True, BF16=False)),
             (K.dec_rows, dec, dict(R=32, W=128, P=2, BITS=4, KIND=0, DUAL=False, EPI=0, FULL=True)),
-            (K.dec_rows, dec, dict(R=32, W=128, P=1, BITS=8, KIND=2, DUAL=True, EPI=4, FULL=True))]
+            (K.dec_rows, dec, dict(R=32, W=128, P=1, BITS=8, KIND=2, DUAL=True, EPI=4, FULL=True)),
+            (K.dec_rows, dec, dict(R=32, W=128, P=8, BITS=1, KIND=3, DUAL=False, EPI=1, FULL=True)),
+            (K.sign_rows, dict(x_ptr="*i16", amax_ptr=f, sum_ptr="*i64", pay_ptr="*u8", n="i32", B="i32",
+                               nrows="i32"), dict(R=32, W=128, FULL=True, BF16=True)),
+            (K.sign_segments, dict(x_ptr=f, f1_ptr=f, f2_ptr=f, part_ptr="*i64", pay_ptr="*u8", n="i32", B="i32",
+                                   nseg="i32", SEG="i32"), dict(T=1024, BITS_OUT=True, BF16=False))]
     for fn, sig, const in jobs:
         ptx = _compile_sm90(fn, sig, const).asm["ptx"]
         for bad in ("div.full", "div.approx", ".ftz", "ex2.approx"):
             assert bad not in ptx, (fn.__name__, const, bad)
         if fn is K.dec_rows:  # decode (and its accumulate / EF arithmetic) must not contract into FMAs;
             assert "fma." not in ptx  # encode's fmas are the explicit ones of the exact division (_div)
-        assert "v4.b32" in ptx, (fn.__name__, const)
+        if fn is not K.sign_segments:  # its loads are 4-byte fp32 with a runtime block offset
+            assert "v4.b32" in ptx, (fn.__name__, const)
 
 
 def test_dispatch_keeps_cpu_tensors_off_triton():
@@ -325,3 +381,19 @@ def test_cuda_stochastic_and_error_feedback():
     out = torch.empty_like(x)
     assert quantize.ef_update_scaled(ref, x, e, out, fmt, 128, False, 0.9)
     assert torch.equal(out.view(torch.int32), (0.9 * e + (1.0 - 0.9) * res).view(torch.int32))
+
+
+@needs_cuda
+@pytest.mark.parametrize("block", [0, 128, 7, 100, 4096, 10000])
+def test_cuda_sign_bit_identical(block):
+    """The sign codec on CUDA (Triton, nearest rounding) against the reference on the same GPU."""
+    assert kernels.backend_name("cuda") == "triton"
+    codec = make_codec("sign", block_size=block)
+    fmt = codec.format
+    for (n, seed), dtype in itertools.product(((1, 1), (1000, 2), (100_003, 3)),
+                                              (torch.float32, torch.bfloat16, torch.float16)):
+        x = mixed(n, seed).to(dtype).cuda()
+        ref = quantize.encode_scaled_reference(x.float(), fmt, block, False, False, None)
+        assert torch.equal(codec.encode_flat(x), ref)
+        dref = quantize.decode_scaled_reference(ref, n, fmt, block, False)
+        assert torch.equal(codec.decode_flat(ref, n).view(torch.int32), dref.view(torch.int32))

@@ -61,6 +61,7 @@ class TritonCodecs:
 
     name = "triton"
     supports_stochastic = True
+    supports_sign = True  # nearest rounding; stochastic sign runs the reference
     input_dtypes = INPUT_DTYPES
 
     def __init__(self, kmod, interpreted: bool):
@@ -176,7 +177,7 @@ class TritonCodecs:
             return None
         if n > MAX_NUMEL or not out.is_contiguous():
             raise Unsupported("triton decode: contiguous output up to MAX_NUMEL elements")
-        bits = bits if kind == 0 else 8
+        bits = bits if kind in (0, 3) else 8
         width, nb, per, ns, aligned = self._layout(n, block, dual, bits)
         if buf.dtype != torch.uint8 or buf.numel() != ns + (n * bits + 7) // 8:
             raise Unsupported("triton decode: buf must be a uint8 buffer of the wire size")
@@ -189,7 +190,7 @@ class TritonCodecs:
         else:
             scale = self._f32(buf, 0, nb)
             coarse = down = scale
-        table = self._table(kind, buf.device) if kind else scale
+        table = self._table(kind, buf.device) if kind in _F8 else scale
         offset = 1 << (bits - 1)
         hh = h if h is not None else out
         ee = e if e is not None else out
@@ -217,6 +218,56 @@ class TritonCodecs:
         out = out.view(-1)
         self._decode(buf, out.view(torch.int16) if out.dtype == torch.bfloat16 else out, kind, bits, block, dual,
                      1 if accumulate else 0)
+
+    def sign_encode_into(self, x: torch.Tensor, out: torch.Tensor, block: int, u: torch.Tensor | None = None) -> None:
+        """The sign codec, nearest rounding (the C++ entry point's signature): bits and exact block sums in
+        Triton, the scale formula on the sums with the reference's torch ops (quantize.sign_scale_from_sums)."""
+        from megacomp.compression.quantize import sign_scale_exponents, sign_scale_from_sums
+
+        if u is not None:
+            raise Unsupported("triton sign encode: stochastic rounding runs the reference")
+        n = x.numel()
+        if x.dtype not in INPUT_DTYPES or not x.is_contiguous() or n > MAX_NUMEL:
+            raise Unsupported(f"triton encode: contiguous fp32/bf16/fp16 up to {MAX_NUMEL} elements, got {x.dtype}")
+        if n == 0:
+            return
+        width, nb, per, ns, aligned = self._layout(n, block, False, 1)
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != ns + (n + 7) // 8:
+            raise Unsupported("triton encode: out must be a contiguous uint8 buffer of the wire size")
+        bf16 = x.dtype == torch.bfloat16
+        x = x.view(-1).view(torch.int16) if bf16 else x.view(-1)
+        pay = out[ns:]
+        bp2, r = self._rows_cfg(width, nb, per)
+        if nb > 1 and width % 8 == 0 and bp2 <= ROW_MAX:  # one pass: maxima, sums and bits
+            amax = torch.empty(nb, dtype=torch.float32, device=x.device)
+            total = torch.empty(nb, dtype=torch.int64, device=x.device)
+            self.K.sign_rows[(triton.cdiv(nb, r),)](x, amax, total, pay, n, width, nb, R=r, W=bp2,
+                                                    FULL=bp2 == width, BF16=bf16, **self.opts)
+            amax_b = amax.view(nb, 1)
+            ok, k = sign_scale_exponents(amax_b)
+            total = total.view(nb, 1)
+        else:  # block maxima, then sums per segment (and the bits where blocks start on byte boundaries)
+            amax_b = self._block_amax(x, n, width, nb).view(nb, 1)
+            ok, k = sign_scale_exponents(amax_b)
+            k1 = torch.div(k, 2, rounding_mode="floor")
+            f1 = torch.where(ok, ((k1 + 127) << 23).to(torch.int32).view(torch.float32), 0.0).reshape(-1)
+            f2 = (((k - k1) + 127) << 23).to(torch.int32).view(torch.float32).reshape(-1)
+            t = min(SEG_TILE, max(8, _next_pow2(width)))  # small blocks: small tiles, one segment each
+            seg = SEG if width > SEG else t * triton.cdiv(width, t)
+            nseg = triton.cdiv(width, seg)
+            part = torch.empty(nb * nseg, dtype=torch.int64, device=x.device)
+            self.K.sign_segments[(nb, nseg)](x, f1, f2, part, pay, n, width, nseg, seg, T=t,
+                                             BITS_OUT=aligned, BF16=bf16, **self.opts)
+            total = part.view(nb, nseg).sum(dim=1, keepdim=True)
+            if not aligned:
+                t = TILE // 8
+                self.K.sign_bits[(triton.cdiv((n + 7) // 8, t),)](x, pay, n, T=t, BF16=bf16, **self.opts)
+        scale = sign_scale_from_sums(total, k, ok, amax_b, n, width)
+        out[:4 * nb].copy_(scale.reshape(-1).view(torch.uint8))
+
+    def sign_decode_into(self, buf: torch.Tensor, out: torch.Tensor, block: int, accumulate: bool) -> None:
+        """The sign codec's decode (the C++ entry point's signature): (2 bit - 1) * scale, or added into out."""
+        self.decode_into(buf, out, 3, 1, block, False, accumulate)
 
     def ef_update_into(self, buf, h, e, e_out, kind, bits, block, dual, beta, mode) -> bool:
         """e_out = (h - d) | (1-beta)(h - d) | beta e + (1-beta)(h - d) for mode 0/1/2, d = decode(buf);

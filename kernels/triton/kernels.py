@@ -13,7 +13,7 @@ and a shifted sum over the last axis; it needs blocks that start on a byte bound
 ``T * P`` contiguous elements (``T`` payload bytes) and looks up each element's block (any block size, or
 one scale for the whole tensor with ``ONE``).
 
-KIND: 0 int, 1 float8 e4m3fn, 2 float8 e5m2. EPI (decode): 0 store, 1 accumulate into fp32, 2/3/4 error
+KIND: 0 int, 1 float8 e4m3fn, 2 float8 e5m2, 3 sign (decode only; encode: the sign_* kernels at the end). EPI (decode): 0 store, 1 accumulate into fp32, 2/3/4 error
 feedback update modes 0/1/2 (``h - d``, ``(1-beta)(h - d)``, ``beta e + (1-beta)(h - d)``).
 """
 import triton
@@ -118,6 +118,8 @@ def _quantize(y, u, qmax, offset, KIND: tl.constexpr, STOCH: tl.constexpr):
 def _dequantize(code, table_ptr, offset, KIND: tl.constexpr):
     if KIND == 0:
         v = (code - offset).to(tl.float32)
+    elif KIND == 3:  # sign: the reference's code * 2 - 1
+        v = code.to(tl.float32) * 2.0 - 1.0
     else:
         v = tl.load(table_ptr + code)  # torch's own float8 -> fp32 values, 256 entries
     return v
@@ -322,3 +324,84 @@ def dec_flat(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, fla
     bad = _epilogue(r, idx, m, out_ptr, h_ptr, e_ptr, beta, omb, EPI)
     if EPI >= 2:
         tl.store(flag_ptr + pid, _imax(bad, 0).to(tl.int8))
+
+
+# -- the sign codec ------------------------------------------------------------------------------------------
+# Nearest rounding: bit = x >= 0 (NaN: 0) and, per block, the exact integer sum S = sum floor(|x| 2^k) with
+# k = 24 - e for amax = m 2^e (megacomp/compression/quantize.py:_sign_mean_scale). The scale formula on S
+# (two roundings in fp64) runs in torch on the block sums, the reference's own ops. Every |x| 2^k is formed
+# as (|x| 2^k1) 2^k2 with normal factors: exact, or below 1 where it floors to 0 anyway.
+
+
+@triton.jit
+def _pow2(k):
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)  # 2^k for int32 k in [-126, 127]
+
+
+@triton.jit
+def _scaled_floor(ab, f1, f2, ok):
+    """floor(|x| 2^k) as int64 from the bits of |x|; 0 for non-finite |x| and where not ``ok``."""
+    a = tl.where(ok, tl.where(ab < 0x7F800000, ab.to(tl.float32, bitcast=True), 0.0), 0.0)
+    return ((a * f1) * f2).to(tl.int32).to(tl.int64)  # < 2^24: truncation is floor
+
+
+@triton.jit
+def sign_rows(x_ptr, amax_ptr, sum_ptr, pay_ptr, n, B, nrows, R: tl.constexpr, W: tl.constexpr,
+              FULL: tl.constexpr, BF16: tl.constexpr):
+    """R whole blocks (a multiple of 8 elements each) per program: block maxima, exact sums and bits in one
+    pass. k comes from the maximum's bits as torch.frexp gives it (a subnormal maximum is first scaled by
+    2^64, exactly)."""
+    pid = tl.program_id(0)
+    idx, m, bidx, bm = _row_index(pid, n, B, R, W, 8, FULL)
+    x = _load_f32(x_ptr, idx, m, BF16)
+    ab = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    amax_bits = _canonical(_imax(ab, 1))
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    ok = (amax_bits > 0) & (amax_bits < 0x7F800000)
+    sub = amax_bits < 0x00800000
+    a2 = tl.where(sub, amax * 18446744073709551616.0, amax).to(tl.int32, bitcast=True)
+    k = tl.where(ok, 24 - (((a2 >> 23) & 0xFF) - 126 - tl.where(sub, 64, 0)), 0)
+    k1 = k >> 1  # any split into two representable factors gives the same exact product
+    f1 = _pow2(k1)[:, None]
+    f2 = _pow2(k - k1)[:, None]
+    s = _isum(_scaled_floor(ab, f1, f2, ok[:, None]), 1)
+    rows = pid * R + tl.arange(0, R)
+    tl.store(amax_ptr + rows, amax, mask=rows < nrows)
+    tl.store(sum_ptr + rows, s, mask=rows < nrows)
+    code = ((x >= 0.0) & m).to(tl.int32)
+    tl.store(pay_ptr + bidx, _pack(code, W // 8, 8, 1).to(tl.uint8), mask=bm)
+
+
+@triton.jit
+def sign_segments(x_ptr, f1_ptr, f2_ptr, part_ptr, pay_ptr, n, B, nseg, SEG, T: tl.constexpr,
+                  BITS_OUT: tl.constexpr, BF16: tl.constexpr):
+    """Exact sums over segment s of block b (given factors 2^k1, 2^k2 per block, 0 where the block's maximum
+    is not finite and positive); BITS_OUT: also the bits (blocks on byte boundaries, T a multiple of 8)."""
+    b = tl.program_id(0)
+    s = tl.program_id(1)
+    f1 = tl.load(f1_ptr + b)
+    f2 = tl.load(f2_ptr + b)
+    acc = tl.full([T], 0, tl.int64)
+    for i in range(0, SEG, T):
+        col = s * SEG + i + tl.arange(0, T)
+        idx = b * B + col
+        m = (col < B) & (idx < n)
+        x = _load_f32(x_ptr, idx, m, BF16)
+        acc += _scaled_floor(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, f1, f2, f1 > 0.0)
+        if BITS_OUT:
+            byte = (b * B + s * SEG + i) // 8 + tl.arange(0, T // 8)
+            lim = tl.minimum(n, b * B + B)
+            tl.store(pay_ptr + byte, _pack(((x >= 0.0) & m).to(tl.int32), T // 8, 8, 1).to(tl.uint8),
+                     mask=byte * 8 < lim)
+    tl.store(part_ptr + b * nseg + s, _isum(acc, 0))
+
+
+@triton.jit
+def sign_bits(x_ptr, pay_ptr, n, T: tl.constexpr, BF16: tl.constexpr):
+    """T payload bytes of sign bits per program (any block layout: the bits do not depend on blocks)."""
+    pid = tl.program_id(0)
+    idx = pid * (T * 8) + tl.arange(0, T * 8)
+    m = idx < n
+    x = _load_f32(x_ptr, idx, m, BF16)
+    b1 = pid * T + tl.arange(0, T)
+    tl.store(pay_ptr + b1, _pack(((x >= 0.0) & m).to(tl.int32), T, 8, 1).to(tl.uint8), mask=b1 * 8 < n)

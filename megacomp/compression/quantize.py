@@ -91,7 +91,8 @@ def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     from megacomp import kernels
 
     if x.device.type == "cuda":
-        return kernels.triton_kernels() if fmt.kind != "sign" else None
+        k = kernels.triton_kernels()
+        return k if fmt.kind != "sign" or (getattr(k, "supports_sign", False) and not stochastic) else None
     if x.device.type == "cpu":
         k = kernels.cpu_kernels()
         if k is None or (stochastic and not getattr(k, "supports_stochastic", False)):
@@ -115,13 +116,24 @@ def _sign_mean_scale(absb: torch.Tensor, amax_b: torch.Tensor, n: int) -> torch.
     amax (inf, or NaN when there is a NaN), an all-zero block 0. ``absb``: the zero-padded |x| blocks,
     ``amax_b``: their maxima (nb, 1), ``n``: the number of data elements (the last block's count).
     """
-    ok = torch.isfinite(amax_b) & (amax_b > 0)
-    _, e = torch.frexp(torch.where(ok, amax_b, torch.ones_like(amax_b)))
-    k = 24 - e.to(torch.int64)
+    ok, k = sign_scale_exponents(amax_b)
     clean = torch.where(ok, absb, torch.zeros_like(absb)).double()
     total = torch.floor(clean * _pow2_f64(k)).to(torch.int64).sum(dim=1, keepdim=True)  # exact, any order
-    counts = torch.full_like(amax_b, float(absb.shape[1]), dtype=torch.float64)
-    counts[-1] = n - (absb.shape[0] - 1) * absb.shape[1]  # the last block's padding is not data
+    return sign_scale_from_sums(total, k, ok, amax_b, n, absb.shape[1])
+
+
+def sign_scale_exponents(amax_b: torch.Tensor):
+    """(ok, k) per block: ok = finite positive amax; k = 24 - e for amax = m 2^e (k = 23 where not ok)."""
+    ok = torch.isfinite(amax_b) & (amax_b > 0)
+    _, e = torch.frexp(torch.where(ok, amax_b, torch.ones_like(amax_b)))
+    return ok, 24 - e.to(torch.int64)
+
+
+def sign_scale_from_sums(total: torch.Tensor, k: torch.Tensor, ok: torch.Tensor, amax_b: torch.Tensor, n: int,
+                         width: int) -> torch.Tensor:
+    """The scales from the exact sums ``total`` = sum floor(|x| 2^k) per block (int64, [nb, 1])."""
+    counts = torch.full_like(amax_b, float(width), dtype=torch.float64)
+    counts[-1] = n - (amax_b.shape[0] - 1) * width  # the last block's padding is not data
     mean = ((total.double() * _pow2_f64(-k)) / counts).float()
     return torch.where(ok, mean, amax_b)
 
@@ -166,7 +178,7 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
         args = (x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
         state = None
         try:
-            if fmt.kind == "sign":  # C++ only
+            if fmt.kind == "sign":  # the C++ and Triton kernels take (x, out, block, u=None)
                 if stochastic:
                     u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
                                    generator=generator, device=x32.device)
