@@ -8,13 +8,17 @@ the Python standard library's sources) and writes, under ``--out``:
   - ``convergence.md``                        a table per suite: final loss (mean of the last 10% of
                                               iterations), its gap to the uncompressed run, wire bytes
                                               per iteration of the compressed traffic kinds,
-  - ``<suite>_loss.png``, ``<suite>_loss_vs_bytes.png``  the curves.
+  - ``<suite>_loss.png``, ``<suite>_loss_vs_bytes.png``, ``<suite>_gap.png``  the curves (the gap: each
+                                              variant against the same optimizer's uncompressed run).
 
 Suites: ``dp`` (4 DP ranks): none, int4 + LoCo (loco4), int4 without error feedback, int2 without
 error feedback, int2 + LoCo, int4 + LoCo with int8 parameter all-gather (ZeRO++ qwZ style), and int4
 with one scale per bucket shard (the coarse regime of LoCo's fixed scale) without EF, with LoCo and
 with classic EF, and int2 with classic EF;
-``pp`` (PP 2 x DP 2): none vs int8 activations + int8 gradients with error feedback.
+``pp`` (PP 2 x DP 2): none vs int8 activations + int8 gradients with error feedback;
+``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
+iterations, then Adam's second moment frozen while the codec runs), with and without EF;
+``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants.
 Numbers are measured, never asserted: the tests bound codec errors, this script shows training quality.
 """
 from __future__ import annotations
@@ -179,23 +183,39 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for kind in ("loss", "loss_vs_bytes"):
-        fig, ax = plt.subplots(figsize=(7, 4.2))
+    def smooth(raw):
+        win = max(1, len(raw) // 30)  # centred-enough running mean: per-iteration losses are noisy
+        return [sum(raw[max(0, i - win + 1):i + 1]) / len(raw[max(0, i - win + 1):i + 1]) for i in range(len(raw))]
+
+    variants = SUITES[suite]["variants"]
+    frozen = {name for name in runs if variants.get(name, {}).get("freeze")}
+    colours = plt.get_cmap("tab20").colors
+    style = {name: dict(color=colours[i % len(colours)], linestyle="--" if name in frozen else "-", linewidth=1.2)
+             for i, name in enumerate(runs)}
+    kinds = ("loss", "loss_vs_bytes") + (("gap",) if "none" in runs else ())
+    for kind in kinds:
+        fig, ax = plt.subplots(figsize=(7.5, 4.5))
         for name, recs in runs.items():
             raw = [r["loss"] for r in recs]
-            win = max(1, len(raw) // 30)  # centred-enough running mean: per-iteration losses are noisy
-            y = [sum(raw[max(0, i - win + 1):i + 1]) / len(raw[max(0, i - win + 1):i + 1]) for i in range(len(raw))]
-            if kind == "loss":
+            if kind == "gap":  # against the same optimizer's uncompressed run, iteration by iteration
+                ref = "none, frozen v" if name in frozen and "none, frozen v" in runs else "none"
+                if name == ref or name == "none":
+                    continue
+                raw = [100 * (a["loss"] - b["loss"]) / b["loss"] for a, b in zip(recs, runs[ref])]
+            y = smooth(raw)
+            if kind in ("loss", "gap"):
                 x = [r["iteration"] for r in recs]
             else:
                 total, x = 0, []
                 for r in recs:
                     total += r["wire_bytes"]
                     x.append(total / 1e6)
-            ax.plot(x, y, label=name, linewidth=1.2)
-        ax.set_xlabel("iteration" if kind == "loss" else "cumulative wire MB (all ranks)")
-        ax.set_ylabel("training loss (nats/token, running mean)")
-        ax.set_title(f"{suite} suite: {'loss vs iteration' if kind == 'loss' else 'loss vs bytes on the wire'}")
+            ax.plot(x, y, label=name, **style[name])
+        ax.set_xlabel("cumulative wire MB (all ranks)" if kind == "loss_vs_bytes" else "iteration")
+        ax.set_ylabel("loss gap to the same optimizer's uncompressed run (%, running mean)" if kind == "gap"
+                      else "training loss (nats/token, running mean)")
+        ax.set_title(f"{suite} suite: " + {"loss": "loss vs iteration", "loss_vs_bytes": "loss vs bytes on the wire",
+                                            "gap": "loss gap vs iteration (dashed: frozen v)"}[kind])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
@@ -208,7 +228,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite) and/or zero (issue #4 set, use --seeds)")
+    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen and/or zero (issue #4 set, use --seeds)")
     p.add_argument("--out", default="results/convergence")
     p.add_argument("--reuse", action="store_true", help="keep runs whose metrics.jsonl in --out already has --iters "
                                                         "records (same code and settings: the runs are deterministic)")
@@ -238,7 +258,8 @@ def main() -> None:
         else:
             runs = {name: read(run_variant(out, suite, name, comp, args)) for name, comp in SUITES[suite]["variants"].items()}
             report += summarise(suite, runs)
-        report += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)", ""]
+        report += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)",
+                   f"![{suite} gap]({suite}_gap.png)", ""]
         plot(suite, runs, out)
     (out / "convergence.md").write_text("\n".join(report))
     print("\n".join(report))
