@@ -212,7 +212,7 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
                     x.append(total / 1e6)
             ax.plot(x, y, label=name, **style[name])
         ax.set_xlabel("cumulative wire MB (all ranks)" if kind == "loss_vs_bytes" else "iteration")
-        ax.set_ylabel("loss gap to the same optimizer's uncompressed run (%, running mean)" if kind == "gap"
+        ax.set_ylabel("gap to uncompressed, same optimizer (%)" if kind == "gap"
                       else "training loss (nats/token, running mean)")
         ax.set_title(f"{suite} suite: " + {"loss": "loss vs iteration", "loss_vs_bytes": "loss vs bytes on the wire",
                                             "gap": "loss gap vs iteration (dashed: frozen v)"}[kind])
