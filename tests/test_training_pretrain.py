@@ -101,6 +101,10 @@ def test_bad_configuration_errors(base, tmp_path):
         check(replace(base, global_batch_size=6), world_size=2)
     with pytest.raises(ValueError, match="3 micro-batches per iteration .* not a multiple of the 2 pipeline stages"):
         check(replace(base, global_batch_size=12, micro_batch_size=2, pipeline_model_parallel_size=2), world_size=4)
+    with pytest.raises(ValueError, match="adam_freeze_variance_step must be >= 0"):
+        check(replace(base, adam_freeze_variance_step=-1), world_size=1)
+    with pytest.raises(ValueError, match="dp_gradient_warmup_steps must be an int >= 0"):
+        replace(base, compression={"dp_gradient": "int4", "dp_gradient_warmup_steps": -2}).compression_config()
     with pytest.raises(ValueError, match="neither a file nor a preset"):
         replace(base, compression="lolo").compression_config()
     missing = replace(base, data_path=[str(tmp_path / "nope")], data_cache_dir=str(tmp_path / "c"))
@@ -120,3 +124,17 @@ def test_single_rank_resume_with_error_feedback(base, tmp_path):
     first = losses(run_ranks(_train_body, 1, replace(cfg, exit_interval=1))[0])
     rest = losses(run_ranks(_train_body, 1, replace(cfg, load=str(tmp_path / "c")))[0])
     assert first + rest == full
+
+
+def test_frozen_variance_recipe_resumes_bit_identically(base, tmp_path):
+    """1-bit Adam's recipe in pretraining: uncompressed warm-up, then int4+LoCo with Adam's variance frozen
+    (FrozenVarianceAdamW). A resume across the switch gives the uninterrupted run's losses."""
+    comp = {"dp_gradient": "int4", "dp_gradient_error_feedback": "loco", "dp_gradient_warmup_steps": 2,
+            "min_compress_numel": 0}
+    cfg = replace(base, train_iters=4, compression=comp, adam_freeze_variance_step=2, save=str(tmp_path / "c"))
+    full = run_ranks(_train_body, 2, replace(cfg, save=None))[0]
+    first = losses(run_ranks(_train_body, 2, replace(cfg, exit_interval=3))[0])
+    rest = losses(run_ranks(_train_body, 2, replace(cfg, load=str(tmp_path / "c")))[0])
+    assert first + rest == losses(full)
+    traffic = full[-1][3]["dp_gradient"]
+    assert traffic[0] < traffic[1]  # compressed after the warm-up
