@@ -347,9 +347,12 @@ def test_reference_forced_turns_triton_off(monkeypatch):
 
 
 # -- compiled kernels on a GPU -------------------------------------------------------------------------------
+CUDA_CASES = [(name, block, dual) for name in NAMES for block, dual in CONFIGS + [(4096, False), (10000, False)]] + \
+    [("sign", block, False) for block in (0, 128, 7, 100, 4096, 10000)]  # sign: nearest rounding, no dual
+
+
 @needs_cuda
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("block,dual", CONFIGS + [(4096, False), (10000, False)])
+@pytest.mark.parametrize("name,block,dual", CUDA_CASES)
 def test_cuda_dispatch_bit_identical(name, block, dual):
     """codec.encode_flat / decode_flat / decode_accumulate on CUDA (the Triton backend) against the
     reference run on the same GPU, fp32/bf16/fp16 inputs and outputs."""
@@ -381,19 +384,3 @@ def test_cuda_stochastic_and_error_feedback():
     out = torch.empty_like(x)
     assert quantize.ef_update_scaled(ref, x, e, out, fmt, 128, False, 0.9)
     assert torch.equal(out.view(torch.int32), (0.9 * e + (1.0 - 0.9) * res).view(torch.int32))
-
-
-@needs_cuda
-@pytest.mark.parametrize("block", [0, 128, 7, 100, 4096, 10000])
-def test_cuda_sign_bit_identical(block):
-    """The sign codec on CUDA (Triton, nearest rounding) against the reference on the same GPU."""
-    assert kernels.backend_name("cuda") == "triton"
-    codec = make_codec("sign", block_size=block)
-    fmt = codec.format
-    for (n, seed), dtype in itertools.product(((1, 1), (1000, 2), (100_003, 3)),
-                                              (torch.float32, torch.bfloat16, torch.float16)):
-        x = mixed(n, seed).to(dtype).cuda()
-        ref = quantize.encode_scaled_reference(x.float(), fmt, block, False, False, None)
-        assert torch.equal(codec.encode_flat(x), ref)
-        dref = quantize.decode_scaled_reference(ref, n, fmt, block, False)
-        assert torch.equal(codec.decode_flat(ref, n).view(torch.int32), dref.view(torch.int32))
