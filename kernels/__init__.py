@@ -13,8 +13,9 @@ on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef
   ``reference``  the eager torch code: always available; everything else (the sign codec on CUDA, other
                  devices and dtypes, the Hadamard rotation itself).
 
-Stochastic rounding uses the reference's own torch.rand draws (drawn by the dispatch, consumed by the
-kernels), so it matches the reference's random stream exactly.
+Stochastic rounding: the dispatch draws one key per call from the generator and every backend computes
+the same counter-based uniforms from (key, element index) (megacomp/compression/counter_rng.py), so the
+kernels match the reference's draws exactly without storing them.
 
 ``MEGACOMP_KERNELS=reference`` forces the reference. A build, compile or launch failure (no compiler, no
 triton, a triton error) falls back to the reference with one logged warning, never an error.

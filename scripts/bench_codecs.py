@@ -8,8 +8,8 @@ Part A, codec throughput (this process, --threads torch threads, inputs torch.ra
   Encode and decode write into preallocated outputs (``out=``), like the memcpy reference: a fresh
   >32 MiB buffer per call would time glibc's page faults instead (platform.md §6). Scaled int/fp8 codecs
   run the fused kernels of megacomp.kernels (backend printed in the header; MEGACOMP_KERNELS=reference
-  measures the eager reference); casts are eager torch, and stochastic rounding draws its torch.rand
-  uniforms in torch before the kernel (the reference's own draws, for bit-identity).
+  measures the eager reference); casts are eager torch; stochastic rounding computes its counter-based
+  draws (megacomp.compression.counter_rng) inside the kernel.
   wire B/elem = codec.wire_bytes(numel) / numel (scales included); ratio = 4 / that.
   rel err = ||x - decode(encode(x))|| / ||x||.
 
@@ -47,6 +47,8 @@ CODEC_SPECS = [dict(name=n) for n in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "i
     dict(name="int4", block_size=0),
     dict(name="sign", block_size=0),
     dict(name="int4", rounding="stochastic", seed=0),
+    dict(name="int8", rounding="stochastic", seed=0),
+    dict(name="sign", rounding="stochastic", seed=0),
 ]
 COLL_CODECS = ("none", "bf16", "fp8_e4m3", "int8", "int4", "int2", "sign")
 OPS = ("all_reduce", "reduce_scatter", "all_gather")

@@ -157,8 +157,8 @@ def test_fused_error_feedback_update_matches_reference(beta, spec, monkeypatch):
 @pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8_e4m3"])
 @pytest.mark.parametrize("block,dual", [(0, False), (128, False), (7, False), (32, True), (5, True)])
 def test_stochastic_rounding_bit_identical(name, block, dual):
-    """Stochastic rounding in the kernels consumes the reference's own torch.rand draws (same generator,
-    shape and order), so bytes and the generator's state afterwards are identical."""
+    """Stochastic rounding in the kernels computes the reference's counter-based draws from the call's key
+    (one draw from the same generator), so bytes and the generator's state afterwards are identical."""
     fmt = make_codec(name).format
     for n, mode in ((1, "normal"), (1000, "non_finite"), (40_001, "mixture")):
         x = inputs(n, n, mode)
@@ -187,7 +187,7 @@ def test_fp8_decode_every_code(name, dtype):
 @pytest.mark.parametrize("mode", ["normal", "near_zero", "subnormal", "mixture", "non_finite", "zeros"])
 def test_sign_codec_bit_identical(block, mode):
     """The sign codec: nearest (the reference's mean |x| scale, bits in the kernel), stochastic (the
-    reference's draws), decode and decode-accumulate."""
+    reference's counter-based draws), decode and decode-accumulate."""
     codec = make_codec("sign", block_size=block)
     fmt = codec.format
     for n in (1, 13, 1000, 40_001):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import megacomp.kernels as kernels
-from megacomp.compression import make_codec, quantize
+from megacomp.compression import counter_rng, make_codec, quantize
 from megacomp.kernels.triton import codec_triton as ct
 
 needs_triton = pytest.mark.skipif(not ct.HAVE_TRITON, reason=f"triton is not installed ({ct.IMPORT_ERROR}); "
@@ -122,14 +122,14 @@ def test_interpreted_fp8_ties_exhaustive(T, name, dtype):
 @pytest.mark.parametrize("bits_name", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("block,dual", [(0, False), (64, False), (7, False), (16, True)])
 def test_interpreted_stochastic_rounding(T, bits_name, block, dual):
-    """Stochastic rounding consumes the reference's own torch.rand draws, so the bytes are identical."""
+    """Stochastic rounding computes the reference's counter-based draws from the call's key in the kernel,
+    so the bytes are identical."""
     fmt = make_codec(bits_name).format
     x = mixed(203, 11)
-    ref = quantize.encode_scaled_reference(x, fmt, block, dual, True, torch.Generator().manual_seed(5))
-    width = x.numel() if block == 0 else block
-    u = torch.rand((quantize.num_blocks(x.numel(), block), width), generator=torch.Generator().manual_seed(5))
+    key = counter_rng.draw_key(torch.Generator().manual_seed(5), "cpu")
+    ref = quantize.encode_scaled_reference(x, fmt, block, dual, True, None, key=key)
     got = torch.empty_like(ref)
-    T.encode_into(x, got, 0, fmt.bits, fmt.qmax, block, dual, u=u)
+    T.encode_into(x, got, 0, fmt.bits, fmt.qmax, block, dual, key=key)
     assert torch.equal(got, ref)
 
 
@@ -180,6 +180,11 @@ def check_sign(T, block, x):
     got = torch.full_like(ref, 0xAB)
     T.sign_encode_into(x, got, block)
     assert torch.equal(got, ref), f"sign/{block}/{x.dtype} n={n}: encoded bytes differ"
+    key = counter_rng.draw_key(torch.Generator().manual_seed(n + block), "cpu")
+    sref = quantize.encode_scaled_reference(x.float(), fmt, block, False, True, None, key=key)
+    got = torch.full_like(sref, 0xAB)
+    T.sign_encode_into(x, got, block, key=key)
+    assert torch.equal(got, sref), f"sign/{block}/{x.dtype} n={n}: stochastic bytes differ"
     dref = quantize.decode_scaled_reference(ref, n, fmt, block, False)
     dec = torch.empty(n)
     T.sign_decode_into(ref, dec, block, False)
@@ -216,12 +221,14 @@ def test_interpreted_sign_segment_paths(T, monkeypatch):
     check_sign(T, 0, torch.randn(299, generator=torch.Generator().manual_seed(9)))
 
 
-def test_sign_dispatch_uses_the_kernels_for_nearest_only():
-    """Stochastic sign goes to the reference on CUDA (its draws would need a kernel-side division path)."""
-    assert ct.TritonCodecs.supports_sign
-    with pytest.raises(ct.Unsupported, match="stochastic"):
-        ct.TritonCodecs(None, True).sign_encode_into(torch.zeros(8), torch.zeros(5, dtype=torch.uint8), 8,
-                                                     u=torch.zeros(8))
+def test_stochastic_key_must_be_one_int64_on_the_device():
+    """A key the kernels cannot read is refused as Unsupported (the dispatch then runs the reference)."""
+    t = ct.TritonCodecs(None, True)
+    for bad in (torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)):
+        with pytest.raises(ct.Unsupported, match="key"):
+            t.sign_encode_into(torch.zeros(8), torch.zeros(5, dtype=torch.uint8), 8, key=bad)
+        with pytest.raises(ct.Unsupported, match="key"):
+            t.encode_into(torch.zeros(8), torch.zeros(8, dtype=torch.uint8), 0, 4, 7.0, 8, False, key=bad)
 
 
 def _compile_sm90(fn, sig, const):
@@ -243,15 +250,17 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic():
     from megacomp.kernels.triton import kernels as K
 
     f = "*fp32"
-    enc = dict(x_ptr="*i16", scale_ptr=f, mult_ptr=f, div_ptr=f, u_ptr=f, pay_ptr="*u8", n="i32", B="i32",
+    enc = dict(x_ptr="*i16", scale_ptr=f, mult_ptr=f, div_ptr=f, key_ptr="*i64", pay_ptr="*u8", n="i32", B="i32",
                nrows="i32", qmax="fp32", inv_q="fp32", offset="i32")
     dec = dict(pay_ptr="*u8", scale_ptr=f, down_ptr=f, table_ptr=f, out_ptr=f, h_ptr=f, e_ptr=f, flag_ptr="*i8",
                n="i32", B="i32", nrows="i32", offset="i32", coarse_ptr=f, beta="fp32", omb="fp32")
-    flat = dict(x_ptr="*fp16", mult_ptr=f, div_ptr=f, u_ptr=f, pay_ptr="*u8", n="i32", B="i32", qmax="fp32",
+    flat = dict(x_ptr="*fp16", mult_ptr=f, div_ptr=f, key_ptr="*i64", pay_ptr="*u8", n="i32", B="i32", qmax="fp32",
                 offset="i32")
     jobs = [(K.enc_rows, enc, dict(R=32, W=128, P=2, BITS=4, KIND=0, STAGE=0, STOCH=False, RECIP=True, BF16=True,
                                    FULL=True)),
-            (K.enc_rows, enc, dict(R=32, W=128, P=1, BITS=8, KIND=1, STAGE=2, STOCH=True, RECIP=True, BF16=True,
+            (K.enc_rows, enc, dict(R=32, W=128, P=1, BITS=8, KIND=1, STAGE=2, STOCH=False, RECIP=True, BF16=True,
+                                   FULL=True)),
+            (K.enc_rows, enc, dict(R=32, W=128, P=2, BITS=4, KIND=0, STAGE=0, STOCH=True, RECIP=False, BF16=False,
                                    FULL=True)),
             (K.enc_flat, flat, dict(T=1024, P=4, BITS=2, KIND=0, DUAL=True, ONE=False, STOCH=True, BF16=False)),
             (K.dec_rows, dec, dict(R=32, W=128, P=2, BITS=4, KIND=0, DUAL=False, EPI=0, FULL=True)),
@@ -269,6 +278,9 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic():
             assert "fma." not in ptx  # encode's fmas are the explicit ones of the exact division (_div)
         if fn is not K.sign_segments:  # its loads are 4-byte fp32 with a runtime block offset
             assert "v4.b32" in ptx, (fn.__name__, const)
+        if const.get("STOCH"):  # the counter-based draws: 32-bit products and logical (unsigned) shifts
+            assert "mul.lo.s32" in ptx or "mul.lo.u32" in ptx, (fn.__name__, const)
+            assert "shr.u32" in ptx and "shr.s32" not in ptx, (fn.__name__, const)
 
 
 def test_dispatch_keeps_cpu_tensors_off_triton():
@@ -348,7 +360,7 @@ def test_reference_forced_turns_triton_off(monkeypatch):
 
 # -- compiled kernels on a GPU -------------------------------------------------------------------------------
 CUDA_CASES = [(name, block, dual) for name in NAMES for block, dual in CONFIGS + [(4096, False), (10000, False)]] + \
-    [("sign", block, False) for block in (0, 128, 7, 100, 4096, 10000)]  # sign: nearest rounding, no dual
+    [("sign", block, False) for block in (0, 128, 7, 100, 4096, 10000)]  # sign: no dual
 
 
 @needs_cuda
@@ -379,6 +391,12 @@ def test_cuda_stochastic_and_error_feedback():
     g1, g2 = (torch.Generator(device="cuda").manual_seed(7) for _ in range(2))
     ref = quantize.encode_scaled_reference(x, fmt, 128, False, True, g1)
     assert torch.equal(quantize.encode_scaled(x, fmt, 128, False, True, g2), ref)
+    for name, block in (("int8", 0), ("int2", 7), ("sign", 128), ("sign", 0)):  # the draws of other layouts
+        f = make_codec(name).format
+        for dtype in (torch.float32, torch.bfloat16):
+            xs = mixed(100_003, 4).to(dtype).cuda()
+            sref = quantize.encode_scaled_reference(xs.float(), f, block, False, True, g1)
+            assert torch.equal(quantize.encode_scaled(xs, f, block, False, True, g2), sref), (name, block, dtype)
     e = torch.randn_like(x)
     res = x - quantize.decode_scaled_reference(ref, x.numel(), fmt, 128, False)
     out = torch.empty_like(x)

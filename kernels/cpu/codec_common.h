@@ -131,8 +131,39 @@ inline int64_t span_of(const Layout& L) {
   return L.width * std::max<int64_t>(1, kSpan / L.width);
 }
 
-// the sign codec (codec_sign.cpp): nearest (u null) or stochastic with the draws u; out/buf in the wire layout
-void sign_encode(const float* x, int64_t n, int64_t block, const float* u, uint8_t* out);
+// Stochastic rounding's counter-based draws (megacomp/compression/counter_rng.py): element i of a call with
+// key K gets u = (mix32((i * 0x4F1BBCDD + s0) ^ s1) >> 8) * 2^-24, s0 = mix32(K mod 2^32),
+// s1 = mix32((K >> 32) ^ 0x9E3779B9). Plain uint32 arithmetic: the loops that call at() still vectorise.
+MC_INLINE uint32_t mix32(uint32_t x) {
+  x = ((x >> 16) ^ x) * 0x45D9F3Bu;
+  x = ((x >> 16) ^ x) * 0x45D9F3Bu;
+  return (x >> 16) ^ x;
+}
+
+struct Uniforms {
+  uint32_t s0, s1;
+  explicit Uniforms(int64_t key)
+      : s0(mix32(static_cast<uint32_t>(static_cast<uint64_t>(key) & 0xFFFFFFFFu))),
+        s1(mix32(static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32) ^ 0x9E3779B9u)) {}
+  MC_INLINE float at(uint32_t i) const {  // (h >> 8) < 2^24: exact in fp32, and a signed convert vectorises
+    return static_cast<float>(static_cast<int32_t>(mix32((i * 0x4F1BBCDDu + s0) ^ s1) >> 8)) * 0x1p-24f;
+  }
+#ifdef __AVX2__
+  MC_INLINE __m256 at8(__m256i idx) const {  // at() of 8 indices
+    const __m256i mix = _mm256_set1_epi32(0x45D9F3B);
+    __m256i h = _mm256_xor_si256(_mm256_add_epi32(_mm256_mullo_epi32(idx, _mm256_set1_epi32(0x4F1BBCDD)),
+                                                  _mm256_set1_epi32(static_cast<int32_t>(s0))),
+                                 _mm256_set1_epi32(static_cast<int32_t>(s1)));
+    h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), mix);
+    h = _mm256_mullo_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), mix);
+    h = _mm256_srli_epi32(_mm256_xor_si256(h, _mm256_srli_epi32(h, 16)), 8);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(h), _mm256_set1_ps(0x1p-24f));
+  }
+#endif
+};
+
+// the sign codec (codec_sign.cpp): nearest (u null) or stochastic with the draws of u; out/buf in the wire layout
+void sign_encode(const float* x, int64_t n, int64_t block, const Uniforms* u, uint8_t* out);
 void sign_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, bool accumulate);
 
 }  // namespace megacomp_cpu

@@ -112,15 +112,63 @@ inline uint32_t f8_code(float y, F8Clamp cl) {
   return ai > 0x7F800000 ? 0u : r;
 }
 
+#ifdef __AVX2__
+// The int codes of 32 elements per step with explicit AVX2: gcc vectorises the scalar loop below, but
+// builds each select of the clamp and NaN handling from and/andn/or masks and spends ~2x the instructions;
+// the counter-based draws then made stochastic rounding compute-bound. Same operations, same order:
+// y = x / div (dual: (x * mult) / div, IEEE division), round half to even (vroundps, the mode torch.round
+// uses) or floor(y + u); NaN -> 0 first, then max(-qmax) and min(qmax) (maxps/minps: NaN-free inputs, so
+// this equals the reference's clamp_ then nan_to_num); + offset, exact conversion, bytes in order.
+template <bool DUAL, bool STOCH>
+MC_INLINE int64_t quantize_int_avx2(const float* x, int64_t n, float mult, float div, float qmax, float offset,
+                                    uint8_t* codes, const Uniforms& U, uint32_t b0) {
+  const __m256 vmult = _mm256_set1_ps(mult), vdiv = _mm256_set1_ps(div), lo = _mm256_set1_ps(-qmax),
+               hi = _mm256_set1_ps(qmax), off = _mm256_set1_ps(offset);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(b0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i step = _mm256_set1_epi32(8);
+  auto code8 = [&](const float* p) __attribute__((always_inline)) {
+    __m256 v = _mm256_loadu_ps(p);
+    if (DUAL) v = _mm256_mul_ps(v, vmult);
+    __m256 y = _mm256_div_ps(v, vdiv);
+    __m256 q;
+    if (STOCH) {
+      q = _mm256_round_ps(_mm256_add_ps(y, U.at8(idx)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      idx = _mm256_add_epi32(idx, step);
+    } else {
+      q = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    }
+    q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));  // NaN -> +0
+    q = _mm256_min_ps(_mm256_max_ps(q, lo), hi);
+    return _mm256_cvttps_epi32(_mm256_add_ps(q, off));  // integers in [0, 255]
+  };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256i a = code8(x + i), b = code8(x + i + 8), c = code8(x + i + 16), d = code8(x + i + 24);
+    const __m256i ab = _mm256_packus_epi32(a, b), cd = _mm256_packus_epi32(c, d);  // per 128-bit lane
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(ab, cd), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), bytes);
+  }
+  return i;
+}
+#endif
+
 // codes[i] for y_i = (x_i * mult) / div, the reference's op sequence; KIND 0 = int, 1 = float8
-// STOCH (int only): floor(y + u) with the reference's uniform draws u instead of round(y)
+// STOCH (int only): floor(y + u) with the reference's counter-based draws u (element base + i) instead of round(y)
 template <int KIND, typename F8, bool DUAL, bool STOCH = false>
 MC_INLINE void quantize_span(const float* x, int64_t n, float mult, float div, float qmax, float offset, uint8_t* codes,
-                             const float* u = nullptr) {
+                             const Uniforms* u = nullptr, int64_t base = 0) {
   if (KIND == 0) {
-    for (int64_t i = 0; i < n; ++i) {
+    const Uniforms U = STOCH ? *u : Uniforms(0);  // a local copy: the loop vectorises
+    const uint32_t b0 = static_cast<uint32_t>(base);
+    int64_t i = 0;
+#ifdef __AVX2__
+    i = quantize_int_avx2<DUAL, STOCH>(x, n, mult, div, qmax, offset, codes, U, b0);
+#endif
+    for (; i < n; ++i) {
       const float y = DUAL ? (x[i] * mult) / div : x[i] / div;
-      float q = STOCH ? std::floor(y + u[i]) : std::nearbyint(y);  // torch.floor / torch.round (half to even)
+      // torch.floor / torch.round (half to even)
+      float q = STOCH ? std::floor(y + U.at(b0 + static_cast<uint32_t>(i))) : std::nearbyint(y);
       q = q < -qmax ? -qmax : (q > qmax ? qmax : q);  // clamp_ (NaN passes through)
       q = (q != q) ? 0.f : q;                         // nan_to_num
       codes[i] = static_cast<uint8_t>(static_cast<int>(q + offset));
@@ -224,7 +272,7 @@ inline float pow2(int k) {  // 2^k for -126 <= k <= 127, exactly
 // W > 0: the block size known at compile time (32, 128), so full blocks run loops of constant length
 // (unrolled, no remainder code); W = 0: any block size. (More sizes cost build time: ~25 s each.)
 template <int KIND, typename F8, int W>
-void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, const float* u) {
+void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, const Uniforms* u) {
   const float offset = static_cast<float>(1 << (L.bits - 1));
   uint8_t* payload = out + L.scale_bytes;
   const bool aligned = L.width % L.per == 0 || L.nb == 1;
@@ -238,7 +286,7 @@ void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, co
           std::memcpy(out + 4 * b, &scale, 4);
           const float div = scale > 0.f ? scale : 1.f;
           if (KIND == 0 && u)
-            quantize_span<KIND, F8, false, true>(x + start, m, 1.f, div, qmax, offset, codes.data(), u + start);
+            quantize_span<KIND, F8, false, true>(x + start, m, 1.f, div, qmax, offset, codes.data(), u, start);
           else
             quantize_span<KIND, F8, false>(x + start, m, 1.f, div, qmax, offset, codes.data());
           pack(codes.data(), m, L.bits, payload + start / L.per);
@@ -297,10 +345,10 @@ void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, co
   };
   auto mult_of = [&](int64_t b) { return L.dual ? pow2(out[4 + b]) : 1.f; };  // torch.exp2(k): exact
   auto quantize = [&](const float* xs, int64_t len, int64_t b, uint8_t* codes) __attribute__((always_inline)) {
-    const float* us = u ? u + (xs - x) : nullptr;
-    if (KIND == 0 && us) {
-      if (L.dual) quantize_span<KIND, F8, true, true>(xs, len, mult_of(b), div_of(b), qmax, offset, codes, us);
-      else quantize_span<KIND, F8, false, true>(xs, len, 1.f, div_of(b), qmax, offset, codes, us);
+    if (KIND == 0 && u) {
+      const int64_t i0 = xs - x;
+      if (L.dual) quantize_span<KIND, F8, true, true>(xs, len, mult_of(b), div_of(b), qmax, offset, codes, u, i0);
+      else quantize_span<KIND, F8, false, true>(xs, len, 1.f, div_of(b), qmax, offset, codes, u, i0);
     } else if (L.dual) {
       quantize_span<KIND, F8, true>(xs, len, mult_of(b), div_of(b), qmax, offset, codes);
     } else {
@@ -336,9 +384,9 @@ void encode_impl_w(const float* x, const Layout& L, float qmax, uint8_t* out, co
   });
 }
 
-// u: uniform draws for stochastic rounding (int kinds), one per element (the reference's padded draws, flat)
+// u: stochastic rounding's counter-based draws (int kinds), or null for round to nearest
 template <int KIND, typename F8>
-void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out, const float* u) {
+void encode_impl(const float* x, const Layout& L, float qmax, uint8_t* out, const Uniforms* u) {
   switch (L.nb > 1 ? L.width : 0) {
     case 32: return encode_impl_w<KIND, F8, 32>(x, L, qmax, out, u);
     case 128: return encode_impl_w<KIND, F8, 128>(x, L, qmax, out, u);  // the codecs' default block
@@ -441,19 +489,23 @@ bool ef_update_into(torch::Tensor buf, torch::Tensor h, torch::Tensor e, torch::
 }
 
 // kind: 0 int, 1 float8 e4m3fn, 2 float8 e5m2
-// u (int kinds, stochastic rounding): the reference's torch.rand draws, (blocks, width) fp32, contiguous
+// key (int kinds, stochastic rounding): the call's counter_rng key, an int64 tensor of one element
+inline c10::optional<Uniforms> uniforms_of(const c10::optional<torch::Tensor>& key, int64_t n) {
+  if (!key.has_value()) return c10::nullopt;
+  TORCH_CHECK(key->dtype() == torch::kInt64 && key->numel() == 1, "key: one int64 element");
+  TORCH_CHECK(n < (int64_t(1) << 32), "stochastic rounding: at most 2^32 - 1 elements per call");
+  return Uniforms(key->item<int64_t>());
+}
+
 void encode_into(torch::Tensor x, torch::Tensor out, int64_t kind, int64_t bits, double qmax, int64_t block, bool dual,
-                 c10::optional<torch::Tensor> u) {
+                 c10::optional<torch::Tensor> key) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
   TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous(), "out: contiguous uint8");
   if (x.numel() == 0) return;
   const Layout L(x.numel(), block, dual, kind == 0 ? (int)bits : 8);
   TORCH_CHECK(out.numel() == L.scale_bytes + (L.n * L.bits + 7) / 8, "out has the wrong size");
-  const float* up = nullptr;
-  if (u.has_value() && kind == 0) {
-    TORCH_CHECK(u->dtype() == torch::kFloat32 && u->is_contiguous() && u->numel() >= L.n, "u: fp32 draws, >= numel");
-    up = u->data_ptr<float>();
-  }
+  const c10::optional<Uniforms> u = uniforms_of(key, L.n);
+  const Uniforms* up = u.has_value() && kind == 0 ? &*u : nullptr;
   const float* xp = x.data_ptr<float>();
   uint8_t* op = out.data_ptr<uint8_t>();
   const float q = static_cast<float>(qmax);
@@ -476,16 +528,15 @@ void decode_into(torch::Tensor buf, torch::Tensor out, int64_t kind, int64_t bit
   else decode_impl<1, c10::Float8_e5m2>(bp, L, op, accumulate);
 }
 
-void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> u) {
+void sign_encode_into(torch::Tensor x, torch::Tensor out, int64_t block, c10::optional<torch::Tensor> key) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(), "x: contiguous fp32 CPU");
   TORCH_CHECK(out.dtype() == torch::kUInt8 && out.is_contiguous(), "out: contiguous uint8");
   const int64_t n = x.numel();
   if (n == 0) return;
   const Layout L(n, block, false, 1);
   TORCH_CHECK(out.numel() == L.scale_bytes + (n + 7) / 8, "out has the wrong size");
-  if (u.has_value())
-    TORCH_CHECK(u->dtype() == torch::kFloat32 && u->is_contiguous() && u->numel() >= n, "u: fp32 draws");
-  sign_encode(x.data_ptr<float>(), n, block, u.has_value() ? u->data_ptr<float>() : nullptr, out.data_ptr<uint8_t>());
+  const c10::optional<Uniforms> u = uniforms_of(key, n);
+  sign_encode(x.data_ptr<float>(), n, block, u.has_value() ? &*u : nullptr, out.data_ptr<uint8_t>());
 }
 
 void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool accumulate) {
@@ -503,13 +554,13 @@ void sign_decode_into(torch::Tensor buf, torch::Tensor out, int64_t block, bool 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode_into", &megacomp_cpu::encode_into, "fused scaled encode (bit-identical to the eager reference)", py::arg("x"),
         py::arg("out"), py::arg("kind"), py::arg("bits"), py::arg("qmax"), py::arg("block"), py::arg("dual"),
-        py::arg("u") = py::none());
+        py::arg("key") = py::none());
   m.def("f8_decode_arithmetic", [](int64_t kind) {
     return kind == 1 ? megacomp_cpu::f8_arith_exact<c10::Float8_e4m3fn>()
                      : megacomp_cpu::f8_arith_exact<c10::Float8_e5m2>();
   }, "whether the float8 decode uses integer arithmetic (it equals c10's table for all 256 codes)");
   m.def("sign_encode_into", &megacomp_cpu::sign_encode_into, "sign codec encode", py::arg("x"), py::arg("out"),
-        py::arg("block"), py::arg("u") = py::none());
+        py::arg("block"), py::arg("key") = py::none());
   m.def("sign_decode_into", &megacomp_cpu::sign_decode_into, "sign codec decode, optionally accumulating");
   m.attr("supports_stochastic") = true;
   m.attr("supports_sign") = true;

@@ -4,7 +4,7 @@
 //               amax_b = m 2^e and k = 24 - e, fp32(fp64(sum floor(|x| 2^k)) * 2^-k / count), an exact
 //               integer sum, so this file's order (8 lanes, then the lanes, then the chunks) gives the
 //               reference's value;
-//   stochastic: scale = amax_b, bit = u < (1 + x / safe) * 0.5 with the reference's torch.rand draws u;
+//   stochastic: scale = amax_b, bit = u < (1 + x / safe) * 0.5 with the reference's counter-based draws u;
 //   decode:     (2 * bit - 1) * scale, or added to out.
 // Raw pointers only (the Tensor checks and bindings are in codec_kernels.cpp): this file does not parse
 // the torch extension headers, which dominate build time.
@@ -97,6 +97,28 @@ inline void sign_bits(const float* x, int64_t n, uint8_t* out) {
   }
 }
 
+// stochastic bits of x[0, n), elements i0 .. i0 + n - 1 of the tensor, one block scale: bit = u_i <
+// (1 + x_i / safe) * 0.5 (NaN gives 0), written from out[0] (x[0] is bit 0 of out[0])
+inline void stochastic_sign_bits(const float* x, int64_t n, float safe, const Uniforms& U, uint32_t i0,
+                                 uint8_t* out) {
+  int64_t j = 0;
+#ifdef __AVX2__
+  const __m256 vs = _mm256_set1_ps(safe), one = _mm256_set1_ps(1.f), half = _mm256_set1_ps(0.5f);
+  __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i0)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (; 8 * j + 8 <= n; ++j) {
+    const __m256 t = _mm256_mul_ps(_mm256_add_ps(one, _mm256_div_ps(_mm256_loadu_ps(x + 8 * j), vs)), half);
+    out[j] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(U.at8(idx), t, _CMP_LT_OQ)));
+    idx = _mm256_add_epi32(idx, _mm256_set1_epi32(8));
+  }
+#endif
+  for (; 8 * j < n; ++j) {
+    uint32_t b = 0;
+    for (int64_t i = 8 * j; i < std::min(n, 8 * j + 8); ++i)
+      b |= static_cast<uint32_t>(U.at(i0 + static_cast<uint32_t>(i)) < (1.0f + x[i] / safe) * 0.5f) << (i - 8 * j);
+    out[j] = static_cast<uint8_t>(b);
+  }
+}
+
 // one block (the whole tensor): maxima and integer sums per chunk in parallel (both order-free)
 void sign_encode_single(const float* xp, int64_t n, uint8_t* op, bool stochastic) {
   const int64_t chunks = (n + kGrain - 1) / kGrain;
@@ -122,7 +144,7 @@ void sign_encode_single(const float* xp, int64_t n, uint8_t* op, bool stochastic
 
 }  // namespace
 
-void sign_encode(const float* xp, int64_t n, int64_t block, const float* up, uint8_t* op) {
+void sign_encode(const float* xp, int64_t n, int64_t block, const Uniforms* up, uint8_t* op) {
   const Layout L(n, block, false, 1);
   uint8_t* payload = op + L.scale_bytes;
   const bool fused = !up && L.nb > 1 && L.width % 8 == 0;  // scales and bits per span, the span in cache
@@ -153,6 +175,19 @@ void sign_encode(const float* xp, int64_t n, int64_t block, const float* up, uin
     return;
   }
   const int64_t span = kSpan;  // a multiple of 8: every span starts on a byte boundary
+  if (L.nb == 1 || L.width % 8 == 0) {  // every block piece starts on a byte boundary: bits straight to the payload
+    at::parallel_for(0, (n + span - 1) / span, 1, [&](int64_t s0, int64_t s1) {
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t start = s * span, len = std::min(span, n - start);
+        by_block(start, len, L.width, [&](int64_t o, int64_t m, int64_t b) {
+          const float sc = scale_at(op, b), safe = sc > 0.f ? sc : 1.f;
+          stochastic_sign_bits(xp + start + o, m, safe, *up, static_cast<uint32_t>(start + o),
+                               payload + (start + o) / 8);
+        });
+      }
+    });
+    return;
+  }
   at::parallel_for(0, (n + span - 1) / span, 1, [&](int64_t s0, int64_t s1) {
     std::vector<uint8_t> codes(span);
     for (int64_t s = s0; s < s1; ++s) {
@@ -160,8 +195,10 @@ void sign_encode(const float* xp, int64_t n, int64_t block, const float* up, uin
       const float* xs = xp + start;
       by_block(start, len, L.width, [&](int64_t o, int64_t m, int64_t b) {
         const float sc = scale_at(op, b), safe = sc > 0.f ? sc : 1.f;
-        const float* us = up + start + o;
-        for (int64_t i = 0; i < m; ++i) codes[o + i] = us[i] < (1.0f + xs[o + i] / safe) * 0.5f;
+        const Uniforms U = *up;
+        const uint32_t base = static_cast<uint32_t>(start + o);
+        for (int64_t i = 0; i < m; ++i)
+          codes[o + i] = U.at(base + static_cast<uint32_t>(i)) < (1.0f + xs[o + i] / safe) * 0.5f;
       });
       pack(codes.data(), len, 1, payload + start / 8);
     }

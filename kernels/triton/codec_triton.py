@@ -61,7 +61,7 @@ class TritonCodecs:
 
     name = "triton"
     supports_stochastic = True
-    supports_sign = True  # nearest rounding; stochastic sign runs the reference
+    supports_sign = True
     input_dtypes = INPUT_DTYPES
 
     def __init__(self, kmod, interpreted: bool):
@@ -116,9 +116,9 @@ class TritonCodecs:
 
     # -- entry points ------------------------------------------------------------------------------
     def encode_into(self, x: torch.Tensor, out: torch.Tensor, kind: int, bits: int, qmax: float, block: int,
-                    dual: bool, u: torch.Tensor | None = None) -> None:
+                    dual: bool, key: torch.Tensor | None = None) -> None:
         """Encode flat ``x`` (fp32/bf16/fp16) into ``out`` (the wire layout of quantize.py).
-        ``u``: the reference's uniform draws for stochastic rounding (int kinds), shape (blocks, width)."""
+        ``key``: stochastic rounding's counter_rng key (int kinds), an int64 tensor of one element on x's device."""
         from megacomp.compression.quantize import _dual_exponents
 
         n = x.numel()
@@ -133,8 +133,10 @@ class TritonCodecs:
         bf16 = x.dtype == torch.bfloat16
         x = x.view(-1).view(torch.int16) if bf16 else x.view(-1)  # bf16 widened in the kernel by a shift
         pay = out[ns:]
-        stoch = u is not None
-        uu = u.reshape(-1) if stoch else x
+        stoch = key is not None and kind == 0
+        if stoch and (key.dtype != torch.int64 or key.numel() != 1 or key.device != x.device):
+            raise Unsupported("triton encode: key must be one int64 element on the input's device")
+        uu = key if stoch else x
         offset = 1 << (bits - 1)
         inv_q = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
         bp2, r = self._rows_cfg(width, nb, per)
@@ -219,13 +221,12 @@ class TritonCodecs:
         self._decode(buf, out.view(torch.int16) if out.dtype == torch.bfloat16 else out, kind, bits, block, dual,
                      1 if accumulate else 0)
 
-    def sign_encode_into(self, x: torch.Tensor, out: torch.Tensor, block: int, u: torch.Tensor | None = None) -> None:
-        """The sign codec, nearest rounding (the C++ entry point's signature): bits and exact block sums in
-        Triton, the scale formula on the sums with the reference's torch ops (quantize.sign_scale_from_sums)."""
+    def sign_encode_into(self, x: torch.Tensor, out: torch.Tensor, block: int, key: torch.Tensor | None = None) -> None:
+        """The sign codec (the C++ entry point's signature). Nearest: bits and exact block sums in Triton, the
+        scale formula on the sums with the reference's torch ops (quantize.sign_scale_from_sums). Stochastic
+        (``key``: the call's counter_rng key): block maxima, then the bits from the counter-based draws."""
         from megacomp.compression.quantize import sign_scale_exponents, sign_scale_from_sums
 
-        if u is not None:
-            raise Unsupported("triton sign encode: stochastic rounding runs the reference")
         n = x.numel()
         if x.dtype not in INPUT_DTYPES or not x.is_contiguous() or n > MAX_NUMEL:
             raise Unsupported(f"triton encode: contiguous fp32/bf16/fp16 up to {MAX_NUMEL} elements, got {x.dtype}")
@@ -237,6 +238,17 @@ class TritonCodecs:
         bf16 = x.dtype == torch.bfloat16
         x = x.view(-1).view(torch.int16) if bf16 else x.view(-1)
         pay = out[ns:]
+        if key is not None:  # stochastic: scale = amax_b, then the bits with the counter-based draws
+            if key.dtype != torch.int64 or key.numel() != 1 or key.device != x.device:
+                raise Unsupported("triton encode: key must be one int64 element on the input's device")
+            amax_b = self._block_amax(x, n, width, nb)
+            out[:4 * nb].copy_(amax_b.view(torch.uint8))
+            div = torch.where(amax_b > 0, amax_b, torch.ones_like(amax_b))
+            t = TILE // 8
+            self.K.enc_flat[(triton.cdiv((n + 7) // 8, t),)](
+                x, div, div, key, pay, n, width, 1.0, 0, T=t, P=8, BITS=1, KIND=3, DUAL=False, ONE=nb == 1,
+                STOCH=True, BF16=bf16, **self.opts)
+            return
         bp2, r = self._rows_cfg(width, nb, per)
         if nb > 1 and width % 8 == 0 and bp2 <= ROW_MAX:  # one pass: maxima, sums and bits
             amax = torch.empty(nb, dtype=torch.float32, device=x.device)

@@ -13,7 +13,8 @@ and a shifted sum over the last axis; it needs blocks that start on a byte bound
 ``T * P`` contiguous elements (``T`` payload bytes) and looks up each element's block (any block size, or
 one scale for the whole tensor with ``ONE``).
 
-KIND: 0 int, 1 float8 e4m3fn, 2 float8 e5m2, 3 sign (decode only; encode: the sign_* kernels at the end). EPI (decode): 0 store, 1 accumulate into fp32, 2/3/4 error
+KIND: 0 int, 1 float8 e4m3fn, 2 float8 e5m2, 3 sign (decode, and stochastic encode through enc_flat; nearest
+encode: the sign_* kernels at the end). EPI (decode): 0 store, 1 accumulate into fp32, 2/3/4 error
 feedback update modes 0/1/2 (``h - d``, ``(1-beta)(h - d)``, ``beta e + (1-beta)(h - d)``).
 """
 import triton
@@ -81,9 +82,31 @@ def _load_f32(ptr, idx, m, BF16: tl.constexpr):
 
 
 @triton.jit
+def _mix32(x):
+    """megacomp/compression/counter_rng.py's mixer on uint32 values (products wrap mod 2^32)."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    x = ((x >> 16) ^ x) * 0x45D9F3B
+    return (x >> 16) ^ x
+
+
+@triton.jit
+def _uniform(key_ptr, idx):
+    """Stochastic rounding's counter-based draw for element ``idx`` (< 2^32) of the call with the int64 key at
+    ``key_ptr`` (read on the device: no host sync): (mix32((i * 0x4F1BBCDD + s0) ^ s1) >> 8) * 2^-24."""
+    key = tl.load(key_ptr)
+    s0 = _mix32((key & 0xFFFFFFFF).to(tl.uint32))
+    s1 = _mix32(((key >> 32) ^ 0x9E3779B9).to(tl.uint32))
+    h = _mix32((idx.to(tl.uint32) * 0x4F1BBCDD + s0) ^ s1)
+    return (h >> 8).to(tl.int32).to(tl.float32) * 5.9604644775390625e-08  # 2^-24, exact
+
+
+@triton.jit
 def _quantize(y, u, qmax, offset, KIND: tl.constexpr, STOCH: tl.constexpr):
-    """Codes (int32, < 256) of the scaled values ``y``: the reference's round/floor, clamp, NaN -> 0."""
-    if KIND == 0:
+    """Codes (int32, < 256) of the scaled values ``y``: the reference's round/floor, clamp, NaN -> 0; KIND 3
+    (the sign codec, stochastic; y = x / amax): bit = u < (1 + y) * 0.5, the reference's ops (NaN -> 0)."""
+    if KIND == 3:
+        out = (u < (1.0 + y) * 0.5).to(tl.int32)
+    elif KIND == 0:
         if STOCH:
             y = y + u  # floor(y + u) below
         c = tl.where(y < -qmax, -qmax, tl.where(y > qmax, qmax, y))  # NaN passes through, like clamp_
@@ -205,7 +228,7 @@ def _row_index(pid, n, B, R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, FUL
 
 
 @triton.jit
-def enc_rows(x_ptr, scale_ptr, mult_ptr, div_ptr, u_ptr, pay_ptr, n, B, nrows, qmax, inv_q, offset,
+def enc_rows(x_ptr, scale_ptr, mult_ptr, div_ptr, key_ptr, pay_ptr, n, B, nrows, qmax, inv_q, offset,
              R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr,
              STAGE: tl.constexpr, STOCH: tl.constexpr, RECIP: tl.constexpr, BF16: tl.constexpr, FULL: tl.constexpr):
     """R whole blocks per program. STAGE 0: block maxima, scales (written as fp32) and codes in one pass;
@@ -234,13 +257,13 @@ def enc_rows(x_ptr, scale_ptr, mult_ptr, div_ptr, u_ptr, pay_ptr, n, B, nrows, q
     if STAGE != 1:
         u = 0.0
         if STOCH:
-            u = tl.load(u_ptr + idx, mask=m, other=0.0)
+            u = _uniform(key_ptr, idx)
         code = tl.where(m, _quantize(y, u, qmax, offset, KIND, STOCH), 0)
         tl.store(pay_ptr + bidx, _pack(code, W // P, P, BITS).to(tl.uint8), mask=bm)
 
 
 @triton.jit
-def enc_flat(x_ptr, mult_ptr, div_ptr, u_ptr, pay_ptr, n, B, qmax, offset, T: tl.constexpr, P: tl.constexpr,
+def enc_flat(x_ptr, mult_ptr, div_ptr, key_ptr, pay_ptr, n, B, qmax, offset, T: tl.constexpr, P: tl.constexpr,
              BITS: tl.constexpr, KIND: tl.constexpr, DUAL: tl.constexpr, ONE: tl.constexpr, STOCH: tl.constexpr,
              BF16: tl.constexpr):
     """T payload bytes (T * P elements) per program, codes from given per-block ``mult`` (dual) and ``div``;
@@ -261,7 +284,7 @@ def enc_flat(x_ptr, mult_ptr, div_ptr, u_ptr, pay_ptr, n, B, qmax, offset, T: tl
     y = tl.math.div_rn(x, div)
     u = 0.0
     if STOCH:
-        u = tl.load(u_ptr + idx, mask=m, other=0.0)
+        u = _uniform(key_ptr, idx)
     code = tl.where(m, _quantize(y, u, qmax, offset, KIND, STOCH), 0)
     b1 = pid * T + tl.arange(0, T)
     tl.store(pay_ptr + b1, _pack(code, T, P, BITS).to(tl.uint8), mask=b1 * P < n)

@@ -11,7 +11,9 @@ with ``nb = ceil(n / B)``. The payload holds ``n`` codes only (no block padding 
 ``ceil(n * bits / 8)`` bytes.
 
 Algorithm (per block b of the zero-padded input, in fp32):
-  int:    s_b = amax_b / qmax;  q = round(x / s_b) (or floor(x / s_b + u), u ~ U[0,1) for stochastic),
+  int:    s_b = amax_b / qmax;  q = round(x / s_b) (or floor(x / s_b + u) for stochastic, u in [0, 1) the
+          counter-based draw of counter_rng.py: one key per call from the generator, u a function of
+          (key, element index), so every backend computes the same draws without storing them),
           clamped to [-qmax, qmax]; decode q * s_b.  |error| <= s_b / 2 (nearest), < s_b (stochastic).
   sign:   nearest: s_b = mean_b |x|, bit = x >= 0, decode +-s_b; |error| <= amax_b. The mean is an exact
           integer sum (see _sign_mean_scale), so any summation order, in any kernel, gives the same bits.
@@ -33,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from . import counter_rng
 from .formats import Format
 from .packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -84,15 +87,15 @@ def _dual_exponents(amax_b: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     """The fused kernels covering this case, or None (then the eager reference below runs): Triton for
-    CUDA tensors, the C++ extension for CPU tensors, nothing else. Stochastic rounding passes the
-    reference's own torch.rand draws to the kernels."""
+    CUDA tensors, the C++ extension for CPU tensors, nothing else. Stochastic rounding passes the call's
+    counter_rng key; the kernels compute the reference's draws from it."""
     if fmt.kind not in ("int", "float8", "sign"):
         return None
     from megacomp import kernels
 
     if x.device.type == "cuda":
         k = kernels.triton_kernels()
-        return k if fmt.kind != "sign" or (getattr(k, "supports_sign", False) and not stochastic) else None
+        return k if fmt.kind != "sign" or getattr(k, "supports_sign", False) else None
     if x.device.type == "cpu":
         k = kernels.cpu_kernels()
         if k is None or (stochastic and not getattr(k, "supports_stochastic", False)):
@@ -166,6 +169,7 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
     kernel when available, bit-identical). ``out``: a preallocated uint8 buffer of the exact size (reused
     buffers avoid page faults on big tensors)."""
     k = _kernels(fmt, stochastic, x32)
+    key = None  # stochastic rounding: the call's counter_rng key, drawn once (a kernel failure reuses it)
     if k is not None and x32.dtype not in getattr(k, "input_dtypes", (torch.float32,)):  # C++: fp32 only
         x32 = x32.to(torch.float32)
     if k is not None:
@@ -176,30 +180,20 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
         if n == 0:
             return out
         args = (x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
-        state = None
+        if stochastic:
+            counter_rng.check_numel(n)
+            key = counter_rng.draw_key(generator, x32.device)
         try:
-            if fmt.kind == "sign":  # the C++ and Triton kernels take (x, out, block, u=None)
-                if stochastic:
-                    u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
-                                   generator=generator, device=x32.device)
-                    k.sign_encode_into(args[0], out, block_size, u=u)
-                else:
-                    k.sign_encode_into(args[0], out, block_size)
-            elif stochastic and fmt.kind == "int":  # the reference's own draws (same generator, shape, order)
-                state = generator.get_state() if generator is not None else None
-                u = torch.rand((num_blocks(n, block_size), n if block_size == 0 else block_size),
-                               generator=generator, device=x32.device)
-                k.encode_into(*args, u=u)
+            if fmt.kind == "sign":  # the C++ and Triton kernels take (x, out, block, key=None)
+                k.sign_encode_into(args[0], out, block_size, key=key)
             else:
-                k.encode_into(*args)
+                k.encode_into(*args, key=key)
             return out
         except Exception as e:
             if not _kernel_failed(k, e):
                 raise
-            if state is not None:
-                generator.set_state(state)
     x32 = x32.to(torch.float32)
-    res = encode_scaled_reference(x32, fmt, block_size, dual, stochastic, generator)
+    res = encode_scaled_reference(x32, fmt, block_size, dual, stochastic, generator, key=key)
     return res if out is None else out.copy_(res)
 
 
@@ -261,11 +255,17 @@ def encode_scaled_reference(
     dual: bool,
     stochastic: bool,
     generator: Optional[torch.Generator],
+    key: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Encode a flat fp32 tensor into the wire layout above; returns a 1-D uint8 tensor (eager reference)."""
+    """Encode a flat fp32 tensor into the wire layout above; returns a 1-D uint8 tensor (eager reference).
+    Stochastic rounding draws one counter_rng key from ``generator`` (or uses ``key``, already drawn)."""
     n = x32.numel()
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=x32.device)
+    u = None
+    if stochastic:
+        counter_rng.check_numel(n)
+        u = counter_rng.uniforms(key if key is not None else counter_rng.draw_key(generator, x32.device), n)
     xb = _blocks(x32, block_size)
     absb = xb.abs()
     amax_b = absb.amax(dim=1, keepdim=True)  # propagates NaN and inf
@@ -274,11 +274,10 @@ def encode_scaled_reference(
         scale = amax_b if stochastic else _sign_mean_scale(absb, amax_b, n)
         if stochastic:
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-            u = torch.rand(xb.shape, generator=generator, device=xb.device)
-            bits = (u < (1.0 + xb / safe) * 0.5)
+            bits = u < ((1.0 + xb / safe) * 0.5).reshape(-1)[:n]
         else:
-            bits = xb >= 0
-        codes = bits.reshape(-1)[:n].to(torch.uint8)
+            bits = (xb >= 0).reshape(-1)[:n]
+        codes = bits.to(torch.uint8)
         scale_bytes = scale.reshape(-1).contiguous().view(torch.uint8)
         return torch.cat([scale_bytes, pack_bits(codes, 1)])
 
@@ -303,7 +302,6 @@ def encode_scaled_reference(
         codes = y.to(fmt.dtype).view(torch.uint8)
     else:  # int
         if stochastic:
-            u = torch.rand(xb.shape, generator=generator, device=xb.device).reshape(-1)[:n]
             q = torch.floor(y + u)
         else:
             q = torch.round(y)
