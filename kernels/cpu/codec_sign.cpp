@@ -119,8 +119,9 @@ inline void stochastic_sign_bits(const float* x, int64_t n, float safe, const Un
   }
 }
 
-// one block (the whole tensor): maxima and integer sums per chunk in parallel (both order-free)
-void sign_encode_single(const float* xp, int64_t n, uint8_t* op, bool stochastic) {
+// one block (the whole tensor): maxima and integer sums per chunk in parallel (both order-free); nearest
+// rounding also writes each chunk's bits while the chunk is in cache (two passes over x instead of three)
+void sign_encode_single(const float* xp, int64_t n, uint8_t* op, uint8_t* payload, bool stochastic) {
   const int64_t chunks = (n + kGrain - 1) / kGrain;
   std::vector<float> maxima(chunks);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -129,12 +130,19 @@ void sign_encode_single(const float* xp, int64_t n, uint8_t* op, bool stochastic
   float amax = maxima[0];  // the same NaN-propagating maximum as absmax() over everything
   for (float m : maxima) amax = (std::isnan(amax) || std::isnan(m)) ? NAN : std::max(amax, m);
   float scale = amax;
-  if (!stochastic && std::isfinite(amax) && amax > 0.f) {
-    const int k = mean_exponent(amax);
-    std::vector<int64_t> sums(chunks);
+  const bool sums_needed = !stochastic && std::isfinite(amax) && amax > 0.f;
+  const int k = sums_needed ? mean_exponent(amax) : 0;
+  std::vector<int64_t> sums(chunks);
+  if (!stochastic) {
     at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-      for (int64_t c = c0; c < c1; ++c) sums[c] = scaled_abs_sum(xp + c * kGrain, std::min(kGrain, n - c * kGrain), k);
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t len = std::min(kGrain, n - c * kGrain);
+        if (sums_needed) sums[c] = scaled_abs_sum(xp + c * kGrain, len, k);
+        sign_bits(xp + c * kGrain, len, payload + c * kGrain / 8);  // kGrain is a multiple of 8
+      }
     });
+  }
+  if (sums_needed) {
     int64_t total = 0;
     for (int64_t s : sums) total += s;
     scale = mean_scale(amax, total, k, n);
@@ -147,9 +155,10 @@ void sign_encode_single(const float* xp, int64_t n, uint8_t* op, bool stochastic
 void sign_encode(const float* xp, int64_t n, int64_t block, const Uniforms* up, uint8_t* op) {
   const Layout L(n, block, false, 1);
   uint8_t* payload = op + L.scale_bytes;
-  const bool fused = !up && L.nb > 1 && L.width % 8 == 0;  // scales and bits per span, the span in cache
+  // scales and bits per span, the span in cache (one block: per chunk, in sign_encode_single)
+  const bool fused = !up && (L.nb == 1 || L.width % 8 == 0);
   if (L.nb == 1) {
-    sign_encode_single(xp, n, op, up != nullptr);
+    sign_encode_single(xp, n, op, payload, up != nullptr);
   } else {
     const int64_t per_task = fused ? std::max<int64_t>(1, kSpan / L.width) : std::max<int64_t>(1, kGrain / L.width);
     at::parallel_for(0, L.nb, per_task, [&](int64_t b0, int64_t b1) {
