@@ -13,6 +13,7 @@ Before timing, the encode and decode of the first --check elements are compared 
 reference on the GPU. MEGACOMP_KERNELS=reference times the eager reference instead.
 
 Run:  python scripts/bench_kernels_gpu.py [--numel 256M] [--dtype bf16] [--codecs int8,int4] [--block 128]
+      [--rounding stochastic]   (the counter-based draws computed in the encode kernel)
 """
 from __future__ import annotations
 
@@ -34,17 +35,24 @@ def parse_count(s: str) -> int:
     return int(float(s[:-1] if mult > 1 else s) * mult)
 
 
-def time_cuda(fn, repeats: int, warmup: int) -> tuple[float, float]:
-    """(seconds of the first call, median seconds of ``repeats`` calls after ``warmup`` calls)."""
-    torch.cuda.synchronize()
+def time_cuda(fn, repeats: int, warmup: int, cuda: bool = True) -> tuple[float, float]:
+    """(seconds of the first call, median seconds of ``repeats`` calls after ``warmup`` calls); CUDA events,
+    or perf_counter for ``--device cpu`` (a smoke run of this script without a GPU)."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     first = time.perf_counter() - t0
     for _ in range(max(0, warmup - 1)):
         fn()
     times = []
     for _ in range(repeats):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -55,9 +63,10 @@ def time_cuda(fn, repeats: int, warmup: int) -> tuple[float, float]:
 
 
 def check_identical(codec, x: torch.Tensor) -> str:
-    fmt, b, d = codec.format, codec.block_size, codec.dual_scale
-    ref = quantize.encode_scaled_reference(x.float(), fmt, b, d, False, None)
-    got = quantize.encode_scaled(x, fmt, b, d, False, None)
+    fmt, b, d, sr = codec.format, codec.block_size, codec.dual_scale, codec.rounding == "stochastic"
+    g1, g2 = (torch.Generator(device=x.device).manual_seed(0) for _ in range(2))
+    ref = quantize.encode_scaled_reference(x.float(), fmt, b, d, sr, g1)
+    got = quantize.encode_scaled(x, fmt, b, d, sr, g2)
     dref = quantize.decode_scaled_reference(ref, x.numel(), fmt, b, d)
     dec = quantize.decode_scaled(ref, x.numel(), fmt, b, d)
     ok = torch.equal(got, ref) and torch.equal(dec.view(torch.int32), dref.view(torch.int32))
@@ -71,42 +80,48 @@ def main() -> None:
     p.add_argument("--codecs", default="int8,int4", help="comma separated codec names (int8,int4,int2,fp8_e4m3,...)")
     p.add_argument("--block", type=int, default=128, help="block size (0: one scale per tensor)")
     p.add_argument("--dual", action="store_true", help="dual scaling")
+    p.add_argument("--rounding", choices=("nearest", "stochastic"), default="nearest")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--check", type=parse_count, default=parse_count("1M"), help="elements compared with the reference")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="cpu: a smoke run of the script itself (the C++ kernels, perf_counter timing)")
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         sys.exit("bench_kernels_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    dev = torch.device("cuda")
+    dev = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     n = args.numel
-    backend = kernels.backend_name("cuda")
+    backend = kernels.backend_name(args.device)
+    timed = lambda fn: time_cuda(fn, args.repeats, args.warmup, cuda)
     torch.manual_seed(0)
     x = torch.randn(n, device=dev, dtype=torch.float32).to(dtype)
     isz = x.element_size()
 
     dst = torch.empty_like(x)
-    _, t_mc = time_cuda(lambda: dst.copy_(x), args.repeats, args.warmup)
+    _, t_mc = timed(lambda: dst.copy_(x))
     del dst
     mc_bytes = 2 * n * isz
     mc = mc_bytes / t_mc / 1e9
     header = ["op", "codec", "ms", "bytes moved (MB)", "GB/s (r+w)", "ratio vs memcpy", "first call s", "bit-identical"]
     rows = [["memcpy copy_", args.dtype, t_mc * 1e3, mc_bytes / 1e6, mc, 1.0, "", ""]]
     for name in [c.strip() for c in args.codecs.split(",") if c.strip()]:
-        codec = make_codec(name, block_size=args.block, dual_scale=args.dual)
+        codec = make_codec(name, block_size=args.block, dual_scale=args.dual, rounding=args.rounding)
+        sr = codec.rounding == "stochastic"
         fmt = codec.format
         same = check_identical(codec, x[:min(n, args.check)])
         wire = codec.wire_bytes(n)
         buf = torch.empty(wire, dtype=torch.uint8, device=dev)
-        enc = lambda: quantize.encode_scaled(x, fmt, codec.block_size, codec.dual_scale, False, None, out=buf)
-        first, t = time_cuda(enc, args.repeats, args.warmup)
+        enc = lambda: quantize.encode_scaled(x, fmt, codec.block_size, codec.dual_scale, sr, None, out=buf)
+        first, t = timed(enc)
         moved = n * isz + wire
         rows.append([f"encode {args.dtype}", str(codec), t * 1e3, moved / 1e6, moved / t / 1e9, moved / t / 1e9 / mc,
                      first, same])
         for out_dtype in dict.fromkeys([dtype, torch.float32]):
             out = torch.empty(n, dtype=out_dtype, device=dev)
             dec = lambda: quantize.decode_scaled(buf, n, fmt, codec.block_size, codec.dual_scale, out=out)
-            first, t = time_cuda(dec, args.repeats, args.warmup)
+            first, t = timed(dec)
             moved = wire + n * out.element_size()
             label = str(out_dtype).replace("torch.", "").replace("bfloat16", "bf16").replace("float", "fp")
             rows.append([f"decode -> {label}", str(codec), t * 1e3, moved / 1e6, moved / t / 1e9,
@@ -114,13 +129,14 @@ def main() -> None:
             del out
         acc = torch.zeros(n, dtype=torch.float32, device=dev)
         dacc = lambda: quantize.decode_scaled(buf, n, fmt, codec.block_size, codec.dual_scale, accumulate_into=acc)
-        first, t = time_cuda(dacc, args.repeats, args.warmup)
+        first, t = timed(dacc)
         moved = wire + 8 * n
         rows.append(["decode+accumulate fp32", str(codec), t * 1e3, moved / 1e6, moved / t / 1e9, moved / t / 1e9 / mc,
                      first, same])
         del acc, buf
 
-    print(f"# megacomp GPU codec kernels: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+    dev_name = torch.cuda.get_device_name(dev) if cuda else "cpu (smoke run)"
+    print(f"# megacomp GPU codec kernels: {dev_name}, torch {torch.__version__}, "
           f"backend {backend}, {n:,} {args.dtype} elements, median of {args.repeats} (CUDA events) after "
           f"{args.warmup} warm-up calls\n")
     fmt_v = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
