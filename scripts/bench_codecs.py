@@ -115,6 +115,34 @@ def bench_codec(spec: dict, x: torch.Tensor, repeats: int) -> dict:
             "decode_ms": t_dec * 1e3, "decode_GBps": n * 4 / t_dec / 1e9, "rel_err": err}
 
 
+EF_SPECS = [dict(name="int4"), dict(name="int8")]
+
+
+def bench_ef_step(spec: dict, x: torch.Tensor, repeats: int) -> dict:
+    """One LoCo error-feedback step (beta 0.8, an error already stored) on the whole tensor: the three
+    whole-tensor passes (compensate, encode, update from the bytes) against the chunk encoder (one fused
+    pass where the kernel covers it). Both produce the same bytes and error (tests)."""
+    from megacomp.compression import ErrorFeedback
+    from megacomp.compression.ef_encoder import chunk_encoder
+
+    codec, n = make_codec(**spec), x.numel()
+    ef_a, ef_b = ErrorFeedback("loco"), ErrorFeedback("loco")
+    buf = torch.empty(codec.wire_bytes(n), dtype=torch.uint8)
+
+    def three_passes():
+        h = ef_a.compensate("k", x)
+        ef_a.update_encoded("k", h, codec, [codec.encode_flat(h, out=buf)], [n])
+
+    def one_pass():
+        enc = chunk_encoder(ef_b, "k", x, codec)
+        enc.encode(0, n)
+        enc.commit()
+
+    t3 = statistics.median(time_calls(three_passes, repeats))
+    t1 = statistics.median(time_calls(one_pass, repeats))
+    return {"codec": str(codec), "three_ms": t3 * 1e3, "fused_ms": t1 * 1e3}
+
+
 def part_a(args) -> tuple[dict, list[str]]:
     torch.manual_seed(0)
     x = torch.randn(args.numel)
@@ -130,7 +158,16 @@ def part_a(args) -> tuple[dict, list[str]]:
     lines = [f"## A. Codec throughput: {args.numel:,} fp32 elements ({args.numel * 4 / MiB:.0f} MiB), "
              f"{args.threads} thread(s), median of {args.repeats} after 1 warm-up", "",
              "GB/s = fp32 input bytes / time; memcpy = preallocated dst.copy_(src), same size and convention.", ""]
-    return {"memcpy": memcpy, "codecs": rows}, lines + md_table(header, table)
+    ef_rows = [bench_ef_step(spec, x, args.repeats) for spec in EF_SPECS]
+    ef_lines = ["", "Error-feedback step (LoCo, beta 0.8, error stored; g and e fp32): compensate h = g + e, encode h, "
+                "e' = beta e + (1 - beta)(h - decode(bytes)). Three passes = ErrorFeedback.compensate, "
+                "codec.encode_flat, ErrorFeedback.update_encoded; one pass = ef_encoder.chunk_encoder (what the "
+                "collectives run). x memcpy = time / memcpy time.", ""]
+    ef_table = [[r["codec"], r["three_ms"], r["three_ms"] / memcpy["ms"], r["fused_ms"], r["fused_ms"] / memcpy["ms"],
+                 r["three_ms"] / r["fused_ms"]] for r in ef_rows]
+    ef_lines += md_table(["codec", "three passes ms", "x memcpy", "one pass ms", "x memcpy", "speed-up"], ef_table)
+    return ({"memcpy": memcpy, "codecs": rows, "ef_step": ef_rows},
+            lines + md_table(header, table) + ef_lines)
 
 
 # -- part B: collectives (runs in every rank) -------------------------------------------------------------

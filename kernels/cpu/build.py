@@ -7,7 +7,8 @@ import os
 from torch.utils.cpp_extension import load as _load
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = [os.path.join(HERE, f) for f in ("codec_kernels.cpp", "codec_sign.cpp")]  # + codec_common.h
+SOURCES = [os.path.join(HERE, f) for f in ("codec_kernels.cpp", "codec_sign.cpp", "codec_ef.cpp")]
+HEADERS = [os.path.join(HERE, f) for f in ("codec_common.h", "codec_quant.h")]
 
 
 def load():
@@ -17,9 +18,12 @@ def load():
     # assumption that FP exceptions trap). -O3 -march=native vectorises the loops for this CPU (the
     # extension is built on the machine that runs it; keep TORCH_EXTENSIONS_DIR per machine type).
     # OpenMP via ATen's parallel_for, so torch.set_num_threads applies.
-    # the header's hash as a define: torch re-versions the extension when sources or flags change
-    with open(os.path.join(HERE, "codec_common.h"), "rb") as f:
-        header = hashlib.sha1(f.read()).hexdigest()[:12]
+    # the headers' hash as a define: torch re-versions the extension when sources or flags change
+    digest = hashlib.sha1()
+    for path in HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    header = digest.hexdigest()[:12]
     return _load(name="megacomp_codec_kernels", sources=SOURCES,
                  extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp",
                                "-DAT_PARALLEL_OPENMP=1", f"-DMEGACOMP_COMMON_H={header}"],

@@ -166,4 +166,11 @@ struct Uniforms {
 void sign_encode(const float* x, int64_t n, int64_t block, const Uniforms* u, uint8_t* out);
 void sign_decode(const uint8_t* buf, int64_t n, int64_t block, float* out, bool accumulate);
 
+// error feedback (codec_ef.cpp; kind 0 int, 1 float8 e4m3fn, 2 float8 e5m2): the update from encoded bytes,
+// and the fused compensate + encode + update (per-block scales on byte boundaries, nb > 1, no dual scaling)
+bool ef_update(const uint8_t* buf, const Layout& L, int kind, const float* h, const float* e, float* e_out,
+               float beta, float one_minus_beta, int mode);
+bool ef_encode(const float* g, const float* e, const Layout& L, int kind, float qmax, const Uniforms* u, uint8_t* out,
+               float* e_out, float beta, float one_minus_beta, int mode);
+
 }  // namespace megacomp_cpu

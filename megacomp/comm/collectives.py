@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..compression import CodecLike, make_codec
+from ..compression.ef_encoder import chunk_encoder
 from ..compression.error_feedback import ErrorFeedbackLike
 from . import stats as _stats
 from ._common import (CompressedWork, _all_gather_base, _reduce_scatter_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
@@ -70,9 +71,10 @@ def _itemsize(t: torch.Tensor) -> int:
     return t.element_size()
 
 
-def _encode_chunks(codec, h: torch.Tensor, sizes):
-    """Encode consecutive chunks of flat ``h`` (one buffer per chunk)."""
-    return [codec.encode_flat(h[o:o + s], strict=False) for o, s in zip(offsets(sizes), sizes)]
+def _encode_chunks(src, base: int, sizes):
+    """Encode consecutive chunks of the input from element ``base`` (one buffer per chunk); ``src``: the
+    call's chunk encoder (megacomp.compression.ef_encoder)."""
+    return [src.encode(base + o, s) for o, s in zip(offsets(sizes), sizes)]
 
 
 def _decode_into(codec, buf: torch.Tensor, numel: int, dst: torch.Tensor) -> None:
@@ -104,7 +106,7 @@ def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool,
     return codec.unrotate(acc, numel)
 
 
-def _all_reduce_direct(tensor, h, codec, group, ef, ef_key, avg):
+def _all_reduce_direct(tensor, src, codec, group, ef, ef_key, avg):
     """Two ranks: each sends its whole encoded tensor to the other (all-gather of the encodings) and both
     decode-sum the two in rank order. Same bytes on the wire as reduce-scatter + all-gather for two ranks,
     but one quantization instead of two and half the encode work; no server-side error."""
@@ -113,14 +115,13 @@ def _all_reduce_direct(tensor, h, codec, group, ef, ef_key, avg):
     segs = pipeline_segments(n)
     tag = next_tags(group)
     for length in segs:
-        enc = codec.encode_flat(h[base:base + length], strict=False)
+        enc = src.encode(base, length)
         gathered = torch.empty(2 * enc.numel(), dtype=torch.uint8, device=tensor.device)
         gathers.append((gathered, all_gather_bytes(gathered, enc, group, tag)))
         bufs.append(enc)
         wire += enc.numel()
         base += length
-    if ef is not None:
-        ef.update_encoded(ef_key + "/worker", h, codec, bufs, segs)
+    src.commit()  # error feedback: the new error from the bytes sent
 
     def finish() -> None:
         dst = tensor.view(-1) if tensor.is_contiguous() else torch.empty(n, dtype=tensor.dtype, device=tensor.device)
@@ -139,11 +140,11 @@ def _all_reduce_direct(tensor, h, codec, group, ef, ef_key, avg):
     return finish, wire
 
 
-def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
+def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
     """Reduce-scatter (all-to-all of encoded chunks, fp32 decode-sum) then all-gather of the re-encoded
     shard; returns (finish, wire bytes sent by this rank)."""
     world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.numel()
-    wkey, skey = ef_key + "/worker", ef_key + "/server"
+    skey = ef_key + "/server"
     # Pipeline: every segment is an independent reduce-scatter + all-gather; all segments' all-to-alls
     # are issued while the next segment is encoded, then each is reduced and its all-gather issued as
     # soon as its bytes are in, so encode, wire and decode overlap.
@@ -151,7 +152,7 @@ def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
     bufs, recvs, works, wire, base = [], [], [], 0, 0
     tag = next_tags(group)  # tag: the all-to-alls, tag + 1: the all-gathers (issued later, maybe elsewhere)
     for ss in segs:
-        seg_bufs = _encode_chunks(codec, h[base:base + sum(ss)], ss)
+        seg_bufs = _encode_chunks(src, base, ss)
         in_splits = [b.numel() for b in seg_bufs]
         w_own = codec.wire_bytes(ss[rank])
         recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
@@ -160,8 +161,7 @@ def _all_reduce_rs_ag(tensor, h, codec, group, ef, ef_key, avg):
         bufs += seg_bufs
         wire += sum(in_splits) - in_splits[rank] + (world - 1) * max(codec.wire_bytes(s) for s in ss)
         base += sum(ss)
-    if ef is not None:  # from the bytes actually sent, while they are on the wire
-        ef.update_encoded(wkey, h, codec, bufs, [s for ss in segs for s in ss])
+    src.commit()  # error feedback: from the bytes actually sent, while they are on the wire
 
     def finish() -> None:
         own = [ss[rank] for ss in segs]
@@ -230,10 +230,9 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
 
     ef = resolve_error_feedback(error_feedback, ef_key or f"{callsite()}#{tag or ''}")
     ef_key = ef_key or tag or "all_reduce"
-    flat = tensor.reshape(-1)
-    h = ef.compensate(ef_key + "/worker", flat) if ef is not None else flat
+    src = chunk_encoder(ef, ef_key + "/worker", tensor.reshape(-1), codec)  # h = g + e, chunk by chunk
     algo = _all_reduce_direct if world == 2 else _all_reduce_rs_ag
-    finish, wire = algo(tensor, h, codec, group, ef, ef_key, op_name(op) == "AVG")
+    finish, wire = algo(tensor, src, codec, group, ef, ef_key, op_name(op) == "AVG")
     _stats.record(label, wire, uncompressed)
     handle = CompressedWork(finish)
     if async_op:
@@ -270,22 +269,20 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
 
     ef = resolve_error_feedback(error_feedback, ef_key or f"{callsite()}#{tag or ''}")
     ef_key = (ef_key or tag or "reduce_scatter") + "/worker"
-    flat = input.reshape(-1)
-    h = ef.compensate(ef_key, flat) if ef is not None else flat
+    src = chunk_encoder(ef, ef_key, input.reshape(-1), codec)  # h = g + e, chunk by chunk
     # pipeline: piece k of every destination chunk travels in exchange k, encoded while k-1 is on the wire
     pieces = split_sizes(m, len(pipeline_segments(world * m)))
     tag, exchanges, wire = next_tags(group), [], 0
     enc = [[None] * len(pieces) for _ in range(world)]  # enc[j][k]: piece k of the chunk for rank j
     for k, (o, s) in enumerate(zip(offsets(pieces), pieces)):
         for j in range(world):
-            enc[j][k] = codec.encode_flat(h[j * m + o:j * m + o + s], strict=False)
+            enc[j][k] = src.encode(j * m + o, s)
         w = codec.wire_bytes(s)
         recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
         exchanges.append((recv, all_to_all_bytes(recv, torch.cat([enc[j][k] for j in range(world)]), [w] * world,
                                                  [w] * world, group, tag)))
         wire += (world - 1) * w
-    if ef is not None:  # from the bytes sent, in the order of h
-        ef.update_encoded(ef_key, h, codec, [b for row in enc for b in row], pieces * world)
+    src.commit()  # error feedback: from the bytes sent
     _stats.record(label, wire, raw)
 
     def finish() -> None:
@@ -410,8 +407,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                       async_op=async_op)
 
-    flat = input.reshape(-1)
-    bufs = _encode_chunks(codec, flat, [s * row for s in in_splits])
+    bufs = _encode_chunks(chunk_encoder(None, "", input.reshape(-1), codec), 0, [s * row for s in in_splits])
     in_bytes = [b.numel() for b in bufs]
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)

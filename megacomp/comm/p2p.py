@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import CodecLike, ErrorFeedback, make_codec
+from ..compression.ef_encoder import chunk_encoder
 from . import _common
 from . import stats as _stats
 from ._common import CompressedWork, codec_code, dtype_code, has_nonfinite
@@ -55,10 +56,9 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: Co
     if codec.is_identity:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
     elif error_feedback is not None:
-        key = ef_key or label or "send"
-        h = error_feedback.compensate(key, tensor.reshape(-1))
-        payload = codec.encode_flat(h, strict=False)
-        error_feedback.update(key, h, codec.decode_flat(payload, h.numel(), h.dtype))
+        src = chunk_encoder(error_feedback, ef_key or label or "send", tensor.reshape(-1), codec)
+        payload = src.encode(0, tensor.numel())
+        src.commit()  # the new error from exactly the bytes sent
     else:
         payload = codec.encode_flat(tensor, strict=False)
     _stats.record(label or "send", payload.numel() * payload.element_size(), raw)

@@ -137,11 +137,7 @@ class ErrorFeedback:
             self._commit(key, torch.zeros_like(residual), finite=False)
             return
         e = self.error(key, like=residual)
-        if e is None or beta == 0.0:
-            new = residual if beta == 0.0 else (1.0 - beta) * residual
-        else:
-            new = beta * self._checked(key, e, residual) + (1.0 - beta) * residual
-        self._commit(key, new)
+        self._commit(key, blend_error(None if e is None else self._checked(key, e, residual), residual, beta))
 
     def update_encoded(self, key: str, h: torch.Tensor, codec, bufs, sizes) -> None:
         """:meth:`update` from the encoded chunks of ``h`` (``bufs[i]`` holds ``sizes[i]`` consecutive elements):
@@ -211,6 +207,14 @@ class ErrorFeedback:
             self._errors[k] = (v["data"].clone(), tuple(v["shape"])) if self._store_codec is not None else v.clone()
         self.steps = dict(state["steps"])
         self.dropped = dict(state.get("dropped", {}))
+
+
+def blend_error(e: Optional[torch.Tensor], residual: torch.Tensor, beta: float) -> torch.Tensor:
+    """The new error from the residual ``h - deq(q)``: the reference expressions of :meth:`ErrorFeedback.update`
+    (element-wise, so applying it chunk by chunk gives the same bits)."""
+    if e is None or beta == 0.0:
+        return residual if beta == 0.0 else (1.0 - beta) * residual
+    return beta * e + (1.0 - beta) * residual
 
 
 def data_numel(shape) -> int:

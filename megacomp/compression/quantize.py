@@ -248,6 +248,33 @@ def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tenso
         return None
 
 
+def ef_encode_scaled(g: torch.Tensor, e: Optional[torch.Tensor], out: torch.Tensor, e_out: torch.Tensor, fmt: Format,
+                     block_size: int, dual: bool, beta: float, stochastic: bool,
+                     generator: Optional[torch.Generator]) -> Optional[bool]:
+    """One error-feedback step in one pass: ``out`` = encode(h) with ``h = g + e`` (``g`` if ``e`` is None),
+    ``e_out`` = the new error from those bytes, as :func:`ef_update_scaled` (beta 0: ``h - decode``, no error
+    yet: ``(1 - beta)(h - decode)``); bit-identical to the three steps. Returns whether every residual was
+    finite, or None (nothing drawn or written) when no kernel covers the case: the C++ kernel takes fp32 CPU
+    tensors with per-block scales on byte boundaries, more than one block, no dual scaling."""
+    n = g.numel()
+    if fmt.kind not in ("int", "float8") or dual or block_size == 0 or n <= block_size:
+        return None
+    if block_size % (8 // (fmt.bits if fmt.kind == "int" else 8)):
+        return None
+    if g.device.type != "cpu" or g.dtype != torch.float32 or (e is not None and e.dtype != torch.float32):
+        return None
+    k = _kernels(fmt, stochastic, g)
+    if k is None or not hasattr(k, "ef_encode_into"):
+        return None
+    key = None
+    if stochastic:
+        counter_rng.check_numel(n)
+        key = counter_rng.draw_key(generator, g.device)
+    mode = 0 if beta == 0.0 else (1 if e is None else 2)
+    return bool(k.ef_encode_into(g.contiguous(), None if e is None else e.contiguous(), out, e_out, _kind_code(fmt),
+                                 fmt.bits, float(fmt.qmax), block_size, float(beta), mode, key=key))
+
+
 def encode_scaled_reference(
     x32: torch.Tensor,
     fmt: Format,

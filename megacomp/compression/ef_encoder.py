@@ -1,0 +1,139 @@
+"""Chunk encoders: what a compressed collective sends, chunk by chunk, with or without error feedback.
+
+A collective encodes its flat input ``g`` as consecutive chunks (one per destination rank and pipeline
+segment, in any order); with error feedback each chunk is ``Q(h)`` with ``h = g + e``, and the error is
+then updated from exactly those bytes. :func:`chunk_encoder` returns an object with
+
+  ``encode(offset, size)``  the bytes of elements [offset, offset + size) (each element exactly once);
+  ``commit()``              after the last chunk: store the new error (nothing without error feedback).
+
+Algorithm with error feedback (fp32 input and fp32 error storage, int/fp8 codec without Hadamard rotation):
+per chunk, ``quantize.ef_encode_scaled`` runs compensate, encode and update in one pass over g and e where
+the C++ kernel covers the chunk (per-block scales on byte boundaries, no dual scaling); otherwise the
+chunk's h is formed and encoded and the error updated from its bytes (``ef_update_scaled``: the C++ or
+Triton kernel, else the reference). Other cases (bf16/int8 error storage, Hadamard or cast codecs, fp64
+or half inputs) run ``ErrorFeedback.compensate`` on the whole tensor, encode its chunks and call
+``update_encoded``. Every path gives the bytes and the error of ``compensate`` + ``encode`` + ``update``
+bit for bit (tests/test_compression_ef_encoder.py); no full-size h is materialised on the chunked path.
+
+The chunked path writes the new error into the stored fp32 error tensor in place (each element's old
+value is read before its new one is written); ``ErrorFeedback.state_dict`` clones, so checkpoints are
+unaffected, but a tensor obtained from ``ErrorFeedback.error`` earlier changes with the next step.
+
+Failure behaviour: as :class:`ErrorFeedback` (a non-finite residual anywhere drops the key's error, a
+shape change raises ValueError); ``commit`` raises RuntimeError if the chunks did not cover the input
+exactly once (a bug in the caller, never silently stored; an error already partly overwritten in place is
+dropped, and the message says so).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import quantize
+from .error_feedback import ErrorFeedback, blend_error
+
+
+class ChunkEncoder:
+    """Without error feedback: ``encode`` is ``codec.encode_flat`` of the chunk (strict=False, as collectives
+    encode: fp16 overflow becomes inf instead of raising on one rank only)."""
+
+    def __init__(self, g: torch.Tensor, codec) -> None:
+        self.g, self.codec = g.reshape(-1), codec
+
+    def encode(self, offset: int, size: int) -> torch.Tensor:
+        return self.codec.encode_flat(self.g[offset:offset + size], strict=False)
+
+    def commit(self) -> None:
+        pass
+
+
+class _Coverage:
+    """Which [offset, offset + size) ranges were encoded: commit checks each element was, exactly once."""
+
+    def __init__(self, numel: int) -> None:
+        self.numel, self.ranges = numel, []
+
+    def add(self, offset: int, size: int) -> None:
+        self.ranges.append((offset, size))
+
+    def check(self) -> list[tuple[int, int]]:
+        ranges, pos = sorted(self.ranges), 0
+        for o, s in ranges:
+            if o != pos:
+                break
+            pos += s
+        if pos != self.numel or sum(s for _, s in ranges) != self.numel:
+            raise RuntimeError(f"error feedback: the encoded chunks {ranges} do not cover the {self.numel} elements "
+                               f"exactly once; every element must be encoded once before commit()")
+        return ranges
+
+
+class CompensatedEncoder(ChunkEncoder):
+    """With error feedback, chunk by chunk (see the module docstring); one per collective call and key."""
+
+    def __init__(self, ef: ErrorFeedback, key: str, g: torch.Tensor, codec) -> None:
+        super().__init__(g, codec)
+        self.ef, self.key = ef, key
+        self.coverage = _Coverage(self.g.numel())
+        e = ef.error(key)
+        fmt = codec.format
+        self.chunked = (ef.config.storage == "fp32" and fmt.kind in ("int", "float8") and not codec.hadamard
+                        and self.g.dtype == torch.float32 and (e is None or e.dtype == torch.float32))
+        if self.chunked:
+            self.e = None if e is None else ef._checked(key, e, g).reshape(-1)
+            # the new error overwrites the stored one in place: every kernel and the reference read e_i before
+            # writing e'_i, and a fresh full-size tensor per step costs more in page faults than the pass itself
+            self.in_place = self.e is not None and self.e.is_contiguous()
+            self.new = self.e if self.in_place else torch.empty_like(self.g)
+            self.finite = True
+        else:  # the whole-tensor steps
+            self.h = ef.compensate(key, g).reshape(-1)
+            self.bufs: dict[int, torch.Tensor] = {}
+
+    def encode(self, offset: int, size: int) -> torch.Tensor:
+        self.coverage.add(offset, size)
+        codec = self.codec
+        if not self.chunked:
+            buf = codec.encode_flat(self.h[offset:offset + size], strict=False)
+            self.bufs[offset] = buf
+            return buf
+        fmt, beta = codec.format, self.ef.config.beta
+        g = self.g[offset:offset + size]
+        e = None if self.e is None else self.e[offset:offset + size]
+        new = self.new[offset:offset + size]
+        stochastic = codec.rounding == "stochastic"
+        buf = torch.empty(codec.wire_bytes(size), dtype=torch.uint8, device=g.device)
+        ok = quantize.ef_encode_scaled(g, e, buf, new, fmt, codec.block_size, codec.dual_scale, beta, stochastic,
+                                       codec._rng(None))
+        if ok is None:  # the three steps on this chunk
+            h = g.clone() if e is None else g + e  # ErrorFeedback.compensate
+            buf = codec.encode_flat(h, strict=False)
+            ok = quantize.ef_update_scaled(buf, h, e, new, fmt, codec.block_size, codec.dual_scale, beta)
+            if ok is None:
+                residual = h - codec.decode_flat(buf, size, h.dtype)
+                ok = bool(torch.isfinite(residual).all())
+                new.copy_(blend_error(e, residual, beta))
+        self.finite &= ok
+        return buf
+
+    def commit(self) -> None:
+        try:
+            ranges = self.coverage.check()
+        except RuntimeError:
+            if self.chunked and self.in_place:  # part of the stored error was overwritten: drop it, say so
+                self.ef.reset(self.key)
+                raise RuntimeError(f"error feedback key {self.key!r}: its error was dropped (partly updated in "
+                                   f"place); the encoded chunks must cover every element exactly once") from None
+            raise
+        if self.chunked:
+            self.ef._commit(self.key, self.new if self.finite else torch.zeros_like(self.new), finite=self.finite)
+        else:
+            self.ef.update_encoded(self.key, self.h, self.codec, [self.bufs[o] for o, _ in ranges],
+                                   [s for _, s in ranges])
+
+
+def chunk_encoder(ef: Optional[ErrorFeedback], key: str, g: torch.Tensor, codec) -> ChunkEncoder:
+    """The encoder of one collective call: with error feedback (``ef``, state key ``key``) or without."""
+    return ChunkEncoder(g, codec) if ef is None else CompensatedEncoder(ef, key, g, codec)
