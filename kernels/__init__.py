@@ -9,7 +9,8 @@ on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef
                  the ``triton`` package; ``codec_triton.interpreted()`` runs the same kernels on CPU tensors
                  under triton's interpreter (tests).
   ``cpu``        contiguous fp32 CPU tensors: a C++ extension (kernels/cpu/) built on first use with
-                 torch.utils.cpp_extension and cached; the same codecs plus the sign codec.
+                 torch.utils.cpp_extension and cached; the same codecs, and error feedback's whole step
+                 (h = g + e, encode, update) in one pass (quantize.ef_encode_scaled).
   ``reference``  the eager torch code: always available; everything else (the sign codec on CUDA, other
                  devices and dtypes, the Hadamard rotation itself).
 
