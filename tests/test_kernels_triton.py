@@ -157,6 +157,46 @@ def test_interpreted_error_feedback_update(T, name, block, dual):
 
 @needs_triton
 @quiet
+@pytest.mark.parametrize("name,block", [("int4", 64), ("int8", 16), ("int2", 32), ("fp8_e4m3", 16), ("fp8_e5m2", 64)])
+def test_interpreted_error_feedback_one_pass(T, name, block):
+    """ef_encode_into: the bytes of encode(g + e) and the new error of the three reference steps, for each
+    mode, with and without stochastic rounding, with the new error written over e (in place) or elsewhere."""
+    from megacomp.compression.error_feedback import blend_error
+
+    fmt = make_codec(name).format
+    for n, finite in ((130, True), (300, False)):  # mixed(300) has NaN and inf from element 250
+        g = mixed(300, 22)[:n].clone()
+        e0 = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        for (mode, beta, has_e), stoch, in_place in itertools.product(
+                ((0, 0.0, True), (0, 0.0, False), (1, 0.8, False), (2, 0.8, True)),
+                (False, True) if fmt.kind == "int" else (False,), (False, True)):
+            e = e0.clone() if has_e else None
+            key = counter_rng.draw_key(torch.Generator().manual_seed(mode), "cpu") if stoch else None
+            h = g.clone() if e is None else g + e
+            ref = quantize.encode_scaled_reference(h, fmt, block, False, stoch, None, key=key)
+            want = blend_error(e if mode == 2 else None,
+                               h - quantize.decode_scaled_reference(ref, n, fmt, block, False), beta)
+            out = torch.full_like(ref, 0xAB)
+            e_out = e if (in_place and e is not None) else torch.empty(n)
+            ok = T.ef_encode_into(g, e, out, e_out, kind(fmt), fmt.bits, fmt.qmax, block, beta, mode, key=key)
+            case = (n, mode, beta, has_e, stoch, in_place)
+            assert torch.equal(out, ref), case
+            assert ok == finite, case
+            if finite:
+                assert torch.equal(e_out.view(torch.int32), want.view(torch.int32)), case
+
+
+def test_triton_error_feedback_one_pass_refuses_what_it_does_not_cover():
+    t = ct.TritonCodecs(None, True)
+    assert not t.ef_encode_covers(100, 0, 4, 0) and not t.ef_encode_covers(100, 0, 4, 100)
+    assert not t.ef_encode_covers(100, 0, 4, 7) and t.ef_encode_covers(100, 0, 4, 8)
+    with pytest.raises(ct.Unsupported, match="ef encode"):
+        t.ef_encode_into(torch.zeros(100), None, torch.zeros(1, dtype=torch.uint8), torch.zeros(100), 0, 4, 7.0, 100,
+                         0.0, 0)
+
+
+@needs_triton
+@quiet
 def test_interpreted_cuda_scale_rule(T):
     """With RECIP (CUDA tensors) the per-block scale is amax * fp32(1/qmax), torch's CUDA division by a
     CPU scalar; checked on CPU against that expression."""
@@ -264,6 +304,10 @@ def test_kernels_compile_for_hopper_with_exact_arithmetic():
                                    FULL=True)),
             (K.enc_flat, flat, dict(T=1024, P=4, BITS=2, KIND=0, DUAL=True, ONE=False, STOCH=True, BF16=False)),
             (K.dec_rows, dec, dict(R=32, W=128, P=2, BITS=4, KIND=0, DUAL=False, EPI=0, FULL=True)),
+            (K.ef_rows, dict(g_ptr=f, e_ptr=f, scale_ptr=f, key_ptr="*i64", pay_ptr="*u8", eout_ptr=f, flag_ptr="*i8",
+                             table_ptr=f, n="i32", B="i32", nrows="i32", qmax="fp32", inv_q="fp32", offset="i32",
+                             beta="fp32", omb="fp32"),
+             dict(R=32, W=128, P=2, BITS=4, KIND=0, STOCH=True, RECIP=True, HAS_E=True, EPI=4, FULL=True)),
             (K.dec_rows, dec, dict(R=32, W=128, P=1, BITS=8, KIND=2, DUAL=True, EPI=4, FULL=True)),
             (K.dec_rows, dec, dict(R=32, W=128, P=8, BITS=1, KIND=3, DUAL=False, EPI=1, FULL=True)),
             (K.sign_rows, dict(x_ptr="*i16", amax_ptr=f, sum_ptr="*i64", pay_ptr="*u8", n="i32", B="i32",
@@ -402,3 +446,26 @@ def test_cuda_stochastic_and_error_feedback():
     out = torch.empty_like(x)
     assert quantize.ef_update_scaled(ref, x, e, out, fmt, 128, False, 0.9)
     assert torch.equal(out.view(torch.int32), (0.9 * e + (1.0 - 0.9) * res).view(torch.int32))
+
+
+@needs_cuda
+def test_cuda_error_feedback_one_pass_matches_three_steps():
+    """The chunk encoder on CUDA (Triton ef_rows where it covers a chunk) against compensate + encode +
+    update_encoded run on the same GPU, LoCo over three steps, nearest and stochastic rounding."""
+    from megacomp.compression import ErrorFeedback
+    from megacomp.compression.ef_encoder import chunk_encoder
+
+    for spec in (dict(name="int4"), dict(name="int8", block_size=32), dict(name="fp8_e4m3"),
+                 dict(name="int2", block_size=64, rounding="stochastic", seed=3), dict(name="int4", block_size=0)):
+        ef_ref, ef_new = ErrorFeedback("loco"), ErrorFeedback("loco")
+        c_ref, c_new = make_codec(spec), make_codec(spec)
+        for step in range(3):
+            g = torch.randn(300_001, device="cuda", generator=torch.Generator(device="cuda").manual_seed(step))
+            h = ef_ref.compensate("k", g)
+            ref = [c_ref.encode_flat(h[:100_000]), c_ref.encode_flat(h[100_000:])]
+            ef_ref.update_encoded("k", h, c_ref, ref, [100_000, 200_001])
+            enc = chunk_encoder(ef_new, "k", g, c_new)
+            got = [enc.encode(0, 100_000), enc.encode(100_000, 200_001)]
+            enc.commit()
+            assert all(torch.equal(a, b) for a, b in zip(got, ref)), (spec, step)
+            assert torch.equal(ef_ref.error("k").view(torch.int32), ef_new.error("k").view(torch.int32)), (spec, step)

@@ -281,6 +281,48 @@ class TritonCodecs:
         """The sign codec's decode (the C++ entry point's signature): (2 bit - 1) * scale, or added into out."""
         self.decode_into(buf, out, 3, 1, block, False, accumulate)
 
+    def ef_encode_covers(self, n: int, kind: int, bits: int, block: int) -> bool:
+        """Whether :meth:`ef_encode_into` takes this case (checked before a stochastic key is drawn)."""
+        bits = bits if kind == 0 else 8
+        width, nb, per, _, _ = self._layout(n, block, False, bits)
+        return 0 < n <= MAX_NUMEL and block > 0 and nb > 1 and width % per == 0 and \
+            self._rows_cfg(width, nb, per)[0] <= ROW_MAX
+
+    def ef_encode_into(self, g, e, out, e_out, kind, bits, qmax, block, beta, mode, key=None) -> bool:
+        """One error-feedback step in one pass (the C++ entry point's signature): ``out`` = encode(g + e) (``g``
+        if ``e`` is None), ``e_out`` = the new error from those codes (mode 0/1/2 as ef_update_into; may be
+        ``e``); returns whether every residual was finite. Per-block scales that fit one row tile."""
+        n = g.numel()
+        if not self.ef_encode_covers(n, kind, bits, block):
+            raise Unsupported("triton ef encode: per-block scales on byte boundaries, > 1 block, one row tile")
+        for t in (g, e_out) + ((e,) if e is not None else ()):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n:
+                raise Unsupported("triton ef encode: contiguous fp32 tensors of one size")
+        if mode == 2 and e is None:
+            raise Unsupported("triton ef encode: mode 2 needs e")
+        stoch = key is not None and kind == 0
+        if stoch and (key.dtype != torch.int64 or key.numel() != 1 or key.device != g.device):
+            raise Unsupported("triton encode: key must be one int64 element on the input's device")
+        bits = bits if kind == 0 else 8
+        width, nb, per, ns, _ = self._layout(n, block, False, bits)
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != ns + (n * bits + 7) // 8:
+            raise Unsupported("triton encode: out must be a contiguous uint8 buffer of the wire size")
+        bp2, r = self._rows_cfg(width, nb, per)
+        scale = self._f32(out, 0, nb)
+        grid = triton.cdiv(nb, r)
+        flags = torch.zeros(grid, dtype=torch.int8, device=g.device)
+        table = self._table(kind, g.device) if kind in _F8 else g
+        inv_q = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(qmax, dtype=torch.float32))
+        ee = e if e is not None else g
+        self.K.ef_rows[(grid,)](
+            g.view(-1), ee.view(-1), scale, key if stoch else g, out[ns:], e_out.view(-1), flags, table, n, width, nb,
+            float(qmax), inv_q, 1 << (bits - 1), float(beta), 1.0 - float(beta), R=r, W=bp2, P=per, BITS=bits,
+            KIND=kind, STOCH=stoch, RECIP=self._recip(g.device), HAS_E=e is not None, EPI=2 + int(mode),
+            FULL=bp2 == width, **self.opts)
+        if scale.data_ptr() != out.data_ptr():
+            out[:4 * nb].copy_(scale.view(torch.uint8))
+        return not bool(flags.any())
+
     def ef_update_into(self, buf, h, e, e_out, kind, bits, block, dual, beta, mode) -> bool:
         """e_out = (h - d) | (1-beta)(h - d) | beta e + (1-beta)(h - d) for mode 0/1/2, d = decode(buf);
         returns whether every residual h - d was finite."""

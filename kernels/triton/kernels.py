@@ -349,6 +349,46 @@ def dec_flat(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, fla
         tl.store(flag_ptr + pid, _imax(bad, 0).to(tl.int8))
 
 
+@triton.jit
+def ef_rows(g_ptr, e_ptr, scale_ptr, key_ptr, pay_ptr, eout_ptr, flag_ptr, table_ptr, n, B, nrows, qmax, inv_q,
+            offset, beta, omb, R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr,
+            KIND: tl.constexpr, STOCH: tl.constexpr, RECIP: tl.constexpr, HAS_E: tl.constexpr, EPI: tl.constexpr,
+            FULL: tl.constexpr):
+    """One error-feedback step over R whole blocks: h = g + e (HAS_E) or g, the block scales and codes (as
+    enc_rows STAGE 0), the decoded codes (as dec_rows) and the new error (EPI 2/3/4 as _epilogue) into
+    ``eout_ptr``, which may be ``e_ptr`` itself (each element is loaded before it is stored, and programs
+    own disjoint blocks). Blocks must start on a byte boundary, fp32 g and e."""
+    pid = tl.program_id(0)
+    idx, m, bidx, bm = _row_index(pid, n, B, R, W, P, FULL)
+    h = tl.load(g_ptr + idx, mask=m, other=0.0)
+    if HAS_E:
+        h = h + tl.load(e_ptr + idx, mask=m, other=0.0)
+    amax = _canonical(_imax(h.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 1)).to(tl.float32, bitcast=True)
+    if RECIP:
+        scale = amax * inv_q
+    else:
+        scale = tl.math.div_rn(amax, qmax)
+    rows = pid * R + tl.arange(0, R)
+    tl.store(scale_ptr + rows, scale, mask=rows < nrows)
+    y = _div(h, tl.where(scale > 0.0, scale, 1.0))
+    u = 0.0
+    if STOCH:
+        u = _uniform(key_ptr, idx)
+    code = tl.where(m, _quantize(y, u, qmax, offset, KIND, STOCH), 0)
+    tl.store(pay_ptr + bidx, _pack(code, W // P, P, BITS).to(tl.uint8), mask=bm)
+    r = _dequantize(code, table_ptr, offset, KIND) * scale[:, None]
+    res = h - r
+    bad = (((res.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & m).to(tl.int32)
+    if EPI == 2:
+        val = res
+    elif EPI == 3:
+        val = omb * res
+    else:
+        val = beta * tl.load(e_ptr + idx, mask=m, other=0.0) + omb * res
+    tl.store(eout_ptr + idx, val, mask=m)
+    tl.store(flag_ptr + pid, _imax(_imax(bad, 1), 0).to(tl.int8))
+
+
 # -- the sign codec ------------------------------------------------------------------------------------------
 # Nearest rounding: bit = x >= 0 (NaN: 0) and, per block, the exact integer sum S = sum floor(|x| 2^k) with
 # k = 24 - e for amax = m 2^e (megacomp/compression/quantize.py:_sign_mean_scale). The scale formula on S

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from . import quantize
+from . import counter_rng, quantize
 from .error_feedback import ErrorFeedback, blend_error
 
 
@@ -104,12 +104,15 @@ class CompensatedEncoder(ChunkEncoder):
         e = None if self.e is None else self.e[offset:offset + size]
         new = self.new[offset:offset + size]
         stochastic = codec.rounding == "stochastic"
+        key = None
+        if stochastic:  # one key per chunk, as codec.encode_flat would draw it (and reused by the fallback)
+            counter_rng.check_numel(size)
+            key = counter_rng.draw_key(codec._rng(None), g.device)
         buf = torch.empty(codec.wire_bytes(size), dtype=torch.uint8, device=g.device)
-        ok = quantize.ef_encode_scaled(g, e, buf, new, fmt, codec.block_size, codec.dual_scale, beta, stochastic,
-                                       codec._rng(None))
-        if ok is None:  # the three steps on this chunk
+        ok = quantize.ef_encode_scaled(g, e, buf, new, fmt, codec.block_size, codec.dual_scale, beta, key=key)
+        if ok is None:  # the three steps on this chunk (codec.encode_flat's steps for fp32 int/fp8 codecs)
             h = g.clone() if e is None else g + e  # ErrorFeedback.compensate
-            buf = codec.encode_flat(h, strict=False)
+            quantize.encode_scaled(h, fmt, codec.block_size, codec.dual_scale, stochastic, None, out=buf, key=key)
             ok = quantize.ef_update_scaled(buf, h, e, new, fmt, codec.block_size, codec.dual_scale, beta)
             if ok is None:
                 residual = h - codec.decode_flat(buf, size, h.dtype)

@@ -164,12 +164,14 @@ def _kind_code(fmt: Format) -> int:
 
 
 def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, stochastic: bool,
-                  generator: Optional[torch.Generator], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  generator: Optional[torch.Generator], out: Optional[torch.Tensor] = None,
+                  key: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Encode a flat tensor (fp32; bf16/fp16 too, read as fp32 exactly) into the wire layout above (fused
     kernel when available, bit-identical). ``out``: a preallocated uint8 buffer of the exact size (reused
-    buffers avoid page faults on big tensors)."""
+    buffers avoid page faults on big tensors). ``key``: stochastic rounding's counter_rng key when the
+    caller already drew it (else one is drawn from ``generator``)."""
     k = _kernels(fmt, stochastic, x32)
-    key = None  # stochastic rounding: the call's counter_rng key, drawn once (a kernel failure reuses it)
+    # stochastic rounding: the call's counter_rng key, drawn once (a kernel failure reuses it)
     if k is not None and x32.dtype not in getattr(k, "input_dtypes", (torch.float32,)):  # C++: fp32 only
         x32 = x32.to(torch.float32)
     if k is not None:
@@ -180,14 +182,15 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
         if n == 0:
             return out
         args = (x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
-        if stochastic:
+        if stochastic and key is None:
             counter_rng.check_numel(n)
             key = counter_rng.draw_key(generator, x32.device)
         try:
+            kk = key if stochastic else None
             if fmt.kind == "sign":  # the C++ and Triton kernels take (x, out, block, key=None)
-                k.sign_encode_into(args[0], out, block_size, key=key)
+                k.sign_encode_into(args[0], out, block_size, key=kk)
             else:
-                k.encode_into(*args, key=key)
+                k.encode_into(*args, key=kk)
             return out
         except Exception as e:
             if not _kernel_failed(k, e):
@@ -249,30 +252,34 @@ def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tenso
 
 
 def ef_encode_scaled(g: torch.Tensor, e: Optional[torch.Tensor], out: torch.Tensor, e_out: torch.Tensor, fmt: Format,
-                     block_size: int, dual: bool, beta: float, stochastic: bool,
-                     generator: Optional[torch.Generator]) -> Optional[bool]:
+                     block_size: int, dual: bool, beta: float, key: Optional[torch.Tensor] = None) -> Optional[bool]:
     """One error-feedback step in one pass: ``out`` = encode(h) with ``h = g + e`` (``g`` if ``e`` is None),
-    ``e_out`` = the new error from those bytes, as :func:`ef_update_scaled` (beta 0: ``h - decode``, no error
-    yet: ``(1 - beta)(h - decode)``); bit-identical to the three steps. Returns whether every residual was
-    finite, or None (nothing drawn or written) when no kernel covers the case: the C++ kernel takes fp32 CPU
-    tensors with per-block scales on byte boundaries, more than one block, no dual scaling."""
+    ``e_out`` (may be ``e``) = the new error from those bytes, as :func:`ef_update_scaled` (beta 0:
+    ``h - decode``, no error yet: ``(1 - beta)(h - decode)``); bit-identical to the three steps. ``key``:
+    stochastic rounding's counter_rng key (drawn by the caller, who reuses it if this returns None).
+    Returns whether every residual was finite, or None (nothing written) when no kernel covers the case:
+    fp32 tensors, per-block scales on byte boundaries, more than one block, no dual scaling (Triton: blocks
+    that fit one row tile), the C++ kernel on CPU, Triton on CUDA."""
     n = g.numel()
     if fmt.kind not in ("int", "float8") or dual or block_size == 0 or n <= block_size:
         return None
-    if block_size % (8 // (fmt.bits if fmt.kind == "int" else 8)):
+    bits = fmt.bits if fmt.kind == "int" else 8
+    if block_size % (8 // bits) or g.dtype != torch.float32 or (e is not None and e.dtype != torch.float32):
         return None
-    if g.device.type != "cpu" or g.dtype != torch.float32 or (e is not None and e.dtype != torch.float32):
-        return None
-    k = _kernels(fmt, stochastic, g)
+    k = _kernels(fmt, key is not None, g)
     if k is None or not hasattr(k, "ef_encode_into"):
         return None
-    key = None
-    if stochastic:
-        counter_rng.check_numel(n)
-        key = counter_rng.draw_key(generator, g.device)
+    if _is_triton(k) and not k.ef_encode_covers(n, _kind_code(fmt), fmt.bits, block_size):
+        return None
     mode = 0 if beta == 0.0 else (1 if e is None else 2)
-    return bool(k.ef_encode_into(g.contiguous(), None if e is None else e.contiguous(), out, e_out, _kind_code(fmt),
-                                 fmt.bits, float(fmt.qmax), block_size, float(beta), mode, key=key))
+    try:
+        return bool(k.ef_encode_into(g.contiguous(), None if e is None else e.contiguous(), out, e_out,
+                                     _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, float(beta), mode,
+                                     key=key))
+    except Exception as ex:
+        if not _kernel_failed(k, ex):
+            raise
+        return None
 
 
 def encode_scaled_reference(
