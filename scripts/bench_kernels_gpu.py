@@ -7,6 +7,8 @@ For --numel elements of --dtype (default 256M bf16) on cuda:0:
            Triton kernels for CUDA tensors): bytes moved = numel * itemsize read + wire bytes written.
   decode   ``quantize.decode_scaled(buf, ...)`` into a preallocated output of the input dtype (and of fp32, the
            codec's default): bytes moved = wire bytes read + numel * out itemsize written.
+  ef step  (--ef) one LoCo error-feedback step through ``ef_encoder.chunk_encoder`` on the fp32 copy of the
+           input (an error already stored): bytes moved = 4n (g) + 4n (e) read + 4n (e') + wire bytes written.
 Times: CUDA events around each call, --warmup untimed calls first (the first one compiles the Triton kernels
 and is reported separately), then the median of --repeats. ratio = kernel GB/s / memcpy GB/s (both r+w).
 Before timing, the encode and decode of the first --check elements are compared bit for bit with the eager
@@ -84,6 +86,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--check", type=parse_count, default=parse_count("1M"), help="elements compared with the reference")
+    p.add_argument("--ef", action="store_true", help="also time the one-pass error-feedback step (fp32 input)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke run of the script itself (the C++ kernels, perf_counter timing)")
     args = p.parse_args()
@@ -134,6 +137,24 @@ def main() -> None:
         rows.append(["decode+accumulate fp32", str(codec), t * 1e3, moved / 1e6, moved / t / 1e9, moved / t / 1e9 / mc,
                      first, same])
         del acc, buf
+        if args.ef:
+            from megacomp.compression import ErrorFeedback
+            from megacomp.compression.ef_encoder import chunk_encoder
+
+            g32 = x.float()
+            ef = ErrorFeedback("loco")
+
+            def ef_step():
+                enc = chunk_encoder(ef, "k", g32, codec)
+                enc.encode(0, n)
+                enc.commit()
+
+            ef_step()  # an error is stored: the steps below are LoCo's steady state (mode 2)
+            first, t = timed(ef_step)
+            moved = 12 * n + wire
+            rows.append(["ef step fp32 (LoCo)", str(codec), t * 1e3, moved / 1e6, moved / t / 1e9, moved / t / 1e9 / mc,
+                         first, ""])
+            del g32, ef
 
     dev_name = torch.cuda.get_device_name(dev) if cuda else "cpu (smoke run)"
     print(f"# megacomp GPU codec kernels: {dev_name}, torch {torch.__version__}, "
