@@ -137,3 +137,22 @@ def test_shape_change_raises_like_compensate():
     enc.commit()
     with pytest.raises(ValueError, match="distinct key"):
         chunk_encoder(ef, "k", torch.randn(999), make_codec("int4"))
+
+
+@pytest.mark.parametrize("efc", [dict(beta=0.8), dict(beta=0.8, storage="bf16")], ids=["fp32", "bf16"])
+def test_input_filled_between_chunks(efc):
+    """The encoder reads g only in encode(): a buffer filled segment by segment (the all-reduce's server
+    shard) gives the state of encoding the finished tensor."""
+    g = torch.randn(4000, generator=torch.Generator().manual_seed(9))
+    ef_ref, ef_new = ErrorFeedback(efc), ErrorFeedback(efc)
+    for _ in range(2):
+        ref = _reference_step(ef_ref, "s", g, make_codec("int4"), [(0, 1500), (1500, 2500)])
+        buf = torch.full_like(g, float("nan"))
+        enc = chunk_encoder(ef_new, "s", buf, make_codec("int4"))
+        got = []
+        for o, s in ((0, 1500), (1500, 2500)):
+            buf[o:o + s] = g[o:o + s]
+            got.append(enc.encode(o, s))
+        enc.commit()
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1500])
+        assert torch.equal(ef_ref.error("s"), ef_new.error("s"))

@@ -165,26 +165,25 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
 
     def finish() -> None:
         own = [ss[rank] for ss in segs]
-        e_srv = ef.error(skey) if ef is not None else None
-        if e_srv is not None:
-            ef._checked(skey, e_srv, torch.empty(sum(own), device="meta"))
-        hs_parts, encs, gathers, o = [], [], [], 0
+        # the reduced own shard, filled segment by segment; its chunk encoder adds the server error
+        # (h = shard + e_srv, per segment) and, after the last segment, updates it from the bytes sent
+        shard = torch.empty(sum(own), dtype=torch.float32, device=tensor.device)
+        src_srv = chunk_encoder(ef, skey, shard, codec)
+        gathers, o = [], 0
         for ss, recv, work in zip(segs, recvs, works):
             work.wait()
-            hs = _decode_sum(codec, recv, ss[rank], world, avg)
-            if e_srv is not None:  # server-side compensation, elementwise as ErrorFeedback.compensate
-                hs = hs + e_srv[o:o + ss[rank]].to(hs.dtype)
+            seg = shard[o:o + ss[rank]]
+            hs = _decode_sum(codec, recv, ss[rank], world, avg, out=seg)
+            if hs.data_ptr() != seg.data_ptr():
+                seg.copy_(hs)
+            enc = src_srv.encode(o, ss[rank])
             o += ss[rank]
-            hs_parts.append(hs)
-            enc = codec.encode_flat(hs, strict=False)
-            encs.append(enc)
             wmax = max(codec.wire_bytes(s) for s in ss)
             padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
             padded[:enc.numel()] = enc
             gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
             gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group, tag + 1)))
-        if ef is not None:
-            ef.update_encoded(skey, torch.cat(hs_parts), codec, encs, own)
+        src_srv.commit()
         # decode straight into the tensor (no full-size temporary: fresh large buffers cost page faults)
         dst = tensor.view(-1) if tensor.is_contiguous() else torch.empty(n, dtype=tensor.dtype, device=tensor.device)
         pos = 0

@@ -12,9 +12,11 @@ per chunk, ``quantize.ef_encode_scaled`` runs compensate, encode and update in o
 the C++ kernel covers the chunk (per-block scales on byte boundaries, no dual scaling); otherwise the
 chunk's h is formed and encoded and the error updated from its bytes (``ef_update_scaled``: the C++ or
 Triton kernel, else the reference). Other cases (bf16/int8 error storage, Hadamard or cast codecs, fp64
-or half inputs) run ``ErrorFeedback.compensate`` on the whole tensor, encode its chunks and call
-``update_encoded``. Every path gives the bytes and the error of ``compensate`` + ``encode`` + ``update``
+or half inputs) form each chunk's h with ``ErrorFeedback.compensate``'s expression, encode it, and
+``commit`` calls ``update_encoded`` on the whole h. Every path gives the bytes and the error of ``compensate`` + ``encode`` + ``update``
 bit for bit (tests/test_compression_ef_encoder.py); no full-size h is materialised on the chunked path.
+The input is read only by ``encode``: a caller may fill ``g`` chunk by chunk between the calls (the
+all-reduce's server side fills its reduced shard segment by segment).
 
 The chunked path writes the new error into the stored fp32 error tensor in place (each element's old
 value is read before its new one is written); ``ErrorFeedback.state_dict`` clones, so checkpoints are
@@ -88,17 +90,21 @@ class CompensatedEncoder(ChunkEncoder):
             self.in_place = self.e is not None and self.e.is_contiguous()
             self.new = self.e if self.in_place else torch.empty_like(self.g)
             self.finite = True
-        else:  # the whole-tensor steps
-            self.h = ef.compensate(key, g).reshape(-1)
+        else:  # compensate's expression per chunk (element-wise: the same values), then update_encoded
+            self.work = g.dtype if g.dtype == torch.float64 else torch.float32
+            self.e = None if e is None else ef._checked(key, e, g).reshape(-1).to(self.work)
+            self.h: dict[int, torch.Tensor] = {}
             self.bufs: dict[int, torch.Tensor] = {}
 
     def encode(self, offset: int, size: int) -> torch.Tensor:
         self.coverage.add(offset, size)
         codec = self.codec
         if not self.chunked:
-            buf = codec.encode_flat(self.h[offset:offset + size], strict=False)
-            self.bufs[offset] = buf
-            return buf
+            gc = self.g[offset:offset + size].to(self.work)
+            h = gc.clone() if self.e is None else gc + self.e[offset:offset + size]
+            self.h[offset] = h
+            self.bufs[offset] = codec.encode_flat(h, strict=False)
+            return self.bufs[offset]
         fmt, beta = codec.format, self.ef.config.beta
         g = self.g[offset:offset + size]
         e = None if self.e is None else self.e[offset:offset + size]
@@ -133,8 +139,8 @@ class CompensatedEncoder(ChunkEncoder):
         if self.chunked:
             self.ef._commit(self.key, self.new if self.finite else torch.zeros_like(self.new), finite=self.finite)
         else:
-            self.ef.update_encoded(self.key, self.h, self.codec, [self.bufs[o] for o, _ in ranges],
-                                   [s for _, s in ranges])
+            h = torch.cat([self.h[o] for o, _ in ranges])
+            self.ef.update_encoded(self.key, h, self.codec, [self.bufs[o] for o, _ in ranges], [s for _, s in ranges])
 
 
 def chunk_encoder(ef: Optional[ErrorFeedback], key: str, g: torch.Tensor, codec) -> ChunkEncoder:
