@@ -149,6 +149,21 @@ def _dequantize(code, table_ptr, offset, KIND: tl.constexpr):
 
 
 @triton.jit
+def _new_error(h, r, idx, m, e_ptr, beta, omb, EPI: tl.constexpr):
+    """Error feedback's new error from h and the decoded r: (h - r), (1-beta)(h - r), beta e + (1-beta)(h - r)
+    for EPI 2/3/4 (the reference's expressions), and 1 where the residual h - r is not finite."""
+    res = h - r
+    bad = (((res.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & m).to(tl.int32)
+    if EPI == 2:
+        val = res
+    elif EPI == 3:
+        val = omb * res
+    else:
+        val = beta * tl.load(e_ptr + idx, mask=m, other=0.0) + omb * res
+    return val, bad
+
+
+@triton.jit
 def _epilogue(r, idx, m, out_ptr, h_ptr, e_ptr, beta, omb, EPI: tl.constexpr):
     """Write decoded values ``r``; returns 1 where an error-feedback residual is not finite, else 0."""
     bad = tl.full(r.shape, 0, tl.int32)
@@ -163,16 +178,7 @@ def _epilogue(r, idx, m, out_ptr, h_ptr, e_ptr, beta, omb, EPI: tl.constexpr):
         acc = tl.load(out_ptr + idx, mask=m, other=0.0)
         tl.store(out_ptr + idx, acc + r, mask=m)
     else:
-        h = tl.load(h_ptr + idx, mask=m, other=0.0)
-        res = h - r
-        bad = (((res.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & m).to(tl.int32)
-        if EPI == 2:
-            val = res
-        elif EPI == 3:
-            val = omb * res
-        else:
-            e = tl.load(e_ptr + idx, mask=m, other=0.0)
-            val = beta * e + omb * res
+        val, bad = _new_error(tl.load(h_ptr + idx, mask=m, other=0.0), r, idx, m, e_ptr, beta, omb, EPI)
         tl.store(out_ptr + idx, val, mask=m)
     return bad
 
@@ -377,14 +383,7 @@ def ef_rows(g_ptr, e_ptr, scale_ptr, key_ptr, pay_ptr, eout_ptr, flag_ptr, table
     code = tl.where(m, _quantize(y, u, qmax, offset, KIND, STOCH), 0)
     tl.store(pay_ptr + bidx, _pack(code, W // P, P, BITS).to(tl.uint8), mask=bm)
     r = _dequantize(code, table_ptr, offset, KIND) * scale[:, None]
-    res = h - r
-    bad = (((res.to(tl.int32, bitcast=True) & 0x7F800000) == 0x7F800000) & m).to(tl.int32)
-    if EPI == 2:
-        val = res
-    elif EPI == 3:
-        val = omb * res
-    else:
-        val = beta * tl.load(e_ptr + idx, mask=m, other=0.0) + omb * res
+    val, bad = _new_error(h, r, idx, m, e_ptr, beta, omb, EPI)
     tl.store(eout_ptr + idx, val, mask=m)
     tl.store(flag_ptr + pid, _imax(_imax(bad, 1), 0).to(tl.int8))
 
