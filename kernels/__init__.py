@@ -4,7 +4,8 @@ Backends, each bit-identical to the eager reference in megacomp/compression/quan
 on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef_update_scaled) picks:
   ``triton``     CUDA tensors (fp32, bf16, fp16 inputs): Triton kernels in kernels/triton/ for the int8,
                  int4, int2, fp8 and sign codecs: encode, decode (into fp32/bf16/fp16), decode-accumulate, the
-                 fused error-feedback update and the one-pass error-feedback step; per-tensor, per-block and dual scaling; round to nearest and
+                 fused error-feedback update and the one-pass error-feedback step (per-block scales on byte
+                 boundaries, no dual scaling); per-tensor, per-block and dual scaling; round to nearest and
                  stochastic rounding. Compiled by triton on first launch per configuration and cached. Needs
                  the ``triton`` package; ``codec_triton.interpreted()`` runs the same kernels on CPU tensors
                  under triton's interpreter (tests).

@@ -249,3 +249,43 @@ def test_two_level_error_feedback_telescopes_through_all_reduce():
     assert residual.abs().max().item() <= steps * exact.abs().max().item() * world * 2.0 ** -20
     # so the time-averaged result converges, unlike int2 without error feedback
     assert (total / steps - exact).norm() < 0.25 * (res[0][1] / steps - exact).norm()
+
+
+def _ef_empty_chunks_body(rank, world, spec, steps):
+    """Tiny tensors cut into 2-element pipeline segments: many chunks (and own shards) are empty."""
+    from megacomp.comm import transport
+    from megacomp.compression import ErrorFeedback
+
+    transport.set_pipeline_numel(2)
+    codec = make_codec(dict(spec, seed=100 + rank) if spec.get("rounding") == "stochastic" else spec)
+    ef_ar, ef_rs = ErrorFeedback("ef"), ErrorFeedback("ef")
+    x, xr = rank_input(rank, 6), rank_input(rank + 10, 4)
+    total, rs_total = torch.zeros(6, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+    for _ in range(steps):
+        y = x.clone()
+        comm.all_reduce(y, codec=codec, error_feedback=ef_ar, ef_key="ar")
+        total += y.double()
+        out = torch.empty(1)
+        comm.reduce_scatter_tensor(out, xr, codec=codec, error_feedback=ef_rs, ef_key="rs")
+        rs_total += out.double()
+    return total, ef_ar.error("ar/worker"), ef_ar.error("ar/server"), rs_total, ef_rs.error("rs/worker")
+
+
+@pytest.mark.parametrize("spec", [dict(name="sign"), dict(name="int4", block_size=16, rounding="stochastic")],
+                         ids=["sign", "int4-stochastic"])
+def test_error_feedback_with_empty_chunks_telescopes(spec):
+    """Classic EF through chunks of 0-2 elements (world 4, 2-element segments): sum_t out_t equals
+    T * exact minus the final errors (worker errors of every rank, the server shards) up to fp32 round-off,
+    for the all-reduce and for the reduce-scatter (rank r: its chunk of every rank's worker error)."""
+    world, steps = 4, 5
+    res = run_ranks(_ef_empty_chunks_body, world, spec, steps)
+    exact = torch.stack([rank_input(r, 6).double() for r in range(world)]).sum(0)
+    worker = torch.stack([r[1].double() for r in res]).sum(0)
+    server = torch.cat([r[2].double() for r in res if r[2] is not None and r[2].numel()])
+    tol = steps * world * 64 * 2.0 ** -23 * (exact.abs().max().item() + worker.abs().max().item() + 1.0)
+    assert (res[0][0] + worker + server - steps * exact).abs().max().item() <= tol
+    assert all(torch.equal(r[0], res[0][0]) for r in res)  # identical on every rank
+    rs_exact = torch.stack([rank_input(r + 10, 4).double() for r in range(world)]).sum(0)
+    rs_err = torch.stack([r[4].double() for r in res]).sum(0)
+    for r in range(world):
+        assert abs(res[r][3].item() + rs_err[r].item() - steps * rs_exact[r].item()) <= tol

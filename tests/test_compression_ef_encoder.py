@@ -156,3 +156,50 @@ def test_input_filled_between_chunks(efc):
         enc.commit()
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1500])
         assert torch.equal(ef_ref.error("s"), ef_new.error("s"))
+
+
+@pytest.mark.parametrize("spec", [dict(name="int4", block_size=16, rounding="stochastic", seed=5),
+                                  dict(name="sign"), dict(name="int8", block_size=16)], ids=["int4-sr", "sign", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_empty_chunks_draw_nothing_and_collide_with_nothing(spec, dtype):
+    """Collectives encode empty chunks when a tensor is smaller than the world (several at one offset): no
+    stochastic key is drawn for them (as encode_flat of an empty tensor) and they do not displace the
+    chunk that starts at the same offset."""
+    ranges = [(0, 0), (0, 40), (40, 0), (40, 0), (40, 24), (64, 0)]
+    ef_ref, ef_new = ErrorFeedback("loco"), ErrorFeedback("loco")
+    c_ref, c_new = make_codec(spec), make_codec(spec)
+    for step in range(3):
+        g = torch.randn(64, generator=torch.Generator().manual_seed(step)).to(dtype)
+        h = ef_ref.compensate("k", g)
+        ref = [c_ref.encode_flat(h[o:o + s], strict=False) for o, s in ranges]
+        ef_ref.update_encoded("k", h, c_ref, ref, [s for _, s in ranges])
+        with chunk_encoder(ef_new, "k", g, c_new) as enc:
+            got = [enc.encode(o, s) for o, s in ranges]
+        assert all(torch.equal(a, b) for a, b in zip(got, ref)), step
+        assert torch.equal(ef_ref.error("k"), ef_new.error("k")), step
+
+
+def test_abort_drops_a_half_updated_error_and_nothing_else():
+    ef, codec = ErrorFeedback("loco"), make_codec("int4")
+    g = torch.randn(1000)
+    with chunk_encoder(ef, "k", g, codec) as enc:  # first step: the error is created
+        enc.encode(0, 1000)
+    enc = chunk_encoder(ef, "k", g, codec)
+    enc.encode(0, 1000)
+    enc.commit()
+    assert ef.error("k") is not None and ef.dropped == {}
+    enc.abort()  # after a commit: nothing to undo
+    assert ef.error("k") is not None and ef.dropped == {}
+    with pytest.raises(RuntimeError, match="already committed"):
+        enc.commit()
+    with pytest.raises(ConnectionError):
+        with chunk_encoder(ef, "k", g, codec) as enc:
+            enc.encode(0, 500)  # the stored error is now half overwritten
+            raise ConnectionError("a send failed")
+    assert ef.error("k") is None and ef.dropped == {"k": 1}
+    ef2 = ErrorFeedback("loco")  # no error yet: nothing was overwritten, nothing to drop
+    with pytest.raises(ConnectionError):
+        with chunk_encoder(ef2, "k", g, codec) as enc:
+            enc.encode(0, 500)
+            raise ConnectionError("a send failed")
+    assert ef2.error("k") is None and ef2.dropped == {}

@@ -282,7 +282,8 @@ class TritonCodecs:
         self.decode_into(buf, out, 3, 1, block, False, accumulate)
 
     def ef_encode_covers(self, n: int, kind: int, bits: int, block: int) -> bool:
-        """Whether :meth:`ef_encode_into` takes this case (checked before a stochastic key is drawn)."""
+        """Whether :meth:`ef_encode_into` takes this case (the dispatch asks first and otherwise runs the
+        three steps, with the same stochastic key)."""
         bits = bits if kind == 0 else 8
         width, nb, per, _, _ = self._layout(n, block, False, bits)
         return 0 < n <= MAX_NUMEL and block > 0 and nb > 1 and width % per == 0 and \

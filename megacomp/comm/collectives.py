@@ -168,22 +168,21 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
         # the reduced own shard, filled segment by segment; its chunk encoder adds the server error
         # (h = shard + e_srv, per segment) and, after the last segment, updates it from the bytes sent
         shard = torch.empty(sum(own), dtype=torch.float32, device=tensor.device)
-        src_srv = chunk_encoder(ef, skey, shard, codec)
         gathers, o = [], 0
-        for ss, recv, work in zip(segs, recvs, works):
-            work.wait()
-            seg = shard[o:o + ss[rank]]
-            hs = _decode_sum(codec, recv, ss[rank], world, avg, out=seg)
-            if hs.data_ptr() != seg.data_ptr():
-                seg.copy_(hs)
-            enc = src_srv.encode(o, ss[rank])
-            o += ss[rank]
-            wmax = max(codec.wire_bytes(s) for s in ss)
-            padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
-            padded[:enc.numel()] = enc
-            gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
-            gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group, tag + 1)))
-        src_srv.commit()
+        with chunk_encoder(ef, skey, shard, codec) as src_srv:  # commits after the last segment
+            for ss, recv, work in zip(segs, recvs, works):
+                work.wait()
+                seg = shard[o:o + ss[rank]]
+                hs = _decode_sum(codec, recv, ss[rank], world, avg, out=seg)
+                if hs.data_ptr() != seg.data_ptr():
+                    seg.copy_(hs)
+                enc = src_srv.encode(o, ss[rank])
+                o += ss[rank]
+                wmax = max(codec.wire_bytes(s) for s in ss)
+                padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
+                padded[:enc.numel()] = enc
+                gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
+                gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group, tag + 1)))
         # decode straight into the tensor (no full-size temporary: fresh large buffers cost page faults)
         dst = tensor.view(-1) if tensor.is_contiguous() else torch.empty(n, dtype=tensor.dtype, device=tensor.device)
         pos = 0
@@ -231,7 +230,11 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     ef_key = ef_key or tag or "all_reduce"
     src = chunk_encoder(ef, ef_key + "/worker", tensor.reshape(-1), codec)  # h = g + e, chunk by chunk
     algo = _all_reduce_direct if world == 2 else _all_reduce_rs_ag
-    finish, wire = algo(tensor, src, codec, group, ef, ef_key, op_name(op) == "AVG")
+    try:  # the algorithm commits src after its last encode; a failure before that drops a half-updated error
+        finish, wire = algo(tensor, src, codec, group, ef, ef_key, op_name(op) == "AVG")
+    except BaseException:
+        src.abort()
+        raise
     _stats.record(label, wire, uncompressed)
     handle = CompressedWork(finish)
     if async_op:
@@ -273,15 +276,15 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
     pieces = split_sizes(m, len(pipeline_segments(world * m)))
     tag, exchanges, wire = next_tags(group), [], 0
     enc = [[None] * len(pieces) for _ in range(world)]  # enc[j][k]: piece k of the chunk for rank j
-    for k, (o, s) in enumerate(zip(offsets(pieces), pieces)):
-        for j in range(world):
-            enc[j][k] = src.encode(j * m + o, s)
-        w = codec.wire_bytes(s)
-        recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
-        exchanges.append((recv, all_to_all_bytes(recv, torch.cat([enc[j][k] for j in range(world)]), [w] * world,
-                                                 [w] * world, group, tag)))
-        wire += (world - 1) * w
-    src.commit()  # error feedback: from the bytes sent
+    with src:  # error feedback: commit (the new error from the bytes sent) after the last piece
+        for k, (o, s) in enumerate(zip(offsets(pieces), pieces)):
+            for j in range(world):
+                enc[j][k] = src.encode(j * m + o, s)
+            w = codec.wire_bytes(s)
+            recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
+            exchanges.append((recv, all_to_all_bytes(recv, torch.cat([enc[j][k] for j in range(world)]), [w] * world,
+                                                     [w] * world, group, tag)))
+            wire += (world - 1) * w
     _stats.record(label, wire, raw)
 
     def finish() -> None:

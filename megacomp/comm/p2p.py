@@ -56,9 +56,8 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: Co
     if codec.is_identity:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
     elif error_feedback is not None:
-        src = chunk_encoder(error_feedback, ef_key or label or "send", tensor.reshape(-1), codec)
-        payload = src.encode(0, tensor.numel())
-        src.commit()  # the new error from exactly the bytes sent
+        with chunk_encoder(error_feedback, ef_key or label or "send", tensor.reshape(-1), codec) as src:
+            payload = src.encode(0, tensor.numel())  # the new error from exactly these bytes, on exit
     else:
         payload = codec.encode_flat(tensor, strict=False)
     _stats.record(label or "send", payload.numel() * payload.element_size(), raw)

@@ -37,9 +37,12 @@ _CHUNK = 1 << 22  # elements per reference chunk: bounds the int64 temporaries (
 
 
 def draw_key(generator: Optional[torch.Generator], device: torch.device | str) -> torch.Tensor:
-    """One key per encode call, drawn from ``generator`` (torch's default generator for ``device`` when
-    None): an int64 tensor of shape (1,) on ``device``, never read back to the host by the CUDA path."""
-    return torch.randint(0, 1 << 62, (1,), generator=generator, device=device, dtype=torch.int64)
+    """One key per encode call, drawn from ``generator`` on the generator's own device (torch's default
+    generator for ``device`` when None) and placed on ``device``: an int64 tensor of shape (1,), never read
+    back to the host by the CUDA path. A seeded codec's CPU generator thus also serves CUDA tensors."""
+    where = generator.device if generator is not None else torch.device(device)
+    key = torch.randint(0, 1 << 62, (1,), generator=generator, device=where, dtype=torch.int64)
+    return key.to(device)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:

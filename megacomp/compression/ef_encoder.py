@@ -9,13 +9,14 @@ then updated from exactly those bytes. :func:`chunk_encoder` returns an object w
 
 Algorithm with error feedback (fp32 input and fp32 error storage, int/fp8 codec without Hadamard rotation):
 per chunk, ``quantize.ef_encode_scaled`` runs compensate, encode and update in one pass over g and e where
-the C++ kernel covers the chunk (per-block scales on byte boundaries, no dual scaling); otherwise the
-chunk's h is formed and encoded and the error updated from its bytes (``ef_update_scaled``: the C++ or
-Triton kernel, else the reference). Other cases (bf16/int8 error storage, Hadamard or cast codecs, fp64
-or half inputs) form each chunk's h with ``ErrorFeedback.compensate``'s expression, encode it, and
-``commit`` calls ``update_encoded`` on the whole h. Every path gives the bytes and the error of ``compensate`` + ``encode`` + ``update``
-bit for bit (tests/test_compression_ef_encoder.py); no full-size h is materialised on the chunked path.
-The input is read only by ``encode``: a caller may fill ``g`` chunk by chunk between the calls (the
+a kernel covers the chunk (C++ on CPU, Triton on CUDA: per-block scales on byte boundaries, more than one
+block, no dual scaling); otherwise the chunk's h is formed and encoded and the error updated from its
+bytes (``ef_update_scaled``: the C++ or Triton kernel, else the reference). Other cases (bf16/int8 error
+storage, the sign codec, Hadamard or cast codecs, fp64 or half inputs) form each chunk's h with
+``ErrorFeedback.compensate``'s expression and encode it; ``commit`` calls ``update_encoded`` on the whole
+h. Every path gives the bytes and the error of ``compensate`` + ``encode`` + ``update`` bit for bit, and
+draws the same stochastic keys (tests/test_compression_ef_encoder.py); no full-size h is materialised on
+the chunked path. The input is read only by ``encode``: a caller may fill ``g`` chunk by chunk between the calls (the
 all-reduce's server side fills its reduced shard segment by segment).
 
 The chunked path writes the new error into the stored fp32 error tensor in place (each element's old
@@ -25,7 +26,9 @@ unaffected, but a tensor obtained from ``ErrorFeedback.error`` earlier changes w
 Failure behaviour: as :class:`ErrorFeedback` (a non-finite residual anywhere drops the key's error, a
 shape change raises ValueError); ``commit`` raises RuntimeError if the chunks did not cover the input
 exactly once (a bug in the caller, never silently stored; an error already partly overwritten in place is
-dropped, and the message says so).
+dropped, and the message says so). Used as a context manager (as the collectives do), an exception
+between the first encode and the commit (a failed send) calls ``abort``: a partly overwritten error is
+dropped and counted in ``dropped``, never kept half-updated. Empty chunks draw no stochastic key.
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from .error_feedback import ErrorFeedback, blend_error
 
 class ChunkEncoder:
     """Without error feedback: ``encode`` is ``codec.encode_flat`` of the chunk (strict=False, as collectives
-    encode: fp16 overflow becomes inf instead of raising on one rank only)."""
+    encode: fp16 overflow becomes inf instead of raising on one rank only). As a context manager: ``commit``
+    on a normal exit, ``abort`` when an exception leaves the block (it is not suppressed)."""
 
     def __init__(self, g: torch.Tensor, codec) -> None:
         self.g, self.codec = g.reshape(-1), codec
@@ -50,6 +54,19 @@ class ChunkEncoder:
     def commit(self) -> None:
         pass
 
+    def abort(self) -> None:
+        pass
+
+    def __enter__(self) -> "ChunkEncoder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+        return False
+
 
 class _Coverage:
     """Which [offset, offset + size) ranges were encoded: commit checks each element was, exactly once."""
@@ -58,7 +75,8 @@ class _Coverage:
         self.numel, self.ranges = numel, []
 
     def add(self, offset: int, size: int) -> None:
-        self.ranges.append((offset, size))
+        if size:  # an empty chunk covers nothing (collectives have them when a tensor is smaller than world)
+            self.ranges.append((offset, size))
 
     def check(self) -> list[tuple[int, int]]:
         ranges, pos = sorted(self.ranges), 0
@@ -79,6 +97,7 @@ class CompensatedEncoder(ChunkEncoder):
         super().__init__(g, codec)
         self.ef, self.key = ef, key
         self.coverage = _Coverage(self.g.numel())
+        self.done = self.committed = False
         e = ef.error(key)
         fmt = codec.format
         self.chunked = (ef.config.storage == "fp32" and fmt.kind in ("int", "float8") and not codec.hadamard
@@ -90,6 +109,7 @@ class CompensatedEncoder(ChunkEncoder):
             self.in_place = self.e is not None and self.e.is_contiguous()
             self.new = self.e if self.in_place else torch.empty_like(self.g)
             self.finite = True
+            self.touched = False  # whether the stored error was (partly) overwritten
         else:  # compensate's expression per chunk (element-wise: the same values), then update_encoded
             self.work = g.dtype if g.dtype == torch.float64 else torch.float32
             self.e = None if e is None else ef._checked(key, e, g).reshape(-1).to(self.work)
@@ -99,6 +119,8 @@ class CompensatedEncoder(ChunkEncoder):
     def encode(self, offset: int, size: int) -> torch.Tensor:
         self.coverage.add(offset, size)
         codec = self.codec
+        if size == 0:  # no bytes, no random key drawn (as codec.encode_flat of an empty tensor), no state
+            return codec.encode_flat(self.g[offset:offset], strict=False)
         if not self.chunked:
             gc = self.g[offset:offset + size].to(self.work)
             h = gc.clone() if self.e is None else gc + self.e[offset:offset + size]
@@ -115,6 +137,7 @@ class CompensatedEncoder(ChunkEncoder):
             counter_rng.check_numel(size)
             key = counter_rng.draw_key(codec._rng(None), g.device)
         buf = torch.empty(codec.wire_bytes(size), dtype=torch.uint8, device=g.device)
+        self.touched = True
         ok = quantize.ef_encode_scaled(g, e, buf, new, fmt, codec.block_size, codec.dual_scale, beta, key=key)
         if ok is None:  # the three steps on this chunk (codec.encode_flat's steps for fp32 int/fp8 codecs)
             h = g.clone() if e is None else g + e  # ErrorFeedback.compensate
@@ -128,19 +151,35 @@ class CompensatedEncoder(ChunkEncoder):
         return buf
 
     def commit(self) -> None:
+        if self.done:
+            raise RuntimeError(f"error feedback key {self.key!r}: this chunk encoder was already committed")
+        self.done = True
         try:
             ranges = self.coverage.check()
         except RuntimeError:
-            if self.chunked and self.in_place:  # part of the stored error was overwritten: drop it, say so
-                self.ef.reset(self.key)
+            if self._drop_partial():
                 raise RuntimeError(f"error feedback key {self.key!r}: its error was dropped (partly updated in "
                                    f"place); the encoded chunks must cover every element exactly once") from None
             raise
+        self.committed = True
         if self.chunked:
             self.ef._commit(self.key, self.new if self.finite else torch.zeros_like(self.new), finite=self.finite)
         else:
-            h = torch.cat([self.h[o] for o, _ in ranges])
+            h = torch.cat([self.h[o] for o, _ in ranges]) if ranges else self.g.new_empty(0, dtype=self.work)
             self.ef.update_encoded(self.key, h, self.codec, [self.bufs[o] for o, _ in ranges], [s for _, s in ranges])
+
+    def abort(self) -> None:
+        """The call failed between the first ``encode`` and ``commit`` (e.g. a communication error): an error
+        already partly overwritten in place is dropped and counted in ``ErrorFeedback.dropped`` (as after a
+        non-finite step); otherwise the state is unchanged."""
+        self._drop_partial()
+
+    def _drop_partial(self) -> bool:
+        if not (self.chunked and self.in_place and self.touched) or (self.done and self.committed):
+            return False
+        self.ef.reset(self.key)
+        self.ef.dropped[self.key] = self.ef.dropped.get(self.key, 0) + 1
+        return True
 
 
 def chunk_encoder(ef: Optional[ErrorFeedback], key: str, g: torch.Tensor, codec) -> ChunkEncoder:

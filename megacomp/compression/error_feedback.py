@@ -96,7 +96,9 @@ class ErrorFeedback:
         return self._errors.keys()
 
     def error(self, key: str, like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """The current error of ``key`` (decoded to fp32/fp64 like ``like``), or None if there is none."""
+        """The current error of ``key`` (decoded to fp32/fp64 like ``like``), or None if there is none. With
+        fp32 storage this is the stored tensor itself, which the collectives' next step overwrites in place
+        (megacomp.compression.ef_encoder): clone it to keep a snapshot; ``state_dict`` does."""
         stored = self._errors.get(key)
         if stored is None:
             return None
@@ -160,7 +162,8 @@ class ErrorFeedback:
             else:
                 self._commit(key, new if finite else torch.zeros_like(h), finite=finite)
                 return
-        h_hat = torch.cat([codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)])
+        parts = [codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)]
+        h_hat = torch.cat(parts) if parts else h.new_empty(0)
         self.update(key, h, h_hat)
 
     def _commit(self, key: str, new: torch.Tensor, finite: bool = True) -> None:
