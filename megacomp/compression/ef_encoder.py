@@ -21,7 +21,9 @@ all-reduce's server side fills its reduced shard segment by segment).
 
 The chunked path writes the new error into the stored fp32 error tensor in place (each element's old
 value is read before its new one is written); ``ErrorFeedback.state_dict`` clones, so checkpoints are
-unaffected, but a tensor obtained from ``ErrorFeedback.error`` earlier changes with the next step.
+unaffected, but a tensor obtained from ``ErrorFeedback.error`` earlier changes with the next step, and a
+``state_dict`` taken while a step is in flight (the DDP hook's overlapped communication) could capture a
+partly updated error: checkpoint between steps, as megacomp.training does (after the optimizer step).
 
 Failure behaviour: as :class:`ErrorFeedback` (a non-finite residual anywhere drops the key's error, a
 shape change raises ValueError); ``commit`` raises RuntimeError if the chunks did not cover the input
