@@ -21,6 +21,8 @@ Part B, collectives (--world ranks via torch.multiprocessing spawn, gloo over fi
   algbw = S / time. wire B/call = comm.stats() bytes rank 0 sends per call (stats reset before each
   measurement, divided by calls), next to the bytes the uncompressed collective sends.
   rel err = ||ref - out|| / ||ref|| against the codec=None result on the same inputs, max over ranks.
+  "int4 + loco" rows (reductions only): the same calls with error_feedback, one ErrorFeedback("loco") state
+  per rank kept across the warm-up and timed calls (its steady state: an error stored, updated each call).
 
 Run:  python scripts/bench_codecs.py [--quick] [--numel 64M] [--coll-mib 4,32] [--ops all_reduce,...] [--out DIR]
 """
@@ -39,7 +41,7 @@ import warnings
 
 import torch
 
-from megacomp.compression import make_codec, relative_error
+from megacomp.compression import ErrorFeedback, make_codec, relative_error
 
 CODEC_SPECS = [dict(name=n) for n in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "sign")] + [
     dict(name="int8", block_size=32, dual_scale=True),
@@ -50,7 +52,7 @@ CODEC_SPECS = [dict(name=n) for n in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "i
     dict(name="int8", rounding="stochastic", seed=0),
     dict(name="sign", rounding="stochastic", seed=0),
 ]
-COLL_CODECS = ("none", "bf16", "fp8_e4m3", "int8", "int4", "int2", "sign")
+COLL_CODECS = ("none", "bf16", "fp8_e4m3", "int8", "int4", "int2", "sign", "int4+loco")  # +loco: error feedback
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 MiB = 1 << 20
 
@@ -178,12 +180,14 @@ def op_setup(op: str, numel: int, world: int, rank: int):
     if op == "all_reduce":
         src = torch.randn(numel, generator=g)
         buf = torch.empty_like(src)
-        return (lambda c: comm.all_reduce(buf, codec=c, validate=False)), (lambda: buf.copy_(src)), buf
+        return ((lambda c, ef: comm.all_reduce(buf, codec=c, error_feedback=ef, ef_key="b", validate=False)),
+                (lambda: buf.copy_(src)), buf)
     if op == "reduce_scatter":
         inp, out = torch.randn(numel, generator=g), torch.empty(numel // world)
-        return (lambda c: comm.reduce_scatter_tensor(out, inp, codec=c, validate=False)), None, out
+        return ((lambda c, ef: comm.reduce_scatter_tensor(out, inp, codec=c, error_feedback=ef, ef_key="b",
+                                                          validate=False)), None, out)
     inp, out = torch.randn(numel // world, generator=g), torch.empty(numel)
-    return (lambda c: comm.all_gather_into_tensor(out, inp, codec=c, validate=False)), None, out
+    return (lambda c, ef: comm.all_gather_into_tensor(out, inp, codec=c, validate=False)), None, out
 
 
 def bench_collective(op: str, mib: float, codec_name: str, ref, args) -> tuple[dict, torch.Tensor]:
@@ -192,10 +196,13 @@ def bench_collective(op: str, mib: float, codec_name: str, ref, args) -> tuple[d
     world, rank = dist.get_world_size(), dist.get_rank()
     numel = int(mib * MiB) // 4 // world * world
     call, restore, result = op_setup(op, numel, world, rank)
-    codec = make_codec(codec_name)
+    name, _, ef_name = codec_name.partition("+")
+    codec = make_codec(name)
+    # error feedback: one state across the timed calls (LoCo's steady state after the warm-up call)
+    ef = ErrorFeedback(ef_name) if ef_name else None
 
     def timed():
-        call(codec)
+        call(codec, ef)
 
     def setup():
         if restore is not None:
@@ -212,7 +219,7 @@ def bench_collective(op: str, mib: float, codec_name: str, ref, args) -> tuple[d
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
     dist.all_reduce(err, op=dist.ReduceOp.MAX)
     t = times.median().item()
-    row = {"op": op, "MiB": mib, "codec": str(codec), "ms": t * 1e3, "algbw_GBps": numel * 4 / t / 1e9,
+    row = {"op": op, "MiB": mib, "codec": str(codec) + (f" + {ef_name}" if ef_name else ""), "ms": t * 1e3, "algbw_GBps": numel * 4 / t / 1e9,
            "wire_B_per_call": wire, "uncompressed_B_per_call": raw, "wire_ratio": wire / raw if raw else 0.0,
            "rel_err": err.item()}
     return row, result.clone()
@@ -230,6 +237,8 @@ def coll_worker(rank: int, args, init_file: str, result_file: str) -> None:
         for op in args.ops:
             ref = None
             for name in COLL_CODECS:  # "none" first: it is the reference
+                if "+" in name and op == "all_gather":
+                    continue  # error feedback applies to reductions
                 row, out = bench_collective(op, mib, name, ref, args)
                 ref = out if name == "none" else ref
                 rows.append(row)
