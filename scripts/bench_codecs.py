@@ -12,6 +12,8 @@ Part A, codec throughput (this process, --threads torch threads, inputs torch.ra
   draws (megacomp.compression.counter_rng) inside the kernel.
   wire B/elem = codec.wire_bytes(numel) / numel (scales included); ratio = 4 / that.
   rel err = ||x - decode(encode(x))|| / ||x||.
+  Then one LoCo error-feedback step per EF_SPECS codec on x (an error already stored): the three
+  whole-tensor passes (compensate, encode, update_encoded) against ef_encoder.chunk_encoder's one pass.
 
 Part B, collectives (--world ranks via torch.multiprocessing spawn, gloo over file:// rendezvous on this
   machine, OMP_NUM_THREADS=1 and 1 torch thread per rank, validation off: megacomp.comm.set_validation(False)):
