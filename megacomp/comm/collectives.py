@@ -111,14 +111,13 @@ def _all_reduce_direct(tensor, src, codec, group, ef, ef_key, avg):
     decode-sum the two in rank order. Same bytes on the wire as reduce-scatter + all-gather for two ranks,
     but one quantization instead of two and half the encode work; no server-side error."""
     n = tensor.numel()
-    gathers, bufs, wire, base = [], [], 0, 0
+    gathers, wire, base = [], 0, 0
     segs = pipeline_segments(n)
     tag = next_tags(group)
     for length in segs:
         enc = src.encode(base, length)
         gathered = torch.empty(2 * enc.numel(), dtype=torch.uint8, device=tensor.device)
         gathers.append((gathered, all_gather_bytes(gathered, enc, group, tag)))
-        bufs.append(enc)
         wire += enc.numel()
         base += length
     src.commit()  # error feedback: the new error from the bytes sent
@@ -149,7 +148,7 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
     # are issued while the next segment is encoded, then each is reduced and its all-gather issued as
     # soon as its bytes are in, so encode, wire and decode overlap.
     segs = [split_sizes(length, world) for length in pipeline_segments(n)]
-    bufs, recvs, works, wire, base = [], [], [], 0, 0
+    recvs, works, wire, base = [], [], 0, 0
     tag = next_tags(group)  # tag: the all-to-alls, tag + 1: the all-gathers (issued later, maybe elsewhere)
     for ss in segs:
         seg_bufs = _encode_chunks(src, base, ss)
@@ -158,7 +157,6 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
         recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
         works.append(all_to_all_bytes(recv, torch.cat(seg_bufs), [w_own] * world, in_splits, group, tag))
         recvs.append(recv)
-        bufs += seg_bufs
         wire += sum(in_splits) - in_splits[rank] + (world - 1) * max(codec.wire_bytes(s) for s in ss)
         base += sum(ss)
     src.commit()  # error feedback: from the bytes actually sent, while they are on the wire
