@@ -196,3 +196,48 @@ def test_sign_codec_bit_identical(block, mode):
         g_ref, g_k = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
         ref = quantize.encode_scaled_reference(x, fmt, block, False, True, g_ref)
         assert torch.equal(quantize.encode_scaled(x, fmt, block, False, True, g_k), ref)
+
+
+@needs_cpu
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("block", [128, 32, 8])
+@pytest.mark.parametrize("mode", ["normal", "near_zero", "subnormal", "mixture", "non_finite", "zeros"])
+def test_error_feedback_one_pass_bit_identical(name, block, mode):
+    """ef_encode_into (h = g + e, encode, e' in one pass) against the reference's three steps: every EF mode,
+    stochastic rounding for int codecs, the new error written over e (in place) or elsewhere; the returned
+    flag says whether every residual was finite."""
+    from megacomp.compression import counter_rng
+    from megacomp.compression.error_feedback import blend_error
+
+    fmt = make_codec(name).format
+    n = 40_001
+    g = inputs(n, 7, mode)
+    e0 = inputs(n, 8, "normal") * 0.1
+    for mode_ef, beta, has_e in ((0, 0.0, True), (0, 0.0, False), (1, 0.8, False), (2, 0.8, True)):
+        for stoch in ((False, True) if fmt.kind == "int" else (False,)):
+            for in_place in ((False, True) if has_e else (False,)):
+                e = e0.clone() if has_e else None
+                key = counter_rng.draw_key(torch.Generator().manual_seed(mode_ef), "cpu") if stoch else None
+                h = g.clone() if e is None else g + e
+                ref = quantize.encode_scaled_reference(h, fmt, block, False, stoch, None, key=key)
+                res = h - quantize.decode_scaled_reference(ref, n, fmt, block, False)
+                want = blend_error(e if mode_ef == 2 else None, res, beta)
+                out = torch.full_like(ref, 0xAB)
+                e_out = e if in_place else torch.empty(n)
+                ok = quantize.ef_encode_scaled(g, e, out, e_out, fmt, block, False, beta, key=key)
+                case = (mode_ef, beta, has_e, stoch, in_place)
+                assert torch.equal(out, ref), case
+                assert ok == bool(torch.isfinite(res).all()), case
+                if ok:
+                    assert torch.equal(e_out.view(torch.int32), want.view(torch.int32)), case
+
+
+@needs_cpu
+def test_error_feedback_one_pass_declines_what_it_does_not_cover():
+    """None (nothing written, nothing drawn) for cases the one-pass kernel does not take."""
+    fmt = make_codec("int4").format
+    g, out, e_out = torch.randn(1000), torch.zeros(600, dtype=torch.uint8), torch.zeros(1000)
+    for block, dual, x in ((0, False, g), (128, True, g), (7, False, g), (1000, False, g), (128, False, g.double())):
+        assert quantize.ef_encode_scaled(x, None, out, e_out, fmt, block, dual, 0.0) is None
+    assert quantize.ef_encode_scaled(g, None, out, e_out, make_codec("sign").format, 128, False, 0.0) is None
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(e_out, torch.zeros_like(e_out))
