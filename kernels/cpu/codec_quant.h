@@ -14,47 +14,6 @@ namespace megacomp_cpu {
 namespace {
 
 
-// fp32 -> float8 bits, round to nearest even: the same integer arithmetic as c10's
-// fp8e4m3fn_from_fp32_value / fp8e5m2_from_fp32_value, written with selects instead of branches so the
-// quantize loop vectorises. Callers pass finite values already clamped to the format's range.
-template <typename F8>
-inline uint8_t f8_bits(float f);
-
-template <>
-inline uint8_t f8_bits<c10::Float8_e4m3fn>(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  const uint32_t sign = b & 0x80000000u;
-  b ^= sign;
-  float fa;
-  std::memcpy(&fa, &b, 4);
-  const float dn = fa + 16384.0f;  // fp32_from_bits(141 << 23): aligns subnormals to the fp8 grid
-  uint32_t dnb;
-  std::memcpy(&dnb, &dn, 4);
-  const uint32_t den = dnb - (141u << 23);
-  const uint32_t norm = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
-  const uint32_t r = b >= (1087u << 20) ? 0x7Fu : (b < (121u << 23) ? den : norm);
-  return static_cast<uint8_t>(r | (sign >> 24));
-}
-
-template <>
-inline uint8_t f8_bits<c10::Float8_e5m2>(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  const uint32_t sign = b & 0x80000000u;
-  b ^= sign;
-  float fa;
-  std::memcpy(&fa, &b, 4);
-  const float dn = fa + 128.0f;  // fp32_from_bits(134 << 23)
-  uint32_t dnb;
-  std::memcpy(&dnb, &dn, 4);
-  const uint32_t den = dnb - (134u << 23);
-  const uint32_t norm = (b + (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + ((b >> 21) & 1u)) >> 21;
-  const uint32_t big = b > (255u << 23) ? 0x7Fu : 0x7Cu;
-  const uint32_t r = b >= (143u << 23) ? big : (b < (113u << 23) ? den : norm);
-  return static_cast<uint8_t>(r | (sign >> 24));
-}
-
 // float8 bits -> fp32 through a 256-entry table built with c10's own conversion (exact)
 template <typename F8>
 const float* f8_table() {
@@ -71,20 +30,21 @@ const float* f8_table() {
   return table.data();
 }
 
-// Clamp target of the float8 encode: the code of qmax (the format's max)
+// Clamp target of the float8 encode: the code of qmax (the format's max), by c10's own conversion
 struct F8Clamp {
   uint32_t qmax_code;
 };
 
 template <typename F8>
 F8Clamp f8_clamp(float qmax) {
-  return {f8_bits<F8>(qmax)};
+  return {static_cast<uint32_t>(F8(qmax).x)};
 }
 
 // fp8 code of y as the reference computes it: float8(nan_to_num(clamp(y, -qmax, qmax))). The clamp and the
 // NaN are applied to the integer result (|y| > qmax, inf included: the code of qmax, a minimum because the
 // code grows with |y|; NaN: +0), so the float ops run on every lane and only integer selects follow (the
-// loop vectorises). The rounding is c10's (f8_bits above) for |y| <= qmax; its overflow branches are
+// loop vectorises). The rounding is c10's integer round-to-nearest-even (fp8e4m3fn_from_fp32_value /
+// fp8e5m2_from_fp32_value, here as selects) for |y| <= qmax; its overflow branches are
 // covered by the clamp. Comparisons are on non-negative int32 values, arithmetic in uint32.
 template <typename F8>
 inline uint32_t f8_code(float y, F8Clamp cl) {
