@@ -188,9 +188,11 @@ def test_non_finite_never_decodes_finite(codec, dtype):
 
 def test_stochastic_rounding_reproducible_and_unbiased():
     x = torch.randn(256)
-    a = make_codec("int4", rounding="stochastic", seed=11)
-    b = make_codec("int4", rounding="stochastic", seed=11)
-    assert torch.equal(a.encode(x).data, b.encode(x).data)
+    # a seeded codec draws what a generator seeded with its seed draws (a fresh stream: a seed no other
+    # test uses), and another seed draws something else
+    a = make_codec("int4", rounding="stochastic", seed=918273)
+    unseeded = make_codec("int4", rounding="stochastic")
+    assert torch.equal(a.encode(x).data, unseeded.encode(x, torch.Generator().manual_seed(918273)).data)
     assert not torch.equal(a.encode(x).data, make_codec("int4", rounding="stochastic", seed=12).encode(x).data)
     g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     c = make_codec("int2", rounding="stochastic")
@@ -204,6 +206,25 @@ def test_stochastic_rounding_reproducible_and_unbiased():
     sign = make_codec("sign", block_size=0, rounding="stochastic", seed=0)
     mean = torch.stack([sign.roundtrip(x) for _ in range(trials)]).double().mean(0)
     assert (mean - x.double()).abs().max().item() <= 6 * x.abs().max().item() / math.sqrt(trials)
+
+
+def test_seeded_codecs_share_one_stream_per_spec_and_checkpoint_it():
+    """A seeded codec rebuilt from its spec (as a collective does on every call with a dict codec) continues
+    the stream instead of replaying the first draws; the streams' states round-trip."""
+    from megacomp.compression import seeded_rng_state, set_seeded_rng_state
+
+    x = torch.randn(4096)
+    spec = {"name": "int2", "rounding": "stochastic", "seed": 12345}
+    first = make_codec(spec).encode_flat(x)
+    second = make_codec(spec).encode_flat(x)  # a new instance, equal by value
+    assert not torch.equal(first, second)
+    saved = seeded_rng_state()
+    key = next(k for k in saved if '"seed": 12345' in k)
+    third = make_codec(spec).encode_flat(x)
+    set_seeded_rng_state({key: saved[key]})
+    assert torch.equal(make_codec(spec).encode_flat(x), third)
+    other = make_codec(dict(spec, seed=54321)).encode_flat(x)  # another seed: another stream
+    assert not torch.equal(other, third)
 
 
 def test_codec_is_data():

@@ -4,7 +4,7 @@ bit for bit, over several steps, chunk orders, codecs, error storages, LoCo rese
 import pytest
 import torch
 
-from megacomp.compression import ErrorFeedback, make_codec, quantize
+from megacomp.compression import ErrorFeedback, make_codec, quantize, seeded_rng_state, set_seeded_rng_state
 from megacomp.compression.ef_encoder import ChunkEncoder, CompensatedEncoder, chunk_encoder
 
 CODECS = [dict(name="int4"), dict(name="int8", block_size=32), dict(name="int2", block_size=64),
@@ -49,7 +49,10 @@ def test_chunk_encoder_matches_whole_tensor_steps(spec, efc):
         if step == 2:
             g[4242] = float("inf")  # a non-finite residual drops the error (and is counted)
         ranges = _chunks(n, "reversed" if step % 2 else "forward")
+        codec_ref._rng(None)  # create the stream (if seeded) before the snapshot
+        streams = seeded_rng_state()  # equal seeded codecs share one stream: both paths start from here
         ref = _reference_step(ef_ref, "k", g, codec_ref, ranges)
+        set_seeded_rng_state(streams)
         enc = chunk_encoder(ef_new, "k", g, codec_new)
         got = {o: enc.encode(o, s) for o, s in ranges}
         enc.commit()
@@ -170,9 +173,12 @@ def test_empty_chunks_draw_nothing_and_collide_with_nothing(spec, dtype):
     c_ref, c_new = make_codec(spec), make_codec(spec)
     for step in range(3):
         g = torch.randn(64, generator=torch.Generator().manual_seed(step)).to(dtype)
+        c_ref._rng(None)  # create the stream before the snapshot
+        streams = seeded_rng_state()  # equal seeded codecs share one stream: both paths start from here
         h = ef_ref.compensate("k", g)
         ref = [c_ref.encode_flat(h[o:o + s], strict=False) for o, s in ranges]
         ef_ref.update_encoded("k", h, c_ref, ref, [s for _, s in ranges])
+        set_seeded_rng_state(streams)
         with chunk_encoder(ef_new, "k", g, c_new) as enc:
             got = [enc.encode(o, s) for o, s in ranges]
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), step

@@ -461,9 +461,14 @@ def test_cuda_error_feedback_one_pass_matches_three_steps():
         c_ref, c_new = make_codec(spec), make_codec(spec)
         for step in range(3):
             g = torch.randn(300_001, device="cuda", generator=torch.Generator(device="cuda").manual_seed(step))
+            from megacomp.compression import seeded_rng_state, set_seeded_rng_state
+
+            c_ref._rng(None)  # create the stream (if seeded) before the snapshot
+            streams = seeded_rng_state()  # equal seeded codecs share one stream: both paths start from here
             h = ef_ref.compensate("k", g)
             ref = [c_ref.encode_flat(h[:100_000]), c_ref.encode_flat(h[100_000:])]
             ef_ref.update_encoded("k", h, c_ref, ref, [100_000, 200_001])
+            set_seeded_rng_state(streams)
             enc = chunk_encoder(ef_new, "k", g, c_new)
             got = [enc.encode(0, 100_000), enc.encode(100_000, 200_001)]
             enc.commit()

@@ -126,6 +126,17 @@ def test_single_rank_resume_with_error_feedback(base, tmp_path):
     assert first + rest == full
 
 
+def test_seeded_stochastic_rounding_resumes_bit_identically(base, tmp_path):
+    """DP gradients with seeded stochastic rounding: the codec's stream is checkpointed, so a resume draws
+    what the uninterrupted run drew (a fresh process would otherwise restart the stream at its seed)."""
+    comp = {"dp_gradient": {"name": "int2", "rounding": "stochastic", "seed": 11}, "min_compress_numel": 0}
+    cfg = replace(base, train_iters=4, compression=comp, save=str(tmp_path / "c"))
+    full = losses(run_ranks(_train_body, 2, replace(cfg, save=None))[0])
+    first = losses(run_ranks(_train_body, 2, replace(cfg, exit_interval=2))[0])
+    rest = losses(run_ranks(_train_body, 2, replace(cfg, load=str(tmp_path / "c")))[0])
+    assert first + rest == full
+
+
 def test_frozen_variance_recipe_resumes_bit_identically(base, tmp_path):
     """1-bit Adam's recipe in pretraining: uncompressed warm-up, then int4+LoCo with Adam's variance frozen
     (FrozenVarianceAdamW). A resume across the switch gives the uninterrupted run's losses."""

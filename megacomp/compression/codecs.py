@@ -13,7 +13,9 @@ fix; inf/NaN inputs always decode to inf/NaN.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import json
+import threading
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -22,6 +24,12 @@ from . import quantize, transforms
 from .formats import Format, get_format
 
 ROUNDINGS = ("nearest", "stochastic")
+
+# One generator per distinct seeded codec (by value) in this process: codecs rebuilt from the same spec
+# (a collective called with codec={"name": ..., "seed": ...}) continue one stream instead of restarting it
+# at every call, and the streams can be checkpointed (seeded_rng_state / set_seeded_rng_state).
+_SEEDED: dict[str, torch.Generator] = {}
+_SEEDED_LOCK = threading.Lock()  # the DDP hook encodes from a background thread
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -69,9 +77,9 @@ class Codec:
     """Block size (a power of two) of a Walsh-Hadamard rotation applied before quantization and undone
     after decoding; 0 = off. Spreads outliers (see megacomp.compression.transforms); scaled formats only."""
     seed: Optional[int] = None
-    """Seed of the codec's own generator for stochastic rounding (give each rank its own seed).
-    None: use the generator passed to ``encode`` or torch's default generator."""
-    _generator: Optional[torch.Generator] = field(default=None, init=False, repr=False, compare=False)
+    """Seed of the codec's own generator for stochastic rounding (give each rank its own seed). Equal
+    codecs share one stream per process (see ``seeded_rng_state``). None: use the generator passed to
+    ``encode`` or torch's default generator."""
 
     def __post_init__(self) -> None:
         fmt = get_format(self.name)
@@ -154,11 +162,13 @@ class Codec:
     def _rng(self, generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
         if generator is not None or self.seed is None:
             return generator
-        if self._generator is None:
-            g = torch.Generator()
-            g.manual_seed(self.seed)
-            object.__setattr__(self, "_generator", g)
-        return self._generator
+        key = json.dumps(self.to_dict(), sort_keys=True)
+        with _SEEDED_LOCK:
+            g = _SEEDED.get(key)
+            if g is None:
+                g = _SEEDED[key] = torch.Generator()
+                g.manual_seed(self.seed)
+        return g
 
     def encode_flat(self, x: torch.Tensor, generator: Optional[torch.Generator] = None,
                     out: Optional[torch.Tensor] = None, strict: bool = True) -> torch.Tensor:
@@ -259,6 +269,22 @@ def _to_fp16_checked(flat: torch.Tensor) -> torch.Tensor:
 
 
 CodecLike = Union[None, str, Codec, Mapping[str, Any]]
+
+
+def seeded_rng_state() -> dict[str, torch.Tensor]:
+    """The state of every seeded codec's stream in this process, keyed by the codec's spec (JSON): save it
+    with a checkpoint so that stochastic rounding resumes where it stopped."""
+    with _SEEDED_LOCK:
+        return {k: g.get_state() for k, g in _SEEDED.items()}
+
+
+def set_seeded_rng_state(state: Mapping[str, torch.Tensor]) -> None:
+    """Restore streams saved by :func:`seeded_rng_state` (others are left as they are)."""
+    with _SEEDED_LOCK:
+        for k, s in state.items():
+            g = torch.Generator()
+            g.set_state(s)
+            _SEEDED[k] = g
 
 
 def make_codec(codec: CodecLike = None, **options: Any) -> Codec:

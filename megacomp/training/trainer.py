@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, parallel_state
+from ..compression import seeded_rng_state, set_seeded_rng_state
 from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
@@ -122,13 +123,14 @@ class Trainer:
     def _extra_state(self) -> dict:
         tp_ef = {name: m.backward_error_feedback.state_dict() for name, m in self.model.named_modules()
                  if getattr(m, "backward_error_feedback", None) is not None}
-        return {"rng": torch.get_rng_state(),
+        return {"rng": torch.get_rng_state(), "codec_rng": seeded_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None, "tp_error_feedback": tp_ef,
                 "pp": self.communicator.state_dict() if self.communicator else None}
 
     def _load(self) -> None:
         self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info())
         torch.set_rng_state(extra["rng"])
+        set_seeded_rng_state(extra.get("codec_rng", {}))  # seeded stochastic rounding continues its streams
         if extra.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
         modules = dict(self.model.named_modules())
