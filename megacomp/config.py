@@ -6,7 +6,7 @@ Both load from plain dicts / YAML (unknown keys raise, naming the allowed ones) 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Optional
 
 import torch
@@ -103,6 +103,18 @@ class CommCompressionConfig:
                          path, numel, self.min_compress_numel)
             return make_codec("none")
         return codec
+
+    def for_rank(self, rank: int) -> "CommCompressionConfig":
+        """This config with every seeded codec's seed offset by ``rank`` (seed + rank * 1000003): a YAML seed
+        is the same on every rank, and equal seeds give every rank the same stochastic-rounding draws, so
+        the ranks' rounding errors would add up coherently instead of averaging out. Rank 0 keeps the seed;
+        unseeded codecs are unchanged. Checkpoints record the config before this step."""
+        out = replace(self)
+        for name in TRAFFIC_PATHS:
+            codec = getattr(self, name)
+            if codec is not None and codec.seed is not None:
+                setattr(out, name, make_codec(codec, seed=codec.seed + rank * 1000003))
+        return out
 
     @property
     def enabled(self) -> bool:

@@ -71,3 +71,20 @@ def test_compression_config():
     assert m.params_dtype == torch.bfloat16 and m.compression.tp_forward.name == "fp8_e4m3"
     with pytest.raises(ValueError, match="unknown ModelParallelConfig key"):
         ModelParallelConfig.from_dict({"tensor_parallel": 2})
+
+
+def test_compression_config_for_rank_gives_each_rank_its_own_stochastic_seed():
+    """A YAML seed is the same on every rank; for_rank offsets it so that the ranks' stochastic-rounding
+    draws differ (rank 0 keeps it), leaves unseeded codecs and the rest of the config as they are."""
+    import torch
+
+    c = CommCompressionConfig.from_dict({"dp_gradient": {"name": "int2", "rounding": "stochastic", "seed": 7},
+                                         "tp_forward": "int8", "dp_gradient_error_feedback": "loco"})
+    per_rank = [c.for_rank(r) for r in range(3)]
+    assert per_rank[0].to_dict() == c.to_dict()
+    assert len({p.dp_gradient.seed for p in per_rank}) == 3
+    assert all(p.tp_forward is c.tp_forward and p.dp_gradient_error_feedback == c.dp_gradient_error_feedback
+               for p in per_rank)
+    x = torch.randn(4096)
+    assert not torch.equal(per_rank[1].dp_gradient.encode_flat(x), per_rank[2].dp_gradient.encode_flat(x))
+    assert c.dp_gradient.seed == 7  # the original is unchanged

@@ -50,7 +50,8 @@ class Trainer:
         self.groups = parallel_state.initialize_model_parallel(cfg.tensor_model_parallel_size,
                                                                cfg.pipeline_model_parallel_size)
         g = self.groups
-        self.compression = cfg.compression_config()
+        self.compression_spec = cfg.compression_config()  # as configured (recorded in checkpoints)
+        self.compression = self.compression_spec.for_rank(dist.get_rank())  # per-rank stochastic-rounding seeds
         self.tokenizer, self.dataset = prepare_data(cfg.data_path, cfg.vocab_size, cfg.seq_length, cfg.data_cache_dir,
                                                     max_bytes=cfg.tokenizer_max_bytes)
         tp, pp = g.tp_size, g.pp_size
@@ -115,7 +116,7 @@ class Trainer:
     def run_info(self) -> dict:
         info = asdict(self.cfg)
         info["vocab_size"] = self.gpt.vocab_size
-        info["compression_resolved"] = self.compression.to_dict()
+        info["compression_resolved"] = self.compression_spec.to_dict()
         info["world_size"] = self.world
         return info
 
