@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..compression import CodecLike, make_codec
-from ..compression.ef_encoder import chunk_encoder
+from ..compression.ef_encoder import ChunkEncoder, chunk_encoder
 from ..compression.error_feedback import ErrorFeedbackLike
 from . import stats as _stats
 from ._common import (CompressedWork, _all_gather_base, _reduce_scatter_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
@@ -407,7 +407,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                       async_op=async_op)
 
-    bufs = _encode_chunks(chunk_encoder(None, "", input.reshape(-1), codec), 0, [s * row for s in in_splits])
+    bufs = _encode_chunks(ChunkEncoder(input.reshape(-1), codec), 0, [s * row for s in in_splits])
     in_bytes = [b.numel() for b in bufs]
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)

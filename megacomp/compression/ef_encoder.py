@@ -177,7 +177,7 @@ class CompensatedEncoder(ChunkEncoder):
         self._drop_partial()
 
     def _drop_partial(self) -> bool:
-        if not (self.chunked and self.in_place and self.touched) or (self.done and self.committed):
+        if not (self.chunked and self.in_place and self.touched) or self.committed:
             return False
         self.ef.reset(self.key)
         self.ef.dropped[self.key] = self.ef.dropped.get(self.key, 0) + 1

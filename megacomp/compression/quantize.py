@@ -171,7 +171,8 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
     buffers avoid page faults on big tensors). ``key``: stochastic rounding's counter_rng key when the
     caller already drew it (else one is drawn from ``generator``)."""
     k = _kernels(fmt, stochastic, x32)
-    # stochastic rounding: the call's counter_rng key, drawn once (a kernel failure reuses it)
+    if not stochastic:
+        key = None
     if k is not None and x32.dtype not in getattr(k, "input_dtypes", (torch.float32,)):  # C++: fp32 only
         x32 = x32.to(torch.float32)
     if k is not None:
@@ -182,15 +183,14 @@ def encode_scaled(x32: torch.Tensor, fmt: Format, block_size: int, dual: bool, s
         if n == 0:
             return out
         args = (x32.contiguous(), out, _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, dual)
-        if stochastic and key is None:
+        if stochastic and key is None:  # drawn once: a kernel failure hands the same key to the reference
             counter_rng.check_numel(n)
             key = counter_rng.draw_key(generator, x32.device)
         try:
-            kk = key if stochastic else None
             if fmt.kind == "sign":  # the C++ and Triton kernels take (x, out, block, key=None)
-                k.sign_encode_into(args[0], out, block_size, key=kk)
+                k.sign_encode_into(args[0], out, block_size, key=key)
             else:
-                k.encode_into(*args, key=kk)
+                k.encode_into(*args, key=key)
             return out
         except Exception as e:
             if not _kernel_failed(k, e):
