@@ -12,8 +12,12 @@ on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef
   ``cpu``        contiguous fp32 CPU tensors: a C++ extension (kernels/cpu/) built on first use with
                  torch.utils.cpp_extension and cached; the same codecs, and error feedback's whole step
                  (h = g + e, encode, update) in one pass (quantize.ef_encode_scaled).
-  ``reference``  the eager torch code: always available; everything else (the sign codec on CUDA, other
-                 devices and dtypes, the Hadamard rotation itself).
+  ``reference``  the eager torch code: always available; everything else (other devices and dtypes, the
+                 Hadamard rotation itself).
+
+The Triton kernels have run under triton's interpreter (tests/test_kernels_triton.py) and been compiled for
+sm_90, not yet on a GPU; the C++ kernels run in every test here. ``scales.py`` holds the scale helpers the
+reference and the Triton kernels share (a leaf module: the codec layer imports the kernels, never back).
 
 Stochastic rounding: the dispatch draws one key per call from the generator and every backend computes
 the same counter-based uniforms from (key, element index) (megacomp/compression/counter_rng.py), so the

@@ -119,7 +119,7 @@ class TritonCodecs:
                     dual: bool, key: torch.Tensor | None = None) -> None:
         """Encode flat ``x`` (fp32/bf16/fp16) into ``out`` (the wire layout of quantize.py).
         ``key``: stochastic rounding's counter_rng key (int kinds), an int64 tensor of one element on x's device."""
-        from megacomp.compression.quantize import _dual_exponents
+        from ..scales import dual_exponents as _dual_exponents
 
         n = x.numel()
         if x.dtype not in INPUT_DTYPES or not x.is_contiguous() or n > MAX_NUMEL:
@@ -223,9 +223,9 @@ class TritonCodecs:
 
     def sign_encode_into(self, x: torch.Tensor, out: torch.Tensor, block: int, key: torch.Tensor | None = None) -> None:
         """The sign codec (the C++ entry point's signature). Nearest: bits and exact block sums in Triton, the
-        scale formula on the sums with the reference's torch ops (quantize.sign_scale_from_sums). Stochastic
+        scale formula on the sums with the reference's torch ops (kernels/scales.py: sign_scale_from_sums). Stochastic
         (``key``: the call's counter_rng key): block maxima, then the bits from the counter-based draws."""
-        from megacomp.compression.quantize import sign_scale_exponents, sign_scale_from_sums
+        from ..scales import sign_scale_exponents, sign_scale_from_sums
 
         n = x.numel()
         if x.dtype not in INPUT_DTYPES or not x.is_contiguous() or n > MAX_NUMEL:

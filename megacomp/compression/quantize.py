@@ -35,11 +35,20 @@ from typing import Optional
 
 import torch
 
+try:  # the scale helpers the reference shares with the Triton kernels (a leaf module: no import cycle)
+    from megacomp.kernels.scales import MAX_DUAL_EXPONENT, sign_scale_exponents, sign_scale_from_sums  # noqa: F401
+    from megacomp.kernels.scales import dual_exponents as _dual_exponents
+    from megacomp.kernels.scales import pow2_f64 as _pow2_f64
+except ModuleNotFoundError as exc:  # pragma: no cover - an install without kernels/
+    if exc.name not in ("megacomp.kernels", "megacomp.kernels.scales"):
+        raise
+    raise ImportError("megacomp.kernels is missing: install megacomp from its checkout (bash scripts/install.sh, "
+                      "or pip install -e .), or put the checkout that holds megacomp/ and kernels/ on PYTHONPATH") from exc
+
 from . import counter_rng
 from .formats import Format
 from .packing import pack_bits, packed_nbytes, unpack_bits
 
-MAX_DUAL_EXPONENT = 126  # 2**126 and 2**-126 are normal fp32 numbers
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -76,15 +85,6 @@ def _as_f32(buf: torch.Tensor) -> torch.Tensor:
     return buf.view(torch.float32)
 
 
-def _dual_exponents(amax_b: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """k_b = floor(log2(amax / amax_b)) clamped to [0, 126]; exact via frexp, 126 for all-zero blocks."""
-    ratio = amax / amax_b
-    _, e = torch.frexp(ratio)
-    k = (e - 1).clamp_(0, MAX_DUAL_EXPONENT)
-    k = torch.where(torch.isfinite(ratio), k, torch.full_like(k, MAX_DUAL_EXPONENT))
-    return k.to(torch.float32)
-
-
 def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     """The fused kernels covering this case, or None (then the eager reference below runs): Triton for
     CUDA tensors, the C++ extension for CPU tensors, nothing else. Stochastic rounding passes the call's
@@ -104,11 +104,6 @@ def _kernels(fmt: Format, stochastic: bool, x: torch.Tensor):
     return None
 
 
-def _pow2_f64(k: torch.Tensor) -> torch.Tensor:
-    """2.0**k in float64 for integer k in [-1022, 1023], built from the exponent bits (exact by construction)."""
-    return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
-
-
 def _sign_mean_scale(absb: torch.Tensor, amax_b: torch.Tensor, n: int) -> torch.Tensor:
     """The sign codec's nearest-rounding scale per block, mean_b |x|, defined so that its value does not
     depend on a summation order (a float sum does: only torch's own loop would reproduce torch's bits).
@@ -123,22 +118,6 @@ def _sign_mean_scale(absb: torch.Tensor, amax_b: torch.Tensor, n: int) -> torch.
     clean = torch.where(ok, absb, torch.zeros_like(absb)).double()
     total = torch.floor(clean * _pow2_f64(k)).to(torch.int64).sum(dim=1, keepdim=True)  # exact, any order
     return sign_scale_from_sums(total, k, ok, amax_b, n, absb.shape[1])
-
-
-def sign_scale_exponents(amax_b: torch.Tensor):
-    """(ok, k) per block: ok = finite positive amax; k = 24 - e for amax = m 2^e (k = 23 where not ok)."""
-    ok = torch.isfinite(amax_b) & (amax_b > 0)
-    _, e = torch.frexp(torch.where(ok, amax_b, torch.ones_like(amax_b)))
-    return ok, 24 - e.to(torch.int64)
-
-
-def sign_scale_from_sums(total: torch.Tensor, k: torch.Tensor, ok: torch.Tensor, amax_b: torch.Tensor, n: int,
-                         width: int) -> torch.Tensor:
-    """The scales from the exact sums ``total`` = sum floor(|x| 2^k) per block (int64, [nb, 1])."""
-    counts = torch.full_like(amax_b, float(width), dtype=torch.float64)
-    counts[-1] = n - (amax_b.shape[0] - 1) * width  # the last block's padding is not data
-    mean = ((total.double() * _pow2_f64(-k)) / counts).float()
-    return torch.where(ok, mean, amax_b)
 
 
 def _is_triton(k) -> bool:
