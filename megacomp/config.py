@@ -5,17 +5,16 @@ Both load from plain dicts / YAML (unknown keys raise, naming the allowed ones) 
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Optional
 
 import torch
 
-from .compression import Codec, CodecLike, make_codec
+from .comm import Channel, CommOptions
+from .compression import Codec, CodecLike, check_error_feedback_codec, make_codec
 from .compression.error_feedback import ErrorFeedbackConfig, make_error_feedback_config
 
-log = logging.getLogger("megacomp")
-
+_EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
 TRAFFIC_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",
                  "pp_activation", "pp_gradient", "dp_gradient", "dp_parameter")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -31,7 +30,12 @@ def _check_keys(cls, data: Mapping[str, Any]) -> None:
 
 @dataclass
 class CommCompressionConfig:
-    """A codec per traffic path (None = uncompressed), error feedback, and the small-tensor policy."""
+    """A codec per traffic path, error feedback, the small-tensor policy and the transport options.
+
+    Each path field accepts None, a name, a mapping or a Codec and holds a ``Codec`` after construction
+    (identity for None: normalised here, once); :meth:`build_channels` turns the config into one
+    :class:`megacomp.comm.Channel` per path. ``to_dict`` writes the identity as None.
+    """
 
     tp_forward: Optional[CodecLike] = None
     """Forward all-reduce of tensor-parallel partial outputs (RowParallelLinear, VocabParallelEmbedding) and
@@ -66,13 +70,23 @@ class CommCompressionConfig:
     min_compress_numel: int = 65536
     """Tensors with fewer elements travel uncompressed (logged once per path): below this size the
     codec's cost and the per-message latency outweigh the bytes saved."""
+    segment_numel: Optional[int] = None
+    """Elements per pipelining segment of the compressed collectives (0: never segment). It changes the
+    numbers (segments start new scale blocks), so it is recorded with the config and a checkpoint
+    written with another value is refused. None: ``MEGACOMP_PIPELINE_NUMEL`` or 1M, read now."""
+    duplex: Optional[bool] = None
+    """Compressed bytes as direction-split p2p (True), backend collectives (False) or by backend (None:
+    p2p on gloo); same results either way. None also lets ``MEGACOMP_DUPLEX`` decide."""
 
     def __post_init__(self) -> None:
         for name in TRAFFIC_PATHS:
-            value = getattr(self, name)
-            if value is not None:
-                codec = make_codec(value)
-                setattr(self, name, None if codec.is_identity else codec)
+            setattr(self, name, make_codec(getattr(self, name)))
+        env = CommOptions.from_env()
+        if self.segment_numel is None:
+            self.segment_numel = env.segment_numel
+        if self.duplex is None:
+            self.duplex = env.duplex
+        CommOptions(duplex=self.duplex, segment_numel=self.segment_numel)  # raises on bad values
         for name in ("tp_backward_error_feedback", "pp_gradient_error_feedback", "dp_gradient_error_feedback"):
             value = getattr(self, name)
             if value is not None:
@@ -81,28 +95,28 @@ class CommCompressionConfig:
             raise ValueError(f"dp_gradient_warmup_steps must be an int >= 0, got {self.dp_gradient_warmup_steps!r}")
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
-        for ef_name, path in [("tp_backward_error_feedback", "tp_backward"), ("pp_gradient_error_feedback", "pp_gradient"),
-                              ("dp_gradient_error_feedback", "dp_gradient")]:
-            if getattr(self, ef_name) is not None and getattr(self, path) is None:
-                raise ValueError(f"{ef_name} is set but {path} has no codec: error feedback needs a lossy codec "
-                                 f"on that path (e.g. {path}: int4)")
-        self._logged: set[str] = set()
+        for path in _EF_PATHS:
+            check_error_feedback_codec(getattr(self, path), getattr(self, path + "_error_feedback"),
+                                       f"{path}_error_feedback (path {path})")
 
-    def codec_for(self, path: str, numel: int) -> Codec:
-        """The codec ``path`` uses for a tensor of ``numel`` elements: ``none`` when the path is uncompressed
-        or the tensor is below ``min_compress_numel`` (said once per path in the log)."""
-        if path not in TRAFFIC_PATHS:
-            raise ValueError(f"unknown traffic path {path!r}; paths: {TRAFFIC_PATHS}")
-        codec = getattr(self, path)
-        if codec is None:
-            return make_codec("none")
-        if numel < self.min_compress_numel:
-            if path not in self._logged:
-                self._logged.add(path)
-                log.info("megacomp: %s tensors of %d elements (< min_compress_numel=%d) are sent uncompressed",
-                         path, numel, self.min_compress_numel)
-            return make_codec("none")
-        return codec
+    def options(self) -> CommOptions:
+        """The transport options every channel of this config gets (validation on)."""
+        return CommOptions(validate=True, duplex=self.duplex, segment_numel=self.segment_numel)
+
+    def build_channels(self, groups=None) -> "Channels":
+        """One :class:`megacomp.comm.Channel` per traffic path, each owning its error-feedback state; built once
+        per run (per rank: call on ``for_rank(rank)`` for per-rank seeds). ``groups``: a
+        ``parallel_state.ProcessGroups`` whose tp/dp groups become the channels' default groups (None:
+        callers pass their group per call)."""
+        opts = self.options()
+        tp = getattr(groups, "tp", None)
+        dp = getattr(groups, "dp", None)
+        group_of = {"tp_forward": tp, "tp_backward": tp, "sp_all_gather": tp, "sp_reduce_scatter": tp,
+                    "pp_activation": None, "pp_gradient": None, "dp_gradient": dp, "dp_parameter": dp}
+        made = {path: Channel(path, getattr(self, path), group=group_of[path],
+                              error_feedback=getattr(self, path + "_error_feedback", None),
+                              min_compress_numel=self.min_compress_numel, options=opts) for path in TRAFFIC_PATHS}
+        return Channels(**made)
 
     def for_rank(self, rank: int) -> "CommCompressionConfig":
         """This config with every seeded codec's seed offset by ``rank`` (seed + rank * 1000003): a YAML seed
@@ -112,30 +126,77 @@ class CommCompressionConfig:
         out = replace(self)
         for name in TRAFFIC_PATHS:
             codec = getattr(self, name)
-            if codec is not None and codec.seed is not None:
+            if codec.seed is not None:
                 setattr(out, name, make_codec(codec, seed=codec.seed + rank * 1000003))
         return out
 
     @property
     def enabled(self) -> bool:
-        return any(getattr(self, p) is not None for p in TRAFFIC_PATHS)
+        """Whether any traffic path has a lossy codec."""
+        return any(not getattr(self, p).is_identity for p in TRAFFIC_PATHS)
 
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CommCompressionConfig":
+        """Build from a YAML mapping. Raises ValueError naming unknown keys and the allowed ones."""
         data = dict(data or {})
         _check_keys(cls, data)
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain data (YAML/JSON) that rebuilds this config; identity codecs are written as None."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
             if isinstance(value, Codec):
-                value = value.to_dict()
+                value = None if value.is_identity else value.to_dict()
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}
             out[f.name] = value
         return out
+
+
+@dataclass
+class Channels:
+    """The channels of one run, one per traffic path (see CommCompressionConfig's field docs for what each
+    path carries). Built by :meth:`CommCompressionConfig.build_channels`; the layers, the pipeline
+    communicator and the sharded optimizer each take theirs from here."""
+
+    tp_forward: Channel
+    """Forward TP all-reduce / all-gather."""
+    tp_backward: Channel
+    """Backward TP collectives (one error-feedback key per layer)."""
+    sp_all_gather: Channel
+    """Forward sequence-parallel all-gather."""
+    sp_reduce_scatter: Channel
+    """Forward sequence-parallel reduce-scatter."""
+    pp_activation: Channel
+    """Activations sent to the next pipeline stage."""
+    pp_gradient: Channel
+    """Activation gradients sent to the previous stage (error feedback per boundary and micro-batch slot)."""
+    dp_gradient: Channel
+    """Data-parallel gradient reduce-scatter (error feedback per bucket)."""
+    dp_parameter: Channel
+    """Data-parallel parameter all-gather."""
+
+    def items(self):
+        """(path, channel) pairs in TRAFFIC_PATHS order."""
+        return [(p, getattr(self, p)) for p in TRAFFIC_PATHS]
+
+    def set_validate(self, enabled: bool) -> None:
+        """Turn argument validation of every channel on or off (the trainer turns it off after the first
+        iteration, when shapes are known to agree)."""
+        for _, ch in self.items():
+            ch.set_validate(enabled)
+
+    def state_dict(self, skip_error_feedback: tuple = ()) -> dict[str, Any]:
+        """Every channel's state (error feedback and stochastic stream), by path; the error feedback of the
+        paths in ``skip_error_feedback`` is left to its owner (the trainer's optimizer saves dp_gradient's)."""
+        return {p: ch.state_dict(error_feedback=p not in skip_error_feedback) for p, ch in self.items()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises ValueError naming a path whose codec or error feedback differs."""
+        for p, ch in self.items():
+            ch.load_state_dict(state[p])
 
 
 @dataclass
@@ -153,6 +214,8 @@ class ModelParallelConfig:
     """Dtype of the layers' parameters."""
     compression: CommCompressionConfig = field(default_factory=CommCompressionConfig)
     """Codec per traffic path."""
+    channels: Optional[Channels] = None
+    """The channels the layers use; None builds them from ``compression`` (and ``process_groups``) once, here."""
     process_groups: Optional[Any] = None
     """A megacomp.parallel_state.ProcessGroups to use; None = the parallel_state façade's default."""
     perform_initialization: bool = True
@@ -167,9 +230,12 @@ class ModelParallelConfig:
             self.compression = CommCompressionConfig.from_dict(self.compression)
         if self.tensor_model_parallel_size < 1 or self.pipeline_model_parallel_size < 1:
             raise ValueError("tensor_model_parallel_size and pipeline_model_parallel_size must be >= 1")
+        if self.channels is None:
+            self.channels = self.compression.build_channels(self.process_groups)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ModelParallelConfig":
+        """Build from a mapping; raises ValueError naming unknown keys."""
         data = dict(data)
         _check_keys(cls, data)
         return cls(**data)

@@ -16,7 +16,7 @@ Part A, codec throughput (this process, --threads torch threads, inputs torch.ra
   whole-tensor passes (compensate, encode, update_encoded) against ef_encoder.chunk_encoder's one pass.
 
 Part B, collectives (--world ranks via torch.multiprocessing spawn, gloo over file:// rendezvous on this
-  machine, OMP_NUM_THREADS=1 and 1 torch thread per rank, validation off: megacomp.comm.set_validation(False)):
+  machine, OMP_NUM_THREADS=1 and 1 torch thread per rank, validation off: validate=False on every call):
   For each size S MiB of fp32 (nccl-tests convention: all_reduce in/out S; reduce_scatter in S, out S/N;
   all_gather in S/N, out S), each op and codec: restore the input (untimed), barrier, time one call.
   One warm-up, --repeats timed iterations; per iteration the max over ranks, then the median.
@@ -229,11 +229,9 @@ def bench_collective(op: str, mib: float, codec_name: str, ref, args) -> tuple[d
 
 def coll_worker(rank: int, args, init_file: str, result_file: str) -> None:
     import torch.distributed as dist
-    from megacomp import comm
     warnings.filterwarnings("ignore", category=FutureWarning)  # all_gather_into_tensor / reduce_scatter_tensor
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=args.world)
-    comm.set_validation(False)
     rows = []
     for mib in args.coll_mib:
         for op in args.ops:
@@ -260,7 +258,7 @@ def part_b(args) -> tuple[list[dict], list[str]]:
         with open(result_file) as f:
             rows = json.load(f)
     lines = [f"## B. Collectives: {args.world} ranks, gloo (file:// rendezvous), OMP_NUM_THREADS=1, "
-             f"validation off (set_validation(False), validate=False), median of {args.repeats} after 1 warm-up, "
+             f"validation off (validate=False), median of {args.repeats} after 1 warm-up, "
              f"max over ranks", "",
              "algbw = S / time (S = full fp32 buffer); wire B/call = bytes rank 0 sends per call (comm.stats()); "
              "rel err vs codec=None.", ""]

@@ -22,8 +22,9 @@ not averaged): median step time, wire bytes per step (measured for megacomp, fro
 byte counts for torch's), the loss after the same iterations.
 ``--ops`` picks the collectives (all_reduce, reduce_scatter, all_gather). scripts/bench_report.py runs
 all workloads and writes the report.
-Output: Markdown tables on stdout and in ``--out`` (default results/netns). Numbers are measured, never
-asserted; medians with min-max spread.
+Output: Markdown tables on stdout and in ``--out`` (default results/netns): ``<workload>.md`` and the
+measurements it is drawn from, ``<workload>.json`` (one record per line); ``--from-results`` rewrites the
+Markdown from the JSON without measuring. Numbers are measured, never asserted; medians with min-max spread.
 """
 from __future__ import annotations
 
@@ -121,7 +122,6 @@ def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "al
 
     torch.set_num_threads(1)
     init_distributed()
-    comm.set_validation(False)
     world = dist.get_world_size()
     n = int(mib * (1 << 20)) // 4 // world * world
     x = torch.randn(n, generator=torch.Generator().manual_seed(dist.get_rank()))
@@ -136,11 +136,11 @@ def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "al
             dist.barrier()
             t0 = time.perf_counter()
             if op == "all_reduce":
-                comm.all_reduce(t, codec=codec, tag="bench")
+                comm.all_reduce(t, codec=codec, tag="bench", validate=False)
             elif op == "reduce_scatter":
-                comm.reduce_scatter_tensor(shard, t, codec=codec, tag="bench")
+                comm.reduce_scatter_tensor(shard, t, codec=codec, tag="bench", validate=False)
             else:
-                comm.all_gather_into_tensor(t, x[:n // world], codec=codec, tag="bench")
+                comm.all_gather_into_tensor(t, x[:n // world], codec=codec, tag="bench", validate=False)
             dt = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             if i:
@@ -188,7 +188,6 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
 
     torch.set_num_threads(1)
     init_distributed()
-    comm.set_validation(False)
     world = dist.get_world_size()
     groups = parallel_state.initialize_model_parallel(1, 1)
     tok, data = prepare_data(None, 1024, 64)
@@ -254,44 +253,68 @@ def median_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> s
     return f"{fmt.format(statistics.median(xs) * scale)} ({fmt.format(min(xs) * scale)}-{fmt.format(max(xs) * scale)})"
 
 
-def bench_ddp(args, records: Optional[list] = None) -> list[str]:
+def ddp_table(records: list[dict]) -> list[str]:
+    """The DP-step table of ``bench_ddp``'s records (in run order; hidden, layers, bucket_mb from the first)."""
+    first = records[0]
     lines = [f"## DP training step: torch DDP, its comm hooks, ZeroRedundancyOptimizer and megacomp's hook (GPT "
-             f"h={args.hidden}, {args.layers} layers, DP 2 across the link, {args.iters} iterations, DDP buckets "
-             f"{args.bucket_mb:g} MB; PowerSGD one bucket)", "",
+             f"h={first['hidden']}, {first['layers']} layers, DP 2 across the link, {len(first['all_times_s'])} "
+             f"iterations, DDP buckets {first['bucket_mb']:g} MB; PowerSGD one bucket)", "",
              "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | wire MB/step/rank | "
-             f"loss at iteration {args.iters} |", "|---|---|---|---|---|---|"]
+             f"loss at iteration {len(first['all_times_s'])} |", "|---|---|---|---|---|---|"]
+    base, rate = None, None
+    for r in records:
+        if r["rate"] != rate:
+            base, rate = None, r["rate"]
+        med = statistics.median(r["times_s"])
+        if r["method"] == "ddp_fp32":
+            base = med
+        speed = f"{base / med:.2f}x" if base else "-"
+        lines.append(f"| {r['rate']} | {r['method']} | {median_spread(r['times_s'])} | {speed} | "
+                     f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} |")
+    return lines + [""]
+
+
+def bench_ddp(args, records: Optional[list] = None) -> list[str]:
+    records = [] if records is None else records
+    start = len(records)
     for rate in args.rates.split(","):
         setup(rate)
-        base = None
         for method in args.methods.split(","):
             out = run_pair([sys.executable, __file__, "_ddp", method, str(args.iters), str(args.hidden),
                             str(args.layers), str(args.bucket_mb)], args.port, args.timeout)[0]
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
-            steps = res["times"][2:]
-            med = statistics.median(steps)
-            if method == "ddp_fp32":
-                base = med
-            speed = f"{base / med:.2f}x" if base else "-"
-            lines.append(f"| {rate} | {method} | {median_spread(steps)} | {speed} | {res['wire'] / 1e6:.2f} | "
-                         f"{res['losses'][-1]:.4f} |")
-            print(lines[-1], flush=True)
-            if records is not None:
-                records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "method": method, "world": 2,
-                                "params": res["params"], "times_s": steps, "all_times_s": res["times"],
-                                "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"]})
-    return lines + [""]
+            records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "method": method, "world": 2,
+                            "params": res["params"], "hidden": args.hidden, "layers": args.layers,
+                            "bucket_mb": args.bucket_mb, "times_s": res["times"][2:], "all_times_s": res["times"],
+                            "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"]})
+            print(ddp_table(records[start:])[-2], flush=True)
+    return ddp_table(records[start:])
 
 
 BITS = {"none": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.25, "int4": 4.25, "int2": 2.25}
 
 
+def collectives_table(records: list[dict], op: str) -> list[str]:
+    """The table of ``op`` from ``bench_collectives``' records (in run order)."""
+    rows = [r for r in records if r["op"] == op]
+    lines = [f"## Compressed {op} over a shaped link (2 ranks, one per namespace)", "",
+             "| link | MiB | codec | median ms (min-max) | wire MB/rank | ideal ms | speedup vs fp32 | ideal speedup | "
+             "fraction of ideal |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        none = next(b for b in rows if b["rate"] == r["rate"] and b["mib"] == r["mib"] and b["codec"] == "none")
+        ideal_speedup = none["wire_bytes"] / r["wire_bytes"]
+        speedup = statistics.median(none["times_s"]) / statistics.median(r["times_s"])
+        lines.append(f"| {r['rate']} | {r['mib']:g} | {r['codec']} | {median_spread(r['times_s'], 1e3, '{:.1f}')} | "
+                     f"{r['wire_bytes'] / 1e6:.2f} | {r['wire_bytes'] / r['rate_Bps'] * 1e3:.1f} | {speedup:.2f}x | "
+                     f"{ideal_speedup:.2f}x | {speedup / ideal_speedup:.0%} |")
+    return lines + [""]
+
+
 def bench_collectives(args, records: Optional[list] = None) -> list[str]:
-    lines = []
+    records = [] if records is None else records
+    start = len(records)
     codecs = args.codecs.split(",")
     for op in args.ops.split(","):
-        lines += [f"## Compressed {op} over a shaped link (2 ranks, one per namespace)", "",
-                  "| link | MiB | codec | median ms (min-max) | wire MB/rank | ideal ms | speedup vs fp32 | ideal speedup | "
-                  "fraction of ideal |", "|---|---|---|---|---|---|---|---|---|"]
         for rate in args.rates.split(","):
             setup(rate)
             bps = rate_bytes_per_s(rate)
@@ -299,35 +322,39 @@ def bench_collectives(args, records: Optional[list] = None) -> list[str]:
                 out = run_pair([sys.executable, __file__, "_collective", str(mib), args.codecs, str(args.repeats), op],
                                args.port, args.timeout)[0]
                 res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
-                base = statistics.median(res["none"]["times"])
                 for name in codecs:
                     r = res[name]
-                    med = statistics.median(r["times"])
-                    ideal_speedup = res["none"]["wire"] / r["wire"]
-                    speedup = base / med
-                    lines.append(f"| {rate} | {mib:g} | {name} | {median_spread(r['times'], 1e3, '{:.1f}')} | "
-                                 f"{r['wire'] / 1e6:.2f} | {r['wire'] / bps * 1e3:.1f} | {speedup:.2f}x | "
-                                 f"{ideal_speedup:.2f}x | {speedup / ideal_speedup:.0%} |")
-                    if records is not None:
-                        records.append({"rate": rate, "rate_Bps": bps, "op": op, "world": 2, "mib": mib, "codec": name,
-                                        "bits_per_element": BITS.get(name, 32.0), "times_s": r["times"],
-                                        "wire_bytes": r["wire"], "raw_bytes": r["raw"]})
-                print("\n".join(lines[-len(codecs):]), flush=True)
-        lines.append("")
-    return lines
+                    records.append({"rate": rate, "rate_Bps": bps, "op": op, "world": 2, "mib": mib, "codec": name,
+                                    "bits_per_element": BITS.get(name, 32.0), "times_s": r["times"],
+                                    "wire_bytes": r["wire"], "raw_bytes": r["raw"]})
+                print("\n".join(collectives_table(records[start:], op)[-len(codecs) - 1:-1]), flush=True)
+    return [line for op in args.ops.split(",") for line in collectives_table(records[start:], op)]
 
 
 LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+
+
+def train_table(records: list[dict], layout: str) -> list[str]:
+    """The table of ``bench_train``'s records for ``layout`` (in run order; config, model and iterations from the
+    first)."""
+    rows = [r for r in records if r["layout"] == layout]
+    first = rows[0]
+    lines = [f"## megacomp pretraining step over a shaped link ({layout}: one rank per namespace; "
+             f"{first['config']}{' + ddp model' if first['ddp_model'] else ''}, {first['iters']} iterations)", "",
+             "| link | layout | compression | median iteration s (min-max), iterations 3.. | wire MB/iter (all ranks) | "
+             "fp32 MB/iter | loss at last iteration |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['rate']} | {layout} | {r['compression']} | {median_spread(r['times_s'])} | "
+                     f"{r['wire_bytes_per_iter'] / 1e6:.2f} | {r['fp32_bytes_per_iter'] / 1e6:.2f} | {r['loss']:.4f} |")
+    return lines + [""]
 
 
 def bench_train(args, records: Optional[list] = None) -> list[str]:
     """``python -m megacomp.pretrain`` across the link: per layout (dp2, tp2 or pp2: the two ranks hold data,
     tensor or pipeline parallel halves) and compression preset, the median iteration time."""
     layout = getattr(args, "layout", "dp2")
-    lines = [f"## megacomp pretraining step over a shaped link ({layout}: one rank per namespace; "
-             f"{args.config}{' + ddp model' if args.model_args else ''}, {args.iters} iterations)", "",
-             "| link | layout | compression | median iteration s (min-max), iterations 3.. | wire MB/iter (all ranks) | "
-             "fp32 MB/iter | loss at last iteration |", "|---|---|---|---|---|---|---|"]
+    records = [] if records is None else records
+    start = len(records)
     for rate in args.rates.split(","):
         setup(rate)
         for preset in args.compression.split(","):
@@ -337,16 +364,31 @@ def bench_train(args, records: Optional[list] = None) -> list[str]:
                           "--global-batch-size", "16", "--micro-batch-size", "8", *LAYOUTS[layout],
                           *args.model_args], args.port, args.timeout)
                 recs = [json.loads(x) for x in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
-            steps = [r["iteration_time_s"] for r in recs[2:]]
-            lines.append(f"| {rate} | {layout} | {preset} | {median_spread(steps)} | "
-                         f"{recs[-1]['wire_bytes'] / 1e6:.2f} | {recs[-1]['uncompressed_bytes'] / 1e6:.2f} | "
-                         f"{recs[-1]['loss']:.4f} |")
-            print(lines[-1], flush=True)
-            if records is not None:
-                records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "layout": layout, "compression": preset,
-                                "times_s": steps, "wire_bytes_per_iter": recs[-1]["wire_bytes"],
-                                "fp32_bytes_per_iter": recs[-1]["uncompressed_bytes"], "loss": recs[-1]["loss"]})
-    return lines + [""]
+            records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "layout": layout, "compression": preset,
+                            "config": args.config, "ddp_model": bool(args.model_args), "iters": args.iters,
+                            "times_s": [r["iteration_time_s"] for r in recs[2:]],
+                            "wire_bytes_per_iter": recs[-1]["wire_bytes"],
+                            "fp32_bytes_per_iter": recs[-1]["uncompressed_bytes"], "loss": recs[-1]["loss"]})
+            print(train_table(records[start:], layout)[-2], flush=True)
+    return train_table(records[start:], layout)
+
+
+def tables(workload: str, records: list[dict]) -> list[str]:
+    """Every table of ``workload``'s records, as the workload prints them."""
+    if workload == "collectives":
+        return [line for op in dict.fromkeys(r["op"] for r in records) for line in collectives_table(records, op)]
+    if workload == "ddp":
+        return ddp_table(records)
+    return [line for layout in dict.fromkeys(r["layout"] for r in records) for line in train_table(records, layout)]
+
+
+def markdown(results: dict, out: str) -> list[str]:
+    """``<workload>.md`` from ``<workload>.json`` (written by a run; read back by ``--from-results``)."""
+    return [f"# netns benchmark: {results['workload']}", "", f"Command: `{results['command']}` "
+            f"({results['elapsed_s']:.0f} s; tbf burst 1mbit on both veth ends)", "",
+            "Raw numbers: `" + results["workload"] + ".json`; this page is regenerated from them by "
+            f"`python scripts/netns_bench.py {results['workload']} --from-results --out {out}`.", "",
+            *tables(results["workload"], results["records"])]
 
 
 def main() -> None:
@@ -377,7 +419,16 @@ def main() -> None:
     p.add_argument("--out", default="results/netns")
     p.add_argument("--train-model", choices=["tiny", "ddp"], default="tiny",
                    help="train workload: the tiny config, or the ddp workload's GPT (--hidden, --layers, seq 64)")
+    p.add_argument("--from-results", action="store_true",
+                   help="no measurement: rewrite <out>/<workload>.md from the <out>/<workload>.json of a run")
     args = p.parse_args()
+    out = Path(args.out)
+    if args.from_results:
+        results = json.loads((out / f"{args.workload}.json").read_text())
+        lines = markdown(results, args.out)
+        (out / f"{args.workload}.md").write_text("\n".join(lines))
+        print("\n".join(lines))
+        return
     args.model_args = [] if args.train_model == "tiny" else [
         "--hidden-size", str(args.hidden), "--num-layers", str(args.layers), "--num-attention-heads", "4",
         "--seq-length", "64", "--vocab-size", "1024", "--lr-warmup-iters", "1"]
@@ -386,16 +437,20 @@ def main() -> None:
     atexit.register(teardown)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     t0 = time.time()
+    records: list = []
     try:
-        lines = {"collectives": bench_collectives, "train": bench_train, "ddp": bench_ddp}[args.workload](args)
+        {"collectives": bench_collectives, "train": bench_train, "ddp": bench_ddp}[args.workload](args, records)
     finally:
         teardown()
-    header = [f"# netns benchmark: {args.workload}", "", f"Command: `python {' '.join(sys.argv)}` "
-              f"({time.time() - t0:.0f} s; tbf burst 1mbit on both veth ends)", ""]
-    out = Path(args.out)
+    results = {"workload": args.workload, "command": f"python {' '.join(sys.argv)}", "elapsed_s": time.time() - t0,
+               "records": records}
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.workload}.md").write_text("\n".join(header + lines))
-    print("\n".join(header + lines))
+    from plot_metrics import dump_results  # one line per record (this script's directory is on sys.path)
+
+    (out / f"{args.workload}.json").write_text(dump_results(results))
+    lines = markdown(results, args.out)
+    (out / f"{args.workload}.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

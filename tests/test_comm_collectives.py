@@ -13,7 +13,7 @@ from codec_bounds import elementwise_bound
 from distributed import run_ranks
 from megacomp import comm
 from megacomp.compression import make_codec
-from megacomp.comm._common import split_sizes
+from megacomp.comm.common import split_sizes
 
 SUM, AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
 
@@ -85,23 +85,25 @@ def test_codec_none_is_bit_identical_to_torch_distributed(world):
 def replica_all_reduce(xs, codecs, avg):
     """The compressed all-reduce recomputed from every rank's input: (reduced shards, final result).
     Two ranks exchange their whole encodings (no shards, one quantization); more ranks reduce-scatter
-    and all-gather the re-encoded shards."""
+    and all-gather the re-encoded shards. Each rank's call draws from one stream (a seeded codec's stream
+    starts at its seed on every free-function call and continues across the call's chunks)."""
     world, n = len(xs), xs[0].numel()
+    gens = [c.stream() for c in codecs]
     if world == 2:
         acc = torch.zeros(n)
         for r in range(world):
-            acc += codecs[r].decode_flat(codecs[r].encode_flat(xs[r]), n)
+            acc += codecs[r].decode_flat(codecs[r].encode_flat(xs[r], gens[r]), n)
         return None, acc / world if avg else acc
     sizes = split_sizes(n, world)
     offs = [sum(sizes[:j]) for j in range(world)]
-    enc = [[codecs[r].encode_flat(xs[r][o:o + s]) for o, s in zip(offs, sizes)] for r in range(world)]
+    enc = [[codecs[r].encode_flat(xs[r][o:o + s], gens[r]) for o, s in zip(offs, sizes)] for r in range(world)]
     shards = []
     for j, s in enumerate(sizes):
         acc = torch.zeros(s)
         for r in range(world):
             acc += codecs[r].decode_flat(enc[r][j], s)
         shards.append(acc / world if avg else acc)
-    final = torch.cat([codecs[j].decode_flat(codecs[j].encode_flat(shards[j]), s) for j, s in enumerate(sizes)])
+    final = torch.cat([codecs[j].decode_flat(codecs[j].encode_flat(shards[j], gens[j]), s) for j, s in enumerate(sizes)])
     return shards, final
 
 
@@ -162,7 +164,8 @@ def test_compressed_all_reduce_and_reduce_scatter(world, numel):
         decoded = []  # decoded[q][r]: rank q's chunk r as rank r decodes it (q encodes its chunks in order)
         for q in range(world):
             c = codec_for(spec, q)
-            decoded.append([c.decode_flat(c.encode_flat(ins[q][r * m:(r + 1) * m]), m) for r in range(world)])
+            gen = c.stream()  # one stream per call, from the seed
+            decoded.append([c.decode_flat(c.encode_flat(ins[q][r * m:(r + 1) * m], gen), m) for r in range(world)])
         for r in range(world):
             acc = torch.zeros(m)
             for q in range(world):
@@ -226,14 +229,15 @@ def _ef_body(rank, world, steps):
     x = rank_input(rank, 1001)
     total = torch.zeros(1001, dtype=torch.float64)
     plain_total = torch.zeros(1001, dtype=torch.float64)
+    channel = comm.Channel("ef-test", "int2", error_feedback="ef")  # the channel owns the residual
     for _ in range(steps):
         y = x.clone()
-        comm.all_reduce(y, codec="int2", error_feedback="ef", tag="ef-test")
+        channel.all_reduce(y)
         total += y.double()
         z = x.clone()
         comm.all_reduce(z, codec="int2")
         plain_total += z.double()
-    [state] = [v for k, v in comm.error_feedback_states().items() if k.endswith("#ef-test")]
+    state = channel.error_feedback
     return total, plain_total, state.error("ef-test/worker"), state.error("ef-test/server")
 
 
@@ -253,20 +257,19 @@ def test_two_level_error_feedback_telescopes_through_all_reduce():
 
 def _ef_empty_chunks_body(rank, world, spec, steps):
     """Tiny tensors cut into 2-element pipeline segments: many chunks (and own shards) are empty."""
-    from megacomp.comm import transport
-    from megacomp.compression import ErrorFeedback
-
-    transport.set_pipeline_numel(2)
     codec = make_codec(dict(spec, seed=100 + rank) if spec.get("rounding") == "stochastic" else spec)
-    ef_ar, ef_rs = ErrorFeedback("ef"), ErrorFeedback("ef")
+    opts = comm.CommOptions(segment_numel=2)
+    ar = comm.Channel("ar", codec, error_feedback="ef", options=opts)
+    rs = comm.Channel("rs", codec, error_feedback="ef", options=opts)
+    ef_ar, ef_rs = ar.error_feedback, rs.error_feedback
     x, xr = rank_input(rank, 6), rank_input(rank + 10, 4)
     total, rs_total = torch.zeros(6, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     for _ in range(steps):
         y = x.clone()
-        comm.all_reduce(y, codec=codec, error_feedback=ef_ar, ef_key="ar")
+        ar.all_reduce(y)
         total += y.double()
         out = torch.empty(1)
-        comm.reduce_scatter_tensor(out, xr, codec=codec, error_feedback=ef_rs, ef_key="rs")
+        rs.reduce_scatter_tensor(out, xr)
         rs_total += out.double()
     return total, ef_ar.error("ar/worker"), ef_ar.error("ar/server"), rs_total, ef_rs.error("rs/worker")
 

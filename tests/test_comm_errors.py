@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megacomp import comm
+from megacomp.compression import ErrorFeedback
 
 
 def expect_error(exc, fn, *args, **kwargs) -> str:
@@ -63,7 +64,8 @@ def _local_errors_body(rank, world):
     msgs["dtype"] = expect_error(TypeError, comm.all_reduce, torch.ones(10, dtype=torch.int32), codec="int8")
     msgs["name"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), codec="int5")
     msgs["op"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), op=dist.ReduceOp.MAX, codec="int8")
-    msgs["ef"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), error_feedback="ef")
+    msgs["ef"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), error_feedback=ErrorFeedback("ef"))
+    msgs["ef_spec"] = expect_error(ValueError, comm.all_reduce, torch.ones(10), codec="int4", error_feedback="loco")
     msgs["rs"] = expect_error(ValueError, comm.reduce_scatter_tensor, torch.empty(3), torch.ones(7), codec="int8")
     msgs["ag"] = expect_error(ValueError, comm.all_gather_into_tensor, torch.empty(3), torch.ones(7), codec="int8")
     healthy(world)
@@ -79,7 +81,8 @@ def test_unsupported_arguments_raise_clear_local_errors():
         assert "encodes floating tensors" in msgs["dtype"] and "codec='none'" in msgs["dtype"]
         assert "unknown codec 'int5'" in msgs["name"]
         assert "supports ReduceOp SUM and AVG, got MAX" in msgs["op"]
-        assert "error_feedback needs a lossy codec" in msgs["ef"]
+        assert "error feedback needs a lossy codec" in msgs["ef"]
+        assert "must be an ErrorFeedback object" in msgs["ef_spec"] and "Channel" in msgs["ef_spec"]
         assert "world_size * output.numel()" in msgs["rs"] and "world_size * input.numel()" in msgs["ag"]
 
 

@@ -200,31 +200,29 @@ def test_stochastic_rounding_reproducible_and_unbiased():
     # unbiased: the mean of T decodes is within 6 standard errors of x (per element error < step)
     trials = 2000
     codec = make_codec("int2", block_size=0, rounding="stochastic", seed=0)
-    mean = torch.stack([codec.roundtrip(x) for _ in range(trials)]).double().mean(0)
+    stream = codec.stream()  # one stream across the trials (each encode without it would restart at the seed)
+    mean = torch.stack([codec.roundtrip(x, stream) for _ in range(trials)]).double().mean(0)
     step = x.abs().max().item() / 1
     assert (mean - x.double()).abs().max().item() <= 6 * step / (2 * math.sqrt(trials))
     sign = make_codec("sign", block_size=0, rounding="stochastic", seed=0)
-    mean = torch.stack([sign.roundtrip(x) for _ in range(trials)]).double().mean(0)
+    stream = sign.stream()
+    mean = torch.stack([sign.roundtrip(x, stream) for _ in range(trials)]).double().mean(0)
     assert (mean - x.double()).abs().max().item() <= 6 * x.abs().max().item() / math.sqrt(trials)
 
 
-def test_seeded_codecs_share_one_stream_per_spec_and_checkpoint_it():
-    """A seeded codec rebuilt from its spec (as a collective does on every call with a dict codec) continues
-    the stream instead of replaying the first draws; the streams' states round-trip."""
-    from megacomp.compression import seeded_rng_state, set_seeded_rng_state
-
+def test_a_seeded_codec_is_a_pure_function_and_its_stream_belongs_to_the_caller():
+    """A codec is a value: encode without a generator starts at its seed every time (no hidden process-wide
+    stream). A stream that continues across calls is the caller's (Codec.stream), and its state round-trips."""
     x = torch.randn(4096)
-    spec = {"name": "int2", "rounding": "stochastic", "seed": 12345}
-    first = make_codec(spec).encode_flat(x)
-    second = make_codec(spec).encode_flat(x)  # a new instance, equal by value
-    assert not torch.equal(first, second)
-    saved = seeded_rng_state()
-    key = next(k for k in saved if '"seed": 12345' in k)
-    third = make_codec(spec).encode_flat(x)
-    set_seeded_rng_state({key: saved[key]})
-    assert torch.equal(make_codec(spec).encode_flat(x), third)
-    other = make_codec(dict(spec, seed=54321)).encode_flat(x)  # another seed: another stream
-    assert not torch.equal(other, third)
+    codec = make_codec({"name": "int2", "rounding": "stochastic", "seed": 12345})
+    assert torch.equal(codec.encode_flat(x), make_codec(codec.to_dict()).encode_flat(x))
+    stream = codec.stream()
+    first, saved = codec.encode_flat(x, stream), stream.get_state()
+    second = codec.encode_flat(x, stream)
+    assert torch.equal(first, codec.encode_flat(x)) and not torch.equal(first, second)
+    stream.set_state(saved)
+    assert torch.equal(codec.encode_flat(x, stream), second)
+    assert make_codec("int4").stream() is None and make_codec("int4", seed=3).stream() is None  # nearest: no draws
 
 
 def test_codec_is_data():

@@ -4,7 +4,7 @@ bit for bit, over several steps, chunk orders, codecs, error storages, LoCo rese
 import pytest
 import torch
 
-from megacomp.compression import ErrorFeedback, make_codec, quantize, seeded_rng_state, set_seeded_rng_state
+from megacomp.compression import ErrorFeedback, make_codec, quantize
 from megacomp.compression.ef_encoder import ChunkEncoder, CompensatedEncoder, chunk_encoder
 
 CODECS = [dict(name="int4"), dict(name="int8", block_size=32), dict(name="int2", block_size=64),
@@ -21,10 +21,10 @@ def _chunks(n: int, order: str):
     return ranges[::-1] if order == "reversed" else ranges
 
 
-def _reference_step(ef, key, g, codec, ranges):
+def _reference_step(ef, key, g, codec, ranges, generator=None):
     """The whole-tensor steps, as the collectives ran them before chunk encoders."""
     h = ef.compensate(key, g)
-    bufs = {o: codec.encode_flat(h[o:o + s], strict=False) for o, s in ranges}
+    bufs = {o: codec.encode_flat(h[o:o + s], generator, strict=False) for o, s in ranges}
     ordered = sorted(ranges)
     ef.update_encoded(key, h, codec, [bufs[o] for o, _ in ordered], [s for _, s in ordered])
     return bufs
@@ -44,16 +44,14 @@ def test_chunk_encoder_matches_whole_tensor_steps(spec, efc):
     codec_ref, codec_new = _spec_codec(spec), _spec_codec(spec)
     n = 9_001
     gen = torch.Generator().manual_seed(0)
+    stream_ref, stream_new = codec_ref.stream(), codec_new.stream()  # two equal streams (None if unseeded)
     for step in range(5):
         g = torch.randn(n, generator=gen) * (10.0 ** (step - 2))
         if step == 2:
             g[4242] = float("inf")  # a non-finite residual drops the error (and is counted)
         ranges = _chunks(n, "reversed" if step % 2 else "forward")
-        codec_ref._rng(None)  # create the stream (if seeded) before the snapshot
-        streams = seeded_rng_state()  # equal seeded codecs share one stream: both paths start from here
-        ref = _reference_step(ef_ref, "k", g, codec_ref, ranges)
-        set_seeded_rng_state(streams)
-        enc = chunk_encoder(ef_new, "k", g, codec_new)
+        ref = _reference_step(ef_ref, "k", g, codec_ref, ranges, stream_ref)
+        enc = chunk_encoder(ef_new, "k", g, codec_new, stream_new)
         got = {o: enc.encode(o, s) for o, s in ranges}
         enc.commit()
         for o, _ in ranges:
@@ -171,15 +169,13 @@ def test_empty_chunks_draw_nothing_and_collide_with_nothing(spec, dtype):
     ranges = [(0, 0), (0, 40), (40, 0), (40, 0), (40, 24), (64, 0)]
     ef_ref, ef_new = ErrorFeedback("loco"), ErrorFeedback("loco")
     c_ref, c_new = make_codec(spec), make_codec(spec)
+    s_ref, s_new = c_ref.stream(), c_new.stream()  # two equal streams (None if unseeded)
     for step in range(3):
         g = torch.randn(64, generator=torch.Generator().manual_seed(step)).to(dtype)
-        c_ref._rng(None)  # create the stream before the snapshot
-        streams = seeded_rng_state()  # equal seeded codecs share one stream: both paths start from here
         h = ef_ref.compensate("k", g)
-        ref = [c_ref.encode_flat(h[o:o + s], strict=False) for o, s in ranges]
+        ref = [c_ref.encode_flat(h[o:o + s], s_ref, strict=False) for o, s in ranges]
         ef_ref.update_encoded("k", h, c_ref, ref, [s for _, s in ranges])
-        set_seeded_rng_state(streams)
-        with chunk_encoder(ef_new, "k", g, c_new) as enc:
+        with chunk_encoder(ef_new, "k", g, c_new, s_new) as enc:
             got = [enc.encode(o, s) for o, s in ranges]
         assert all(torch.equal(a, b) for a, b in zip(got, ref)), step
         assert torch.equal(ef_ref.error("k"), ef_new.error("k")), step

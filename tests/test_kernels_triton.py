@@ -464,17 +464,13 @@ def test_cuda_error_feedback_one_pass_matches_three_steps():
                  dict(name="int2", block_size=64, rounding="stochastic", seed=3), dict(name="int4", block_size=0)):
         ef_ref, ef_new = ErrorFeedback("loco"), ErrorFeedback("loco")
         c_ref, c_new = make_codec(spec), make_codec(spec)
+        s_ref, s_new = c_ref.stream(), c_new.stream()  # two equal streams (None if unseeded)
         for step in range(3):
             g = torch.randn(300_001, device="cuda", generator=torch.Generator(device="cuda").manual_seed(step))
-            from megacomp.compression import seeded_rng_state, set_seeded_rng_state
-
-            c_ref._rng(None)  # create the stream (if seeded) before the snapshot
-            streams = seeded_rng_state()  # equal seeded codecs share one stream: both paths start from here
             h = ef_ref.compensate("k", g)
-            ref = [c_ref.encode_flat(h[:100_000]), c_ref.encode_flat(h[100_000:])]
+            ref = [c_ref.encode_flat(h[:100_000], s_ref), c_ref.encode_flat(h[100_000:], s_ref)]
             ef_ref.update_encoded("k", h, c_ref, ref, [100_000, 200_001])
-            set_seeded_rng_state(streams)
-            enc = chunk_encoder(ef_new, "k", g, c_new)
+            enc = chunk_encoder(ef_new, "k", g, c_new, s_new)
             got = [enc.encode(0, 100_000), enc.encode(100_000, 200_001)]
             enc.commit()
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), (spec, step)

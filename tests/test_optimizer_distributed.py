@@ -132,7 +132,7 @@ def _errors_body(rank, world):
         DistributedOptimizer(mixed, torch.optim.AdamW)
     with pytest.raises(ValueError, match="empty parameter list"):
         DistributedOptimizer([], torch.optim.AdamW)
-    with pytest.raises(ValueError, match="error_feedback needs a lossy grad_codec"):
+    with pytest.raises(ValueError, match="error feedback needs a lossy codec"):
         DistributedOptimizer(make_model().parameters(), torch.optim.AdamW, error_feedback="loco")
     try:
         DistributedOptimizer(make_model(seed=rank).parameters(), torch.optim.AdamW)

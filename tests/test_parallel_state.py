@@ -54,18 +54,19 @@ def test_facade_groups_and_errors():
 def test_compression_config():
     c = CommCompressionConfig.from_dict({"tp_forward": "int8", "dp_gradient": {"name": "int4", "block_size": 64},
                                          "dp_gradient_error_feedback": "loco", "pp_activation": "none"})
-    assert c.tp_forward.name == "int8" and c.dp_gradient.block_size == 64 and c.pp_activation is None
+    assert c.tp_forward.name == "int8" and c.dp_gradient.block_size == 64 and c.pp_activation.is_identity
     assert c.dp_gradient_error_feedback.beta == 0.8
-    assert c.codec_for("tp_forward", 10).is_identity  # below min_compress_numel: uncompressed, by policy
-    assert c.codec_for("tp_forward", 1 << 20).name == "int8"
-    assert c.codec_for("tp_backward", 1 << 20).is_identity
+    ch = c.build_channels()  # one channel per path, each normalised once: a Codec, never None
+    assert ch.tp_forward.codec_for(10).is_identity  # below min_compress_numel: uncompressed, by policy
+    assert ch.tp_forward.codec_for(1 << 20).name == "int8"
+    assert ch.tp_backward.codec_for(1 << 20).is_identity and ch.pp_activation.codec.is_identity
+    assert ch.dp_gradient.error_feedback is not None and ch.tp_forward.error_feedback is None
+    assert c.to_dict()["pp_activation"] is None
     assert CommCompressionConfig.from_dict(c.to_dict()).to_dict() == c.to_dict()
     with pytest.raises(ValueError, match=r"unknown CommCompressionConfig key\(s\) \['tp_fwd'\]"):
         CommCompressionConfig.from_dict({"tp_fwd": "int8"})
     with pytest.raises(ValueError, match="error feedback needs a lossy codec"):
         CommCompressionConfig(dp_gradient_error_feedback="loco")
-    with pytest.raises(ValueError, match="unknown traffic path"):
-        c.codec_for("tp_sideways", 10)
     m = ModelParallelConfig.from_dict({"tensor_model_parallel_size": 2, "params_dtype": "bf16",
                                        "compression": {"tp_forward": "fp8_e4m3"}})
     assert m.params_dtype == torch.bfloat16 and m.compression.tp_forward.name == "fp8_e4m3"

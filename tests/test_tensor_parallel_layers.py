@@ -18,11 +18,12 @@ from torch import nn
 from codec_bounds import all_reduce_bound, elementwise_bound, reduce_scatter_bound
 from distributed import run_ranks
 from megacomp import parallel_state
+from megacomp.comm import Channel
 from megacomp.compression import make_codec
 from megacomp.config import CommCompressionConfig, ModelParallelConfig
 from megacomp.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                       allreduce_sequence_parallel_gradients, cross_entropy, init_method_normal,
-                                      mappings, vocab_parallel_cross_entropy)
+                                      vocab_parallel_cross_entropy)
 
 S, B, H, O, V = 8, 3, 16, 24, 32  # seq, batch, hidden, ffn, vocab (divisible by TP 4)
 LAYOUTS = [(2, 2, False), (2, 2, True), (4, 4, False), (4, 4, True), (4, 2, False), (4, 2, True)]
@@ -55,6 +56,15 @@ def plain_comm_shim():
         dist.reduce_scatter_tensor(out, inp, group=group)
     return types.SimpleNamespace(all_reduce=all_reduce, all_gather_into_tensor=all_gather_into_tensor,
                                  reduce_scatter_tensor=reduce_scatter_tensor)
+
+
+def _as_channel_method(fn):
+    """A shim collective as a Channel method: the channel must be uncompressed; its group is the default."""
+    def method(self, *args, group=None, **kw):
+        assert not self.lossy, "the shim only stands in for uncompressed channels"
+        kw.pop("key", None)
+        return fn(*args, group=group if group is not None else self.group, **kw)
+    return method
 
 
 def run_layers(tp, sp, codec):
@@ -217,12 +227,18 @@ def _body(rank, world, tp, sp, codec, shim):
     parallel_state.initialize_model_parallel(tp)
     got = run_layers(tp, sp, codec)
     if shim:  # the same layers on plain torch.distributed must give the same bits
-        real = mappings.comm, cross_entropy.comm
-        mappings.comm = cross_entropy.comm = plain_comm_shim()
+        real = {n: getattr(Channel, n) for n in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")}
+        real_xent = cross_entropy.comm
+        shim_ns = plain_comm_shim()
+        for n in real:  # every channel (the layers' identity channels) calls torch.distributed directly
+            setattr(Channel, n, _as_channel_method(getattr(shim_ns, n)))
+        cross_entropy.comm = shim_ns
         try:
             plain = run_layers(tp, sp, codec)
         finally:
-            mappings.comm, cross_entropy.comm = real
+            for n, f in real.items():
+                setattr(Channel, n, f)
+            cross_entropy.comm = real_xent
         for k in got:
             assert torch.equal(got[k][0], plain[k][0]), f"{k}: compression off differs from plain torch.distributed"
     for name, (value, ref, bound) in got.items():
@@ -276,7 +292,7 @@ def _tp_error_feedback_body(rank, world):
         out[str(ef)] = ((total / steps - exact).norm() / exact.norm()).item()
         if ef:
             # two ranks exchange whole encodings: no server-side error (more ranks also keep 'tp_backward/server')
-            assert sorted(col.backward_error_feedback.keys()) == ["tp_backward/worker"]
+            assert sorted(cfg.channels.tp_backward.error_feedback.keys()) == [f"{col.ef_key}/worker"]
     parallel_state.destroy_model_parallel()
     return out
 

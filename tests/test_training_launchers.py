@@ -70,7 +70,7 @@ def test_preset_contents():
     for p in ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter"):
         codec = getattr(tp, p)
         assert (codec.name, codec.block_size, codec.hadamard) == ("fp8_e4m3", 128, 128)
-    assert tp.pp_activation is None and tp.dp_gradient is None
+    assert tp.pp_activation.is_identity and tp.dp_gradient.is_identity
     pp = load_compression("pp_int8")
     assert pp.pp_activation.name == pp.pp_gradient.name == "int8" and pp.pp_gradient_error_feedback is not None
     dp = load_compression("dp_int8")

@@ -149,3 +149,23 @@ def test_frozen_variance_recipe_resumes_bit_identically(base, tmp_path):
     assert first + rest == losses(full)
     traffic = full[-1][3]["dp_gradient"]
     assert traffic[0] < traffic[1]  # compressed after the warm-up
+
+
+def test_checkpoints_of_another_format_version_or_segment_size_are_refused(base, tmp_path):
+    """Checkpoints written before the channel refactor (format version 1: no ``format_version`` in
+    megacomp.json) are refused naming both versions; so is a resume with another pipelining segment size,
+    which changes the numbers of scaled codecs."""
+    cfg = replace(base, train_iters=1, compression="loco4", save=str(tmp_path / "c"))
+    run_ranks(_train_body, 1, cfg)
+    meta = tmp_path / "c" / "iter_0000001" / "megacomp.json"
+    saved = json.loads(meta.read_text())
+    assert saved["format_version"] == 2 and saved["compression_resolved"]["segment_numel"] == 1 << 20
+    resume = replace(cfg, train_iters=2, load=str(tmp_path / "c"), save=None)
+    other_segments = replace(resume, compression={**load_yaml(str(REPO_CONFIGS / "compression" / "loco4.yaml")),
+                                                  "segment_numel": 4096})
+    with pytest.raises(AssertionError, match="segment_numel"):
+        run_ranks(_train_body, 1, other_segments)
+    del saved["format_version"]
+    meta.write_text(json.dumps(saved))
+    with pytest.raises(AssertionError, match="has format version 1, this megacomp reads format version 2"):
+        run_ranks(_train_body, 1, resume)

@@ -1,18 +1,23 @@
 """Compressed collectives and p2p on torch.distributed, with wire statistics.
 
-Same names and arguments as torch.distributed plus keyword-only ``codec=`` (and ``error_feedback=`` for
-the reducing collectives); ``codec=None`` is bit-identical to torch.distributed.
+Two ways in:
+- :class:`Channel`: one traffic path as one object (codec, error-feedback state, small-tensor threshold,
+  ``CommOptions``, stats tag), built once and passed to whatever moves that traffic;
+- the free functions, with the names and arguments of torch.distributed plus keyword-only ``codec=``
+  (and ``error_feedback=``, an ``ErrorFeedback`` you own); ``codec=None`` is bit-identical to torch.distributed.
 """
 from torch.distributed import ReduceOp
 
-from ._common import CompressedWork, comm_device, error_feedback_states, set_validation
-from .collectives import all_gather_into_tensor, all_reduce, all_to_all_single, reduce_scatter_tensor
-from .p2p import irecv, isend, recv, send
-from .stats import WireStats, reset_stats, stats
-from .transport import set_duplex, set_pipeline_numel
+from .common import CompressedWork, comm_device
+from .channel import Channel
+from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
+                         reduce_scatter_tensor, send)
+from .options import CommOptions
+from .stats import StatsTable, WireStats, reset_stats, stats
+from .transport import use_duplex
 
 __all__ = [
-    "CompressedWork", "ReduceOp", "WireStats", "comm_device", "all_gather_into_tensor", "all_reduce", "all_to_all_single",
-    "error_feedback_states", "irecv", "isend", "recv", "reduce_scatter_tensor", "reset_stats", "send",
-    "set_duplex", "set_pipeline_numel", "set_validation", "stats",
+    "Channel", "CommOptions", "CompressedWork", "ReduceOp", "StatsTable", "WireStats", "all_gather_into_tensor",
+    "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "recv", "reduce_scatter_tensor",
+    "reset_stats", "send", "stats", "use_duplex",
 ]

@@ -1,7 +1,10 @@
-"""Compressed collectives with the signatures of ``torch.distributed`` plus keyword-only codec arguments.
+"""The compressed collective algorithms, run on behalf of a :class:`megacomp.comm.Channel`.
 
-With ``codec=None`` (or ``"none"``) each function calls the torch.distributed collective of the same
-name on the same tensors, so results are bit-identical to it. With a lossy codec:
+Each ``run_*`` function takes the channel (codec, error-feedback state, options, stats table, stream)
+and the call's tensors; the public entry points are the channel's methods and the free functions of
+megacomp.comm.functional that mirror torch.distributed. With an identity codec (or a tensor below the
+channel's small-tensor threshold) each calls the torch.distributed collective of the same name on the
+same tensors, so results are bit-identical to it. With a lossy codec:
 
   reduce_scatter_tensor: [error feedback] -> encode each destination chunk -> all_to_all_single of
       the byte buffers (payload + scales) -> decode every received chunk -> sum in fp32 in rank order
@@ -11,7 +14,7 @@ name on the same tensors, so results are bit-identical to it. With a lossy codec
       so all ranks end with identical results (own shard included). Two ranks instead all-gather their
       whole encodings and both decode-sum them in rank order: the same bytes on the wire as the two
       phases, one quantization instead of two, half the encode work, no server error.
-  Pipelining: tensors over ``transport.set_pipeline_numel`` elements (default 1M) are cut into
+  Pipelining: tensors over ``CommOptions.segment_numel`` elements (default 1M) are cut into
       segments (reduce-scatter / all-gather: pieces of every chunk) that run the steps above independently, so encoding, transfer and decoding of
       consecutive segments overlap. Segments start new scale blocks (and per-tensor scales become
       per-segment scales); bytes travel as in megacomp.comm.transport (full-duplex p2p on gloo).
@@ -24,7 +27,7 @@ per-element bound (see megacomp.compression.quantize). All-reduce over more than
 more quantization of the reduced shard.
 
 Failure behaviour: every call first all-gathers a small description of its arguments (``validate``;
-see :func:`set_validation`) so that mismatched sizes, dtypes, codecs or ops raise the same ValueError on
+see ``CommOptions.validate``) so that mismatched sizes, dtypes, codecs or ops raise the same ValueError on
 every rank instead of hanging; ``check_finite=True`` raises FloatingPointError naming the ranks whose
 input holds inf/NaN. Otherwise inf/NaN propagate (they never decode to finite values). Only SUM and
 AVG are supported with a lossy codec; dtypes other than float32/bfloat16/float16/float64 need
@@ -36,39 +39,21 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp
 
-from ..compression import CodecLike, make_codec
-from ..compression.ef_encoder import ChunkEncoder, chunk_encoder
-from ..compression.error_feedback import ErrorFeedbackLike
-from . import stats as _stats
-from ._common import (CompressedWork, _all_gather_base, _reduce_scatter_base, callsite, codec_code, dtype_code, has_nonfinite, offsets,
-                      op_code, op_name, resolve_error_feedback, split_sizes)
-from . import _common
-from .transport import all_gather_bytes, all_to_all_bytes, next_tags, pipeline_segments
-
-
-def _should_validate(validate: Optional[bool]) -> bool:
-    return _common._validate_default if validate is None else validate
+from ..compression.ef_encoder import chunk_encoder
+from . import common as _common
+from .common import (CompressedWork, all_gather_base, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
+                      reduce_scatter_base, split_sizes)
+from .transport import all_gather_bytes, all_to_all_bytes, next_tags, pipeline_segments, use_duplex
 
 
 def _check_lossy(what: str, codec, tensor: torch.Tensor, op=None) -> None:
     if codec.is_identity:
         return
-    codec._check_dtype(tensor.dtype)
+    codec.check_dtype(tensor.dtype)
     if op is not None and op_name(op) not in ("SUM", "AVG"):
         raise ValueError(f"megacomp.comm.{what}: codec {codec} supports ReduceOp SUM and AVG, got {op_name(op)}; "
                          f"use codec=None for other ops")
-
-
-def _check_ef_codec(what: str, codec, error_feedback) -> None:
-    if error_feedback is not None and codec.is_identity:
-        raise ValueError(f"megacomp.comm.{what}: error_feedback needs a lossy codec (codec is {codec.name!r}); "
-                         f"pass codec='int4' (or similar) or drop error_feedback")
-
-
-def _itemsize(t: torch.Tensor) -> int:
-    return t.element_size()
 
 
 def _encode_chunks(src, base: int, sizes):
@@ -106,18 +91,18 @@ def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool,
     return codec.unrotate(acc, numel)
 
 
-def _all_reduce_direct(tensor, src, codec, group, ef, ef_key, avg):
+def _all_reduce_direct(ch, tensor, src, codec, group, avg, segs):
     """Two ranks: each sends its whole encoded tensor to the other (all-gather of the encodings) and both
     decode-sum the two in rank order. Same bytes on the wire as reduce-scatter + all-gather for two ranks,
     but one quantization instead of two and half the encode work; no server-side error."""
     n = tensor.numel()
     gathers, wire, base = [], 0, 0
-    segs = pipeline_segments(n)
+    duplex = use_duplex(group, ch.options.duplex)
     tag = next_tags(group)
     for length in segs:
         enc = src.encode(base, length)
         gathered = torch.empty(2 * enc.numel(), dtype=torch.uint8, device=tensor.device)
-        gathers.append((gathered, all_gather_bytes(gathered, enc, group, tag)))
+        gathers.append((gathered, all_gather_bytes(gathered, enc, group, tag, duplex)))
         wire += enc.numel()
         base += length
     src.commit()  # error feedback: the new error from the bytes sent
@@ -139,15 +124,16 @@ def _all_reduce_direct(tensor, src, codec, group, ef, ef_key, avg):
     return finish, wire
 
 
-def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
+def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
     """Reduce-scatter (all-to-all of encoded chunks, fp32 decode-sum) then all-gather of the re-encoded
-    shard; returns (finish, wire bytes sent by this rank)."""
+    shard (server error under ``skey``); returns (finish, wire bytes sent by this rank)."""
     world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.numel()
-    skey = ef_key + "/server"
+    ef = ch.error_feedback
+    duplex = use_duplex(group, ch.options.duplex)
     # Pipeline: every segment is an independent reduce-scatter + all-gather; all segments' all-to-alls
     # are issued while the next segment is encoded, then each is reduced and its all-gather issued as
     # soon as its bytes are in, so encode, wire and decode overlap.
-    segs = [split_sizes(length, world) for length in pipeline_segments(n)]
+    segs = [split_sizes(length, world) for length in segments]
     recvs, works, wire, base = [], [], 0, 0
     tag = next_tags(group)  # tag: the all-to-alls, tag + 1: the all-gathers (issued later, maybe elsewhere)
     for ss in segs:
@@ -155,7 +141,7 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
         in_splits = [b.numel() for b in seg_bufs]
         w_own = codec.wire_bytes(ss[rank])
         recv = torch.empty(world * w_own, dtype=torch.uint8, device=tensor.device)
-        works.append(all_to_all_bytes(recv, torch.cat(seg_bufs), [w_own] * world, in_splits, group, tag))
+        works.append(all_to_all_bytes(recv, torch.cat(seg_bufs), [w_own] * world, in_splits, group, tag, duplex))
         recvs.append(recv)
         wire += sum(in_splits) - in_splits[rank] + (world - 1) * max(codec.wire_bytes(s) for s in ss)
         base += sum(ss)
@@ -167,7 +153,7 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
         # (h = shard + e_srv, per segment) and, after the last segment, updates it from the bytes sent
         shard = torch.empty(sum(own), dtype=torch.float32, device=tensor.device)
         gathers, o = [], 0
-        with chunk_encoder(ef, skey, shard, codec) as src_srv:  # commits after the last segment
+        with chunk_encoder(ef, skey, shard, codec, ch.generator) as src_srv:  # commits after the last segment
             for ss, recv, work in zip(segs, recvs, works):
                 work.wait()
                 seg = shard[o:o + ss[rank]]
@@ -180,7 +166,7 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
                 padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
                 padded[:enc.numel()] = enc
                 gathered = torch.empty(world * wmax, dtype=torch.uint8, device=tensor.device)
-                gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group, tag + 1)))
+                gathers.append((gathered, wmax, all_gather_bytes(gathered, padded, group, tag + 1, duplex)))
         # decode straight into the tensor (no full-size temporary: fresh large buffers cost page faults)
         dst = tensor.view(-1) if tensor.is_contiguous() else torch.empty(n, dtype=tensor.dtype, device=tensor.device)
         pos = 0
@@ -196,44 +182,12 @@ def _all_reduce_rs_ag(tensor, src, codec, group, ef, ef_key, avg):
     return finish, wire
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
-               codec: CodecLike = None, error_feedback: ErrorFeedbackLike = None, check_finite: bool = False,
-               tag: Optional[str] = None, validate: Optional[bool] = None, ef_key: Optional[str] = None):
-    """``torch.distributed.all_reduce`` with an optional codec (see module docstring), in place.
+def _shown(tag: Optional[str], default: str) -> str:
+    """The tag named in validation errors: only one the caller chose."""
+    return "" if not tag or tag == default else tag
 
-    ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig (then the state is kept per call site
-    and tag, see ``comm.error_feedback_states()``), or an ErrorFeedback object you own (keys inside it:
-    ``ef_key`` or ``tag``, plus '/worker' for the full tensor and '/server' for the own shard).
-    ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce').
-    """
-    codec = make_codec(codec)
-    world = dist.get_world_size(group)
-    n = tensor.numel()
-    _check_lossy("all_reduce", codec, tensor, op)
-    _check_ef_codec("all_reduce", codec, error_feedback)
-    if _should_validate(validate) or check_finite:
-        _common.validate("all_reduce", group, {"numel": n, "dtype": dtype_code(tensor.dtype),
-                                               "codec": codec_code(codec), "op": op_code(op)},
-                         nonfinite=has_nonfinite(tensor) if check_finite else None, tag=tag or "", device=tensor.device)
-    sizes = split_sizes(n, world)
-    rank = dist.get_rank(group)
-    label = tag or "all_reduce"
-    raw = _itemsize(tensor)
-    uncompressed = (n - sizes[rank]) * raw + (world - 1) * sizes[rank] * raw
-    if codec.is_identity or world == 1:
-        _stats.record(label, uncompressed if world > 1 else 0, uncompressed if world > 1 else 0)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    ef = resolve_error_feedback(error_feedback, ef_key or f"{callsite()}#{tag or ''}")
-    ef_key = ef_key or tag or "all_reduce"
-    src = chunk_encoder(ef, ef_key + "/worker", tensor.reshape(-1), codec)  # h = g + e, chunk by chunk
-    algo = _all_reduce_direct if world == 2 else _all_reduce_rs_ag
-    try:  # the algorithm commits src after its last encode; a failure before that drops a half-updated error
-        finish, wire = algo(tensor, src, codec, group, ef, ef_key, op_name(op) == "AVG")
-    except BaseException:
-        src.abort()
-        raise
-    _stats.record(label, wire, uncompressed)
+def _handle(finish, async_op: bool):
     handle = CompressedWork(finish)
     if async_op:
         return handle
@@ -241,13 +195,51 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     return None
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
-                          async_op: bool = False, *, codec: CodecLike = None,
-                          error_feedback: ErrorFeedbackLike = None, check_finite: bool = False,
-                          tag: Optional[str] = None, validate: Optional[bool] = None, ef_key: Optional[str] = None):
-    """``torch.distributed.reduce_scatter_tensor`` with an optional codec: rank r receives the reduction
-    of chunk r (``output.numel()`` elements) of every rank's ``input`` (``world * output.numel()``)."""
-    codec = make_codec(codec)
+def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str, check_finite: bool,
+                   tag: Optional[str], validate: Optional[bool]):
+    """``torch.distributed.all_reduce`` (in place) through channel ``ch``; see the module docstring.
+
+    Error-feedback keys: ``key + '/worker'`` (the full tensor) and ``key + '/server'`` (this rank's shard,
+    more than two ranks only)."""
+    codec = ch.codec_for(tensor.numel())
+    world = dist.get_world_size(group)
+    n = tensor.numel()
+    _check_lossy("all_reduce", codec, tensor, op)
+    if ch.validates(validate) or check_finite:
+        _common.validate("all_reduce", group, {"numel": n, "dtype": dtype_code(tensor.dtype),
+                                               "codec": codec_code(codec), "op": op_code(op)},
+                         nonfinite=has_nonfinite(tensor) if check_finite else None, tag=_shown(tag, "all_reduce"),
+                         device=tensor.device)
+    sizes = split_sizes(n, world)
+    rank = dist.get_rank(group)
+    label = tag or "all_reduce"
+    raw = tensor.element_size()
+    uncompressed = (n - sizes[rank]) * raw + (world - 1) * sizes[rank] * raw
+    if codec.is_identity or world == 1:
+        ch.stats.record(label, uncompressed if world > 1 else 0, uncompressed if world > 1 else 0)
+        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    ef = ch.error_feedback
+    src = chunk_encoder(ef, key + "/worker", tensor.reshape(-1), codec, ch.generator)  # h = g + e, chunk by chunk
+    segs = pipeline_segments(n, ch.options.segment_numel)
+    avg = op_name(op) == "AVG"
+    try:  # the algorithm commits src after its last encode; a failure before that drops a half-updated error
+        if world == 2:
+            finish, wire = _all_reduce_direct(ch, tensor, src, codec, group, avg, segs)
+        else:
+            finish, wire = _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segs, key + "/server")
+    except BaseException:
+        src.abort()
+        raise
+    ch.stats.record(label, wire, uncompressed)
+    return _handle(finish, async_op)
+
+
+def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op, group, async_op: bool, key: str,
+                              check_finite: bool, tag: Optional[str], validate: Optional[bool]):
+    """``torch.distributed.reduce_scatter_tensor`` through ``ch``: rank r receives the reduction of chunk r
+    (``output.numel()`` elements) of every rank's ``input`` (``world * output.numel()``). Error-feedback key:
+    ``key + '/worker'``."""
     world = dist.get_world_size(group)
     m = output.numel()
     if input.numel() != world * m:
@@ -255,24 +247,24 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
                          f"world_size * output.numel() = {world} * {m} = {world * m}")
     if input.dtype != output.dtype:
         raise TypeError(f"megacomp.comm.reduce_scatter_tensor: input dtype {input.dtype} != output dtype {output.dtype}")
+    codec = ch.codec_for(input.numel())
     _check_lossy("reduce_scatter_tensor", codec, input, op)
-    _check_ef_codec("reduce_scatter_tensor", codec, error_feedback)
-    if _should_validate(validate) or check_finite:
+    if ch.validates(validate) or check_finite:
         _common.validate("reduce_scatter_tensor", group,
                          {"numel": m, "dtype": dtype_code(input.dtype), "codec": codec_code(codec), "op": op_code(op)},
-                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "", device=input.device)
+                         nonfinite=has_nonfinite(input) if check_finite else None, tag=_shown(tag, "reduce_scatter"),
+                         device=input.device)
     label = tag or "reduce_scatter"
-    raw = (world - 1) * m * _itemsize(input)
+    raw = (world - 1) * m * input.element_size()
     if codec.is_identity or world == 1:
-        _stats.record(label, raw, raw)
-        return _reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
+        ch.stats.record(label, raw, raw)
+        return reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
 
-    ef = resolve_error_feedback(error_feedback, ef_key or f"{callsite()}#{tag or ''}")
-    ef_key = (ef_key or tag or "reduce_scatter") + "/worker"
-    src = chunk_encoder(ef, ef_key, input.reshape(-1), codec)  # h = g + e, chunk by chunk
+    src = chunk_encoder(ch.error_feedback, key + "/worker", input.reshape(-1), codec, ch.generator)
     # pipeline: piece k of every destination chunk travels in exchange k, encoded while k-1 is on the wire
-    pieces = split_sizes(m, len(pipeline_segments(world * m)))
-    tag, exchanges, wire = next_tags(group), [], 0
+    pieces = split_sizes(m, len(pipeline_segments(world * m, ch.options.segment_numel)))
+    duplex = use_duplex(group, ch.options.duplex)
+    msg_tag, exchanges, wire = next_tags(group), [], 0
     enc = [[None] * len(pieces) for _ in range(world)]  # enc[j][k]: piece k of the chunk for rank j
     with src:  # error feedback: commit (the new error from the bytes sent) after the last piece
         for k, (o, s) in enumerate(zip(offsets(pieces), pieces)):
@@ -281,9 +273,9 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
             w = codec.wire_bytes(s)
             recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
             exchanges.append((recv, all_to_all_bytes(recv, torch.cat([enc[j][k] for j in range(world)]), [w] * world,
-                                                     [w] * world, group, tag)))
+                                                     [w] * world, group, msg_tag, duplex)))
             wire += (world - 1) * w
-    _stats.record(label, wire, raw)
+    ch.stats.record(label, wire, raw)
 
     def finish() -> None:
         dst = output.view(-1) if output.is_contiguous() else torch.empty(m, dtype=output.dtype, device=output.device)
@@ -297,20 +289,14 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp
             if not output.is_contiguous():
                 output.copy_(dst.view(output.shape))
 
-    handle = CompressedWork(finish)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return _handle(finish, async_op)
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
-                           async_op: bool = False, *, codec: CodecLike = None, check_finite: bool = False,
-                           tag: Optional[str] = None, validate: Optional[bool] = None):
-    """``torch.distributed.all_gather_into_tensor`` with an optional codec: slot r of ``output_tensor``
+def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool,
+                               check_finite: bool, tag: Optional[str], validate: Optional[bool]):
+    """``torch.distributed.all_gather_into_tensor`` through ``ch``: slot r of ``output_tensor``
     (``world * input.numel()`` elements) receives rank r's input; every slot, the own one included, holds
     the decoded value so all ranks agree."""
-    codec = make_codec(codec)
     world = dist.get_world_size(group)
     m = input_tensor.numel()
     if output_tensor.numel() != world * m:
@@ -319,27 +305,29 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     if input_tensor.dtype != output_tensor.dtype:
         raise TypeError(f"megacomp.comm.all_gather_into_tensor: input dtype {input_tensor.dtype} != output dtype "
                         f"{output_tensor.dtype}")
+    codec = ch.codec_for(m)
     _check_lossy("all_gather_into_tensor", codec, input_tensor)
-    if _should_validate(validate) or check_finite:
+    if ch.validates(validate) or check_finite:
         _common.validate("all_gather_into_tensor", group,
                          {"numel": m, "dtype": dtype_code(input_tensor.dtype), "codec": codec_code(codec)},
-                         nonfinite=has_nonfinite(input_tensor) if check_finite else None, tag=tag or "",
+                         nonfinite=has_nonfinite(input_tensor) if check_finite else None, tag=_shown(tag, "all_gather"),
                          device=input_tensor.device)
     label = tag or "all_gather"
-    raw = (world - 1) * m * _itemsize(input_tensor)
+    raw = (world - 1) * m * input_tensor.element_size()
     if codec.is_identity or world == 1:
-        _stats.record(label, raw, raw)
-        return _all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
+        ch.stats.record(label, raw, raw)
+        return all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
 
     flat = input_tensor.reshape(-1)
-    pieces = split_sizes(m, len(pipeline_segments(world * m)))  # encoded, sent and decoded in turn
-    tag, exchanges, wire = next_tags(group), [], 0
+    pieces = split_sizes(m, len(pipeline_segments(world * m, ch.options.segment_numel)))  # encoded, sent, decoded in turn
+    duplex = use_duplex(group, ch.options.duplex)
+    msg_tag, exchanges, wire = next_tags(group), [], 0
     for o, s in zip(offsets(pieces), pieces):
-        enc = codec.encode_flat(flat[o:o + s], strict=False)
+        enc = codec.encode_flat(flat[o:o + s], ch.generator, strict=False)
         gathered = torch.empty(world * enc.numel(), dtype=torch.uint8, device=input_tensor.device)
-        exchanges.append((gathered, enc.numel(), all_gather_bytes(gathered, enc, group, tag)))
+        exchanges.append((gathered, enc.numel(), all_gather_bytes(gathered, enc, group, msg_tag, duplex)))
         wire += (world - 1) * enc.numel()
-    _stats.record(label, wire, raw)
+    ch.stats.record(label, wire, raw)
 
     def finish() -> None:
         out = output_tensor
@@ -352,11 +340,7 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
             if not out.is_contiguous():
                 out.copy_(dst.view(out.shape))
 
-    handle = CompressedWork(finish)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return _handle(finish, async_op)
 
 
 def _split_check(in_splits: list[int], out_splits: list[int]):
@@ -373,14 +357,13 @@ def _split_check(in_splits: list[int], out_splits: list[int]):
     return check
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_sizes=None, input_split_sizes=None,
-                      group=None, async_op: bool = False, *, codec: CodecLike = None, check_finite: bool = False,
-                      tag: Optional[str] = None, validate: Optional[bool] = None):
-    """``torch.distributed.all_to_all_single`` with an optional codec. Split sizes count rows (dim 0), as in
-    torch; None means equal splits."""
-    codec = make_codec(codec)
+def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_split_sizes, input_split_sizes,
+                          group, async_op: bool, check_finite: bool, tag: Optional[str], validate: Optional[bool]):
+    """``torch.distributed.all_to_all_single`` through ``ch``. Split sizes count rows (dim 0), as in torch;
+    None means equal splits. The small-tensor rule looks at the whole input."""
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
+    codec = ch.codec_for(input.numel())
     _check_lossy("all_to_all_single", codec, input)
     if input.dtype != output.dtype:
         raise TypeError(f"megacomp.comm.all_to_all_single: input dtype {input.dtype} != output dtype {output.dtype}")
@@ -395,24 +378,27 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
     if len(in_splits) != world or len(out_splits) != world or sum(in_splits) != rows_in or sum(out_splits) != rows_out:
         raise ValueError(f"megacomp.comm.all_to_all_single: split sizes {in_splits} / {out_splits} must have {world} "
                          f"entries summing to dim 0 of input ({rows_in}) / output ({rows_out})")
-    if _should_validate(validate) or check_finite:
+    if ch.validates(validate) or check_finite:
         _common.validate("all_to_all_single", group,
                          {"row numel": row, "dtype": dtype_code(input.dtype), "codec": codec_code(codec)},
                          extra=in_splits + out_splits, extra_check=_split_check(in_splits, out_splits),
-                         nonfinite=has_nonfinite(input) if check_finite else None, tag=tag or "", device=input.device)
+                         nonfinite=has_nonfinite(input) if check_finite else None, tag=_shown(tag, "all_to_all"),
+                         device=input.device)
     label = tag or "all_to_all"
-    raw = (rows_in - in_splits[rank]) * row * _itemsize(input)
+    raw = (rows_in - in_splits[rank]) * row * input.element_size()
     if codec.is_identity or world == 1:
-        _stats.record(label, raw, raw)
+        ch.stats.record(label, raw, raw)
         return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
                                       async_op=async_op)
 
-    bufs = _encode_chunks(ChunkEncoder(input.reshape(-1), codec), 0, [s * row for s in in_splits])
+    bufs = _encode_chunks(chunk_encoder(None, "", input.reshape(-1), codec, ch.generator), 0,
+                          [s * row for s in in_splits])
     in_bytes = [b.numel() for b in bufs]
     out_bytes = [codec.wire_bytes(s * row) for s in out_splits]
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)
-    _stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
-    work = all_to_all_bytes(recv, torch.cat(bufs), out_bytes, in_bytes, group, next_tags(group))
+    ch.stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
+    work = all_to_all_bytes(recv, torch.cat(bufs), out_bytes, in_bytes, group, next_tags(group),
+                            use_duplex(group, ch.options.duplex))
 
     def finish() -> None:
         work.wait()
@@ -420,8 +406,4 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, output_split_si
         with torch.no_grad():
             output.copy_(torch.cat(parts).view(output.shape))
 
-    handle = CompressedWork(finish)
-    if async_op:
-        return handle
-    handle.wait()
-    return None
+    return _handle(finish, async_op)

@@ -1,11 +1,12 @@
-"""Compressed point-to-point messages: ``send``/``recv`` (and ``isend``/``irecv``) with a codec.
+"""Compressed point-to-point messages run on behalf of a :class:`megacomp.comm.Channel` (the free
+``send``/``recv``/``isend``/``irecv`` of megacomp.comm.functional build a one-off channel).
 
 Algorithm: the sender encodes the tensor into one uint8 buffer (payload + scales) and sends it; the
 receiver knows shape, dtype and codec, so it knows the exact byte count, receives and decodes into its
 tensor. ``codec=None`` sends the tensor itself through torch.distributed (bit-identical).
 
 Without validation the receive is posted at once (so a pair of ranks that both isend then irecv
-never deadlock). Validation (default on, see :func:`megacomp.comm.set_validation`; both ends must agree): a 5-integer
+never deadlock). Validation (default on, see ``CommOptions.validate``; both ends must agree): a 5-integer
 header (numel, dtype, codec, wire bytes, non-finite flag) precedes the payload. On a mismatch the
 receiver still drains the sender's payload, so the sender never hangs, and raises ValueError naming
 both ranks. With ``check_finite=True`` a non-finite input makes both ends raise FloatingPointError
@@ -18,11 +19,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..compression import CodecLike, ErrorFeedback, make_codec
 from ..compression.ef_encoder import chunk_encoder
-from . import _common
-from . import stats as _stats
-from ._common import CompressedWork, codec_code, dtype_code, has_nonfinite
+from .common import CompressedWork, codec_code, dtype_code, has_nonfinite
 
 _HEADER = 5
 
@@ -33,34 +31,28 @@ def _header(tensor, codec, nonfinite: bool) -> torch.Tensor:
                         device=tensor.device)
 
 
-def _validate(validate: Optional[bool]) -> bool:
-    return _common._validate_default if validate is None else validate
+def run_isend(ch, tensor: torch.Tensor, dst: int, group, tag: int, key: str, check_finite: bool,
+              label: Optional[str], validate: Optional[bool]):
+    """Start sending ``tensor`` to global rank ``dst`` through ``ch``; returns a handle with ``wait()``.
 
-
-def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: CodecLike = None,
-          error_feedback: Optional[ErrorFeedback] = None, ef_key: Optional[str] = None, check_finite: bool = False,
-          label: Optional[str] = None, validate: Optional[bool] = None):
-    """Start sending ``tensor`` to global rank ``dst``; returns a handle with ``wait()``.
-
-    ``error_feedback`` (an ErrorFeedback, lossy codecs only): the message is ``Q(tensor + e)`` and ``e`` is
-    updated from exactly the bytes sent (key ``ef_key``, else ``label``, else 'send')."""
-    codec = make_codec(codec)
-    codec._check_dtype(tensor.dtype)
-    if error_feedback is not None and codec.is_identity:
-        raise ValueError("megacomp.comm.send: error_feedback needs a lossy codec")
+    With the channel's error feedback (lossy codecs only) the message is ``Q(tensor + e)`` and ``e`` (key
+    ``key``) is updated from exactly the bytes sent."""
+    codec = ch.codec_for(tensor.numel())
+    codec.check_dtype(tensor.dtype)
+    error_feedback = None if codec.is_identity else ch.error_feedback
     bad = check_finite and has_nonfinite(tensor)
     works = []
-    if _validate(validate) or check_finite:
+    if ch.validates(validate) or check_finite:
         works.append(dist.isend(_header(tensor, codec, bad), dst, group=group, tag=tag))
     raw = tensor.numel() * tensor.element_size()
     if codec.is_identity:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
     elif error_feedback is not None:
-        with chunk_encoder(error_feedback, ef_key or label or "send", tensor.reshape(-1), codec) as src:
+        with chunk_encoder(error_feedback, key, tensor.reshape(-1), codec, ch.generator) as src:
             payload = src.encode(0, tensor.numel())  # the new error from exactly these bytes, on exit
     else:
-        payload = codec.encode_flat(tensor, strict=False)
-    _stats.record(label or "send", payload.numel() * payload.element_size(), raw)
+        payload = codec.encode_flat(tensor, ch.generator, strict=False)
+    ch.stats.record(label or "send", payload.numel() * payload.element_size(), raw)
     works.append(dist.isend(payload, dst, group=group, tag=tag))
 
     def finish() -> None:
@@ -79,14 +71,14 @@ def _payload_buffer(tensor: torch.Tensor, codec, nbytes: int) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
-def _deliver(tensor: torch.Tensor, codec, buf: torch.Tensor, label: Optional[str], nbytes: int) -> None:
+def _deliver(ch, tensor: torch.Tensor, codec, buf: torch.Tensor, label: Optional[str], nbytes: int) -> None:
     with torch.no_grad():  # also into tensors that require grad
         if codec.is_identity:
             if buf is not tensor:
                 tensor.copy_(buf)
         else:
             tensor.copy_(codec.decode_flat(buf, tensor.numel(), tensor.dtype).view(tensor.shape))
-    _stats.record(label or "recv", nbytes, tensor.numel() * tensor.element_size())
+    ch.stats.record(label or "recv", nbytes, tensor.numel() * tensor.element_size())
 
 
 def _check_header(header: torch.Tensor, tensor: torch.Tensor, codec, src: int) -> Optional[str]:
@@ -105,17 +97,17 @@ def _nonfinite_error(src: int) -> FloatingPointError:
                               f"{dist.get_rank()} (check_finite=True)")
 
 
-def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: CodecLike = None,
-          check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None):
-    """Start receiving into ``tensor`` from global rank ``src``; ``wait()`` decodes into it.
+def run_irecv(ch, tensor: torch.Tensor, src: int, group, tag: int, check_finite: bool, label: Optional[str],
+              validate: Optional[bool]):
+    """Start receiving into ``tensor`` from global rank ``src`` through ``ch``; ``wait()`` decodes into it.
 
     Both the header (when validating) and the payload receive are posted at once, so several outstanding
     irecvs from one sender match its messages in order. A header mismatch raises at ``wait()``; the
     payload receive posted for the expected size then cannot complete cleanly, so treat the pair of
     ranks as broken (the blocking :func:`recv` drains the message instead and stays usable)."""
-    codec = make_codec(codec)
-    codec._check_dtype(tensor.dtype)
-    checked = _validate(validate) or check_finite
+    codec = ch.codec_for(tensor.numel())
+    codec.check_dtype(tensor.dtype)
+    checked = ch.validates(validate) or check_finite
     nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
     header = torch.empty(_HEADER, dtype=torch.int64, device=tensor.device)
     hwork = dist.irecv(header, src, group=group, tag=tag) if checked else None
@@ -129,31 +121,23 @@ def irecv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: Co
             if msg:
                 raise ValueError(msg)
         work.wait()
-        _deliver(tensor, codec, buf, label, nbytes)
+        _deliver(ch, tensor, codec, buf, label, nbytes)
         if hwork is not None and check_finite and int(header[4]):
             raise _nonfinite_error(src)
 
     return CompressedWork(finish)
 
 
-def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, codec: CodecLike = None,
-         error_feedback: Optional[ErrorFeedback] = None, ef_key: Optional[str] = None, check_finite: bool = False,
-         label: Optional[str] = None, validate: Optional[bool] = None) -> None:
-    """``torch.distributed.send`` with an optional codec (blocking)."""
-    isend(tensor, dst, group, tag, codec=codec, error_feedback=error_feedback, ef_key=ef_key,
-          check_finite=check_finite, label=label, validate=validate).wait()
-
-
-def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: CodecLike = None,
-         check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None) -> int:
-    """``torch.distributed.recv`` with an optional codec (blocking; ``src`` is required). Returns ``src``.
+def run_recv(ch, tensor: torch.Tensor, src: int, group, tag: int, check_finite: bool, label: Optional[str],
+             validate: Optional[bool]) -> int:
+    """``torch.distributed.recv`` through ``ch`` (blocking; ``src`` is required). Returns ``src``.
 
     With validation the header is read first; on a mismatch the sender's payload is drained (so neither
     end hangs and the pair stays usable) and ValueError names both ranks and the differing fields."""
-    codec = make_codec(codec)
-    codec._check_dtype(tensor.dtype)
-    if not (_validate(validate) or check_finite):
-        irecv(tensor, src, group, tag, codec=codec, label=label, validate=False).wait()
+    codec = ch.codec_for(tensor.numel())
+    codec.check_dtype(tensor.dtype)
+    if not (ch.validates(validate) or check_finite):
+        run_irecv(ch, tensor, src, group, tag, False, label, False).wait()
         return src
     header = torch.empty(_HEADER, dtype=torch.int64, device=tensor.device)
     dist.recv(header, src, group=group, tag=tag)
@@ -164,7 +148,7 @@ def recv(tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, codec: Cod
         raise ValueError(msg)
     buf = _payload_buffer(tensor, codec, nbytes)
     dist.recv(buf, src, group=group, tag=tag)
-    _deliver(tensor, codec, buf, label, nbytes)
+    _deliver(ch, tensor, codec, buf, label, nbytes)
     if check_finite and int(header[4]):
         raise _nonfinite_error(src)
     return src

@@ -29,27 +29,49 @@ class WireStats:
 
     @property
     def ratio(self) -> float:
+        """wire / uncompressed bytes (0 when nothing was recorded)."""
         return self.wire_bytes / self.uncompressed_bytes if self.uncompressed_bytes else 0.0
 
 
-_lock = threading.Lock()
-_stats: dict[str, WireStats] = {}
+class StatsTable:
+    """Per-tag :class:`WireStats`, thread-safe (the DDP hook finishes collectives in a background thread).
+
+    A counter that can never change results. Each :class:`megacomp.comm.Channel` records into the table
+    it was given; the free functions and channels built without one use the process's table, which
+    :func:`stats` and :func:`reset_stats` read (the public contract of ``comm.stats()``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats: dict[str, WireStats] = {}
+
+    def record(self, tag: str, wire_bytes: int, uncompressed_bytes: int) -> None:
+        """Add one call of ``tag``: bytes this rank sent and the uncompressed equivalent."""
+        with self._lock:
+            s = self._stats.setdefault(tag, WireStats())
+            s.calls += 1
+            s.wire_bytes += int(wire_bytes)
+            s.uncompressed_bytes += int(uncompressed_bytes)
+
+    def snapshot(self) -> dict[str, WireStats]:
+        """A copy of the per-tag totals."""
+        with self._lock:
+            return {k: WireStats(v.calls, v.wire_bytes, v.uncompressed_bytes) for k, v in self._stats.items()}
+
+    def reset(self) -> None:
+        """Forget every total."""
+        with self._lock:
+            self._stats.clear()
 
 
-def record(tag: str, wire_bytes: int, uncompressed_bytes: int) -> None:
-    with _lock:
-        s = _stats.setdefault(tag, WireStats())
-        s.calls += 1
-        s.wire_bytes += int(wire_bytes)
-        s.uncompressed_bytes += int(uncompressed_bytes)
+PROCESS_STATS = StatsTable()
+"""The default table (see :class:`StatsTable`)."""
 
 
 def stats() -> dict[str, WireStats]:
-    """A copy of the per-tag totals since the last :func:`reset_stats`."""
-    with _lock:
-        return {k: WireStats(v.calls, v.wire_bytes, v.uncompressed_bytes) for k, v in _stats.items()}
+    """A copy of the per-tag totals of the process's table since the last :func:`reset_stats`."""
+    return PROCESS_STATS.snapshot()
 
 
 def reset_stats() -> None:
-    with _lock:
-        _stats.clear()
+    """Zero the process's table (the trainer does after logging each iteration)."""
+    PROCESS_STATS.reset()

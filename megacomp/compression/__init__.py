@@ -1,6 +1,7 @@
 """Codecs (scaling, rounding, packing) and error-feedback math. Knows nothing of torch.distributed."""
-from .codecs import Codec, CodecLike, Packet, make_codec, seeded_rng_state, set_seeded_rng_state
-from .error_feedback import ErrorFeedback, ErrorFeedbackConfig, as_error_feedback, make_error_feedback_config
+from .codecs import Codec, CodecLike, Packet, make_codec
+from .error_feedback import (ErrorFeedback, ErrorFeedbackConfig, as_error_feedback, check_error_feedback_codec,
+                             make_error_feedback_config)
 from .formats import FORMATS, Format, register_format
 from .metrics import relative_error, underflow_fraction
 
@@ -8,6 +9,6 @@ CODEC_NAMES = tuple(FORMATS)
 
 __all__ = [
     "CODEC_NAMES", "Codec", "CodecLike", "ErrorFeedback", "ErrorFeedbackConfig", "FORMATS", "Format", "Packet",
-    "as_error_feedback", "make_codec", "make_error_feedback_config", "register_format", "relative_error",
-    "seeded_rng_state", "set_seeded_rng_state", "underflow_fraction",
+    "as_error_feedback", "check_error_feedback_codec", "make_codec", "make_error_feedback_config", "register_format",
+    "relative_error", "underflow_fraction",
 ]

@@ -13,8 +13,6 @@ fix; inf/NaN inputs always decode to inf/NaN.
 """
 from __future__ import annotations
 
-import json
-import threading
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional, Union
 
@@ -25,11 +23,6 @@ from .formats import Format, get_format
 
 ROUNDINGS = ("nearest", "stochastic")
 
-# One generator per distinct seeded codec (by value) in this process: codecs rebuilt from the same spec
-# (a collective called with codec={"name": ..., "seed": ...}) continue one stream instead of restarting it
-# at every call, and the streams can be checkpointed (seeded_rng_state / set_seeded_rng_state).
-_SEEDED: dict[str, torch.Generator] = {}
-_SEEDED_LOCK = threading.Lock()  # the DDP hook encodes from a background thread
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -77,9 +70,11 @@ class Codec:
     """Block size (a power of two) of a Walsh-Hadamard rotation applied before quantization and undone
     after decoding; 0 = off. Spreads outliers (see megacomp.compression.transforms); scaled formats only."""
     seed: Optional[int] = None
-    """Seed of the codec's own generator for stochastic rounding (give each rank its own seed). Equal
-    codecs share one stream per process (see ``seeded_rng_state``). None: use the generator passed to
-    ``encode`` or torch's default generator."""
+    """Seed of stochastic rounding (give each rank its own seed). A codec is a value, so it keeps no
+    stream: ``encode(x)`` without a generator starts a fresh stream at the seed, a pure function of
+    (x, seed). A stream that continues across calls belongs to its owner: a ``megacomp.comm.Channel``
+    owns one (seeded from here, checkpointed with its state), or pass ``generator=``. None: use the
+    generator passed to ``encode`` or torch's default generator."""
 
     def __post_init__(self) -> None:
         fmt = get_format(self.name)
@@ -154,20 +149,20 @@ class Codec:
         return quantize.scale_nbytes(numel, self.block_size, self.dual_scale) + quantize.payload_nbytes(numel, fmt)
 
     # -- encode / decode -----------------------------------------------------------------------
-    def _check_dtype(self, dtype: torch.dtype) -> None:
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raises TypeError for a lossy codec and a non-float dtype, naming the fix (codec none)."""
         if not self.is_identity and dtype not in FLOAT_DTYPES:
             raise TypeError(f"codec {self.name!r} encodes floating tensors (float32, bfloat16, float16, float64), "
                             f"got {dtype}; use codec='none' for other dtypes")
 
-    def _rng(self, generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
-        if generator is not None or self.seed is None:
+    def stream(self, generator: Optional[torch.Generator] = None) -> Optional[torch.Generator]:
+        """The generator stochastic rounding draws from: ``generator`` when given; else, for a seeded
+        stochastic codec, a new CPU generator at ``seed`` (the caller keeps it to continue the stream);
+        else None (torch's default generator)."""
+        if generator is not None or self.seed is None or self.rounding != "stochastic":
             return generator
-        key = json.dumps(self.to_dict(), sort_keys=True)
-        with _SEEDED_LOCK:
-            g = _SEEDED.get(key)
-            if g is None:
-                g = _SEEDED[key] = torch.Generator()
-                g.manual_seed(self.seed)
+        g = torch.Generator()
+        g.manual_seed(self.seed)
         return g
 
     def encode_flat(self, x: torch.Tensor, generator: Optional[torch.Generator] = None,
@@ -178,7 +173,7 @@ class Codec:
         ``strict=False`` lets fp16 overflow become inf instead of raising: collectives use it, because a
         reduced sum can overflow on one rank only, and raising there would leave the other ranks waiting;
         the inf then reaches every rank, where a loss scaler's overflow check sees it."""
-        self._check_dtype(x.dtype)
+        self.check_dtype(x.dtype)
         fmt = self.format
         flat = x.reshape(-1)
         if fmt.kind == "identity":
@@ -193,7 +188,7 @@ class Codec:
         else:
             x32 = flat.to(torch.float32)
         return quantize.encode_scaled(x32, fmt, self.block_size, self.dual_scale,
-                                      self.rounding == "stochastic", self._rng(generator), out=out)
+                                      self.rounding == "stochastic", self.stream(generator), out=out)
 
     def decode_flat(self, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32,
                     rotated: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -269,22 +264,6 @@ def _to_fp16_checked(flat: torch.Tensor) -> torch.Tensor:
 
 
 CodecLike = Union[None, str, Codec, Mapping[str, Any]]
-
-
-def seeded_rng_state() -> dict[str, torch.Tensor]:
-    """The state of every seeded codec's stream in this process, keyed by the codec's spec (JSON): save it
-    with a checkpoint so that stochastic rounding resumes where it stopped."""
-    with _SEEDED_LOCK:
-        return {k: g.get_state() for k, g in _SEEDED.items()}
-
-
-def set_seeded_rng_state(state: Mapping[str, torch.Tensor]) -> None:
-    """Restore streams saved by :func:`seeded_rng_state` (others are left as they are)."""
-    with _SEEDED_LOCK:
-        for k, s in state.items():
-            g = torch.Generator()
-            g.set_state(s)
-            _SEEDED[k] = g
 
 
 def make_codec(codec: CodecLike = None, **options: Any) -> Codec:

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from . import counter_rng, quantize
-from .error_feedback import ErrorFeedback, blend_error
+from .error_feedback import ErrorFeedback, blend_error, uses_fused_update
 
 
 class ChunkEncoder:
@@ -47,17 +47,18 @@ class ChunkEncoder:
     encode: fp16 overflow becomes inf instead of raising on one rank only). As a context manager: ``commit``
     on a normal exit, ``abort`` when an exception leaves the block (it is not suppressed)."""
 
-    def __init__(self, g: torch.Tensor, codec) -> None:
-        self.g, self.codec = g.reshape(-1), codec
+    def __init__(self, g: torch.Tensor, codec, generator: Optional[torch.Generator] = None) -> None:
+        self.g, self.codec, self.generator = g.reshape(-1), codec, generator
 
     def encode(self, offset: int, size: int) -> torch.Tensor:
-        return self.codec.encode_flat(self.g[offset:offset + size], strict=False)
+        """The bytes of elements [offset, offset + size) of the input."""
+        return self.codec.encode_flat(self.g[offset:offset + size], self.generator, strict=False)
 
     def commit(self) -> None:
-        pass
+        """Nothing to store without error feedback."""
 
     def abort(self) -> None:
-        pass
+        """Nothing to undo without error feedback."""
 
     def __enter__(self) -> "ChunkEncoder":
         return self
@@ -95,17 +96,16 @@ class _Coverage:
 class CompensatedEncoder(ChunkEncoder):
     """With error feedback, chunk by chunk (see the module docstring); one per collective call and key."""
 
-    def __init__(self, ef: ErrorFeedback, key: str, g: torch.Tensor, codec) -> None:
-        super().__init__(g, codec)
+    def __init__(self, ef: ErrorFeedback, key: str, g: torch.Tensor, codec,
+                 generator: Optional[torch.Generator] = None) -> None:
+        super().__init__(g, codec, generator)
         self.ef, self.key = ef, key
         self.coverage = _Coverage(self.g.numel())
         self.done = self.committed = False
         e = ef.error(key)
-        fmt = codec.format
-        self.chunked = (ef.config.storage == "fp32" and fmt.kind in ("int", "float8") and not codec.hadamard
-                        and self.g.dtype == torch.float32 and (e is None or e.dtype == torch.float32))
+        self.chunked = uses_fused_update(ef.config, codec, self.g.dtype) and (e is None or e.dtype == torch.float32)
         if self.chunked:
-            self.e = None if e is None else ef._checked(key, e, g).reshape(-1)
+            self.e = None if e is None else ef.check_shape(key, e, g).reshape(-1)
             # the new error overwrites the stored one in place: every kernel and the reference read e_i before
             # writing e'_i, and a fresh full-size tensor per step costs more in page faults than the pass itself
             self.in_place = self.e is not None and self.e.is_contiguous()
@@ -114,7 +114,7 @@ class CompensatedEncoder(ChunkEncoder):
             self.touched = False  # whether the stored error was (partly) overwritten
         else:  # compensate's expression per chunk (element-wise: the same values), then update_encoded
             self.work = g.dtype if g.dtype == torch.float64 else torch.float32
-            self.e = None if e is None else ef._checked(key, e, g).reshape(-1).to(self.work)
+            self.e = None if e is None else ef.check_shape(key, e, g).reshape(-1).to(self.work)
             self.h: dict[int, torch.Tensor] = {}
             self.bufs: dict[int, torch.Tensor] = {}
 
@@ -127,7 +127,7 @@ class CompensatedEncoder(ChunkEncoder):
             gc = self.g[offset:offset + size].to(self.work)
             h = gc.clone() if self.e is None else gc + self.e[offset:offset + size]
             self.h[offset] = h
-            self.bufs[offset] = codec.encode_flat(h, strict=False)
+            self.bufs[offset] = codec.encode_flat(h, self.generator, strict=False)
             return self.bufs[offset]
         fmt, beta = codec.format, self.ef.config.beta
         g = self.g[offset:offset + size]
@@ -137,7 +137,7 @@ class CompensatedEncoder(ChunkEncoder):
         key = None
         if stochastic:  # one key per chunk, as codec.encode_flat would draw it (and reused by the fallback)
             counter_rng.check_numel(size)
-            key = counter_rng.draw_key(codec._rng(None), g.device)
+            key = counter_rng.draw_key(codec.stream(self.generator), g.device)
         buf = torch.empty(codec.wire_bytes(size), dtype=torch.uint8, device=g.device)
         self.touched = True
         ok = quantize.ef_encode_scaled(g, e, buf, new, fmt, codec.block_size, codec.dual_scale, beta, key=key)
@@ -165,7 +165,7 @@ class CompensatedEncoder(ChunkEncoder):
             raise
         self.committed = True
         if self.chunked:
-            self.ef._commit(self.key, self.new if self.finite else torch.zeros_like(self.new), finite=self.finite)
+            self.ef.commit(self.key, self.new if self.finite else torch.zeros_like(self.new), finite=self.finite)
         else:
             h = torch.cat([self.h[o] for o, _ in ranges]) if ranges else self.g.new_empty(0, dtype=self.work)
             self.ef.update_encoded(self.key, h, self.codec, [self.bufs[o] for o, _ in ranges], [s for _, s in ranges])
@@ -184,6 +184,8 @@ class CompensatedEncoder(ChunkEncoder):
         return True
 
 
-def chunk_encoder(ef: Optional[ErrorFeedback], key: str, g: torch.Tensor, codec) -> ChunkEncoder:
-    """The encoder of one collective call: with error feedback (``ef``, state key ``key``) or without."""
-    return ChunkEncoder(g, codec) if ef is None else CompensatedEncoder(ef, key, g, codec)
+def chunk_encoder(ef: Optional[ErrorFeedback], key: str, g: torch.Tensor, codec,
+                  generator: Optional[torch.Generator] = None) -> ChunkEncoder:
+    """The encoder of one collective call: with error feedback (``ef``, state key ``key``) or without;
+    ``generator``: the stochastic-rounding stream (see ``Codec.stream``)."""
+    return ChunkEncoder(g, codec, generator) if ef is None else CompensatedEncoder(ef, key, g, codec, generator)

@@ -122,10 +122,11 @@ class ErrorFeedback:
         """Return ``h = g + e`` (a new tensor in g's dtype, or fp32 for half inputs)."""
         e = self.error(key)
         work_dtype = g.dtype if g.dtype == torch.float64 else torch.float32
-        h = g.to(work_dtype).clone() if e is None else g.to(work_dtype) + self._checked(key, e, g).to(work_dtype)
+        h = g.to(work_dtype).clone() if e is None else g.to(work_dtype) + self.check_shape(key, e, g).to(work_dtype)
         return h
 
-    def _checked(self, key: str, e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def check_shape(self, key: str, e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """``e`` when it has ``g``'s shape; raises ValueError naming ``key`` otherwise (one key per tensor)."""
         if e.shape != g.shape:
             raise ValueError(f"error feedback key {key!r} holds an error of shape {tuple(e.shape)} but got a tensor "
                              f"of shape {tuple(g.shape)}; use a distinct key (tag) per compressed tensor")
@@ -136,10 +137,10 @@ class ErrorFeedback:
         beta = self.config.beta
         residual = h - h_hat
         if not bool(torch.isfinite(residual).all()):
-            self._commit(key, torch.zeros_like(residual), finite=False)
+            self.commit(key, torch.zeros_like(residual), finite=False)
             return
         e = self.error(key, like=residual)
-        self._commit(key, blend_error(None if e is None else self._checked(key, e, residual), residual, beta))
+        self.commit(key, blend_error(None if e is None else self.check_shape(key, e, residual), residual, beta))
 
     def update_encoded(self, key: str, h: torch.Tensor, codec, bufs, sizes) -> None:
         """:meth:`update` from the encoded chunks of ``h`` (``bufs[i]`` holds ``sizes[i]`` consecutive elements):
@@ -149,8 +150,7 @@ class ErrorFeedback:
 
         fmt = codec.format
         e = self.error(key)
-        if (self.config.storage == "fp32" and fmt.kind in ("int", "float8") and not codec.hadamard
-                and h.dtype == torch.float32 and (e is None or e.shape == h.shape)):
+        if uses_fused_update(self.config, codec, h.dtype) and (e is None or e.shape == h.shape):
             new, finite, off = torch.empty_like(h), True, 0
             for buf, s in zip(bufs, sizes):
                 ok = ef_update_scaled(buf, h[off:off + s], None if e is None else e[off:off + s], new[off:off + s],
@@ -160,13 +160,13 @@ class ErrorFeedback:
                 finite &= ok
                 off += s
             else:
-                self._commit(key, new if finite else torch.zeros_like(h), finite=finite)
+                self.commit(key, new if finite else torch.zeros_like(h), finite=finite)
                 return
         parts = [codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)]
         h_hat = torch.cat(parts) if parts else h.new_empty(0)
         self.update(key, h, h_hat)
 
-    def _commit(self, key: str, new: torch.Tensor, finite: bool = True) -> None:
+    def commit(self, key: str, new: torch.Tensor, finite: bool = True) -> None:
         """Store the new error (counting a non-finite drop), advance the step, apply the periodic reset."""
         if not finite:
             self.dropped[key] = self.dropped.get(key, 0) + 1
@@ -228,7 +228,31 @@ def data_numel(shape) -> int:
 
 
 def as_error_feedback(spec: ErrorFeedbackLike) -> Optional[ErrorFeedback]:
-    """None stays None; an ErrorFeedback is used as is; anything else builds a new state."""
+    """None stays None; an ErrorFeedback is used as is; anything else builds a new state.
+
+    Raises:
+        ValueError / TypeError: as :func:`make_error_feedback_config` for a bad spec."""
     if spec is None or isinstance(spec, ErrorFeedback):
         return spec
     return ErrorFeedback(spec)
+
+
+def check_error_feedback_codec(codec: Codec, error_feedback: Any, where: str) -> None:
+    """The one place that enforces "error feedback needs a lossy codec" (config, channels, optimizer, hook).
+
+    Raises:
+        ValueError: ``error_feedback`` is set but ``codec`` is the identity (nothing would ever be fed back),
+            naming ``where`` and the two ways out."""
+    if error_feedback is not None and codec.is_identity:
+        raise ValueError(f"{where}: error feedback needs a lossy codec (the codec is {codec.name!r}); set a codec "
+                         f"such as int4 on that path, or drop the error feedback")
+
+
+def uses_fused_update(config: ErrorFeedbackConfig, codec: Codec, dtype: torch.dtype) -> bool:
+    """Kernel eligibility of the error-feedback update, decided once for the collectives' chunk encoders
+    and :meth:`ErrorFeedback.update_encoded`: fp32 error storage, an int or fp8 codec without Hadamard
+    rotation, fp32 values. Then the update runs per chunk from the encoded bytes (C++/Triton kernels or
+    their reference), in the same bits as :meth:`ErrorFeedback.update`; otherwise the decode-and-update
+    reference runs."""
+    return (config.storage == "fp32" and codec.format.kind in ("int", "float8") and not codec.hadamard
+            and dtype == torch.float32)

@@ -66,6 +66,8 @@ class GPTModel(nn.Module):
         self.layer_range = layer_range if layer_range is not None else range(cfg.num_layers)
         self.tp_group = config.tp_group(tp_group)
         self.sp = config.sequence_parallel
+        back = config.channels.tp_backward  # the output layer's input gradient is a tp_backward all-reduce too
+        self.ef_key = back.new_key("GPTModel.logits") if back.error_feedback is not None and post_process else None
         if pre_process:
             with _Seeded(cfg.seed):
                 self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config,
@@ -106,17 +108,13 @@ class GPTModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied output layer: ``[s, b, V / tp]`` vocabulary-parallel logits."""
         h = self.final_norm(hidden)
-        comp = self.config.compression
+        ch = self.config.channels
         if self.sp:
-            codec = comp.codec_for("sp_all_gather", h.numel())
-            back = comp.codec_for("tp_backward", h.numel() * dist.get_world_size(self.tp_group))
-            h = mappings.gather_from_sequence_parallel_region(
-                h, self.tp_group, codec=None if codec.is_identity else codec,
-                backward_codec=None if back.is_identity else back)
+            h = mappings.gather_from_sequence_parallel_region(h, self.tp_group, codec=ch.sp_all_gather,
+                                                              backward_codec=ch.tp_backward, ef_key=self.ef_key)
         else:
-            back = comp.codec_for("tp_backward", h.numel())
-            h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group,
-                                                              backward_codec=None if back.is_identity else back)
+            h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group, backward_codec=ch.tp_backward,
+                                                              ef_key=self.ef_key)
         return F.linear(h, self.head_weight())
 
     def forward(self, input_: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:

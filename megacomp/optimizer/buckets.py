@@ -2,14 +2,14 @@
 
 Parameters are packed into buckets in reverse registration order (backward produces the last layers'
 gradients first, so a bucket fills early and its communication overlaps the rest of backward). Each
-bucket holds parameters of one param group, is either compressed or not (1-D parameters and buckets
-below ``min_compress_numel`` elements stay uncompressed by explicit rule), and is padded to a multiple
+bucket holds parameters of one param group, is either compressed or not (1-D parameters stay uncompressed, and so do
+buckets that the caller's ``compresses(numel)`` rejects: the channels' small-tensor rule), and is padded to a multiple
 of the data-parallel size so every rank owns an equal shard ``[rank * shard, (rank + 1) * shard)``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -46,13 +46,16 @@ class Bucket:
     """fp32 reduce-scatter output: this rank's shard, summed over ranks."""
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
+        """[start, end) of rank ``rank``'s equal shard of the padded buffer."""
         size = self.padded // world
         return rank * size, (rank + 1) * size
 
 
 def build_buckets(param_groups: list[list[nn.Parameter]], dp_size: int, bucket_size: int,
-                  compress: bool, min_compress_numel: int, deferred: frozenset = frozenset()) -> list[Bucket]:
-    """Assign parameters to buckets (see module docstring)."""
+                  compresses: Callable[[int], bool], deferred: frozenset = frozenset()) -> list[Bucket]:
+    """Assign parameters to buckets (see module docstring). ``compresses(numel)``: whether a bucket of
+    2-D+ parameters with that many elements would be compressed (False for every size: nothing is).
+    Raises ValueError for ``bucket_size`` <= 0."""
     if bucket_size <= 0:
         raise ValueError(f"bucket_size must be > 0 elements, got {bucket_size}")
     buckets: list[Bucket] = []
@@ -65,13 +68,13 @@ def build_buckets(param_groups: list[list[nn.Parameter]], dp_size: int, bucket_s
             offsets.append(n)
             n += p.numel()
         padded = -(-n // dp_size) * dp_size
-        ok = is_compressed and n >= min_compress_numel
+        ok = is_compressed and compresses(n)
         buckets.append(Bucket(len(buckets), group, list(params), offsets, n, padded, ok, is_deferred))
 
     for gi, params in enumerate(param_groups):
         order = [p for p in reversed(params) if id(p) not in deferred]
         late = [p for p in reversed(params) if id(p) in deferred]
-        if compress:
+        if compresses(1 << 62):  # some channel is lossy: 2-D parameters may be compressed
             passes = [([p for p in order if p.dim() > 1], True, False), ([p for p in order if p.dim() <= 1], False, False),
                       ([p for p in late if p.dim() > 1], True, True), ([p for p in late if p.dim() <= 1], False, True)]
         else:

@@ -12,8 +12,10 @@ collective: two ranks (one phase), or megacomp's tagged p2p transport on gloo (t
 messages are matched by tag, whatever thread posts them). Otherwise (``overlap=False``, or NCCL with
 more than two ranks) the hook finishes the all-reduce before returning: issuing a backend collective
 from another thread would race the main thread's (the failure torch's own PowerSGD hook shows on gloo).
-Buckets below ``min_compress_numel`` elements, and the first ``start_iter`` iterations (DDP rebuilds
-its buckets after iteration 1), use the plain all-reduce.
+Buckets below ``min_compress_numel`` elements (the channel's small-tensor rule), and the first
+``start_iter`` iterations (DDP rebuilds its buckets after iteration 1), use the plain all-reduce. The
+state's ``channel`` (megacomp.comm.Channel, built from these fields) owns the error feedback, one key
+per bucket.
 ``codec=None`` is bit-identical to DDP's default hook (divide by the world size, then all-reduce SUM).
 """
 import logging
@@ -24,10 +26,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm.transport import uses_duplex
-
-from .. import comm
-from ..compression import CodecLike, ErrorFeedback, make_codec
+from ..comm import Channel, use_duplex
+from ..compression import CodecLike
 
 log = logging.getLogger("megacomp")
 
@@ -55,17 +55,18 @@ class CompressedHookState:
     """Iterations seen (counted on bucket 0)."""
 
     def __post_init__(self) -> None:
-        self.codec = make_codec(self.codec)
-        if self.error_feedback is not None and not isinstance(self.error_feedback, ErrorFeedback):
-            self.error_feedback = ErrorFeedback(self.error_feedback)
-        if self.error_feedback is not None and self.codec.is_identity:
-            raise ValueError("CompressedHookState: error_feedback needs a lossy codec")
+        self.channel = Channel("dp_gradient", self.codec, group=self.process_group, error_feedback=self.error_feedback,
+                               min_compress_numel=self.min_compress_numel)
+        self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
+        self.plain = self.channel.uncompressed()
 
     def state_dict(self) -> dict:
+        """Iteration count, codec and error-feedback state (load with :meth:`load_state_dict`)."""
         return {"iteration": self.iteration, "codec": self.codec.to_dict(),
                 "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; raises ValueError when it was saved with another codec."""
         if state["codec"] != self.codec.to_dict():
             raise ValueError(f"hook state was saved with codec {state['codec']}, this hook uses {self.codec.to_dict()}")
         self.iteration = state["iteration"]
@@ -79,16 +80,15 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     if bucket.index() == 0:
         state.iteration += 1
     world = dist.get_world_size(state.process_group)
-    lossy = not state.codec.is_identity and buf.numel() >= state.min_compress_numel and state.iteration > state.start_iter
+    lossy = state.channel.compresses(buf.numel()) and state.iteration > state.start_iter
     buf.div_(world)  # divide first, as DDP's default hook does (no fp16 overflow in the sum)
     if not lossy:
-        work = comm.all_reduce(buf, group=state.process_group, tag="dp_gradient", validate=False, async_op=True)
+        work = state.plain.all_reduce(buf, validate=False, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    work = comm.all_reduce(buf, group=state.process_group, codec=state.codec, error_feedback=state.error_feedback,
-                           tag="dp_gradient", ef_key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
-                           validate=state.iteration == state.start_iter + 1, async_op=True)
+    work = state.channel.all_reduce(buf, key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
+                                    validate=state.iteration == state.start_iter + 1, async_op=True)
     fut = torch.futures.Future()
-    if state.overlap and (world == 2 or uses_duplex(state.process_group)):
+    if state.overlap and (world == 2 or use_duplex(state.process_group, state.channel.options.duplex)):
         threading.Thread(target=_finish, args=(work, buf, fut), daemon=True,
                          name=f"megacomp-ddp-bucket{bucket.index()}").start()
     else:

@@ -12,8 +12,13 @@ Algorithm per step, over the data-parallel group of N ranks:
      all-gathers the updated parameters (with ``param_codec``, e.g. int8 blocks as in ZeRO++ qwZ) into
      the model parameters.
 
-Small-tensor rule (logged at construction): 1-D parameters (biases, norms) and buckets under
-``min_compress_numel`` elements are reduced uncompressed. With no codecs the result equals
+Traffic: gradients travel on a ``dp_gradient`` channel and parameters on a ``dp_parameter`` channel
+(megacomp.comm.Channel), either passed in (``grad_channel``/``param_channel``, as the trainer does) or
+built here from ``grad_codec``/``param_codec``/``error_feedback``/``min_compress_numel``. The gradient
+channel owns the error-feedback state (one key per bucket), saved in this optimizer's state_dict.
+
+Small-tensor rule (logged at construction): 1-D parameters (biases, norms) and buckets the channels would
+not compress (under their ``min_compress_numel``) are reduced uncompressed. With no codecs the result equals
 ``optimizer_class`` on the averaged gradients up to fp32 round-off of the reduction.
 
 Failure behaviour: parameters on several devices or dtypes, duplicates, an empty list, or parameters
@@ -33,7 +38,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..compression import CodecLike, ErrorFeedback, make_codec
+from ..comm import Channel
+from ..comm.common import all_gather_base
+from ..compression import CodecLike
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
 
@@ -89,6 +96,12 @@ class DistributedOptimizer:
     ``param_codec`` across nodes, then in full precision inside (tags ``*_intra`` in comm.stats()).
     ``grad_codec_warmup_steps``: the first that many steps reduce gradients uncompressed (1-bit Adam's
     full-precision warm-up, e.g. with FrozenVarianceAdamW); error feedback starts with the codec.
+    ``grad_channel`` / ``param_channel``: channels to use instead of building them from the codec
+    arguments (then leave grad_codec/param_codec/error_feedback at None).
+
+    Raises:
+        ValueError: error feedback without a lossy gradient codec; both a channel and codec arguments;
+            bad bucket sizes or warm-up steps; parameters not replicated over the group (see above).
     """
 
     def __init__(self, params: Iterable, optimizer_class=None, process_group=None,
@@ -96,8 +109,8 @@ class DistributedOptimizer:
                  bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
                  grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
-                 grad_codec_warmup_steps: int = 0,
-                 **defaults: Any) -> None:
+                 grad_codec_warmup_steps: int = 0, grad_channel: Optional[Channel] = None,
+                 param_channel: Optional[Channel] = None, **defaults: Any) -> None:
         self.group = process_group
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.hierarchy = hierarchy
@@ -112,20 +125,25 @@ class DistributedOptimizer:
             # splits that chunk over the nodes: this rank ends with sub-chunk <node> of it
             self.shard_index = dist.get_rank(intra) * n_nodes + dist.get_rank(inter)
         groups = _param_groups(params)
-        self.grad_codec = None if make_codec(grad_codec).is_identity else make_codec(grad_codec)
-        self.param_codec = None if make_codec(param_codec).is_identity else make_codec(param_codec)
+        if grad_channel is not None and (grad_codec is not None or error_feedback is not None):
+            raise ValueError("DistributedOptimizer: pass either grad_channel or grad_codec/error_feedback, not both")
+        if param_channel is not None and param_codec is not None:
+            raise ValueError("DistributedOptimizer: pass either param_channel or param_codec, not both")
+        self.grad_channel = grad_channel if grad_channel is not None else Channel(
+            "dp_gradient", grad_codec, group=process_group, error_feedback=error_feedback,
+            min_compress_numel=min_compress_numel)
+        self.param_channel = param_channel if param_channel is not None else Channel(
+            "dp_parameter", param_codec, group=process_group, min_compress_numel=min_compress_numel)
+        self._grad_plain, self._param_plain = self.grad_channel.uncompressed(), self.param_channel.uncompressed()
         if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
             raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
         self.grad_codec_warmup_steps = grad_codec_warmup_steps
-        if error_feedback is not None and self.grad_codec is None:
-            raise ValueError("error_feedback needs a lossy grad_codec (e.g. grad_codec='int4')")
-        self.ef = error_feedback if isinstance(error_feedback, ErrorFeedback) or error_feedback is None \
-            else ErrorFeedback(error_feedback)
         self.max_grad_norm, self.grad_norm_group, self.scaler = max_grad_norm, grad_norm_group, loss_scaler
+        lossy = [ch for ch in (self.grad_channel, self.param_channel) if ch.lossy]
         self.buckets: list[Bucket] = build_buckets([g["params"] for g in groups], self.world, bucket_size,
-                                                   self.grad_codec is not None or self.param_codec is not None,
-                                                   min_compress_numel, frozenset(id(p) for p in deferred_params))
-        self._describe_policy(min_compress_numel)
+                                                   lambda n: any(ch.compresses(n) for ch in lossy),
+                                                   frozenset(id(p) for p in deferred_params))
+        self._describe_policy()
         device = groups[0]["params"][0].device
         for b in self.buckets:
             b.grad = torch.zeros(b.padded, dtype=torch.float32, device=device)
@@ -144,14 +162,30 @@ class DistributedOptimizer:
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.params)]
 
+    @property
+    def grad_codec(self):
+        """The gradient codec, or None when gradients travel uncompressed."""
+        return self.grad_channel.codec if self.grad_channel.lossy else None
+
+    @property
+    def param_codec(self):
+        """The parameter codec, or None when parameters travel uncompressed."""
+        return self.param_channel.codec if self.param_channel.lossy else None
+
+    @property
+    def ef(self):
+        """The gradient channel's error-feedback state (one key per compressed bucket), or None."""
+        return self.grad_channel.error_feedback
+
     # -- set-up helpers -------------------------------------------------------------------------------
-    def _describe_policy(self, min_compress_numel: int) -> None:
+    def _describe_policy(self) -> None:
         if self.grad_codec is None and self.param_codec is None:
             return
         plain = [b for b in self.buckets if not b.compressed]
         log.info("megacomp DistributedOptimizer: %d of %d buckets (%d of %d elements) stay uncompressed: 1-D "
                  "parameters and buckets under min_compress_numel=%d", len(plain), len(self.buckets),
-                 sum(b.numel for b in plain), sum(b.numel for b in self.buckets), min_compress_numel)
+                 sum(b.numel for b in plain), sum(b.numel for b in self.buckets),
+                 self.grad_channel.min_compress_numel)
 
     def _flat_params(self, b: Bucket) -> torch.Tensor:
         flat = torch.zeros(b.padded, dtype=torch.float32, device=b.grad.device)
@@ -186,7 +220,7 @@ class DistributedOptimizer:
         sums = torch.stack([torch.stack([f.double().sum(), f.double().square().sum()])
                             for f in (self._flat_params(b) for b in self.buckets)]).reshape(-1)
         table = torch.empty(self.world * sums.numel(), dtype=sums.dtype, device=sums.device)
-        comm._common._all_gather_base(table, sums, group=self.group)
+        all_gather_base(table, sums, group=self.group)
         table = table.view(self.world, -1)
         bad = [r for r in range(self.world) if not torch.equal(table[r], table[0])]
         if bad:
@@ -218,19 +252,17 @@ class DistributedOptimizer:
     def _launch(self, b: Bucket) -> None:
         # counted in attempted steps (skipped ones too), so every rank switches on the same step
         warm = self.step_count + self.skipped_steps < self.grad_codec_warmup_steps
-        codec = self.grad_codec if b.compressed and not warm else None
+        ch = self.grad_channel if b.compressed and not warm else self._grad_plain
         b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
         if self.hierarchy is not None:
-            self._launch_hierarchical(b, codec)
+            self._launch_hierarchical(b, ch)
             return
-        b.work = comm.reduce_scatter_tensor(
-            b.reduced, b.grad, group=self.group, async_op=True, codec=codec,
-            error_feedback=self.ef if codec is not None else None, tag="dp_gradient",
-            ef_key=f"dp_gradient/b{b.index}", validate=not self._validated)
+        b.work = ch.reduce_scatter_tensor(b.reduced, b.grad, group=self.group, async_op=True,
+                                          key=f"dp_gradient/b{b.index}", validate=not self._validated)
         if b.work is None:  # a group of one rank: torch returns no handle
             b.work = comm.CompressedWork(lambda: None)
 
-    def _launch_hierarchical(self, b: Bucket, codec) -> None:
+    def _launch_hierarchical(self, b: Bucket, ch: Channel) -> None:
         """Full precision inside a node (fast links), the codec across nodes (slow links): ZeRO++ qgZ/hpZ."""
         intra, inter = self.hierarchy
         partial = torch.empty(b.padded // dist.get_world_size(intra), dtype=torch.float32, device=b.grad.device)
@@ -240,9 +272,8 @@ class DistributedOptimizer:
         def finish() -> None:
             if first is not None:
                 first.wait()
-            comm.reduce_scatter_tensor(b.reduced, partial, group=inter, codec=codec,
-                                       error_feedback=self.ef if codec is not None else None, tag="dp_gradient",
-                                       ef_key=f"dp_gradient/b{b.index}", validate=not self._validated)
+            ch.reduce_scatter_tensor(b.reduced, partial, group=inter, key=f"dp_gradient/b{b.index}",
+                                     validate=not self._validated)
         b.work = comm.CompressedWork(finish)
 
     @contextlib.contextmanager
@@ -324,15 +355,13 @@ class DistributedOptimizer:
         for b, m in zip(self.buckets, self.masters):
             dtype = b.params[0].dtype
             full = torch.empty(b.padded, dtype=dtype, device=m.device)
-            codec = self.param_codec if b.compressed else None
+            ch = self.param_channel if b.compressed else self._param_plain
             if self.hierarchy is None:
-                comm.all_gather_into_tensor(full, m.detach().to(dtype), group=self.group, codec=codec,
-                                            tag="dp_parameter", validate=not self._validated)
+                ch.all_gather_into_tensor(full, m.detach().to(dtype), group=self.group, validate=not self._validated)
             else:  # across nodes with the codec, then full precision inside the node (qwZ + hpZ)
                 intra, inter = self.hierarchy
                 chunk = torch.empty(b.padded // dist.get_world_size(intra), dtype=dtype, device=m.device)
-                comm.all_gather_into_tensor(chunk, m.detach().to(dtype), group=inter, codec=codec, tag="dp_parameter",
-                                            validate=not self._validated)
+                ch.all_gather_into_tensor(chunk, m.detach().to(dtype), group=inter, validate=not self._validated)
                 comm.all_gather_into_tensor(full, chunk, group=intra, tag="dp_parameter_intra",
                                             validate=not self._validated)
             with torch.no_grad():

@@ -1,8 +1,8 @@
 """Stage-to-stage communication with compressed activations and gradients.
 
-Activations go forward with the ``pp_activation`` codec, activation gradients go backward with the
-``pp_gradient`` codec; gradients may use error feedback (``pp_gradient_error_feedback``), with one
-error per stage boundary and micro-batch slot (slot k of every iteration sees the same tensor shape,
+Activations go forward on the ``pp_activation`` channel, activation gradients go backward on the
+``pp_gradient`` channel (megacomp.comm.Channel: codec, small-tensor rule, error-feedback state); gradients
+may use error feedback (``pp_gradient_error_feedback``), with one error key per stage boundary and micro-batch slot (slot k of every iteration sees the same tensor shape,
 and its residual is carried into slot k of the next iteration, as Optimus-CC's lazy error propagation).
 
 Shapes are agreed up front: :meth:`PipelineCommunicator.handshake` sends each stage's expected shape,
@@ -17,22 +17,26 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import comm
 from ..comm import comm_device
-from ..compression import ErrorFeedback
-from ..config import CommCompressionConfig
+from ..comm.common import codec_code, dtype_code
+from ..config import Channels, CommCompressionConfig
 
 
 class PipelineCommunicator:
-    """Sends and receives between this stage and its neighbours in ``pp_ranks`` (global ranks, stage order)."""
+    """Sends and receives between this stage and its neighbours in ``pp_ranks`` (global ranks, stage order).
 
-    def __init__(self, pp_ranks: Sequence[int], compression: Optional[CommCompressionConfig] = None) -> None:
+    ``channels``: the run's channels (``pp_activation`` and ``pp_gradient`` are used); None builds them
+    from ``compression`` (default: uncompressed). Raises ValueError from :meth:`handshake` when stages
+    disagree on shape, dtype or codecs."""
+
+    def __init__(self, pp_ranks: Sequence[int], compression: Optional[CommCompressionConfig] = None, *,
+                 channels: Optional[Channels] = None) -> None:
         self.pp_ranks = list(pp_ranks)
         self.stage = self.pp_ranks.index(dist.get_rank())
         self.num_stages = len(self.pp_ranks)
-        self.compression = compression or CommCompressionConfig()
-        efc = self.compression.pp_gradient_error_feedback
-        self.error_feedback: Optional[ErrorFeedback] = ErrorFeedback(efc) if efc is not None else None
+        if channels is None:
+            channels = (compression or CommCompressionConfig()).build_channels()
+        self.activation, self.gradient = channels.pp_activation, channels.pp_gradient
         self._agreed: Optional[tuple] = None
         self.device = comm_device()  # where received activations and gradients are allocated
 
@@ -44,16 +48,11 @@ class PipelineCommunicator:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def _codec(self, path: str, numel: int):
-        return self.compression.codec_for(path, numel)
-
     def _describe(self, shape, dtype) -> torch.Tensor:
         numel = 1
         for s in shape:
             numel *= s
-        act, grad = self._codec("pp_activation", numel), self._codec("pp_gradient", numel)
-        from ..comm._common import codec_code, dtype_code
-
+        act, grad = self.activation.codec_for(numel), self.gradient.codec_for(numel)
         return torch.tensor([len(shape)] + list(shape) + [0] * (8 - len(shape)) +
                             [dtype_code(dtype), codec_code(act), codec_code(grad)], dtype=torch.int64,
                             device=self.device)
@@ -91,25 +90,19 @@ class PipelineCommunicator:
                 f"sequence-parallel setting and compression config on every stage")
 
     # -- primitive ops (return handles; nothing waits here) ---------------------------------------
+    # shapes were agreed by the handshake: the messages carry no validation header
     def _isend_forward(self, t: torch.Tensor):
-        codec = self._codec("pp_activation", t.numel())
-        return comm.isend(t.detach().contiguous(), self.pp_ranks[self.stage + 1], codec=codec,
-                          label="pp_activation", validate=False)
+        return self.activation.isend(t.detach().contiguous(), self.pp_ranks[self.stage + 1], validate=False)
 
     def _irecv_forward(self, out: torch.Tensor):
-        codec = self._codec("pp_activation", out.numel())
-        return comm.irecv(out, self.pp_ranks[self.stage - 1], codec=codec, label="pp_activation_recv", validate=False)
+        return self.activation.irecv(out, self.pp_ranks[self.stage - 1], validate=False)
 
     def _isend_backward(self, g: torch.Tensor, slot: int):
-        codec = self._codec("pp_gradient", g.numel())
-        ef = self.error_feedback if not codec.is_identity else None
-        return comm.isend(g.detach().contiguous(), self.pp_ranks[self.stage - 1], codec=codec, error_feedback=ef,
-                          ef_key=f"pp_gradient/s{self.stage}->s{self.stage - 1}/mb{slot}", label="pp_gradient",
-                          validate=False)
+        return self.gradient.isend(g.detach().contiguous(), self.pp_ranks[self.stage - 1],
+                                   key=f"pp_gradient/s{self.stage}->s{self.stage - 1}/mb{slot}", validate=False)
 
     def _irecv_backward(self, out: torch.Tensor):
-        codec = self._codec("pp_gradient", out.numel())
-        return comm.irecv(out, self.pp_ranks[self.stage + 1], codec=codec, label="pp_gradient_recv", validate=False)
+        return self.gradient.irecv(out, self.pp_ranks[self.stage + 1], validate=False)
 
     # -- schedule-level ops ---------------------------------------------------------------------
     def recv_forward(self, shape, dtype) -> Optional[torch.Tensor]:
@@ -154,10 +147,8 @@ class PipelineCommunicator:
         recv.wait()
         return out.requires_grad_()
 
-    def state_dict(self) -> dict:
-        return {"error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.error_feedback is not None and state.get("error_feedback") is not None:
-            self.error_feedback.load_state_dict(state["error_feedback"])
+    @property
+    def error_feedback(self):
+        """The pp_gradient channel's error-feedback state (None when off); checkpointed with the channels."""
+        return self.gradient.error_feedback
 

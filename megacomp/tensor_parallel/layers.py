@@ -11,9 +11,11 @@ Initialisation is parallelism-invariant: the full weight is drawn with ``init_me
 default generator (every TP rank must be seeded alike, e.g. ``torch.manual_seed(seed)``) and each rank
 keeps its shard, so a model's numbers do not depend on the TP size.
 
-Codecs come from ``config.compression`` per traffic path (see megacomp.config.CommCompressionConfig)
-and are resolved per call with its small-tensor policy; with every path None the layers are
-bit-identical to the same layers on plain torch.distributed.
+Each collective runs on its traffic path's channel from ``config.channels`` (megacomp.comm.Channel, built
+once from ``config.compression``), which applies the codec and the small-tensor policy; with every path
+uncompressed the layers are bit-identical to the same layers on plain torch.distributed. Under
+``tp_backward_error_feedback`` each layer asks the tp_backward channel for its own error-feedback key at
+construction (``self.ef_key``), so the residual state lives in the channel and is checkpointed with it.
 """
 from __future__ import annotations
 
@@ -24,7 +26,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..compression import ErrorFeedback
 from ..config import ModelParallelConfig
 from . import mappings
 from .utils import init_method_normal
@@ -62,12 +63,9 @@ class _TPModule(nn.Module):
         self.tp_group = config.tp_group(tp_group)
         self.tp_size = dist.get_world_size(self.tp_group)
         self.tp_rank = dist.get_rank(self.tp_group)
-        efc = config.compression.tp_backward_error_feedback
-        self.backward_error_feedback: Optional[ErrorFeedback] = ErrorFeedback(efc) if efc is not None else None
-
-    def _codec(self, path: str, numel: int):
-        codec = self.config.compression.codec_for(path, numel)
-        return None if codec.is_identity else codec
+        self.channels = config.channels
+        back = self.channels.tp_backward
+        self.ef_key: Optional[str] = back.new_key(type(self).__name__) if back.error_feedback is not None else None
 
 
 class ColumnParallelLinear(_TPModule):
@@ -104,17 +102,15 @@ class ColumnParallelLinear(_TPModule):
             if input_.dim() < 2:
                 raise ValueError("sequence parallel input must be [seq/tp, batch, hidden]")
             total = mappings.gather_from_sequence_parallel_region(
-                input_, self.tp_group, codec=self._codec("sp_all_gather", input_.numel()),
-                backward_codec=self._codec("tp_backward", input_.numel() * self.tp_size),
-                error_feedback=self.backward_error_feedback)
+                input_, self.tp_group, codec=self.channels.sp_all_gather,
+                backward_codec=self.channels.tp_backward, ef_key=self.ef_key)
         else:
             total = mappings.copy_to_tensor_model_parallel_region(
-                input_, self.tp_group, backward_codec=self._codec("tp_backward", input_.numel()),
-                error_feedback=self.backward_error_feedback)
+                input_, self.tp_group, backward_codec=self.channels.tp_backward, ef_key=self.ef_key)
         out = F.linear(total, self.weight, None if self.skip_bias_add else self.bias)
         if self.gather_output:
             out = mappings.gather_from_tensor_model_parallel_region(
-                out, self.tp_group, codec=self._codec("tp_forward", out.numel()))
+                out, self.tp_group, codec=self.channels.tp_forward)
         return out, (self.bias if self.skip_bias_add else None)
 
 
@@ -157,15 +153,15 @@ class RowParallelLinear(_TPModule):
                 raise ValueError(f"RowParallelLinear (input_is_parallel=False) expects the input's last dim to be "
                                  f"input_size={self.input_size}, got shape {tuple(input_.shape)}")
             input_parallel = mappings.scatter_to_tensor_model_parallel_region(
-                input_, self.tp_group, backward_codec=self._codec("tp_backward", input_.numel()))
+                input_, self.tp_group, backward_codec=self.channels.tp_backward)
         partial = F.linear(input_parallel, self.weight)
         if self.config.sequence_parallel:
             out = mappings.reduce_scatter_to_sequence_parallel_region(
-                partial, self.tp_group, codec=self._codec("sp_reduce_scatter", partial.numel()),
-                backward_codec=self._codec("tp_backward", partial.numel() // self.tp_size))
+                partial, self.tp_group, codec=self.channels.sp_reduce_scatter,
+                backward_codec=self.channels.tp_backward)
         else:
             out = mappings.reduce_from_tensor_model_parallel_region(
-                partial, self.tp_group, codec=self._codec("tp_forward", partial.numel()))
+                partial, self.tp_group, codec=self.channels.tp_forward)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None
@@ -206,7 +202,7 @@ class VocabParallelEmbedding(_TPModule):
         if self.reduce_scatter_embeddings:
             partial = partial.transpose(0, 1).contiguous()
             return mappings.reduce_scatter_to_sequence_parallel_region(
-                partial, self.tp_group, codec=self._codec("sp_reduce_scatter", partial.numel()),
-                backward_codec=self._codec("tp_backward", partial.numel() // self.tp_size))
+                partial, self.tp_group, codec=self.channels.sp_reduce_scatter,
+                backward_codec=self.channels.tp_backward)
         return mappings.reduce_from_tensor_model_parallel_region(
-            partial, self.tp_group, codec=self._codec("tp_forward", partial.numel()))
+            partial, self.tp_group, codec=self.channels.tp_forward)

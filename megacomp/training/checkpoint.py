@@ -5,9 +5,13 @@ Layout of ``SAVE/``:
     latest_checkpointed_iteration.txt
 
 Contents: the model (keys per pipeline stage and TP rank, so DP replicas deduplicate), the sharded
-optimizer (masters, AdamW state, error feedback, counters; keys per stage, TP and DP rank), and per rank
-one ``extra`` entry with the RNG state, the pipeline gradient error feedback and the TP-layer error
-feedback. A write goes to ``iter_N.tmp`` and is renamed when every rank is done, and only then does the
+optimizer (masters, AdamW state, DP-gradient error feedback, counters; keys per stage, TP and DP rank),
+and per rank one ``extra`` entry with the RNG state and the state of every traffic channel (TP-backward
+and pipeline-gradient error feedback, seeded stochastic-rounding streams).
+
+Format versions (``format_version`` in megacomp.json): 1 (no field) stored error feedback per TP layer and
+per pipeline communicator and the stochastic streams in a process-wide table; 2 stores them per channel.
+A checkpoint of another version is refused with a message naming both versions. A write goes to ``iter_N.tmp`` and is renamed when every rank is done, and only then does the
 ``latest`` file (itself replaced atomically) point at it: a run killed while saving keeps its last good
 checkpoint. Loading deserialises with ``torch.load(weights_only=True)`` (no arbitrary pickles) and refuses
 a checkpoint whose model shape, parallel layout, world size or codecs differ, naming the fields.
@@ -26,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, set_element
 
 LATEST = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 2
+"""Version of the checkpoint layout this code writes and reads (see the module docstring)."""
 MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
               "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel", "params_dtype",
               "compression_resolved", "world_size")
@@ -71,7 +77,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, gr
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "megacomp.json"), "w", encoding="utf-8") as f:
-            json.dump({"iteration": iteration, **run_info}, f, indent=1, sort_keys=True, default=str)
+            json.dump({"iteration": iteration, "format_version": FORMAT_VERSION, **run_info}, f, indent=1, sort_keys=True, default=str)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = os.path.join(root, LATEST + ".tmp")
@@ -83,6 +89,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, gr
 
 
 def latest_iteration(root: str) -> Optional[int]:
+    """The iteration ``root``'s latest file points at, or None when there is none."""
     path = os.path.join(root, LATEST)
     if not os.path.isfile(path):
         return None
@@ -91,6 +98,13 @@ def latest_iteration(root: str) -> Optional[int]:
 
 
 def check_compatible(saved: dict, run_info: dict, path: str) -> None:
+    """Raise ValueError when the checkpoint's format version or any MUST_MATCH field differs from this run's."""
+    version = saved.get("format_version", 1)
+    if version != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has format version {version}, this megacomp reads format version "
+                         f"{FORMAT_VERSION} (version 2 keeps error feedback and stochastic-rounding streams per "
+                         f"traffic channel); resume it with the megacomp release that wrote it, or start a new "
+                         f"--save dir")
     diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {run_info.get(k)!r}" for k in MUST_MATCH
              if saved.get(k) != run_info.get(k)]
     if diffs:

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from .. import comm, parallel_state
-from ..compression import seeded_rng_state, set_seeded_rng_state
 from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
@@ -52,6 +51,7 @@ class Trainer:
         g = self.groups
         self.compression_spec = cfg.compression_config()  # as configured (recorded in checkpoints)
         self.compression = self.compression_spec.for_rank(dist.get_rank())  # per-rank stochastic-rounding seeds
+        self.channels = self.compression.build_channels(g)  # one per traffic path, used by everything below
         self.tokenizer, self.dataset = prepare_data(cfg.data_path, cfg.vocab_size, cfg.seq_length, cfg.data_cache_dir,
                                                     max_bytes=cfg.tokenizer_max_bytes)
         tp, pp = g.tp_size, g.pp_size
@@ -62,12 +62,12 @@ class Trainer:
                              max_seq_length=cfg.seq_length, seed=cfg.seed)
         mpc = ModelParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   sequence_parallel=cfg.sequence_parallel, params_dtype=cfg.params_dtype,
-                                  compression=self.compression, process_groups=g)
+                                  compression=self.compression, channels=self.channels, process_groups=g)
         self.device = comm.comm_device()  # cuda:<local rank> under NCCL (set by init_distributed), else CPU
         self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
                               layer_range=split_layers(cfg.num_layers, pp, g.pp_rank)).to(self.device)
         self.optimizer = self._build_optimizer()
-        self.communicator = PipelineCommunicator(g.pp_ranks, self.compression) if pp > 1 else None
+        self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
         self._validated_once = False
@@ -107,8 +107,7 @@ class Trainer:
         deferred = ([tied] if tied is not None else []) + self._sp_params()
         return DistributedOptimizer(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            optimizer_class, g.dp, grad_codec=c.dp_gradient, param_codec=c.dp_parameter,
-            error_feedback=c.dp_gradient_error_feedback, min_compress_numel=c.min_compress_numel,
+            optimizer_class, g.dp, grad_channel=self.channels.dp_gradient, param_channel=self.channels.dp_parameter,
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=g.mp if g.tp_size * g.pp_size > 1 else None,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
@@ -122,23 +121,18 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------------
     def _extra_state(self) -> dict:
-        tp_ef = {name: m.backward_error_feedback.state_dict() for name, m in self.model.named_modules()
-                 if getattr(m, "backward_error_feedback", None) is not None}
-        return {"rng": torch.get_rng_state(), "codec_rng": seeded_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None, "tp_error_feedback": tp_ef,
-                "pp": self.communicator.state_dict() if self.communicator else None}
+        # the channels' error feedback (TP backward per layer, PP gradients per slot) and stochastic streams;
+        # the DP gradient error lives in the optimizer's sharded state
+        return {"rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",))}
 
     def _load(self) -> None:
         self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info())
         torch.set_rng_state(extra["rng"])
-        set_seeded_rng_state(extra.get("codec_rng", {}))  # seeded stochastic rounding continues its streams
         if extra.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
-        modules = dict(self.model.named_modules())
-        for name, state in extra["tp_error_feedback"].items():
-            modules[name].backward_error_feedback.load_state_dict(state)
-        if self.communicator is not None and extra["pp"] is not None:
-            self.communicator.load_state_dict(extra["pp"])
+        self.channels.load_state_dict(extra["channels"])  # error feedback and seeded stochastic streams continue
         if dist.get_rank() == 0:
             print(f"resumed from {self.cfg.load} at iteration {self.iteration}", flush=True)
 
@@ -215,7 +209,7 @@ class Trainer:
         traffic = gather_traffic()
         self.iteration += 1
         if not self._validated_once and not cfg.validate_collectives_every:
-            comm.set_validation(False)  # shapes are fixed from now on: skip the per-call argument check
+            self.channels.set_validate(False)  # shapes are fixed from now on: skip the per-call argument check
         self._validated_once = True
         return {"iteration": self.iteration, "loss": loss, "lr": lr,
                 "tokens_per_second": cfg.global_batch_size * cfg.seq_length / elapsed, "iteration_time_s": elapsed,
@@ -243,5 +237,5 @@ class Trainer:
         return history
 
     def close(self) -> None:
-        comm.set_validation(True)
+        """Tear down the model-parallel groups (the process group stays: its owner destroys it)."""
         parallel_state.destroy_model_parallel()

@@ -1,35 +1,19 @@
-"""Helpers shared by the collectives: chunking, cross-rank validation, error-feedback lookup, handles."""
+"""Helpers shared by the collectives and p2p: chunking, codes that describe arguments, cross-rank validation,
+the async handle. Stateless (the per-call settings live in megacomp.comm.options / megacomp.comm.Channel)."""
 from __future__ import annotations
 
-import sys
 import zlib
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..compression import Codec, ErrorFeedback, as_error_feedback
-from ..compression.error_feedback import ErrorFeedbackLike
+from ..compression import Codec
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
            torch.float8_e5m2]
 _OPS = {"SUM": 1, "AVG": 2, "MAX": 3, "MIN": 4, "PRODUCT": 5, "BAND": 6, "BOR": 7, "BXOR": 8, "PREMUL_SUM": 9}
-
-_validate_default = True
-
-
-def set_validation(enabled: bool) -> bool:
-    """Turn the cross-rank argument check of every collective on or off; returns the old setting.
-
-    The check is one small all-gather per call (sizes, dtype, codec, op and a non-finite flag of
-    every rank). It turns a mismatch that would otherwise hang or corrupt data into the same clear
-    error on every rank. Turn it off only on hot paths whose shapes are fixed, and on all ranks alike.
-    """
-    global _validate_default
-    old, _validate_default = _validate_default, bool(enabled)
-    return old
-
 
 def comm_device(group=None) -> torch.device:
     """Where small bookkeeping tensors of a collective must live: the current CUDA device under NCCL,
@@ -46,6 +30,7 @@ def split_sizes(numel: int, parts: int) -> list[int]:
 
 
 def offsets(sizes: Sequence[int]) -> list[int]:
+    """Start of each chunk of ``sizes`` laid end to end (exclusive prefix sums)."""
     out, acc = [], 0
     for s in sizes:
         out.append(acc)
@@ -54,16 +39,19 @@ def offsets(sizes: Sequence[int]) -> list[int]:
 
 
 def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer naming ``dtype`` in validation headers (unknown dtypes share one code)."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
 
 
 def codec_code(codec: Codec) -> int:
+    """A CRC of the codec's spec without its seed: equal on ranks that must agree on the wire format."""
     d = codec.to_dict()
     d.pop("seed", None)  # ranks may (should) seed stochastic rounding differently
     return zlib.crc32(repr(sorted(d.items())).encode())
 
 
 def op_name(op) -> str:
+    """The ReduceOp's name ('SUM', 'AVG', ...), or its str() when unknown."""
     for name in _OPS:
         if op == getattr(dist.ReduceOp, name, None):
             return name
@@ -71,10 +59,12 @@ def op_name(op) -> str:
 
 
 def global_ranks(group) -> list[int]:
+    """Global rank of every member of ``group``, in group-rank order."""
     return [dist.get_global_rank(group, r) if group is not None else r for r in range(dist.get_world_size(group))]
 
 
 def has_nonfinite(t: torch.Tensor) -> bool:
+    """Whether a floating tensor holds inf or NaN (one reduction pass)."""
     return t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
@@ -93,7 +83,7 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     table = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    _all_gather_base(table, mine, group)
+    all_gather_base(table, mine, group)
     table = table.view(world, -1)
     ranks = global_ranks(group)
     where = f"megacomp.comm.{what}" + (f" [tag {tag}]" if tag else "")
@@ -123,40 +113,13 @@ def _describe(field: str, value: int) -> str:
 
 
 def op_code(op) -> int:
+    """A small integer naming the ReduceOp in validation headers."""
     return _OPS.get(op_name(op), 0)
 
 
 # torch 2.13 renames the flat-tensor collectives (same op, no warning); older torch has the old names
-_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-# -- error feedback per call site -----------------------------------------------------------------
-_EF_STATES: dict[str, ErrorFeedback] = {}
-
-
-def callsite(depth: int = 2) -> str:
-    """'file:line' of the caller of the function that calls this (the user's call site)."""
-    f = sys._getframe(depth)
-    return f"{f.f_code.co_filename}:{f.f_lineno}"
-
-
-def resolve_error_feedback(spec: ErrorFeedbackLike, key: str) -> Optional[ErrorFeedback]:
-    """An ErrorFeedback object is used as given; a spec ('ef', 'loco', config) gets a state kept per key."""
-    if spec is None or isinstance(spec, ErrorFeedback):
-        return spec
-    state = _EF_STATES.get(key)
-    if state is None:
-        state = as_error_feedback(spec)
-        _EF_STATES[key] = state
-    return state
-
-
-def error_feedback_states() -> dict[str, ErrorFeedback]:
-    """The error-feedback states the collectives keep for ``error_feedback='ef'/'loco'/config`` calls,
-    keyed by ``ef_key`` when given, else ``'file:line#tag'`` of the call site. Save their ``state_dict()``
-    with your checkpoint (pass ``ef_key`` for keys that survive code edits)."""
-    return _EF_STATES
+all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class CompressedWork:
@@ -167,10 +130,12 @@ class CompressedWork:
         self._finish: Optional[Callable[[], None]] = finish
 
     def wait(self, timeout=None) -> bool:
+        """Finish the collective (idempotent); raises what the finishing step raises, e.g. a decode error."""
         if self._finish is not None:
             fn, self._finish = self._finish, None
             fn()
         return True
 
     def is_completed(self) -> bool:
+        """Whether :meth:`wait` has run."""
         return self._finish is None
