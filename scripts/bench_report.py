@@ -1,7 +1,8 @@
 """One command for the whole bandwidth-limited performance report (issue #7).
 
-    python scripts/bench_report.py --out docs/benchmarks          # ~25 min on the 2-core dev machine
+    python scripts/bench_report.py --iters 80 --out docs/benchmarks   # docs/benchmarks: ~23 min on the 2-core dev machine
     python scripts/bench_report.py --quick --out /tmp/report       # smoke run, ~4 min
+    python scripts/bench_report.py --from-results --out docs/benchmarks   # no measurement: redraw from results.json
 
 Runs, over shaped veth links between two network namespaces (scripts/netns_bench.py; root needed):
   1. codec throughput on this CPU (one thread, preallocated buffers): the compute side of every codec;
@@ -14,8 +15,10 @@ Runs, over shaped veth links between two network namespaces (scripts/netns_bench
      uncompressed, int4+LoCo gradients, plus int8 parameter gathers) and tensor and pipeline parallelism;
   5. the alpha-beta model (scripts/perf_model.py) fitted to these measurements, its validation error
      against them, and its projection to larger clusters.
-Writes ``report.md``, ``results.json`` and PNG plots into ``--out``. Every number is a median over
-repeats (or iterations) with its min-max spread; nothing is asserted.
+Writes ``results.json`` (every measurement: one record per line, with the run's command, date and commit),
+and, drawn from it alone, ``report.md`` and PNG plots into ``--out``; ``--from-results`` redraws them from
+an existing results.json. Every number is a median over repeats (or iterations) with its min-max spread;
+nothing is asserted.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import atexit
 import json
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +35,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import netns_bench as nb  # noqa: E402
+from plot_metrics import dump_results  # noqa: E402
 
 CODEC_SPECS = ("int8", "int4", "fp8_e4m3", "bf16")
 
@@ -65,9 +70,11 @@ def codec_throughput(numel: int, repeats: int) -> dict:
     return res
 
 
-def throughput_section(tp: dict, numel: int) -> list[str]:
+def throughput_section(tp: dict, numel: int, measured: str, note: str = "") -> list[str]:
     lines = [f"## Codec throughput on this CPU (one thread, {numel / 1e6:.0f}M fp32 elements, reused buffers)", "",
-             "| codec | encode GB/s | decode GB/s | encode / memcpy |", "|---|---|---|---|"]
+             f"Measured {measured}, with that code's kernels; the alpha-beta model below uses these numbers. "
+             "The kernels' own CPU benchmark and its latest table: `kernels/README.md` (Speed)." + (f" {note}" if note else ""),
+             "", "| codec | encode GB/s | decode GB/s | encode / memcpy |", "|---|---|---|---|"]
     mem = tp["memcpy"]["encode_Bps"]
     for name, r in tp.items():
         lines.append(f"| {name} | {r['encode_Bps'] / 1e9:.2f} | {r['decode_Bps'] / 1e9:.2f} | {r['encode_Bps'] / mem:.2f} |")
@@ -204,6 +211,38 @@ def model_section(records: dict, out: Path) -> list[str]:
     return [text, ""]
 
 
+def render(records: dict, out: Path, regenerate: str) -> list[str]:
+    """report.md's lines (and the plots), from a results.json object alone."""
+    meta = records["meta"]
+    header = ["# Bandwidth-limited benchmark report", "",
+              f"Produced by one command: `{meta['command']}` ({meta['elapsed_s']:.0f} s). Two ranks, one per network "
+              "namespace, joined by a veth pair shaped with `tc tbf` (burst 1mbit) on both ends; gloo over TCP; "
+              "one thread per rank on a 2-core machine. Times are medians over repeats (collectives) or "
+              "iterations 3.. (training) with min-max spread; ideal = wire bytes / link rate. Raw numbers: "
+              f"`results.json`; this page and its plots are regenerated from it (no measurement) by `{regenerate}`.", ""]
+    sections = throughput_section(records["codec_throughput"], meta["codec_throughput_numel"], meta["measured"],
+                                  meta.get("notes", {}).get("codec_throughput", ""))
+    sections += nb.tables("collectives", records["collectives"])
+    if records["ddp"]:
+        sections += nb.tables("ddp", records["ddp"])
+    sections += nb.tables("train", records["train"])
+    return (header + summary(records) + time_to_loss(records) + plots(records, out) + sections
+            + model_section(records, out))
+
+
+def _measured() -> str:
+    """Today's date and the checkout's commit, for the report."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+        where = f"commit {commit}{' with local changes' if dirty else ''}"
+    except (OSError, subprocess.CalledProcessError):
+        where = "an unknown commit"
+    return f"on {time.strftime('%Y-%m-%d')} at {where}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="results/report")
@@ -213,51 +252,56 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--iters", type=int, default=60, help="DP training iterations per method (loss vs wall time)")
     p.add_argument("--port", type=int, default=29731)
+    p.add_argument("--from-results", action="store_true",
+                   help="no measurement: redraw report.md and the plots from --out/results.json")
     args = p.parse_args()
     out = Path(args.out)
+    regenerate = f"python scripts/bench_report.py --from-results --out {args.out}"
+    if args.from_results:
+        records = json.loads((out / "results.json").read_text())
+    else:
+        records = measure(args, out)
+    body = render(records, out, regenerate)
+    (out / "report.md").write_text("\n".join(body) + "\n")
+    print("\n".join(body))
+
+
+def measure(args, out: Path) -> dict:
+    """Run every workload; writes and returns results.json's object."""
     out.mkdir(parents=True, exist_ok=True)
     atexit.register(nb.teardown)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     t0 = time.time()
     q = args.quick
     common = dict(port=args.port, timeout=1800, model_args=[], config="configs/gpt_tiny.yaml")
-    records: dict = {"collectives": [], "ddp": [], "train": []}
     numel = (1 << 22) if q else (1 << 24)
-    records["codec_throughput"] = codec_throughput(numel, 3 if q else 7)
-    sections = throughput_section(records["codec_throughput"], numel)
+    records: dict = {"meta": {"command": "python " + " ".join(sys.argv), "measured": _measured(),
+                              "codec_throughput_numel": numel},
+                     "codec_throughput": codec_throughput(numel, 3 if q else 7), "collectives": [], "ddp": [], "train": []}
     try:
-        sections += nb.bench_collectives(SimpleNamespace(
+        nb.bench_collectives(SimpleNamespace(
             **common, rates="1gbit" if q else args.collective_rates, mib="4" if q else "4,25,100",
             codecs="none,bf16,int8,int4", repeats=2 if q else args.repeats, ops="all_reduce"), records["collectives"])
-        sections += nb.bench_collectives(SimpleNamespace(
+        nb.bench_collectives(SimpleNamespace(
             **common, rates="1gbit" if q else "100mbit,1gbit", mib="4" if q else "25", codecs="none,int8,int4",
             repeats=2 if q else args.repeats, ops="reduce_scatter,all_gather"), records["collectives"])
-        sections += nb.bench_ddp(SimpleNamespace(
+        nb.bench_ddp(SimpleNamespace(
             **common, rates="1gbit" if q else args.ddp_rates, methods=",".join(nb.DDP_METHODS),
             iters=6 if q else args.iters, hidden=256, layers=4, bucket_mb=2.0), records["ddp"])
         ddp_model = ["--hidden-size", "256", "--num-layers", "4", "--num-attention-heads", "4", "--seq-length", "64",
                      "--vocab-size", "1024", "--lr-warmup-iters", "1"]  # the DDP workload's GPT, megacomp's ZeRO
-        sections += nb.bench_train(SimpleNamespace(
+        nb.bench_train(SimpleNamespace(
             **{**common, "model_args": ddp_model}, rates="1gbit" if q else args.ddp_rates, layout="dp2",
             compression="none,loco4,loco4_qwz", iters=5 if q else 12), records["train"])
         for layout, presets in (("tp2", "none,tp_fp8"), ("pp2", "none,pp_int8")):
-            sections += nb.bench_train(SimpleNamespace(
+            nb.bench_train(SimpleNamespace(
                 **common, rates="1gbit" if q else "100mbit,1gbit", layout=layout, compression=presets,
                 iters=5 if q else 12), records["train"])
     finally:
         nb.teardown()
-    (out / "results.json").write_text(json.dumps(records, indent=1))
-    cmd = "python " + " ".join(sys.argv)
-    header = ["# Bandwidth-limited benchmark report", "",
-              f"Produced by one command: `{cmd}` ({time.time() - t0:.0f} s). Two ranks, one per network namespace, "
-              "joined by a veth pair shaped with `tc tbf` (burst 1mbit) on both ends; gloo over TCP; "
-              "one thread per rank on a 2-core machine. Times are medians over repeats (collectives) or "
-              "iterations 3.. (training) with min-max spread; ideal = wire bytes / link rate. Raw numbers: "
-              "`results.json`.", ""]
-    body = (header + summary(records) + time_to_loss(records) + plots(records, out) + sections
-            + model_section(records, out))
-    (out / "report.md").write_text("\n".join(body) + "\n")
-    print("\n".join(body))
+    records["meta"]["elapsed_s"] = time.time() - t0
+    (out / "results.json").write_text(dump_results(records))
+    return records
 
 
 if __name__ == "__main__":

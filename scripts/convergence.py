@@ -1,10 +1,17 @@
 """Loss curves of compressed vs uncompressed pretraining (same seed, same data, same layout).
 
     python scripts/convergence.py --iters 300 --out docs/convergence
+    python scripts/convergence.py --from-results --out docs/convergence   # tables and plots only
 
 Runs ``python -m megacomp.pretrain`` under torchrun once per variant on the tiny GPT config (real text:
-the Python standard library's sources) and writes, under ``--out``:
-  - ``<suite>/<variant>/metrics.jsonl``      the runs' logs,
+the Python standard library's sources), keeps each run's logs under ``--runs`` (``<suite>/<variant>/
+[seed<n>/]metrics.jsonl``, ``stdout.txt``, ``compression.yaml``; not part of the study) and writes, under
+``--out``:
+  - ``results.json``                          the study's one results file: per run its suite, variant,
+                                              seed, compression preset and extra pretrain arguments,
+                                              the loss at every logged iteration and the wire and
+                                              uncompressed bytes (per traffic kind, and in total); the
+                                              format is scripts/plot_metrics.py's (``compact_run``),
   - ``convergence.md``                        a table per suite: final loss (mean of the last 10% of
                                               iterations), its gap to the uncompressed run, wire bytes
                                               per iteration of the compressed traffic kinds,
@@ -19,12 +26,13 @@ with classic EF, and int2 with classic EF;
 ``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
 ``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants.
-Numbers are measured, never asserted: the tests bound codec errors, this script shows training quality.
+The table and the plots are drawn from ``results.json`` only, so ``--from-results`` regenerates them
+without training. Numbers are measured, never asserted: the tests bound codec errors, this script shows
+training quality.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -34,6 +42,9 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import plot_metrics as pm  # noqa: E402  (the results-file format, shared with plot_metrics.py)
 
 INT4 = {"name": "int4", "block_size": 128}
 INT2 = {"name": "int2", "block_size": 128}
@@ -105,37 +116,48 @@ def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
 
-def run_variant(out: Path, suite: str, name: str, compression: dict, args, seed: Optional[int] = None) -> Path:
-    run_dir = out / suite / slug(name) / (f"seed{seed}" if seed is not None else "")
+FREEZE_FLAG = "--adam-freeze-variance-step"
+
+
+def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[int] = None) -> dict:
+    """Train one variant (or reuse its logs under ``--runs``); returns its entry for results.json."""
+    run_dir = Path(args.runs) / suite / slug(name) / (f"seed{seed}" if seed is not None else "")
     run_dir.mkdir(parents=True, exist_ok=True)
-    done = run_dir / "metrics.jsonl"
-    if args.reuse and done.exists() and len(done.read_text().splitlines()) == args.iters:
-        print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} reused", flush=True)
-        return done
-    preset = run_dir / "compression.yaml"
     compression, extra = dict(compression), []
     freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
     if freeze:  # variance frozen after, and compression from, the same step
-        extra = ["--adam-freeze-variance-step", str(max(1, int(freeze * args.iters)))]
+        extra = [FREEZE_FLAG, str(max(1, int(freeze * args.iters)))]
     if (freeze or warmup) and "dp_gradient" in compression:
         compression["dp_gradient_warmup_steps"] = max(1, int((freeze or warmup) * args.iters))
-    preset.write_text(yaml.safe_dump({**compression, "min_compress_numel": 4096}))
-    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "megacomp.pretrain",
-           "--config", args.config, "--train-iters", str(args.iters), "--lr-warmup-iters", str(max(1, args.iters // 20)),
-           "--compression", str(preset), "--log-dir", str(run_dir), "--log-interval", "1",
-           *SUITES[suite]["layout"], *extra, *(["--seed", str(seed)] if seed is not None else [])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    t0 = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
-    if proc.returncode:
-        raise SystemExit(f"{suite}/{name} failed ({proc.returncode}); see {run_dir / 'stdout.txt'}")
-    print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s", flush=True)
-    return run_dir / "metrics.jsonl"
+    compression["min_compress_numel"] = 4096
+    extra = [*SUITES[suite]["layout"], *extra]
+    done = run_dir / "metrics.jsonl"
+    if args.reuse and done.exists() and len(done.read_text().splitlines()) == args.iters:
+        print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} reused", flush=True)
+    else:
+        preset = run_dir / "compression.yaml"
+        preset.write_text(yaml.safe_dump(compression))
+        cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "megacomp.pretrain",
+               "--config", args.config, "--train-iters", str(args.iters),
+               "--lr-warmup-iters", str(max(1, args.iters // 20)),
+               "--compression", str(preset), "--log-dir", str(run_dir), "--log-interval", "1",
+               *extra, *(["--seed", str(seed)] if seed is not None else [])]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        t0 = time.time()
+        done.unlink(missing_ok=True)  # a fresh run, not appended to an older log
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        (run_dir / "stdout.txt").write_text(proc.stdout + proc.stderr)
+        if proc.returncode:
+            raise SystemExit(f"{suite}/{name} failed ({proc.returncode}); see {run_dir / 'stdout.txt'}")
+        print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s",
+              flush=True)
+    return pm.compact_run(pm.read_run(done), suite=suite, variant=name, seed=seed, compression=compression,
+                          args=extra)
 
 
-def read(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def frozen(run: dict) -> bool:
+    """Whether a results.json run froze Adam's second moment (compared with 'none, frozen v')."""
+    return FREEZE_FLAG in run.get("args", [])
 
 
 def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
@@ -155,19 +177,18 @@ def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
     return lines + [""]
 
 
-def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]]) -> list[str]:
+def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names: set[str]) -> list[str]:
     """Final loss per variant as mean and standard deviation over seeds, and its difference to 'none'
     per seed (same seed = same initialisation and data order, so the paired difference has less noise)."""
     tail = max(1, len(runs["none"][0]) // 10)
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
-    variants = SUITES[suite]["variants"]
     lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(final['none'])} seeds", "",
              "Each variant is compared with the uncompressed run of the same optimizer (`none` for AdamW, "
              "`none, frozen v` for the frozen-variance variants), seed by seed.", "",
              "| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | dp_gradient MB/iter "
              "(wire / fp32) |", "|---|---|---|---|---|"]
     for name, vals in final.items():
-        ref = "none, frozen v" if variants.get(name, {}).get("freeze") and "none, frozen v" in final else "none"
+        ref = "none, frozen v" if name in frozen_names and "none, frozen v" in final else "none"
         base = final[ref] if name != ref else final["none"]
         rel = [100 * (v - b) / b for v, b in zip(vals, base)]
         w, u = runs[name][0][-1]["traffic"].get("dp_gradient", [0, 0])
@@ -178,7 +199,7 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]]) -> list[str]:
     return lines + [""]
 
 
-def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
+def plot(suite: str, runs: dict[str, list[dict]], out: Path, frozen_names: set[str]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -187,10 +208,8 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
         win = max(1, len(raw) // 30)  # centred-enough running mean: per-iteration losses are noisy
         return [sum(raw[max(0, i - win + 1):i + 1]) / len(raw[max(0, i - win + 1):i + 1]) for i in range(len(raw))]
 
-    variants = SUITES[suite]["variants"]
-    frozen = {name for name in runs if variants.get(name, {}).get("freeze")}
     colours = plt.get_cmap("tab20").colors
-    style = {name: dict(color=colours[i % len(colours)], linestyle="--" if name in frozen else "-", linewidth=1.2)
+    style = {name: dict(color=colours[i % len(colours)], linestyle="--" if name in frozen_names else "-", linewidth=1.2)
              for i, name in enumerate(runs)}
     kinds = ("loss", "loss_vs_bytes") + (("gap",) if "none" in runs else ())
     for kind in kinds:
@@ -198,7 +217,7 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
         for name, recs in runs.items():
             raw = [r["loss"] for r in recs]
             if kind == "gap":  # against the same optimizer's uncompressed run, iteration by iteration
-                ref = "none, frozen v" if name in frozen and "none, frozen v" in runs else "none"
+                ref = "none, frozen v" if name in frozen_names and "none, frozen v" in runs else "none"
                 if name == ref or name == "none":
                     continue
                 raw = [100 * (a["loss"] - b["loss"]) / b["loss"] for a, b in zip(recs, runs[ref])]
@@ -223,46 +242,62 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path) -> None:
         plt.close(fig)
 
 
+def report(results: dict, out: Path, command: str) -> list[str]:
+    """convergence.md's lines and the plots, from a results.json object alone."""
+    lines = ["# Convergence: compressed vs uncompressed pretraining", "",
+             f"Command: `{results['command']}`; tiny GPT ({results['config']}), {results['nproc']} gloo ranks, "
+             f"{results['iters']} iterations, same seed and data order for every variant.", "",
+             f"Per-run results: `results.json`. This page and its plots are regenerated from it (no training) by "
+             f"`{command}`.", ""]
+    for suite in dict.fromkeys(run["suite"] for run in results["runs"]):
+        per_seed: dict[str, list[list[dict]]] = {}
+        frozen_names = set()
+        for run in results["runs"]:
+            if run["suite"] == suite:
+                per_seed.setdefault(run["variant"], []).append(pm.expand_run(run))
+                if frozen(run):
+                    frozen_names.add(run["variant"])
+        if any(run["seed"] is not None for run in results["runs"] if run["suite"] == suite):
+            lines += summarise_seeds(suite, per_seed, frozen_names)
+        else:
+            lines += summarise(suite, {name: recs[0] for name, recs in per_seed.items()})
+        lines += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)",
+                  f"![{suite} gap]({suite}_gap.png)", ""]
+        plot(suite, {name: recs[0] for name, recs in per_seed.items()}, out, frozen_names)  # the first seed
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
     p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen and/or zero (issue #4 set, use --seeds)")
-    p.add_argument("--out", default="results/convergence")
-    p.add_argument("--reuse", action="store_true", help="keep runs whose metrics.jsonl in --out already has --iters "
+    p.add_argument("--out", default="results/convergence", help="the study: results.json, convergence.md, plots")
+    p.add_argument("--runs", default="results/convergence_runs",
+                   help="the runs' own logs (metrics.jsonl, stdout, preset), one directory per suite/variant/seed")
+    p.add_argument("--reuse", action="store_true", help="keep runs whose metrics.jsonl in --runs already has --iters "
                                                         "records (same code and settings: the runs are deterministic)")
-    p.add_argument("--plot-only", action="store_true", help="redraw the plots from the metrics already in --out")
+    p.add_argument("--from-results", action="store_true",
+                   help="no training: regenerate convergence.md and the plots from --out/results.json")
     p.add_argument("--seeds", default="", help="comma list of seeds: run every variant once per seed and report "
                                                "mean ± std (plots show the first seed)")
     args = p.parse_args()
-    first = [f"seed{x}" for x in args.seeds.split(",") if x][:1]
-    if args.plot_only:
-        for suite in args.suites.split(","):
-            runs = {name: read(Path(args.out, suite, slug(name), *first, "metrics.jsonl"))
-                    for name in SUITES[suite]["variants"]}
-            plot(suite, runs, Path(args.out))
-        return
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    report = ["# Convergence: compressed vs uncompressed pretraining", "",
-              f"Command: `{' '.join([sys.executable.split('/')[-1]] + sys.argv)}`; tiny GPT ({args.config}), "
-              f"{args.nproc} gloo ranks, {args.iters} iterations, same seed and data order for every variant.", ""]
-    seeds = [int(x) for x in args.seeds.split(",") if x]
-    for suite in args.suites.split(","):
-        if seeds:
-            multi = {name: [read(run_variant(out, suite, name, comp, args, seed)) for seed in seeds]
-                     for name, comp in SUITES[suite]["variants"].items()}
-            report += summarise_seeds(suite, multi)
-            runs = {name: per_seed[0] for name, per_seed in multi.items()}
-        else:
-            runs = {name: read(run_variant(out, suite, name, comp, args)) for name, comp in SUITES[suite]["variants"].items()}
-            report += summarise(suite, runs)
-        report += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)",
-                   f"![{suite} gap]({suite}_gap.png)", ""]
-        plot(suite, runs, out)
-    (out / "convergence.md").write_text("\n".join(report))
-    print("\n".join(report))
+    regenerate = f"python scripts/convergence.py --from-results --out {args.out}"
+    if args.from_results:
+        results = pm.read_results(out / "results.json")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        seeds = [int(x) for x in args.seeds.split(",") if x] or [None]
+        runs = [run_variant(suite, name, comp, args, seed) for suite in args.suites.split(",")
+                for name, comp in SUITES[suite]["variants"].items() for seed in seeds]
+        results = {"study": "convergence", "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
+                   "config": args.config, "nproc": args.nproc, "iters": args.iters, "runs": runs}
+        pm.write_results(out / "results.json", results)
+    lines = report(results, out, regenerate)
+    (out / "convergence.md").write_text("\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -3,11 +3,25 @@
 
     python scripts/plot_metrics.py results/runs/a results/runs/b --labels none int4+LoCo --out plots/
     python scripts/plot_metrics.py results/ci_launchers/latest      # every metrics.jsonl below a folder
+    python scripts/plot_metrics.py docs/convergence_zero/results.json --match seed1 --out plots/
 
-Inputs are metrics.jsonl files (written by ``python -m megacomp.pretrain --log-dir DIR``) or directories:
-a directory holding metrics.jsonl is one run; otherwise every metrics.jsonl below it is a run. Labels
-default to the run directory's name. Writes ``loss_vs_iteration.png`` and ``loss_vs_wire_bytes.png``
-to ``--out`` (default: the current directory) and prints a one-line summary per run.
+Inputs are metrics.jsonl files (written by ``python -m megacomp.pretrain --log-dir DIR``), study results
+files (``results.json``, see below) or directories: a directory holding metrics.jsonl is one run;
+otherwise every metrics.jsonl below it is a run, or, when there is none, the directory's results.json.
+Labels default to the run directory's name (``suite/variant/seedN`` for a results file's runs).
+``--match`` keeps the runs whose label contains one of the given strings. Writes ``loss_vs_iteration.png``
+and ``loss_vs_wire_bytes.png`` to ``--out`` (default: the current directory) and prints a one-line
+summary per run; ``--save FILE`` also writes the runs read into one results file.
+
+Study results file (``results.json``; scripts/convergence.py writes one per study and regenerates its
+tables and plots from it): a JSON object with the study's settings and ``runs``, one run per line, each
+holding what tables and plots use and nothing else: ``iterations`` as ranges ``[first, last, step]``,
+``loss`` per logged iteration, ``traffic`` as segments ``[first_iteration, wire_bytes,
+uncompressed_bytes, {kind: [wire, uncompressed]}]`` (each logged iteration's bytes, summed over all
+ranks, from that iteration on), the totals ``wire_bytes_total`` / ``uncompressed_bytes_total``, and the
+run's labels (suite, variant, seed, compression preset, extra pretrain arguments). ``expand_run`` gives
+back the records (iteration, loss, wire_bytes, uncompressed_bytes, traffic) of the metrics.jsonl it came
+from.
 
 Cumulative wire bytes: each record carries its own iteration's traffic summed over all ranks. When a
 run logs every k iterations (``--log-interval k``) a record stands for the k iterations since the
@@ -25,8 +39,12 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 
+RESULTS_FORMAT = "megacomp-study-results/1"
+
+
 def find_metrics(paths: Sequence[str]) -> list[Path]:
-    """metrics.jsonl files named by ``paths`` (files, run directories or folders of runs)."""
+    """metrics.jsonl (or study results.json) files named by ``paths`` (files, run directories or folders
+    of runs)."""
     found: list[Path] = []
     for p in map(Path, paths):
         if p.is_file():
@@ -35,6 +53,8 @@ def find_metrics(paths: Sequence[str]) -> list[Path]:
             found.append(p / "metrics.jsonl")
         elif p.is_dir():
             below = sorted(p.rglob("metrics.jsonl"))
+            if not below and (p / "results.json").is_file():
+                below = [p / "results.json"]
             if not below:
                 raise FileNotFoundError(f"{p}: no metrics.jsonl in this directory or below it")
             found.extend(below)
@@ -72,6 +92,90 @@ def cumulative_wire_bytes(records: list[dict]) -> list[float]:
         prev = it
         out.append(total)
     return out
+
+
+# ---- study results files: one compact file per study instead of one metrics.jsonl per run ----------------
+def _ranges(values: list[int]) -> list[list[int]]:
+    """Increasing ``values`` as ranges [first, last, step] (a single value: [v, v, 1])."""
+    out: list[list[int]] = []
+    for v in values:
+        if out:
+            first, last, step = out[-1]
+            if first == last and v > last:  # a range's second value sets its step
+                out[-1] = [first, v, v - first]
+                continue
+            if v == last + step:
+                out[-1][1] = v
+                continue
+        out.append([v, v, 1])
+    return out
+
+
+def compact_run(records: list[dict], **labels) -> dict:
+    """One run's records (as read by ``read_run``) as a results-file entry: ``labels`` (suite, variant,
+    seed, compression, ...) first, then iterations, losses, byte segments and totals."""
+    segments: list[list] = []
+    for rec in records:
+        key = [int(rec.get("wire_bytes", 0)), int(rec.get("uncompressed_bytes", 0)), rec.get("traffic", {})]
+        if not segments or segments[-1][1:] != key:
+            segments.append([int(rec["iteration"])] + key)
+    total_raw = cumulative_wire_bytes([{**r, "wire_bytes": r.get("uncompressed_bytes", 0)} for r in records])
+    return {**labels, "iterations": _ranges([int(r["iteration"]) for r in records]),
+            "loss": [r["loss"] for r in records], "traffic": segments,
+            "wire_bytes_total": int(cumulative_wire_bytes(records)[-1]), "uncompressed_bytes_total": int(total_raw[-1])}
+
+
+def expand_run(run: dict) -> list[dict]:
+    """The records (iteration, loss, wire_bytes, uncompressed_bytes, traffic) of a results-file run."""
+    iterations = [i for first, last, step in run["iterations"] for i in range(first, last + 1, step)]
+    if len(iterations) != len(run["loss"]):
+        raise ValueError(f"{run_label(run)}: {len(iterations)} iterations but {len(run['loss'])} losses")
+    records, seg = [], 0
+    for it, loss in zip(iterations, run["loss"]):
+        while seg + 1 < len(run["traffic"]) and run["traffic"][seg + 1][0] <= it:
+            seg += 1
+        _, wire, raw, traffic = run["traffic"][seg]
+        records.append({"iteration": it, "loss": loss, "wire_bytes": wire, "uncompressed_bytes": raw,
+                        "traffic": traffic})
+    return records
+
+
+def run_label(run: dict) -> str:
+    """``label`` if the run has one, else ``suite/variant/seedN`` from the parts it has."""
+    if run.get("label"):
+        return run["label"]
+    seed = run.get("seed")
+    return "/".join(str(x) for x in (run.get("suite"), run.get("variant"), None if seed is None else f"seed{seed}")
+                    if x is not None)
+
+
+def dump_results(results: dict) -> str:
+    """JSON text of a results object: one line per top-level key, one line per element of a top-level list
+    (a run, a record); diff-friendly and compact."""
+    items = []
+    for key, value in results.items():
+        if isinstance(value, list) and value:
+            inner = ",\n".join("  " + json.dumps(v) for v in value)
+            items.append(f" {json.dumps(key)}: [\n{inner}\n ]")
+        else:
+            items.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(items) + "\n}\n"
+
+
+def write_results(path: Path, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(dump_results({"format": RESULTS_FORMAT, **results}), encoding="utf-8")
+
+
+def read_results(path: Path) -> dict:
+    """A study results file (see the module docstring); raises ValueError when it is not one."""
+    try:
+        results = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(results, dict) or results.get("format") != RESULTS_FORMAT or "runs" not in results:
+        raise ValueError(f"{path}: not a study results file (format {RESULTS_FORMAT!r} with 'runs')")
+    return results
 
 
 def default_label(path: Path, all_paths: Sequence[Path]) -> str:
@@ -147,18 +251,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--labels", nargs="+", help="one legend label per run (default: run directory names)")
     p.add_argument("--out", default=".", help="directory for the PNGs (default: current directory)")
     p.add_argument("--title", help="title for both figures")
+    p.add_argument("--match", nargs="+", help="keep only runs whose label contains one of these strings")
+    p.add_argument("--save", help="also write the runs read into this study results file (JSON)")
     args = p.parse_args(argv)
     try:
         files = find_metrics(args.paths)
-        if args.labels and len(args.labels) != len(files):
-            raise ValueError(f"{len(args.labels)} labels for {len(files)} runs: " + ", ".join(map(str, files)))
-        labels = args.labels or [default_label(f, files) for f in files]
-        runs = [(label, read_run(f)) for label, f in zip(labels, files)]
+        runs, names = [], []
+        for f in files:
+            if f.suffix == ".json":  # a study results file: all its runs
+                for run in read_results(f)["runs"]:
+                    runs.append((run_label(run), expand_run(run)))
+                    names.append(f"{f}:{run_label(run)}")
+            else:
+                runs.append((default_label(f, files), read_run(f)))
+                names.append(str(f))
+        if args.labels and len(args.labels) != len(runs):
+            raise ValueError(f"{len(args.labels)} labels for {len(runs)} runs: " + ", ".join(names))
+        if args.labels:
+            runs = [(label, recs) for label, (_, recs) in zip(args.labels, runs)]
+        if args.match:
+            runs = [(label, recs) for label, recs in runs if any(m in label for m in args.match)]
+            if not runs:
+                raise ValueError(f"no run label contains any of {args.match}")
     except (OSError, ValueError) as e:
         print(f"plot_metrics.py: error: {e}", file=sys.stderr)
         return 2
     for label, recs in runs:
         print(summary_line(label, recs))
+    if args.save:
+        write_results(Path(args.save), {"runs": [compact_run(recs, label=label) for label, recs in runs]})
+        print(f"wrote {args.save}")
     for path in plot(runs, Path(args.out), args.title):
         print(f"wrote {path}")
     return 0
