@@ -41,7 +41,11 @@ class LaunchEnv:
 
 
 def detect_launch_env(environ=os.environ) -> LaunchEnv:
-    """Read rank/world size from the launcher's environment variables (single process if none)."""
+    """Read rank/world size from the launcher's environment variables (single process if none).
+
+    The first launcher, in the module docstring's order, whose rank and size variables are both set wins;
+    a missing local-rank variable reads as 0. Raises ValueError when one of them is not an integer.
+    """
     names = {"RANK": "torchrun", "OMPI_COMM_WORLD_RANK": "mpi", "PMI_RANK": "mpi", "PMIX_RANK": "mpi",
              "SLURM_PROCID": "slurm"}
     for rank_var, size_var, local_var in _RANK_VARS:
@@ -52,6 +56,8 @@ def detect_launch_env(environ=os.environ) -> LaunchEnv:
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reported free just now (another process may still take it before
+    it is used). Raises OSError when no socket can be bound."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -81,8 +87,13 @@ def _rendezvous(env: LaunchEnv) -> str:
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> LaunchEnv:
     """Initialise the default process group from the launcher's environment; returns where we are.
 
-    A single process with no launcher gets a one-rank group on a free local port. Raises RuntimeError
-    naming the missing variables when the rendezvous cannot be found.
+    A single process with no launcher gets a one-rank group on a free local port. Returns at once (without
+    a new group) when torch.distributed is already initialised. Under NCCL it first selects the GPU
+    ``local_rank % device_count``. ``timeout_s`` is the group's collective timeout.
+
+    Raises:
+        RuntimeError: the rendezvous cannot be found (the message names the variables to set, or mpi4py).
+        ZeroDivisionError: backend ``nccl`` (e.g. from ``MEGACOMP_BACKEND``) with no visible GPU.
     """
     env = detect_launch_env()
     if dist.is_initialized():
@@ -107,7 +118,15 @@ def _spawned(local_rank: int, world_size: int, port: int, fn: Callable, args: tu
 
 
 def spawn_local(fn: Callable, nprocs: int, *args) -> None:
-    """Run ``fn(*args)`` in ``nprocs`` local processes with torchrun-style environment variables."""
+    """Run ``fn(*args)`` in ``nprocs`` local processes with torchrun-style environment variables.
+
+    Each process gets RANK = LOCAL_RANK = its index, WORLD_SIZE, MASTER_ADDR 127.0.0.1 and one free port, and
+    one CPU thread; ``fn`` must be picklable (start method ``spawn``). Returns when all have finished.
+
+    Raises:
+        torch.multiprocessing.ProcessRaisedException: ``fn`` raised in a process.
+        torch.multiprocessing.ProcessExitedException: a process exited with a non-zero code or a signal.
+    """
     import torch.multiprocessing as mp
 
     mp.start_processes(_spawned, args=(nprocs, free_port(), fn, args), nprocs=nprocs, start_method="spawn")

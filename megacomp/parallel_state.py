@@ -22,7 +22,11 @@ import torch.distributed as dist
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """(tp_groups, dp_groups, pp_groups) as lists of global ranks for the layout above."""
+    """(tp_groups, dp_groups, pp_groups) as lists of global ranks for the layout above.
+
+    Raises:
+        ValueError: ``tp`` or ``pp`` < 1, or ``world_size`` not divisible by ``tp * pp``.
+    """
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor/pipeline parallel sizes must be >= 1, got TP {tp}, PP {pp}")
     if world_size % (tp * pp):
@@ -61,36 +65,55 @@ class ProcessGroups:
 
     @property
     def tp_size(self) -> int:
+        """Ranks in the TP group (``len(tp_ranks)``)."""
         return len(self.tp_ranks)
 
     @property
     def dp_size(self) -> int:
+        """Ranks in the DP group (``len(dp_ranks)``)."""
         return len(self.dp_ranks)
 
     @property
     def pp_size(self) -> int:
+        """Pipeline stages (``len(pp_ranks)``)."""
         return len(self.pp_ranks)
 
     @property
     def tp_rank(self) -> int:
+        """This process's position in ``tp_ranks``. Raises ValueError when it is not a member or
+        torch.distributed is not initialised."""
         return self.tp_ranks.index(dist.get_rank())
 
     @property
     def dp_rank(self) -> int:
+        """This process's position in ``dp_ranks``. Raises ValueError when it is not a member or
+        torch.distributed is not initialised."""
         return self.dp_ranks.index(dist.get_rank())
 
     @property
     def pp_rank(self) -> int:
+        """This process's stage, its position in ``pp_ranks``. Raises ValueError when it is not a member
+        or torch.distributed is not initialised."""
         return self.pp_ranks.index(dist.get_rank())
 
     def destroy(self) -> None:
+        """Destroy every group held here (a group held under two names only once) and set the group fields
+        to None; the rank lists stay."""
         for g in {id(g): g for g in (self.tp, self.dp, self.pp, self.mp, self.embedding) if g is not None}.values():
             dist.destroy_process_group(g)
         self.tp = self.dp = self.pp = self.mp = self.embedding = None
 
 
 def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
-    """Create every TP, DP and PP group (a collective call: all ranks must call it with the same sizes)."""
+    """Create every TP, DP and PP group (a collective call: all ranks must call it with the same sizes).
+
+    Every rank creates every group in the same order (torch.distributed requires it) and keeps its own;
+    also builds the model-parallel group and, with more than one stage, the first/last-stage embedding group.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        ValueError: sizes below 1, or a world size not divisible by TP x PP (see :func:`rank_grid`).
+    """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call megacomp.launch.init_distributed() (or "
                            "torch.distributed.init_process_group) before building model-parallel groups")
@@ -119,7 +142,8 @@ def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_par
 
 
 def model_parallel_groups(world_size: int, tp: int, pp: int) -> list[list[int]]:
-    """Ranks of each model replica (same DP rank), for the layout in the module docstring."""
+    """Ranks of each model replica (same DP rank), for the layout in the module docstring. The sizes are
+    not validated here (:func:`rank_grid` does)."""
     dp = world_size // (tp * pp)
     return [[t + tp * (d + dp * p) for p in range(pp) for t in range(tp)] for d in range(dp)]
 
@@ -129,7 +153,13 @@ _GROUPS: Optional[ProcessGroups] = None
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
-    """Build the groups and make them the default for the getters below; returns them."""
+    """Build the groups and make them the default for the getters below; returns them.
+
+    Raises:
+        RuntimeError: the groups are already initialised (call destroy_model_parallel() first), or
+            torch.distributed is not.
+        ValueError: sizes that do not fit the world size (see :func:`rank_grid`).
+    """
     global _GROUPS
     if _GROUPS is not None:
         raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel() first")
@@ -138,10 +168,16 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
 
 
 def model_parallel_is_initialized() -> bool:
+    """Whether initialize_model_parallel() has run (and destroy_model_parallel() not since)."""
     return _GROUPS is not None
 
 
 def get_process_groups() -> ProcessGroups:
+    """The default groups set by initialize_model_parallel().
+
+    Raises:
+        RuntimeError: they are not initialised.
+    """
     if _GROUPS is None:
         raise RuntimeError("model parallel groups are not initialised: call "
                            "megacomp.parallel_state.initialize_model_parallel(tp, pp), or pass groups explicitly")
@@ -149,6 +185,7 @@ def get_process_groups() -> ProcessGroups:
 
 
 def destroy_model_parallel() -> None:
+    """Destroy the default groups, if any, and clear the façade (a no-op when there are none)."""
     global _GROUPS
     if _GROUPS is not None:
         _GROUPS.destroy()
@@ -156,36 +193,45 @@ def destroy_model_parallel() -> None:
 
 
 def get_tensor_model_parallel_group():
+    """The default TP group. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().tp
 
 
 def get_tensor_model_parallel_rank() -> int:
+    """This rank's TP rank. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().tp_rank
 
 
 def get_tensor_model_parallel_world_size() -> int:
+    """The TP size. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().tp_size
 
 
 def get_data_parallel_group():
+    """The default DP group. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().dp
 
 
 def get_data_parallel_rank() -> int:
+    """This rank's DP rank. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().dp_rank
 
 
 def get_data_parallel_world_size() -> int:
+    """The DP size. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().dp_size
 
 
 def get_pipeline_model_parallel_group():
+    """The default pipeline group. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().pp
 
 
 def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().pp_rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:
+    """The number of pipeline stages. Raises RuntimeError when not initialised (see get_process_groups)."""
     return get_process_groups().pp_size

@@ -11,6 +11,17 @@ import torch.distributed as dist
 
 
 def main(argv=None) -> int:
+    """Parse the flags, train, and return the exit status: 0 on success, 2 for a configuration error.
+
+    A ValueError while parsing, or a ValueError / FileNotFoundError while building or running the trainer,
+    is printed as one line on stderr (with the rank) instead of a traceback. After parsing, the trainer (if
+    built) is closed and the default process group (if initialised) destroyed on every way out.
+
+    Raises:
+        SystemExit: bad command-line flags (argparse).
+        FileNotFoundError: a missing ``--config`` file (only ValueError is caught while parsing).
+        Exception: any other error of the trainer propagates.
+    """
     from .training import Trainer, parse_args
 
     try:

@@ -58,13 +58,16 @@ def stream_seeds(key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_numel(numel: int) -> None:
+    """Raises ValueError when ``numel`` >= 2^32: the draws' element counter is 32 bits wide."""
     if numel >= MAX_NUMEL:
         raise ValueError(f"stochastic rounding indexes its draws with a 32-bit counter: a tensor of {numel} "
                          f"elements (>= 2^32) must be split into smaller buckets, or use rounding='nearest'")
 
 
 def uniforms(key: torch.Tensor, numel: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The draws u_0 .. u_{numel-1} (float32, on ``key``'s device), computed in chunks."""
+    """The draws u_0 .. u_{numel-1} (float32, on ``key``'s device), computed in chunks; written into
+    ``out`` when given (at least ``numel`` elements), which is returned. Raises ValueError for
+    ``numel`` >= 2^32 (:func:`check_numel`)."""
     check_numel(numel)
     s0, s1 = stream_seeds(key)
     if out is None:

@@ -45,6 +45,7 @@ class Format:
 
     @property
     def scaled(self) -> bool:
+        """Whether encoded tensors carry scales (int, sign and float8 kinds)."""
         return self.kind in ("int", "sign", "float8")
 
 
@@ -80,6 +81,7 @@ def register_format(name: str, fmt: Format) -> None:
 
 
 def get_format(name: str) -> Format:
+    """The registered format called ``name``. Raises ValueError for an unknown name (listing the known)."""
     try:
         return FORMATS[name]
     except KeyError:

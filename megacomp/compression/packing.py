@@ -19,7 +19,8 @@ def _check_bits(bits: int) -> None:
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
-    """Bytes needed to hold ``numel`` codes of ``bits`` bits (the last byte may be partly unused)."""
+    """Bytes needed to hold ``numel`` codes of ``bits`` bits (the last byte may be partly unused).
+    Raises ValueError when ``bits`` is not in ``SUPPORTED_BITS``."""
     _check_bits(bits)
     return (numel * bits + 7) // 8
 
@@ -32,7 +33,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack a 1-D uint8 tensor of codes (< 2**bits) into ``packed_nbytes(numel, bits)`` bytes.
 
     Codes are not range-checked here (callers produce them from clamped integers); bits above
-    ``bits`` would corrupt the neighbouring code.
+    ``bits`` would corrupt the neighbouring code. With ``bits == 8`` the input itself is returned (no copy).
+
+    Raises:
+        ValueError: ``bits`` is not in ``SUPPORTED_BITS``.
+        TypeError: ``codes`` is not a 1-D uint8 tensor.
     """
     _check_bits(bits)
     if codes.dtype != torch.uint8 or codes.dim() != 1:
@@ -51,7 +56,14 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`pack_bits`: return the first ``numel`` codes as a 1-D uint8 tensor."""
+    """Inverse of :func:`pack_bits`: return the first ``numel`` codes as a 1-D uint8 tensor (with
+    ``bits == 8`` a view of ``packed``).
+
+    Raises:
+        ValueError: ``bits`` is not in ``SUPPORTED_BITS``, or ``packed`` holds fewer than
+            ``packed_nbytes(numel, bits)`` bytes.
+        TypeError: ``packed`` is not a 1-D uint8 tensor.
+    """
     _check_bits(bits)
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise TypeError(f"unpack_bits expects a 1-D uint8 tensor, got {packed.dtype} with shape {tuple(packed.shape)}")

@@ -20,6 +20,7 @@ import torch
 
 
 def check_size(size: int) -> None:
+    """Raises ValueError unless ``size`` is a power of two >= 2 (a valid Hadamard block size)."""
     if size < 2 or size & (size - 1):
         raise ValueError(f"hadamard block size must be a power of two >= 2, got {size}")
 
@@ -33,11 +34,17 @@ def _matrix(size: int, device_type: str) -> torch.Tensor:
 
 
 def padded_numel(numel: int, size: int) -> int:
+    """``numel`` rounded up to a multiple of ``size``."""
     return -(-numel // size) * size
 
 
 def rotate(flat: torch.Tensor, size: int) -> torch.Tensor:
-    """fp32 rotation of a flat tensor, padded to a multiple of ``size``."""
+    """fp32 rotation of a flat tensor, padded to a multiple of ``size``.
+
+    Each block of ``size`` elements is multiplied by ``H / sqrt(size)`` (orthonormal, so norms are kept up
+    to fp32 round-off). ``size`` is not checked here: call :func:`check_size` first (with a size > 2 that
+    is not a power of two the matmul raises RuntimeError).
+    """
     x = flat.reshape(-1).to(torch.float32)
     pad = padded_numel(x.numel(), size) - x.numel()
     if pad:
@@ -46,5 +53,9 @@ def rotate(flat: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def unrotate(rotated: torch.Tensor, size: int, numel: int) -> torch.Tensor:
-    """Inverse of :func:`rotate`: the first ``numel`` elements in the original basis (fp32)."""
+    """Inverse of :func:`rotate`: the first ``numel`` elements in the original basis (fp32).
+
+    ``unrotate(rotate(x))`` equals ``x`` to a few fp32 ulps of the block norm. ``rotated.numel()`` must be a
+    multiple of ``size`` (torch raises RuntimeError otherwise).
+    """
     return (rotated.view(-1, size) @ _matrix(size, rotated.device.type)).reshape(-1)[:numel]

@@ -52,6 +52,14 @@ def prepare_data(corpus_paths: Optional[Sequence[str]] = None, vocab_size: int =
     broadcasts the model and token-file paths (or its error) to the other ranks, which load exactly those
     files: ``cache_dir`` must be on a file system all ranks see. Under NCCL set each rank's CUDA device
     first (the broadcast of the paths uses it).
+
+    Raises:
+        FileNotFoundError: a corpus path that does not exist.
+        ValueError: an empty corpus or a named file that is not UTF-8 text (:func:`collect_files`); a
+            ``vocab_size`` that is too small or does not fit the corpus (:func:`train_tokenizer`);
+            ``seq_length`` < 1 or longer than the token file allows (:class:`TokenDataset`).
+        RuntimeError: on ranks other than 0 when rank 0 failed (its message included); rank 0 raises its
+            own error.
     """
     import torch.distributed as dist
 

@@ -32,7 +32,11 @@ def is_utf8_text(path: str) -> bool:
 
 def default_corpus_files() -> list[str]:
     """The standard library's ``*.py`` files (test directories, ``test_*.py`` and non-UTF-8 files skipped),
-    sorted: a real, deterministic corpus present wherever Python is."""
+    sorted: a real, deterministic corpus present wherever Python is. Empty files are skipped too.
+
+    Raises:
+        ValueError: no such file was found (pass corpus paths explicitly).
+    """
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
@@ -62,6 +66,11 @@ def collect_files(paths: Union[PathLike, Iterable[PathLike]]) -> list[str]:
     Each entry of ``paths`` is a file or a directory. Directories are walked recursively; hidden entries
     (``.git``, ``.venv``...) and files that are not UTF-8 text are skipped there. A file named directly must
     be UTF-8 text. Empty files are dropped: they contribute no text.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: no paths; a file named directly that is not UTF-8 text; a path that is neither a
+            regular file nor a directory; or no non-empty text file in the end.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -92,7 +101,8 @@ def collect_files(paths: Union[PathLike, Iterable[PathLike]]) -> list[str]:
 
 def corpus_fingerprint(files: Sequence[str]) -> str:
     """sha256 (hex) of the files' absolute paths, sizes and modification times, in order: changes when a
-    file is added, removed, reordered or edited, without reading the text."""
+    file is added, removed, reordered or edited, without reading the text. Raises FileNotFoundError (from
+    ``os.stat``) for a file that no longer exists."""
     h = hashlib.sha256()
     for f in files:
         st = os.stat(f)
@@ -102,6 +112,7 @@ def corpus_fingerprint(files: Sequence[str]) -> str:
 
 
 def read_text(path: str) -> str:
-    """The file's text, exactly (no newline translation: ``\\r\\n`` stays ``\\r\\n``)."""
+    """The file's text, exactly (no newline translation: ``\\r\\n`` stays ``\\r\\n``). Raises OSError
+    (e.g. FileNotFoundError) when the file cannot be read and UnicodeDecodeError when it is not UTF-8."""
     with open(path, "r", encoding="utf-8", newline="") as f:
         return f.read()

@@ -34,7 +34,13 @@ def _paths(prefix: str) -> tuple[str, str]:
 
 
 def read_index(prefix: str) -> dict[str, Any]:
-    """The metadata of the token file ``prefix`` (``prefix.idx.json``)."""
+    """The metadata of the token file ``prefix`` (``prefix.idx.json``).
+
+    Raises:
+        FileNotFoundError: the index does not exist.
+        ValueError: the index has another format version (delete and rebuild), or is not valid JSON
+            (``json.JSONDecodeError``).
+    """
     bin_path, idx_path = _paths(prefix)
     if not os.path.isfile(idx_path):
         raise FileNotFoundError(f"token file index {idx_path!r} does not exist; build it with "
@@ -61,7 +67,15 @@ def _is_current(prefix: str, tokenizer_fp: str, corpus_fp: str) -> bool:
 def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str, *,
                      num_threads: int | None = None) -> dict[str, Any]:
     """Tokenize ``files`` (one document each, EOS after each) into ``out_prefix.bin`` + ``.idx.json``;
-    return the index. Reuses an existing token file built from the same tokenizer and corpus fingerprint."""
+    return the index. Reuses an existing token file built from the same tokenizer and corpus fingerprint.
+
+    ``num_threads``: encode threads (default ``min(8, cpu_count)``). Files are tokenized in batches; the
+    token file and then the index are written to temporary files and renamed, so an index always describes
+    a complete token file.
+
+    Raises:
+        ValueError: ``files`` is empty.
+    """
     files = list(files)
     if not files:
         raise ValueError("corpus is empty: build_token_file got no files; use megacomp.data.collect_files(paths)")
@@ -105,7 +119,13 @@ class TokenDataset(torch.utils.data.Dataset):
 
     ``len(ds) == (num_tokens - 1) // seq_length``: sample ``i`` starts at token ``i * seq_length`` and its
     last token is the first of sample ``i + 1``, so every token is a target exactly once. Samples run
-    across document boundaries (separated by EOS), as in GPT pretraining.
+    across document boundaries (separated by EOS), as in GPT pretraining. Negative indices count from the
+    end; others out of range raise IndexError.
+
+    Raises:
+        FileNotFoundError, ValueError: a missing or outdated index (see :func:`read_index`).
+        ValueError: ``seq_length`` < 1; the ``.bin`` file is missing or not the size its index says; fewer
+            than ``seq_length + 1`` tokens.
     """
 
     def __init__(self, prefix: str, seq_length: int):
@@ -152,8 +172,12 @@ class TokenDataset(torch.utils.data.Dataset):
 
     @property
     def num_docs(self) -> int:
+        """Number of documents (corpus files) in the token file."""
         return len(self.doc_offsets) - 1
 
     def document(self, i: int) -> np.ndarray:
-        """Tokens of document ``i`` (``doc_paths[i]`` in the index), without its trailing EOS."""
+        """Tokens of document ``i`` (``doc_paths[i]`` in the index), without its trailing EOS.
+
+        ``0 <= i < num_docs``: a larger ``i`` raises IndexError; negative ``i`` is not supported.
+        """
         return np.asarray(self.tokens[self.doc_offsets[i]:self.doc_offsets[i + 1] - 1])

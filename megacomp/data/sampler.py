@@ -16,7 +16,22 @@ import torch
 
 
 class DistributedBatchSampler:
-    """Yields this data-parallel rank's micro-batch of sample indices (a list of ints), forever."""
+    """Yields this data-parallel rank's micro-batch of sample indices (a list of ints), forever.
+
+    Iteration ``k`` (from ``start_iteration``) is the ``dp_rank``-th slice of global batch ``k`` (see the
+    module docstring); the iterator never ends, so the training loop decides when to stop.
+
+    Args:
+        num_samples: samples in the dataset (``len(dataset)``).
+        micro_batch_size: samples per rank per iteration.
+        dp_rank, dp_size: this rank's data-parallel rank and the data-parallel size.
+        seed: base seed of the per-epoch permutations (epoch ``e`` uses ``seed + e``).
+        start_iteration: first iteration to yield (resume point).
+
+    Raises:
+        ValueError: ``micro_batch_size`` or ``dp_size`` < 1; ``dp_rank`` outside ``[0, dp_size)``;
+            ``start_iteration`` < 0; fewer samples than one global batch.
+    """
 
     def __init__(self, num_samples: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
                  seed: int = 0, start_iteration: int = 0):
@@ -69,6 +84,7 @@ class DistributedBatchSampler:
 
 
 def get_batch(dataset: Sequence[torch.Tensor], indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, labels)``, both int64 ``[len(indices), seq_length]``: labels are tokens shifted by one."""
+    """``(tokens, labels)``, both int64 ``[len(indices), seq_length]``: labels are tokens shifted by one.
+    The dataset's indexing errors propagate (TokenDataset: IndexError for an index out of range)."""
     samples = torch.stack([dataset[i] for i in indices])
     return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()

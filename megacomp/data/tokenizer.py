@@ -43,7 +43,17 @@ TRAINER_OPTIONS = dict(
 
 
 class Tokenizer:
-    """A trained sentencepiece model: ``encode(str) -> list[int]``, ``decode(ids) -> str``."""
+    """A trained sentencepiece model: ``encode(str) -> list[int]``, ``decode(ids) -> str``.
+
+    Pickles as its path, so DataLoader workers reload the model instead of copying it.
+
+    Args:
+        model_path: a sentencepiece ``.model`` file (:func:`train_tokenizer` writes them).
+        trained: whether the caller just trained this model (kept as ``self.trained``).
+
+    Raises:
+        FileNotFoundError: ``model_path`` is not a file.
+    """
 
     def __init__(self, model_path: str, trained: bool = False):
         import sentencepiece as spm
@@ -63,21 +73,30 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
+        """Number of pieces; ids run from 0 to ``vocab_size - 1``."""
         return self.sp.vocab_size()
 
     @property
     def eos_id(self) -> int:
+        """End-of-sequence id (2 in models from train_tokenizer); token files put it after each document."""
         return self.sp.eos_id()
 
     @property
     def bos_id(self) -> int:
+        """Beginning-of-sequence id (1 in models from train_tokenizer)."""
         return self.sp.bos_id()
 
     @property
     def unk_id(self) -> int:
+        """Unknown-piece id (0 in models from train_tokenizer)."""
         return self.sp.unk_id()
 
     def encode(self, text: str) -> list[int]:
+        """Ids of ``text``, without BOS/EOS.
+
+        A literal U+2581 (sentencepiece's own whitespace symbol) in ``text`` would be taken for a space, so
+        the text is split there and each occurrence is encoded as its UTF-8 byte pieces.
+        """
         if _META not in text:
             return self.sp.encode(text)
         ids: list[int] = []
@@ -94,12 +113,21 @@ class Tokenizer:
         return self.sp.encode(list(texts), num_threads=num_threads)
 
     def decode(self, ids: Iterable[int]) -> str:
-        """Text of a sequence of ids (a list, numpy array or tensor)."""
+        """Text of a sequence of ids (a list, numpy array or tensor).
+
+        Raises:
+            IndexError: an id outside ``[0, vocab_size)`` (sentencepiece's "piece id is out of range").
+        """
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         return self.sp.decode([int(i) for i in ids])
 
     def id_to_piece(self, token_id: int) -> str:
+        """The piece string of ``token_id`` (byte pieces read ``<0xNN>``).
+
+        Raises:
+            IndexError: ``token_id`` outside ``[0, vocab_size)`` (sentencepiece's check).
+        """
         return self.sp.id_to_piece(int(token_id))
 
     def __len__(self) -> int:
@@ -114,7 +142,8 @@ class Tokenizer:
 
 def training_lines(files: Sequence[str], max_bytes: int) -> Iterator[str]:
     """The corpus as sentencepiece training sentences: the lines of the files in order, over-long lines cut
-    into pieces, stopping after ``max_bytes`` bytes of text."""
+    into pieces, stopping after ``max_bytes`` bytes of text (one byte more per piece, for its newline).
+    Errors reading a file propagate (see :func:`~megacomp.data.corpus.read_text`)."""
     budget = max_bytes
     for path in files:
         for line in read_text(path).split("\n"):
@@ -128,7 +157,8 @@ def training_lines(files: Sequence[str], max_bytes: int) -> Iterator[str]:
 
 
 def tokenizer_cache_key(files: Sequence[str], vocab_size: int, max_bytes: int, seed: int) -> str:
-    """sha256 over the corpus fingerprint and every training setting: equal keys give equal models."""
+    """sha256 over the corpus fingerprint and every training setting: equal keys give equal models.
+    Raises FileNotFoundError for a file that no longer exists (see corpus_fingerprint)."""
     spec = dict(format=_CACHE_FORMAT, corpus=corpus_fingerprint(files), vocab_size=vocab_size,
                 max_bytes=max_bytes, seed=seed, options=TRAINER_OPTIONS)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
@@ -154,7 +184,14 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
 
     The cached model is named by a hash of the corpus fingerprint (paths, sizes, mtimes), ``vocab_size``,
     ``max_bytes``, ``seed`` and the trainer options; ``Tokenizer.trained`` says whether this call trained.
-    Training is deterministic: the same key gives a byte-identical model file.
+    Training is deterministic: the same key gives a byte-identical model file. The model (and a ``.json``
+    with the settings next to it) is written to a temporary file and renamed.
+
+    Raises:
+        ValueError: no files; ``vocab_size`` < 300 (byte fallback needs 256 pieces plus the specials);
+            ``max_bytes`` <= 0; or a ``vocab_size`` that does not fit the text read (sentencepiece's reason,
+            with the fix).
+        RuntimeError: any other sentencepiece training failure (re-raised as is).
     """
     import sentencepiece as spm
 

@@ -32,7 +32,11 @@ except Exception:  # ImportError, or a broken/unrelated "apex" package
 
 @dataclass
 class TransformerConfig:
-    """Shape of the transformer layers."""
+    """Shape of the transformer layers.
+
+    Raises:
+        ValueError: ``hidden_size`` is not divisible by ``num_attention_heads``.
+    """
 
     hidden_size: int
     """Model width h."""
@@ -56,6 +60,10 @@ class TransformerConfig:
 
 
 def layer_norm(hidden: int, eps: float, sequence_parallel: bool, dtype: torch.dtype) -> nn.Module:
+    """A LayerNorm over ``hidden`` features: apex's FusedLayerNorm when apex imports and CUDA is available
+    (created in its default dtype), else ``nn.LayerNorm`` in ``dtype``. Its parameters get
+    ``sequence_parallel`` set, so that allreduce_sequence_parallel_gradients sums their gradients over TP
+    when sequence parallelism is on."""
     if _ApexLayerNorm is not None and torch.cuda.is_available():
         ln = _ApexLayerNorm(hidden, eps=eps)
     else:
@@ -66,7 +74,11 @@ def layer_norm(hidden: int, eps: float, sequence_parallel: bool, dtype: torch.dt
 
 
 class ParallelAttention(nn.Module):
-    """Causal self-attention with heads split over the TP group."""
+    """Causal self-attention with heads split over the TP group.
+
+    Raises:
+        ValueError: ``num_attention_heads`` is not divisible by the TP size (or the TP layers' own checks).
+    """
 
     def __init__(self, cfg: TransformerConfig, config: ModelParallelConfig, tp_group=None) -> None:
         super().__init__()
@@ -83,6 +95,23 @@ class ParallelAttention(nn.Module):
                                       tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attention output for ``x`` ``[s, b, h]`` (sequence parallel: ``[s / tp, b, h]``), same shape.
+
+        Steps: fused QKV projection (ColumnParallelLinear; under SP it first all-gathers ``x`` along the
+        sequence) -> this rank's heads -> causal ``scaled_dot_product_attention`` -> output projection
+        (RowParallelLinear: all-reduce of the partial outputs, under SP a reduce-scatter along the sequence).
+
+        Error with compression on: the SP all-gather adds one quantization of each input element
+        (sp_all_gather codec); the all-reduce / reduce-scatter of the output adds at most the sum over TP
+        ranks of the codec's per-element bound on the partial outputs (tp_forward / sp_reduce_scatter), and
+        an all-reduce over more than two ranks one more quantization of the reduced shard (per-element
+        bounds: megacomp.compression.quantize; algorithm: megacomp.comm.collectives). The backward
+        collectives use the tp_backward codec. Nothing is quantized with one TP rank or for messages below
+        the channel's ``min_compress_numel``.
+
+        Raises:
+            ValueError: the input's last dim is not ``hidden_size`` (from ColumnParallelLinear).
+        """
         qkv, _ = self.qkv(x)                                   # [s, b, 3 h / tp]
         s, b = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
@@ -94,7 +123,11 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    """h -> ffn (column parallel) -> GELU -> h (row parallel)."""
+    """h -> ffn (column parallel) -> GELU -> h (row parallel).
+
+    Raises:
+        ValueError: ``ffn_hidden_size`` is not divisible by the TP size (from the TP layers).
+    """
 
     def __init__(self, cfg: TransformerConfig, config: ModelParallelConfig, tp_group=None) -> None:
         super().__init__()
@@ -105,13 +138,25 @@ class ParallelMLP(nn.Module):
                                      tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``fc2(gelu(fc1(x)))`` for ``x`` ``[s, b, h]`` (sequence parallel: ``[s / tp, b, h]``), same shape.
+
+        Communication and its error with compression on are those of :meth:`ParallelAttention.forward`:
+        fc1 all-gathers the input under SP, fc2 all-reduces (SP: reduce-scatters) its partial outputs.
+
+        Raises:
+            ValueError: the input's last dim is not ``hidden_size`` (from ColumnParallelLinear).
+        """
         h, _ = self.fc1(x)
         out, _ = self.fc2(F.gelu(h))
         return out
 
 
 class TransformerBlock(nn.Module):
-    """Pre-LN block: ``x + attn(LN1(x))`` then ``+ mlp(LN2(x))``."""
+    """Pre-LN block: ``x + attn(LN1(x))`` then ``+ mlp(LN2(x))``.
+
+    Raises:
+        ValueError: as :class:`ParallelAttention` and :class:`ParallelMLP` (sizes not divisible by TP).
+    """
 
     def __init__(self, cfg: TransformerConfig, config: ModelParallelConfig, tp_group=None) -> None:
         super().__init__()
@@ -122,5 +167,12 @@ class TransformerBlock(nn.Module):
         self.mlp = ParallelMLP(cfg, config, tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x = x + attention(LN1(x))``, then ``x + mlp(LN2(x))``; shape ``[s, b, h]`` (SP: ``[s / tp, b, h]``)
+        in and out. With compression on, each sublayer's output carries the error of its collectives
+        (:meth:`ParallelAttention.forward`); the residual stream itself is never communicated here.
+
+        Raises:
+            ValueError: the input's last dim is not ``hidden_size``.
+        """
         x = x + self.attention(self.ln1(x))
         return x + self.mlp(self.ln2(x))

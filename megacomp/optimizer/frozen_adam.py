@@ -32,6 +32,10 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
     ``freeze_step``: steps of variance warm-up (1-bit Adam uses 15-25% of training; it should cover the
     learning-rate warm-up). The state (``step``, ``exp_avg``, ``exp_avg_sq``) has AdamW's names and shapes,
     so checkpoints and sharded loading work as for AdamW.
+
+    Raises:
+        ValueError: ``lr``, ``eps`` or ``weight_decay`` < 0; a beta outside ``[0, 1)``; ``freeze_step`` not
+            None or an int >= 1.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -47,6 +51,14 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One update of every parameter that has a gradient (the steps in the module docstring).
+
+        Args:
+            closure: optional; re-evaluates the model and returns the loss (run with grad enabled).
+
+        Returns:
+            The closure's loss, or None.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():

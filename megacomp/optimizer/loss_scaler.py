@@ -28,6 +28,9 @@ class DynamicLossScaler:
     """Clean steps since the last change."""
 
     def update(self, overflow: bool) -> None:
+        """Apply the rule after one step: on ``overflow`` multiply the scale by ``backoff_factor`` (not below
+        ``min_scale``) and restart the count; otherwise count a clean step and, at ``growth_interval`` of
+        them, multiply the scale by ``growth_factor``."""
         if overflow:
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
             self.clean_steps = 0
@@ -38,8 +41,11 @@ class DynamicLossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> dict:
+        """Every field (scale, rule and clean-step count) as a dict, for checkpoints."""
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Set the fields from ``state`` (a :meth:`state_dict`). Keys are not checked: an unknown one
+        becomes a new attribute."""
         for k, v in state.items():
             setattr(self, k, v)

@@ -65,7 +65,13 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
 
     ``vocab_parallel_logits``: ``[..., V / tp]`` (rank r holds vocabulary entries ``r*V/tp ...``);
     ``target``: ``[...]`` global ids. Returns ``[...]`` fp32 losses (reduce them yourself).
-    ``tp_group=None`` means the parallel_state façade's TP group.
+    ``tp_group=None`` means the parallel_state façade's TP group. Steps: see the module docstring. The two
+    all-reduces are uncompressed, so the loss equals the gathered-logits cross entropy up to fp32 round-off.
+
+    Raises:
+        ValueError: ``label_smoothing`` outside ``[0, 1)``; ``target``'s shape differs from the logits'
+            leading dims; a target outside ``[0, V)``.
+        RuntimeError: ``tp_group=None`` and the parallel_state façade is not initialised.
     """
     if not 0.0 <= label_smoothing < 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")

@@ -23,7 +23,8 @@ REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 @dataclass
 class PretrainConfig:
-    """Everything a pretraining run needs."""
+    """Everything a pretraining run needs. Not validated on construction: :func:`parse_args` runs
+    :func:`check`."""
 
     # model
     num_layers: int = 2
@@ -103,14 +104,25 @@ class PretrainConfig:
     """Check collective arguments across ranks on every call (1) or only in the first iteration (0)."""
 
     def compression_config(self) -> CommCompressionConfig:
+        """``load_compression(self.compression)``; raises as :func:`load_compression`."""
         return load_compression(self.compression)
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as plain data (``dataclasses.asdict``)."""
         return asdict(self)
 
 
 def load_compression(spec: Union[str, dict, None]) -> CommCompressionConfig:
-    """A CommCompressionConfig from a preset name, a YAML path or a mapping."""
+    """A CommCompressionConfig from a preset name, a YAML path or a mapping.
+
+    None gives the default (uncompressed) config and a CommCompressionConfig is returned as is. A string is
+    a YAML file when one exists at that path, else the preset ``configs/compression/NAME.yaml``.
+
+    Raises:
+        ValueError: a string that is neither a file nor a preset (the presets are listed); unknown keys or
+            invalid settings (CommCompressionConfig); a YAML file whose top level is not a mapping.
+        TypeError: a codec setting that is neither a name, a mapping nor a Codec (make_codec).
+    """
     if spec is None:
         return CommCompressionConfig()
     if isinstance(spec, dict):
@@ -131,6 +143,11 @@ def _flag(name: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser: ``--config FILE`` and one ``--field-name`` flag per PretrainConfig field.
+
+    Bool fields take ``--x/--no-x``, ``--data-path`` takes several values, the others are parsed as int,
+    float or str by their annotation. Every flag defaults to None, so parse_args can tell which were given.
+    """
     p = argparse.ArgumentParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication")
     p.add_argument("--config", help="YAML file with PretrainConfig fields")
     for f in fields(PretrainConfig):
@@ -147,7 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> PretrainConfig:
-    """YAML (``--config``) then CLI overrides -> a validated PretrainConfig."""
+    """YAML (``--config``) then CLI overrides -> a validated PretrainConfig (:func:`check`).
+
+    Raises:
+        ValueError: unknown keys in the YAML file, a top level that is not a mapping, or settings that
+            :func:`check` rejects.
+        FileNotFoundError: the ``--config`` file does not exist.
+        SystemExit: bad command-line flags (argparse prints the usage).
+    """
     args = build_parser().parse_args(argv)
     values: dict[str, Any] = {}
     if args.config:
@@ -166,7 +190,17 @@ def parse_args(argv=None) -> PretrainConfig:
 
 
 def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
-    """Sizes that must agree; raises ValueError naming the fix."""
+    """Sizes that must agree; raises ValueError naming the fix.
+
+    Always checked: ``adam_freeze_variance_step`` >= 0, hidden size divisible by the heads, ``params_dtype``
+    float32 or bfloat16. With a world size (the argument, else ``$WORLD_SIZE``) also: TP x PP divides it,
+    the global batch is a multiple of micro batch x DP, the micro-batches per iteration are a multiple of
+    the pipeline stages, at least one layer per stage, and under sequence parallelism ``seq_length``
+    divisible by TP.
+
+    Raises:
+        ValueError: the first check that fails (also a ``$WORLD_SIZE`` that is not an integer).
+    """
     if cfg.adam_freeze_variance_step < 0:
         raise ValueError(f"adam_freeze_variance_step must be >= 0 (0 = plain AdamW), got {cfg.adam_freeze_variance_step}")
     if cfg.hidden_size % cfg.num_attention_heads:

@@ -21,7 +21,12 @@ _RECEIVE_TAGS = ("pp_activation_recv", "pp_gradient_recv")
 
 
 def gather_traffic() -> dict[str, list[int]]:
-    """This iteration's wire statistics summed over all ranks (a collective), then reset."""
+    """This iteration's wire statistics summed over all ranks (a collective), then reset.
+
+    Returns ``{tag: [wire_bytes, uncompressed_bytes]}`` over the union of all ranks' tags. Receive-side
+    mirror tags (``pp_*_recv``) are left out so each byte is counted once; the local table is reset before
+    the exchange. Every rank must call it, with torch.distributed initialised.
+    """
     local = {k: v for k, v in comm.stats().items() if k not in _RECEIVE_TAGS}
     comm.reset_stats()
     names = [None] * dist.get_world_size()
@@ -34,7 +39,13 @@ def gather_traffic() -> dict[str, list[int]]:
 
 
 class MetricsLogger:
-    """Writes metrics.jsonl and prints a line per logged iteration (rank 0 only)."""
+    """Writes metrics.jsonl and prints a line per logged iteration (rank 0 only).
+
+    Args:
+        log_dir: directory of ``metrics.jsonl`` (created); None prints without writing a file.
+        enabled: False (ranks other than 0) makes every call a no-op.
+        resume: append to an existing ``metrics.jsonl`` instead of overwriting it.
+    """
 
     def __init__(self, log_dir: Optional[str], enabled: bool, resume: bool = False) -> None:
         self.enabled = enabled
@@ -44,6 +55,13 @@ class MetricsLogger:
             self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resume else "w", encoding="utf-8")
 
     def log(self, record: dict) -> None:
+        """Print ``record`` as one console line and append it to metrics.jsonl (flushed).
+
+        Raises:
+            KeyError: ``record`` lacks iteration, loss, lr, tokens_per_second, wire_bytes, uncompressed_bytes
+                or traffic.
+            TypeError: a value JSON cannot encode (when a file is open).
+        """
         if not self.enabled:
             return
         mb = 1e6
@@ -56,5 +74,6 @@ class MetricsLogger:
             self.file.flush()
 
     def close(self) -> None:
+        """Close metrics.jsonl, if one is open."""
         if self.file is not None:
             self.file.close()
