@@ -39,6 +39,7 @@ class Packet:
 
     @property
     def numel(self) -> int:
+        """Elements of the original tensor (product of ``shape``)."""
         n = 1
         for s in self.shape:
             n *= s
@@ -46,6 +47,7 @@ class Packet:
 
     @property
     def nbytes(self) -> int:
+        """Bytes on the wire: the length of ``data``, scales included."""
         return self.data.numel()
 
 
@@ -110,6 +112,7 @@ class Codec:
     # -- description -------------------------------------------------------------------------
     @property
     def format(self) -> Format:
+        """The registered wire format behind ``name`` (kind, bits, range, default block size)."""
         return get_format(self.name)
 
     @property

@@ -119,6 +119,8 @@ class CompensatedEncoder(ChunkEncoder):
             self.bufs: dict[int, torch.Tensor] = {}
 
     def encode(self, offset: int, size: int) -> torch.Tensor:
+        """The bytes of ``Q(g + e)`` for elements [offset, offset + size) (see the module docstring); each element
+        must be encoded exactly once before :meth:`commit`."""
         self.coverage.add(offset, size)
         codec = self.codec
         if size == 0:  # no bytes, no random key drawn (as codec.encode_flat of an empty tensor), no state
@@ -153,6 +155,9 @@ class CompensatedEncoder(ChunkEncoder):
         return buf
 
     def commit(self) -> None:
+        """Store the new error (from exactly the bytes encoded) and advance the key's step. Raises RuntimeError
+        when called twice or when the chunks did not cover the input exactly once (a partly overwritten error is
+        then dropped)."""
         if self.done:
             raise RuntimeError(f"error feedback key {self.key!r}: this chunk encoder was already committed")
         self.done = True

@@ -93,6 +93,7 @@ class ErrorFeedback:
 
     # -- access ----------------------------------------------------------------------------------
     def keys(self):
+        """The keys (tensors) that hold an error."""
         return self._errors.keys()
 
     def error(self, key: str, like: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -195,12 +196,14 @@ class ErrorFeedback:
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Config, errors (cloned), per-key step counts and non-finite drops: plain tensors and data."""
         errors = {}
         for k, v in self._errors.items():
             errors[k] = {"data": v[0].clone(), "shape": list(v[1])} if self._store_codec is not None else v.clone()
         return {"config": asdict(self.config), "errors": errors, "steps": dict(self.steps), "dropped": dict(self.dropped)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Raises ValueError when it was saved with another ErrorFeedbackConfig."""
         cfg = ErrorFeedbackConfig(**state["config"])
         if cfg != self.config:
             raise ValueError(f"error feedback state was saved with {cfg}, this state uses {self.config}; "
@@ -221,6 +224,7 @@ def blend_error(e: Optional[torch.Tensor], residual: torch.Tensor, beta: float) 
 
 
 def data_numel(shape) -> int:
+    """Elements of a tensor of ``shape`` (1 for ``()``)."""
     n = 1
     for s in shape:
         n *= s

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 try:  # the scale helpers the reference shares with the Triton kernels (a leaf module: no import cycle)
-    from megacomp.kernels.scales import MAX_DUAL_EXPONENT, sign_scale_exponents, sign_scale_from_sums  # noqa: F401
+    from megacomp.kernels.scales import sign_scale_exponents, sign_scale_from_sums
     from megacomp.kernels.scales import dual_exponents as _dual_exponents
     from megacomp.kernels.scales import pow2_f64 as _pow2_f64
 except ModuleNotFoundError as exc:  # pragma: no cover - an install without kernels/
@@ -52,12 +52,14 @@ from .packing import pack_bits, packed_nbytes, unpack_bits
 
 
 def num_blocks(numel: int, block_size: int) -> int:
+    """Scale blocks of ``numel`` elements: 0 for an empty tensor, 1 per tensor when ``block_size`` is 0."""
     if numel == 0:
         return 0
     return 1 if block_size == 0 else -(-numel // block_size)
 
 
 def scale_nbytes(numel: int, block_size: int, dual: bool) -> int:
+    """Scale bytes on the wire: an fp32 per block, or (dual) one fp32 plus one exponent byte per block."""
     nb = num_blocks(numel, block_size)
     if nb == 0:
         return 0
@@ -65,6 +67,7 @@ def scale_nbytes(numel: int, block_size: int, dual: bool) -> int:
 
 
 def payload_nbytes(numel: int, fmt: Format) -> int:
+    """Bytes of ``numel`` packed ``fmt.bits``-bit codes (whole bytes, the last one padded)."""
     return packed_nbytes(numel, fmt.bits)
 
 

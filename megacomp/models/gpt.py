@@ -103,6 +103,7 @@ class GPTModel(nn.Module):
         return (words + self.position_embeddings[:s].unsqueeze(0)).transpose(0, 1).contiguous()
 
     def head_weight(self) -> torch.Tensor:
+        """The output layer's weight: the word embedding on the first stage (tied), else this stage's copy."""
         return self.word_embeddings.weight if self.pre_process else self.output_weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -387,6 +387,7 @@ class DistributedOptimizer:
 
     @property
     def param_groups(self):
+        """The inner optimizer's param groups (over the master shards): set ``lr`` here, as with torch optimizers."""
         return self.optimizer.param_groups
 
     # -- checkpointing ----------------------------------------------------------------------------
@@ -428,6 +429,8 @@ class DistributedOptimizer:
         return {f"dp_rank_{self.rank}": local}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore this rank's shard and all-gather the parameters. Raises ValueError when the checkpoint has no
+        shard for this DP rank, or its format, DP size, bucket layout, codecs or error-feedback setting differ."""
         key = f"dp_rank_{self.rank}"
         if key not in state:
             raise ValueError(f"optimizer state has no shard for data-parallel rank {self.rank} (keys: {sorted(state)}); "

@@ -42,10 +42,12 @@ class PipelineCommunicator:
 
     @property
     def is_first(self) -> bool:
+        """Whether this is the first stage (it receives no activations)."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
+        """Whether this is the last stage (it sends no activations)."""
         return self.stage == self.num_stages - 1
 
     def _describe(self, shape, dtype) -> torch.Tensor:
@@ -106,6 +108,7 @@ class PipelineCommunicator:
 
     # -- schedule-level ops ---------------------------------------------------------------------
     def recv_forward(self, shape, dtype) -> Optional[torch.Tensor]:
+        """The previous stage's activation (decoded from the pp_activation codec, requires grad); None on stage 0."""
         if self.is_first:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)
@@ -113,10 +116,12 @@ class PipelineCommunicator:
         return out.requires_grad_()
 
     def send_forward(self, t: Optional[torch.Tensor]) -> None:
+        """Send this stage's output to the next stage (pp_activation); nothing on the last stage."""
         if not self.is_last:
             self._isend_forward(t).wait()
 
     def recv_backward(self, shape, dtype) -> Optional[torch.Tensor]:
+        """The next stage's gradient of this stage's output (pp_gradient); None on the last stage."""
         if self.is_last:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)
@@ -124,10 +129,12 @@ class PipelineCommunicator:
         return out
 
     def send_backward(self, g: Optional[torch.Tensor], slot: int) -> None:
+        """Send the input gradient to the previous stage (pp_gradient, error feedback under key slot ``slot``)."""
         if not self.is_first:
             self._isend_backward(g, slot).wait()
 
     def send_forward_recv_backward(self, t, shape, dtype) -> Optional[torch.Tensor]:
+        """Send the output forward and receive its gradient, both posted before either is awaited."""
         if self.is_last:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)
@@ -138,6 +145,7 @@ class PipelineCommunicator:
         return out
 
     def send_backward_recv_forward(self, g, slot: int, shape, dtype) -> Optional[torch.Tensor]:
+        """Send the input gradient back and receive the next activation, both posted before either is awaited."""
         if self.is_first:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)

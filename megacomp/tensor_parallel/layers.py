@@ -95,6 +95,8 @@ class ColumnParallelLinear(_TPModule):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
+        """``(output, output_bias)`` as in the class docstring; each collective on its channel (lossy channels:
+        the error bounds of megacomp.comm.collectives). Raises ValueError for an input of the wrong last dim."""
         if input_.shape[-1] != self.input_size:
             raise ValueError(f"ColumnParallelLinear expects the input's last dim to be input_size={self.input_size}, "
                              f"got shape {tuple(input_.shape)}")
@@ -143,6 +145,8 @@ class RowParallelLinear(_TPModule):
             self.register_parameter("bias", None)
 
     def forward(self, input_: torch.Tensor):
+        """``(output, output_bias)`` as in the class docstring (the all-reduce or reduce-scatter of the partial
+        outputs on its channel). Raises ValueError for an input of the wrong last dim."""
         if self.input_is_parallel:
             if input_.shape[-1] != self.in_per_rank:
                 raise ValueError(f"RowParallelLinear (input_is_parallel=True) expects the input's last dim to be "
@@ -188,6 +192,8 @@ class VocabParallelEmbedding(_TPModule):
                     init_method or init_method_normal(0.02), config.perform_initialization)
 
     def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        """The embeddings (see the class docstring). Raises TypeError for non-integer ids and ValueError for ids
+        outside ``[0, num_embeddings)``."""
         if input_.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"VocabParallelEmbedding expects integer token ids, got {input_.dtype}")
         if input_.numel() and (int(input_.min()) < 0 or int(input_.max()) >= self.num_embeddings):

@@ -41,6 +41,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner unpickles non-tensor entries with weights_only=False; only allow plain data."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        """Unpickle one non-tensor entry with ``torch.load(weights_only=True)`` (plain data only)."""
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

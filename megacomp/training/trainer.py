@@ -113,6 +113,7 @@ class Trainer:
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
 
     def run_info(self) -> dict:
+        """The run's configuration as recorded in megacomp.json (the fields a resume must match)."""
         info = asdict(self.cfg)
         info["vocab_size"] = self.gpt.vocab_size
         info["compression_resolved"] = self.compression_spec.to_dict()
@@ -137,6 +138,7 @@ class Trainer:
             print(f"resumed from {self.cfg.load} at iteration {self.iteration}", flush=True)
 
     def save(self) -> None:
+        """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it)."""
         save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(), self.groups,
                         self.run_info())
 
@@ -195,6 +197,8 @@ class Trainer:
         return t.item() / g.dp_size
 
     def train_step(self) -> dict:
+        """One iteration: micro-batches forward/backward (1F1B under PP), gradient reduction, optimizer step;
+        returns the record that is logged (loss, lr, tokens/s, wire bytes per traffic kind, grad norm, skipped)."""
         cfg = self.cfg
         lr = learning_rate(cfg, self.iteration)
         for group in self.optimizer.param_groups:
@@ -218,6 +222,7 @@ class Trainer:
                 "grad_norm": self.optimizer.last_grad_norm, "skipped": not stepped}
 
     def train(self) -> list[dict]:
+        """Iterate to ``train_iters`` (or ``exit_interval``), logging and checkpointing; returns the records."""
         cfg = self.cfg
         self._batches = iter(self.sampler)
         history, saved_at = [], None
