@@ -23,6 +23,10 @@ Stochastic rounding: the dispatch draws one key per call from the generator and 
 the same counter-based uniforms from (key, element index) (megacomp/compression/counter_rng.py), so the
 kernels match the reference's draws exactly without storing them.
 
+The first use of the CPU backend on a machine builds the extension (about a minute); one line on stderr
+says so before the build and one after it with the time taken (from local rank 0 only in a launched job;
+nothing when torch's cache is current).
+
 ``MEGACOMP_KERNELS=reference`` forces the reference. A build, compile or launch failure (no compiler, no
 triton, a triton error) falls back to the reference with one logged warning, never an error.
 """
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+import time
 
 log = logging.getLogger("megacomp")
 _cpu = None
@@ -49,15 +55,53 @@ def cpu_kernels():
         return None
     if _cpu is None:
         try:
-            from .cpu.build import load
+            from .cpu import build
 
-            _cpu = load()
+            _cpu = _load_announced(build)
         except Exception as e:  # a compiler or header problem must not stop training
             _cpu_failed = True
             log.warning("megacomp.kernels: building the CPU codec kernels failed (%s); using the eager reference",
                         str(e).splitlines()[0] if str(e) else type(e).__name__)
             return None
     return _cpu
+
+
+# (global rank, local rank) variables of the launchers megacomp.launch knows, in its order
+_RANK_ENV = (("RANK", "LOCAL_RANK"), ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+             ("PMI_RANK", "MPI_LOCALRANKID"), ("PMIX_RANK", "PMIX_LOCAL_RANK"), ("SLURM_PROCID", "SLURM_LOCALID"))
+
+
+def announces() -> bool:
+    """Whether this process prints the one-time build messages: a single process does, and in a job
+    launched with rank variables (torchrun's LOCAL_RANK/RANK, MPI's, Slurm's) only local rank 0 does (the
+    global rank where the launcher gives no local one), so that each machine says it once."""
+    for rank_var, local_var in _RANK_ENV:
+        value = os.environ.get(local_var, os.environ.get(rank_var))
+        if value is not None:
+            return value.strip() == "0"
+    return True
+
+
+def _load_announced(build):
+    """``build.load()``, with a line on stderr before a build (about a minute) and one after it."""
+    try:
+        needed = build.build_needed()
+    except Exception:
+        needed = None
+    speak = needed is not False and announces()
+    if speak:
+        folder = build.build_directory()
+        where = f"; cached in {folder}" if folder else ""
+        what = "building" if needed else "building or loading"
+        when = "about a minute" if needed else "about a minute when it builds"
+        print(f"megacomp: {what} the CPU codec kernels (one time, {when}{where})", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    module = build.load()
+    if speak:
+        seconds = time.perf_counter() - start
+        done = "built the CPU codec kernels in" if needed else "CPU codec kernels ready after"
+        print(f"megacomp: {done} {seconds:.1f} s", file=sys.stderr, flush=True)
+    return module
 
 
 def triton_kernels():
@@ -96,4 +140,4 @@ def backend_name(device: str = "cpu") -> str:
     return "cpu" if cpu_kernels() is not None else "reference"
 
 
-__all__ = ["backend_name", "cpu_kernels", "forced_reference", "triton_failed", "triton_kernels"]
+__all__ = ["announces", "backend_name", "cpu_kernels", "forced_reference", "triton_failed", "triton_kernels"]

@@ -274,7 +274,7 @@ def test_prepare_data_two_ranks_rank0_builds(corpus_dir, tmp_path):
     assert r0[0] is True and r1[0] is False  # rank 0 trained; rank 1 only loaded what rank 0 built
     assert r0[1:3] == r1[1:3] and torch.equal(r0[3], r1[3]) and torch.equal(r0[4], r1[4])
     assert r0[5].startswith("FileNotFoundError") and "-missing" in r0[5]
-    assert r1[5].startswith("RuntimeError: rank 0 failed") and "-missing" in r1[5]
+    assert r1[5].startswith("DataPreparationFailed: rank 0 failed") and "-missing" in r1[5]
     # single process, same cache: everything is loaded, nothing rebuilt
     tokenizer, ds = prepare_data([corpus_dir], vocab_size=VOCAB, seq_length=32, cache_dir=cache)
     assert not tokenizer.trained and ds.prefix == r0[2] and torch.equal(ds[0], r0[3])

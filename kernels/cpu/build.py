@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+from typing import Optional
 
 from torch.utils.cpp_extension import load as _load
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+NAME = "megacomp_codec_kernels"
 SOURCES = [os.path.join(HERE, f) for f in ("codec_kernels.cpp", "codec_sign.cpp", "codec_ef.cpp")]
 HEADERS = [os.path.join(HERE, f) for f in ("codec_common.h", "codec_quant.h")]
 
 
-def load():
+def _cflags() -> list[str]:
     # -ffp-contract=off: no fused multiply-adds, so decode-accumulate rounds exactly like the eager
     # reference (a multiply, then an add). -fno-trapping-math lets gcc if-convert the selects around the
     # float8 conversion's float add, so that loop vectorises too (results are unchanged: it only drops the
@@ -24,7 +27,49 @@ def load():
         with open(path, "rb") as f:
             digest.update(f.read())
     header = digest.hexdigest()[:12]
-    return _load(name="megacomp_codec_kernels", sources=SOURCES,
-                 extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp",
-                               "-DAT_PARALLEL_OPENMP=1", f"-DMEGACOMP_COMMON_H={header}"],
-                 extra_ldflags=["-fopenmp"], verbose=False)
+    return ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-DAT_PARALLEL_OPENMP=1",
+            f"-DMEGACOMP_COMMON_H={header}"]
+
+
+def build_directory() -> Optional[str]:
+    """The folder torch builds and caches the extension in (``$TORCH_EXTENSIONS_DIR/megacomp_codec_kernels``
+    or torch's per-user default), or None when torch's (private) helper for it is unavailable."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return _get_build_directory(NAME, verbose=False)
+    except Exception:
+        return None
+
+
+def build_needed() -> Optional[bool]:
+    """Whether :func:`load` will compile (True) or only load torch's cached build (False); None when that
+    cannot be told. Cheap (a few milliseconds): the cached ``build.ninja`` must name this checkout's sources
+    and the current flags and torch headers, and ``ninja -n`` (a dry run, which also follows the recorded
+    header dependencies) must find no work. Never raises."""
+    try:
+        from torch.utils.cpp_extension import include_paths
+
+        folder = build_directory()
+        if folder is None:
+            return None
+        ninja_file = os.path.join(folder, "build.ninja")
+        if not os.path.isfile(ninja_file) or not os.path.isfile(os.path.join(folder, NAME + ".so")):
+            return True
+        with open(ninja_file, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        expected = SOURCES + _cflags() + include_paths()[:1] + [f"-DTORCH_EXTENSION_NAME={NAME} "]
+        if not all(s in text for s in expected):
+            return True  # torch rewrites build.ninja with other sources, flags or headers: a rebuild
+        dry = subprocess.run(["ninja", "-n", "-C", folder], capture_output=True, text=True, timeout=30)
+        if dry.returncode != 0:
+            return None
+        return "no work to do" not in dry.stdout
+    except Exception:  # no ninja, an unreadable cache folder...: load() will say what is wrong
+        return None
+
+
+def load():
+    """Build the extension if torch's cache is not current (about a minute), then import it; returns the
+    module. Raises whatever torch's ``cpp_extension.load`` raises (no compiler, no ninja, a compile error)."""
+    return _load(name=NAME, sources=SOURCES, extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)

@@ -41,6 +41,10 @@ def _build(corpus_paths, vocab_size: int, cache_dir: str, max_bytes: int, seed: 
     return tokenizer, prefix
 
 
+class DataPreparationFailed(ValueError):
+    """Raised on ranks other than 0 when rank 0 could not build the tokenizer or the token file."""
+
+
 def prepare_data(corpus_paths: Optional[Sequence[str]] = None, vocab_size: int = 8192, seq_length: int = 1024,
                  cache_dir: Optional[str] = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
                  seed: int = 0) -> tuple[Tokenizer, TokenDataset]:
@@ -53,12 +57,18 @@ def prepare_data(corpus_paths: Optional[Sequence[str]] = None, vocab_size: int =
     files: ``cache_dir`` must be on a file system all ranks see. Under NCCL set each rank's CUDA device
     first (the broadcast of the paths uses it).
 
+    The process that builds says so on stderr (``megacomp: training the tokenizer on ...``, ``megacomp:
+    tokenizing ...``, each with a done line and its seconds); a call served from the cache says nothing.
+    Cache files are read as data only (a sentencepiece model, JSON, raw integers: nothing is unpickled); a
+    truncated or garbled cached tokenizer model or token-file index is built again, with a line saying so.
+
     Raises:
         FileNotFoundError: a corpus path that does not exist.
         ValueError: an empty corpus or a named file that is not UTF-8 text (:func:`collect_files`); a
             ``vocab_size`` that is too small or does not fit the corpus (:func:`train_tokenizer`);
             ``seq_length`` < 1 or longer than the token file allows (:class:`TokenDataset`).
-        RuntimeError: on ranks other than 0 when rank 0 failed (its message included); rank 0 raises its
+        DataPreparationFailed (a ValueError): on ranks other than 0 when rank 0 failed (its message
+            included), so that the entry point treats it as the same bad input; rank 0 raises its
             own error.
     """
     import torch.distributed as dist
@@ -83,7 +93,7 @@ def prepare_data(corpus_paths: Optional[Sequence[str]] = None, vocab_size: int =
         raise error
     model_path, prefix, message = payload[0]
     if message is not None:
-        raise RuntimeError(f"rank 0 failed to prepare the data, so rank {dist.get_rank()} stops too: {message}")
+        raise DataPreparationFailed(f"rank 0 failed to prepare the data, so rank {dist.get_rank()} stops too: {message}")
     if tokenizer is None:
         tokenizer = Tokenizer(model_path)
     return tokenizer, TokenDataset(prefix, seq_length)

@@ -6,22 +6,26 @@ count, document offsets and paths, tokenizer and corpus fingerprints). Both are 
 files and renamed, the index last, so an index always describes a complete token file; a token file
 whose fingerprints match is reused. ``TokenDataset(prefix, seq_length)`` memory-maps it read-only
 (nanoGPT-style): sample ``i`` is tokens ``[i*s, i*s + s + 1)``, i.e. an input and its next-token targets.
+Nothing is unpickled: the index is JSON (checked field by field) and the token file raw integers.
 """
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+import time
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from .corpus import corpus_fingerprint, read_text
-from .tokenizer import Tokenizer, _atomic_write
+from .tokenizer import Tokenizer, _atomic_write, _mb, _say
 
 _FORMAT = 1
 _BATCH_DOCS = 64  # documents tokenized per encode_batch call
+_PROGRESS_SECONDS = 10.0  # a progress line at most this often while tokenizing
+_DTYPES = ("uint16", "uint32")
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -38,26 +42,59 @@ def read_index(prefix: str) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: the index does not exist.
-        ValueError: the index has another format version (delete and rebuild), or is not valid JSON
-            (``json.JSONDecodeError``).
+        ValueError: the index has another format version, is not valid JSON (truncated, garbled) or lacks
+            a field; the message names the file and says to delete ``prefix.*`` and rebuild
+            (``prepare_data`` and ``build_token_file`` rebuild such a token file by themselves).
     """
     bin_path, idx_path = _paths(prefix)
     if not os.path.isfile(idx_path):
         raise FileNotFoundError(f"token file index {idx_path!r} does not exist; build it with "
                                 f"megacomp.data.build_token_file(files, tokenizer, {prefix!r}) or prepare_data()")
-    with open(idx_path, encoding="utf-8") as f:
-        meta = json.load(f)
+    fix = f"delete {prefix}.* and run again to rebuild it"
+    try:
+        with open(idx_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"token file index {idx_path!r} is truncated or corrupt (not JSON: {e}); {fix}") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"token file index {idx_path!r} is corrupt (a JSON {type(meta).__name__}, not an "
+                         f"object); {fix}")
     if meta.get("format") != _FORMAT:
-        raise ValueError(f"{idx_path!r} has format {meta.get('format')}, expected {_FORMAT}; delete "
-                         f"{prefix}.* and rebuild it")
+        raise ValueError(f"{idx_path!r} has format {meta.get('format')}, expected {_FORMAT}; {fix}")
+    bad = _bad_fields(meta)
+    if bad:
+        raise ValueError(f"token file index {idx_path!r} is corrupt ({bad}); {fix}")
     return meta
+
+
+def _bad_fields(meta: dict) -> str:
+    """What is wrong with an index's fields ('' when nothing): types and the offsets' ends only (cheap)."""
+    ints = ("num_tokens", "num_docs", "vocab_size", "eos_id")
+    for key in ints:
+        if not isinstance(meta.get(key), int) or meta[key] < 0:
+            return f"{key} is {meta.get(key)!r}, not a count"
+    for key in ("tokenizer_fingerprint", "corpus_fingerprint"):
+        if not isinstance(meta.get(key), str):
+            return f"{key} is missing"
+    if meta.get("dtype") not in _DTYPES:
+        return f"dtype is {meta.get('dtype')!r}, not one of {', '.join(_DTYPES)}"
+    offsets = meta.get("doc_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != meta["num_docs"] + 1 or offsets[0] != 0
+            or offsets[-1] != meta["num_tokens"]):
+        return "doc_offsets do not run from 0 to num_tokens over num_docs documents"
+    if not isinstance(meta.get("doc_paths"), list) or len(meta["doc_paths"]) != meta["num_docs"]:
+        return "doc_paths does not list num_docs documents"
+    return ""
 
 
 def _is_current(prefix: str, tokenizer_fp: str, corpus_fp: str) -> bool:
     bin_path, _ = _paths(prefix)
     try:
         meta = read_index(prefix)
-    except (FileNotFoundError, ValueError, json.JSONDecodeError):
+    except FileNotFoundError:
+        return False
+    except ValueError as e:  # a truncated, garbled or outdated index: rebuilt, and said so
+        _say(f"{str(e).rsplit('; ', 1)[0]}; building the token file again")
         return False
     return (meta["tokenizer_fingerprint"] == tokenizer_fp and meta["corpus_fingerprint"] == corpus_fp
             and os.path.isfile(bin_path)
@@ -71,7 +108,8 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
 
     ``num_threads``: encode threads (default ``min(8, cpu_count)``). Files are tokenized in batches; the
     token file and then the index are written to temporary files and renamed, so an index always describes
-    a complete token file.
+    a complete token file. Tokenizing says so on stderr (``megacomp: tokenizing N files (X MB) -> PATH
+    (one time)``, a progress line about every 10 s, then the token count and the seconds it took).
 
     Raises:
         ValueError: ``files`` is empty.
@@ -88,6 +126,8 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
     dtype = token_dtype(tokenizer.vocab_size)
     threads = num_threads or max(1, min(8, os.cpu_count() or 1))
     offsets = [0]
+    _say(f"tokenizing {len(files)} files ({_mb(sum(os.path.getsize(p) for p in files))}) -> {bin_path} (one time)")
+    began = last = time.perf_counter()
     fd, tmp_bin = tempfile.mkstemp(dir=out_dir, prefix=os.path.basename(bin_path) + ".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -97,6 +137,12 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
                     ids.append(tokenizer.eos_id)
                     np.asarray(ids, dtype=dtype).tofile(f)
                     offsets.append(offsets[-1] + len(ids))
+                now = time.perf_counter()
+                done = start + len(batch)
+                if now - last >= _PROGRESS_SECONDS and done < len(files):
+                    last = now
+                    _say(f"tokenizing: {done}/{len(files)} files ({100 * done // len(files)}%), "
+                         f"{offsets[-1]:,} tokens, {now - began:.0f} s")
             f.flush()
             os.fsync(f.fileno())
         meta = dict(format=_FORMAT, dtype=dtype.name, num_tokens=offsets[-1], num_docs=len(files),
@@ -111,6 +157,7 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
             os.unlink(tmp_bin)
         raise
     _atomic_write(idx_path, json.dumps(meta).encode("utf-8"))
+    _say(f"tokenized {len(files)} files into {offsets[-1]:,} tokens in {time.perf_counter() - began:.1f} s")
     return meta
 
 
@@ -123,7 +170,8 @@ class TokenDataset(torch.utils.data.Dataset):
     end; others out of range raise IndexError.
 
     Raises:
-        FileNotFoundError, ValueError: a missing or outdated index (see :func:`read_index`).
+        FileNotFoundError, ValueError: a missing, outdated, truncated or corrupt index (see
+            :func:`read_index`).
         ValueError: ``seq_length`` < 1; the ``.bin`` file is missing or not the size its index says; fewer
             than ``seq_length + 1`` tokens.
     """

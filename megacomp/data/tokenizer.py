@@ -13,7 +13,9 @@ import hashlib
 import io
 import json
 import os
+import sys
 import tempfile
+import time
 from typing import Iterable, Iterator, Sequence
 
 from .corpus import corpus_fingerprint, read_text
@@ -51,13 +53,15 @@ class Tokenizer:
         model_path: a sentencepiece ``.model`` file (:func:`train_tokenizer` writes them).
         trained: whether the caller just trained this model (kept as ``self.trained``).
 
+    The file is parsed as a sentencepiece model (a protobuf message: data, never code).
+
     Raises:
         FileNotFoundError: ``model_path`` is not a file.
+        ValueError: the file is empty, truncated or otherwise not a sentencepiece model (the message names
+            it: delete it, and ``train_tokenizer``/``prepare_data`` train it again).
     """
 
     def __init__(self, model_path: str, trained: bool = False):
-        import sentencepiece as spm
-
         if not os.path.isfile(model_path):
             raise FileNotFoundError(f"tokenizer model {model_path!r} does not exist; train one with "
                                     f"megacomp.data.train_tokenizer")
@@ -68,7 +72,7 @@ class Tokenizer:
         """True when this call trained the model, False when it was loaded from the cache."""
         self.fingerprint = hashlib.sha256(proto).hexdigest()
         """sha256 of the model file: token files record it, so a different tokenizer forces a rebuild."""
-        self.sp = spm.SentencePieceProcessor(model_proto=proto)
+        self.sp = _parse_model(proto, self.model_path)
         self._meta_ids = [self.sp.piece_to_id(f"<0x{b:02X}>") for b in _META.encode("utf-8")]
 
     @property
@@ -140,6 +144,34 @@ class Tokenizer:
         return f"Tokenizer(vocab_size={self.vocab_size}, model_path={self.model_path!r})"
 
 
+def _parse_model(proto: bytes, path: str):
+    """A SentencePieceProcessor from the bytes of the model file ``path``, or a ValueError naming it."""
+    import sentencepiece as spm
+
+    reason = "the file is empty" if not proto else None
+    if reason is None:
+        try:
+            sp = spm.SentencePieceProcessor(model_proto=proto)
+        except Exception as e:  # sentencepiece's "INTERNAL: ... ParseFromArray(...)" for a truncated file
+            reason = f"sentencepiece cannot parse it: {(str(e).splitlines() or [type(e).__name__])[0]}"
+        else:
+            if sp.get_piece_size() < 260:  # byte fallback's 256 pieces plus the specials
+                reason = f"it has {sp.get_piece_size()} pieces"
+    if reason is not None:
+        raise ValueError(f"tokenizer model {path!r} is truncated or corrupt ({reason}); delete it and run again "
+                         f"to train it anew")
+    return sp
+
+
+def _say(message: str) -> None:
+    """One progress line on stderr, flushed (the data pipeline's "one time" work: training, tokenizing)."""
+    print(f"megacomp: {message}", file=sys.stderr, flush=True)
+
+
+def _mb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e6:.1f} MB"
+
+
 def training_lines(files: Sequence[str], max_bytes: int) -> Iterator[str]:
     """The corpus as sentencepiece training sentences: the lines of the files in order, over-long lines cut
     into pieces, stopping after ``max_bytes`` bytes of text (one byte more per piece, for its newline).
@@ -185,7 +217,9 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
     The cached model is named by a hash of the corpus fingerprint (paths, sizes, mtimes), ``vocab_size``,
     ``max_bytes``, ``seed`` and the trainer options; ``Tokenizer.trained`` says whether this call trained.
     Training is deterministic: the same key gives a byte-identical model file. The model (and a ``.json``
-    with the settings next to it) is written to a temporary file and renamed.
+    with the settings next to it) is written to a temporary file and renamed. Training says so on stderr
+    (``megacomp: training the tokenizer on N files (X MB) -> PATH (one time)``, then the seconds it took);
+    a cached model that is truncated or corrupt is trained again, with a line that says so.
 
     Raises:
         ValueError: no files; ``vocab_size`` < 300 (byte fallback needs 256 pieces plus the specials);
@@ -208,8 +242,18 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
     os.makedirs(model_prefix_dir, exist_ok=True)
     path = os.path.join(model_prefix_dir, f"spm-bpe-{vocab_size}-{key[:16]}.model")
     if os.path.isfile(path):
-        return Tokenizer(path, trained=False)
+        try:
+            cached = Tokenizer(path, trained=False)
+            if cached.vocab_size != vocab_size:
+                raise ValueError(f"tokenizer model {path!r} has {cached.vocab_size} pieces, not {vocab_size}")
+            return cached
+        except ValueError as e:  # a truncated or garbled cache entry: the key says exactly what to train
+            _say(f"{str(e).rsplit('; ', 1)[0]}; training it again")
 
+    total = sum(os.path.getsize(f) for f in files)
+    read = f"{_mb(min(total, max_bytes))} of {_mb(total)} read" if total > max_bytes else _mb(total)
+    _say(f"training the tokenizer on {len(files)} files ({read}) -> {path} (one time)")
+    start = time.perf_counter()
     spm.set_random_generator_seed(seed)
     writer = io.BytesIO()
     try:
@@ -228,4 +272,6 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
                 first_file=files[0], last_file=files[-1], corpus_fingerprint=corpus_fingerprint(files),
                 sentencepiece=spm.__version__, options=TRAINER_OPTIONS)
     _atomic_write(path[:-len(".model")] + ".json", json.dumps(meta, indent=1).encode())
-    return Tokenizer(path, trained=True)
+    tokenizer = Tokenizer(path, trained=True)
+    _say(f"trained the tokenizer ({tokenizer.vocab_size} pieces) in {time.perf_counter() - start:.1f} s")
+    return tokenizer
