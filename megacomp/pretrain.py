@@ -1,42 +1,84 @@
 """GPT pretraining entry point: ``python -m megacomp.pretrain --config FILE.yaml [--flag value ...]``.
 
 Works unchanged under torchrun, srun (SLURM_* environment) and mpirun (OMPI_*/PMI_* environment, or
-mpi4py); with no launcher it runs as a single process. See megacomp/training/arguments.py for the flags.
+mpi4py); with no launcher it runs as a single process. See megacomp/training/arguments.py for the flags
+(``--help`` lists them with one line each, and the compression presets).
+
+Exit status: 0 when training finished, or stopped at an exit signal after saving; 2 for bad input (flags,
+config or preset files, data paths, parallel sizes, a checkpoint that cannot be resumed); 3 when the run
+diverged (see megacomp.training.guard; nothing of the diverged state is saved); 1 for anything else
+(a traceback: a bug, or a failure of the machine).
+
+Failure output: every user-facing error is one line, ``megacomp-pretrain: error: ...``, printed by one
+rank (rank 0; every rank raises it alike, since all read the same inputs); the other ranks exit quietly
+with the same status. ``MEGACOMP_DEBUG=1`` adds the traceback on every rank.
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import traceback
 
 import torch.distributed as dist
 
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+
+
+def _rank() -> int:
+    if dist.is_initialized():
+        return dist.get_rank()
+    for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+def _say(message: str) -> None:
+    """One line on stderr from rank 0 (the traceback too, on every rank, under MEGACOMP_DEBUG=1)."""
+    if os.environ.get("MEGACOMP_DEBUG", "") not in ("", "0"):
+        traceback.print_exc()
+    if _rank() == 0:
+        print(f"megacomp-pretrain: error: {message}", file=sys.stderr, flush=True)
+
+
+def _configure_logging() -> None:
+    """megacomp's INFO lines (small-tensor policy, optimizer buckets) on rank 0's stderr, warnings elsewhere."""
+    log = logging.getLogger("megacomp")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO if _rank() == 0 else logging.WARNING)
+        log.propagate = False
+
 
 def main(argv=None) -> int:
-    """Parse the flags, train, and return the exit status: 0 on success, 2 for a configuration error.
-
-    A ValueError while parsing, or a ValueError / FileNotFoundError while building or running the trainer,
-    is printed as one line on stderr (with the rank) instead of a traceback. After parsing, the trainer (if
-    built) is closed and the default process group (if initialised) destroyed on every way out.
+    """Parse the flags, train, and return the exit status (see the module docstring).
 
     Raises:
-        SystemExit: bad command-line flags (argparse).
-        FileNotFoundError: a missing ``--config`` file (only ValueError is caught while parsing).
-        Exception: any other error of the trainer propagates.
+        SystemExit: ``--help``, or bad command-line flags (argparse prints the usage; status 2).
+        Exception: anything that is not a user-facing error propagates with its traceback.
     """
-    from .training import Trainer, parse_args
+    from .training import Trainer, TrainingDiverged, parse_args
 
     try:
         cfg = parse_args(argv)
-    except ValueError as e:
-        print(f"megacomp-pretrain: error: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, OSError) as e:  # a bad or missing --config file, unknown keys, inconsistent sizes
+        _say(str(e) if not isinstance(e, OSError) else f"cannot read {e.filename}: {e.strerror}")
+        return EXIT_BAD_INPUT
+    _configure_logging()
     trainer = None
     try:
         trainer = Trainer(cfg)
         trainer.train()
-    except (ValueError, FileNotFoundError) as e:  # bad configuration or input: say so, no traceback soup
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        print(f"megacomp-pretrain: error on rank {rank}: {e}", file=sys.stderr)
-        return 2
+    except TrainingDiverged as e:
+        _say(f"{e} (nothing was saved after the last checkpoint)")
+        return EXIT_DIVERGED
+    except (ValueError, OSError) as e:  # bad configuration or input: one line, no traceback soup
+        _say(str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}")
+        return EXIT_BAD_INPUT
     finally:
         if trainer is not None:
             trainer.close()

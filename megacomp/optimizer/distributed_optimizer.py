@@ -328,7 +328,7 @@ class DistributedOptimizer:
                 self.ef.reset()
             if self.scaler is not None:
                 self.scaler.update(True)
-            log.warning("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
+            log.info("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
                         self.step_count, self.skipped_steps,
                         f"; loss scale now {self.scaler.scale:g}" if self.scaler is not None else "")
             self._reset()

@@ -102,6 +102,16 @@ class PretrainConfig:
     """Timeout of collectives: a dead rank makes the others fail after at most this long."""
     validate_collectives_every: int = 0
     """Check collective arguments across ranks on every call (1) or only in the first iteration (0)."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many checkpoints under --save (0 = keep all)."""
+    max_skipped_steps: int = 10
+    """Consecutive steps skipped for inf/NaN gradients or loss that are tolerated; one more stops the run
+    (non-zero exit, no checkpoint of the diverged state)."""
+    loss_divergence_factor: float = 10.0
+    """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
+    exit_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (Slurm: sbatch --signal=USR1@120), save a checkpoint at the next iteration
+    boundary and exit with status 0."""
 
     def compression_config(self) -> CommCompressionConfig:
         """``load_compression(self.compression)``; raises as :func:`load_compression`."""
@@ -142,24 +152,52 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def field_docs() -> dict[str, str]:
+    """Each PretrainConfig field's docstring (the string literal under it in the class body), read from
+    the source, whitespace collapsed: the ``--help`` text of its flag."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(PretrainConfig)).body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def presets_epilog() -> str:
+    """The compression presets of configs/compression/ with the first line of each file's comment."""
+    lines = ["compression presets (--compression NAME, or a YAML file):"]
+    for path in sorted((REPO_CONFIGS / "compression").glob("*.yaml")):
+        first = next((ln.lstrip("# ").strip() for ln in path.read_text(encoding="utf-8").splitlines()
+                      if ln.startswith("#")), "")
+        lines.append(f"  {path.stem:<12} {first}")
+    return "\n".join(lines)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: ``--config FILE`` and one ``--field-name`` flag per PretrainConfig field.
 
     Bool fields take ``--x/--no-x``, ``--data-path`` takes several values, the others are parsed as int,
     float or str by their annotation. Every flag defaults to None, so parse_args can tell which were given.
     """
-    p = argparse.ArgumentParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication")
-    p.add_argument("--config", help="YAML file with PretrainConfig fields")
+    p = argparse.ArgumentParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication "
+                                "over tensor x pipeline x data parallelism. YAML keys and flags are the same names.",
+                                epilog=presets_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file with PretrainConfig fields (flags override it)")
+    docs = field_docs()
     for f in fields(PretrainConfig):
         default = f.default if f.default is not MISSING else None
+        text = f"{docs.get(f.name, '')} (default {default!r})".replace("%", "%%")
         t = str(f.type)
         if t == "bool":
-            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif f.name == "data_path":
-            p.add_argument(_flag(f.name), dest=f.name, nargs="+", default=None, help="corpus files or directories")
+            p.add_argument(_flag(f.name), dest=f.name, nargs="+", default=None, help=text)
         else:
             kind = int if "int" in t else float if "float" in t else str
-            p.add_argument(_flag(f.name), dest=f.name, type=kind, default=None, help=f"(default {default!r})")
+            p.add_argument(_flag(f.name), dest=f.name, type=kind, default=None, help=text)
     return p
 
 
@@ -205,6 +243,11 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"adam_freeze_variance_step must be >= 0 (0 = plain AdamW), got {cfg.adam_freeze_variance_step}")
     if cfg.hidden_size % cfg.num_attention_heads:
         raise ValueError(f"hidden_size {cfg.hidden_size} must be divisible by num_attention_heads {cfg.num_attention_heads}")
+    if cfg.keep_checkpoints < 0 or cfg.max_skipped_steps < 0:
+        raise ValueError(f"keep_checkpoints and max_skipped_steps must be >= 0, got {cfg.keep_checkpoints} and "
+                         f"{cfg.max_skipped_steps}")
+    if cfg.loss_divergence_factor < 0 or 0 < cfg.loss_divergence_factor <= 1:
+        raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {cfg.loss_divergence_factor}")
     if cfg.params_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"params_dtype must be float32 or bfloat16, got {cfg.params_dtype!r}")
     if world_size is None:

@@ -8,6 +8,7 @@ pp_gradient, ...) the pair [wire bytes, uncompressed bytes].
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional
 
@@ -66,11 +67,13 @@ class MetricsLogger:
             return
         mb = 1e6
         kinds = " ".join(f"{k}={w / mb:.2f}/{u / mb:.2f}" for k, (w, u) in sorted(record["traffic"].items()) if u)
+        ratio = record["wire_bytes"] / record["uncompressed_bytes"] if record["uncompressed_bytes"] else 1.0
         print(f"iter {record['iteration']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"{record['tokens_per_second']:,.0f} tok/s | wire {record['wire_bytes'] / mb:.2f} MB of "
-              f"{record['uncompressed_bytes'] / mb:.2f} MB | {kinds}", flush=True)
-        if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
+              f"{record['uncompressed_bytes'] / mb:.2f} MB ({ratio:.2f}x) | {kinds}", flush=True)
+        if self.file is not None:  # inf/NaN are not JSON: written as null
+            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
             self.file.flush()
 
     def close(self) -> None:

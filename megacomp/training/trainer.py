@@ -5,6 +5,13 @@ PP > 1), gradients are accumulated in the sharded optimizer's buffers and reduce
 last micro-batch; tied-embedding and sequence-parallel gradients are summed over their groups first;
 then the optimizer steps and all-gathers parameters. Loss, learning rate, tokens/s and the iteration's
 wire bytes per traffic kind are logged; checkpoints are written every ``save_interval`` iterations.
+
+Around the loop (rank 0 prints): a start-up banner (megacomp.training.report), a note per tolerated
+skipped step, an end-of-run summary, a line per saved checkpoint. The divergence policy
+(megacomp.training.guard) stops a diverging run with TrainingDiverged before anything of it is saved. An
+exit signal (SIGTERM, SIGUSR1: megacomp.training.signals) makes every rank save at the next iteration
+boundary and return normally. ``--load DIR`` with no checkpoint in DIR starts fresh and says so, so one
+``--save DIR --load DIR`` command serves every attempt of a job (Slurm requeue, torchrun --max-restarts).
 """
 from __future__ import annotations
 
@@ -25,8 +32,11 @@ from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
 from .arguments import PretrainConfig, check
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
+from .guard import DivergenceGuard, TrainingDiverged
 from .metrics import MetricsLogger, gather_traffic
+from .report import RunTotals, banner
+from .signals import ExitSignals
 
 
 def learning_rate(cfg: PretrainConfig, it: int) -> float:
@@ -71,11 +81,30 @@ class Trainer:
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
         self._validated_once = False
-        if cfg.load:
+        self.is_logger = dist.get_rank() == 0
+        resumed = None
+        if cfg.load and latest_iteration(cfg.load) is not None:
             self._load()
+            resumed = f"resumed from {cfg.load} at iteration {self.iteration}"
+        elif cfg.load:
+            resumed = f"no checkpoint in {cfg.load} yet: starting from iteration 0"
+        self.resumed = self.iteration > 0
+        self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_divergence_factor)
+        self.totals = RunTotals()
+        if self.is_logger:
+            params = sum(p.numel() for p in self.model.parameters() if not getattr(p, "tensor_model_parallel", False))
+            params += sum(p.numel() for p in self.model.parameters() if getattr(p, "tensor_model_parallel", False)) * tp
+            model = (f"GPT {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads, "
+                     f"seq {cfg.seq_length}, vocab {vocab}" + (" (counted: pipeline stage 0)" if pp > 1 else ""))
+            name = cfg.compression if isinstance(cfg.compression, str) else "inline"
+            print(banner(world=self.world, tp=tp, pp=pp, dp=g.dp_size, sp=cfg.sequence_parallel,
+                         backend=dist.get_backend(), device=self.device.type, model=model,
+                         params=params,
+                         compression_name=name, comp=self.compression_spec, log_dir=cfg.log_dir,
+                         resumed_from=resumed), flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
-        self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=bool(cfg.load))
+        self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
 
     # -- construction --------------------------------------------------------------------------------
     def _tied(self) -> Optional[torch.nn.Parameter]:
@@ -134,13 +163,17 @@ class Trainer:
         if extra.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
         self.channels.load_state_dict(extra["channels"])  # error feedback and seeded stochastic streams continue
-        if dist.get_rank() == 0:
-            print(f"resumed from {self.cfg.load} at iteration {self.iteration}", flush=True)
 
     def save(self) -> None:
-        """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it)."""
-        save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(), self.groups,
-                        self.run_info())
+        """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it), say
+        where (rank 0), and keep only the newest ``keep_checkpoints`` when that is set."""
+        path = save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(),
+                               self.groups, self.run_info())
+        if self.is_logger:
+            removed = prune_checkpoints(self.cfg.save, self.cfg.keep_checkpoints) if self.cfg.keep_checkpoints else []
+            extra = f" (removed {len(removed)} older: --keep-checkpoints {self.cfg.keep_checkpoints})" if removed else ""
+            print(f"megacomp-pretrain: saved checkpoint to {path}{extra}", flush=True)
+
 
     # -- one iteration -------------------------------------------------------------------------------
     def _micro_batches(self) -> list:
@@ -219,26 +252,53 @@ class Trainer:
                 "tokens_per_second": cfg.global_batch_size * cfg.seq_length / elapsed, "iteration_time_s": elapsed,
                 "wire_bytes": sum(w for w, _ in traffic.values()),
                 "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
-                "grad_norm": self.optimizer.last_grad_norm, "skipped": not stepped}
+                "grad_norm": self.optimizer.last_grad_norm if stepped else None, "skipped": not stepped}
 
     def train(self) -> list[dict]:
-        """Iterate to ``train_iters`` (or ``exit_interval``), logging and checkpointing; returns the records."""
+        """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal), logging and checkpointing;
+        returns the records of this run's iterations.
+
+        Raises:
+            TrainingDiverged: the divergence policy stopped the run (nothing was saved after the last good
+                checkpoint); the message is the one-line reason."""
         cfg = self.cfg
         self._batches = iter(self.sampler)
-        history, saved_at = [], None
-        while self.iteration < cfg.train_iters:
-            record = self.train_step()
-            history.append(record)
-            if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
-                self.metrics.log(record)
-            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
-                self.save()
-                saved_at = self.iteration
-            if cfg.exit_interval and self.iteration % cfg.exit_interval == 0 and self.iteration < cfg.train_iters:
-                break
+        history, saved_at, stopped = [], None, ""
+        signals = ExitSignals() if cfg.exit_on_signal else None
+        try:
+            while self.iteration < cfg.train_iters:
+                record = self.train_step()
+                history.append(record)
+                self.totals.add(record, cfg.global_batch_size * cfg.seq_length)
+                bad = record["skipped"] or not math.isfinite(record["loss"])
+                if bad or self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
+                    self.metrics.log(record)  # before the verdict: a diverging iteration is on record too
+                note = self.guard.observe(self.iteration, record["loss"], not record["skipped"], record["lr"])
+                if note and self.is_logger:
+                    print(f"megacomp-pretrain: {note}", flush=True)
+                if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+                    self.save()
+                    saved_at = self.iteration
+                if signals is not None and signals.received_anywhere(self.device):
+                    stopped = f"stopped by {signals.received or 'a signal on another rank'} at iteration {self.iteration}"
+                    break
+                if cfg.exit_interval and self.iteration % cfg.exit_interval == 0 and self.iteration < cfg.train_iters:
+                    stopped = f"stopped at iteration {self.iteration} (--exit-interval {cfg.exit_interval})"
+                    break
+        except TrainingDiverged:
+            if self.is_logger and self.totals.iterations:
+                print(self.totals.summary(self.iteration, "diverged"), flush=True)
+            raise
+        finally:
+            if signals is not None:
+                signals.restore()
+            self.metrics.close()
         if cfg.save and history and saved_at != self.iteration:  # the last iteration, once
             self.save()
-        self.metrics.close()
+        elif stopped and not cfg.save and self.is_logger:
+            print("megacomp-pretrain: no --save directory: nothing was checkpointed", flush=True)
+        if self.is_logger and history:
+            print(self.totals.summary(self.iteration, stopped), flush=True)
         return history
 
     def close(self) -> None:

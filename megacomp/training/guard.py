@@ -1,0 +1,77 @@
+"""The divergence policy of a pretraining run: when to keep going, when to stop, and what to say.
+
+Every rank decides from values that are already global (the loss is all-reduced over the pipeline and
+data-parallel groups; the optimizer's inf/NaN check over the data-parallel and model-parallel groups), so
+all ranks stop at the same iteration without an extra collective.
+
+Per iteration:
+  1. a skipped optimizer step (inf/NaN gradients) or a non-finite loss counts as a bad step; up to
+     ``max_skipped_steps`` consecutive bad steps are tolerated (fp16 loss scaling skips a few by design),
+     one more stops the run;
+  2. a finite loss above ``loss_divergence_factor`` times the lowest loss so far stops the run at once:
+     that step was already applied, so the weights are no longer worth keeping.
+A stop raises :class:`TrainingDiverged` with a one-line reason; the trainer writes no checkpoint after it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class TrainingDiverged(RuntimeError):
+    """Raised by :meth:`DivergenceGuard.observe` when the run must stop; ``str()`` is the one-line reason."""
+
+
+@dataclass
+class DivergenceGuard:
+    """Counts bad steps and watches the loss (see the module docstring).
+
+    Args:
+        max_skipped_steps: consecutive skipped / non-finite steps tolerated (0: stop at the first).
+        loss_divergence_factor: stop when a loss exceeds this times the lowest loss so far (0: off).
+    """
+
+    max_skipped_steps: int = 10
+    loss_divergence_factor: float = 10.0
+    consecutive: int = 0
+    """Bad steps in a row so far."""
+    best_loss: float = math.inf
+    """Lowest finite loss seen."""
+    skipped_total: int = 0
+    """Bad steps over the whole run."""
+    notes: list = field(default_factory=list)
+    """Lines the trainer prints (rank 0) about tolerated bad steps."""
+
+    def __post_init__(self) -> None:
+        if self.max_skipped_steps < 0:
+            raise ValueError(f"max_skipped_steps must be >= 0, got {self.max_skipped_steps}")
+        if self.loss_divergence_factor < 0 or (0 < self.loss_divergence_factor <= 1):
+            raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {self.loss_divergence_factor}")
+
+    def observe(self, iteration: int, loss: float, stepped: bool, lr: float) -> Optional[str]:
+        """Account iteration ``iteration`` (1-based); returns a note to print for a tolerated bad step.
+
+        Raises:
+            TrainingDiverged: too many consecutive bad steps, or an exploding loss (the message names the
+                iteration, the values and what to change)."""
+        finite = math.isfinite(loss)
+        if not stepped or not finite:
+            self.consecutive += 1
+            self.skipped_total += 1
+            why = "non-finite loss" if not finite else "inf/NaN gradients"
+            if self.consecutive > self.max_skipped_steps:
+                raise TrainingDiverged(
+                    f"training diverged at iteration {iteration}: {self.consecutive} consecutive steps skipped "
+                    f"({why}; loss {loss:.4g}), more than --max-skipped-steps {self.max_skipped_steps}; lower --lr "
+                    f"(now {lr:.3g}) or raise --clip-grad, then resume from the last checkpoint")
+            return (f"iteration {iteration}: step skipped ({why}), {self.consecutive} in a row "
+                    f"(stop after {self.max_skipped_steps})")
+        self.consecutive = 0
+        if self.loss_divergence_factor and self.best_loss < math.inf and loss > self.loss_divergence_factor * self.best_loss:
+            raise TrainingDiverged(
+                f"training diverged at iteration {iteration}: loss {loss:.4g} is more than "
+                f"--loss-divergence-factor {self.loss_divergence_factor:g} x the lowest loss so far "
+                f"({self.best_loss:.4g}); lower --lr (now {lr:.3g}), then resume from the last checkpoint")
+        self.best_loss = min(self.best_loss, loss)
+        return None

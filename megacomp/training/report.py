@@ -1,0 +1,118 @@
+"""What a pretraining run tells its user: the start-up banner and the end-of-run summary (rank 0).
+
+The banner says the layout, the model, the codec and error feedback of every traffic path (and which
+paths this layout does not use), the small-tensor threshold, where metrics go and what the per-iteration
+line's numbers mean. The summary adds up every iteration of the run (warm-up iterations included): tokens,
+time, first and last loss, and per traffic kind the bytes on the wire next to the uncompressed bytes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..config import TRAFFIC_PATHS, CommCompressionConfig
+
+def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
+    """Traffic paths a layout never uses, with the reason (e.g. ``{"pp_activation": "PP 1"}``)."""
+    out = {}
+    for p in TRAFFIC_PATHS:
+        if p.startswith(("tp_", "sp_")) and tp == 1:
+            out[p] = "TP 1"
+        elif p.startswith("sp_") and not sp:
+            out[p] = "no sequence parallelism"
+        elif p == "tp_forward" and sp:
+            out[p] = "sequence parallelism uses sp_* instead"
+        elif p.startswith("pp_") and pp == 1:
+            out[p] = "PP 1"
+        elif p.startswith("dp_") and dp == 1:
+            out[p] = "DP 1"
+    return out
+
+
+def describe_path(comp: CommCompressionConfig, path: str) -> str:
+    """``int4/b128 + loco(beta 0.8, reset 512)``-style text for one path's codec and error feedback."""
+    text = str(getattr(comp, path))
+    efc = getattr(comp, path + "_error_feedback", None)  # only tp_backward, pp_gradient and dp_gradient have one
+    if efc is not None:
+        kind = "classic error feedback" if efc.beta == 0 else f"LoCo error feedback (beta {efc.beta:g})"
+        text += f" + {kind}" + (f", reset every {efc.reset_interval} steps" if efc.reset_interval else "")
+    if path == "dp_gradient" and comp.dp_gradient_warmup_steps:
+        text += f" after {comp.dp_gradient_warmup_steps} uncompressed steps"
+    return text
+
+
+def banner(*, world: int, tp: int, pp: int, dp: int, sp: bool, backend: str, device: str, model: str,
+           params: int, compression_name: str, comp: CommCompressionConfig, log_dir: Optional[str],
+           resumed_from: Optional[str]) -> str:
+    """The start-up banner (several lines, no trailing newline)."""
+    unused = unused_paths(tp, pp, dp, sp)
+    used = [p for p in TRAFFIC_PATHS if p not in unused]
+    lines = [f"megacomp-pretrain: {world} ranks = TP {tp} x PP {pp} x DP {dp}{' (sequence parallel)' if sp else ''} "
+             f"on {backend}/{device} | {model}, {params / 1e6:.2f}M parameters"]
+    lines.append(f"  compression '{compression_name}', per traffic path this layout uses:")
+    for p in used:
+        lines.append(f"    {p:<18} {describe_path(comp, p)}")
+    if unused:
+        lines.append("  not used by this layout: " + ", ".join(f"{p} ({why})" for p, why in unused.items()))
+    lossy_unused = [p for p in unused if not getattr(comp, p).is_identity]
+    if lossy_unused:
+        lines.append(f"  note: the preset compresses {', '.join(lossy_unused)}, which this layout does not use")
+    lines.append(f"  small tensors: messages under {comp.min_compress_numel} elements travel uncompressed "
+                 f"(pipelining segments of {comp.segment_numel} elements)")
+    where = f"{log_dir}/metrics.jsonl" if log_dir else "the console only (no --log-dir)"
+    lines.append(f"  metrics: {where}; each line: loss, learning rate, tokens/s, and this iteration's megabytes on "
+                 f"the wire summed over all ranks, sent / uncompressed, per traffic kind")
+    if resumed_from:
+        lines.append(f"  {resumed_from}")
+    return "\n".join(lines)
+
+
+@dataclass
+class RunTotals:
+    """Adds up the iterations of one run (this process's part of it, when resumed)."""
+
+    iterations: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+    first_iteration: Optional[int] = None
+    traffic: dict = field(default_factory=dict)
+    skipped: int = 0
+
+    def add(self, record: dict, tokens: int) -> None:
+        """Account one iteration's record (as the trainer logs it)."""
+        self.iterations += 1
+        self.tokens += tokens
+        self.seconds += record["iteration_time_s"]
+        loss = record["loss"]
+        if self.first_loss is None:
+            self.first_loss, self.first_iteration = loss, record["iteration"]
+        self.last_loss = loss
+        self.skipped += bool(record.get("skipped"))
+        for kind, (w, u) in record["traffic"].items():
+            tot = self.traffic.setdefault(kind, [0, 0])
+            tot[0] += w
+            tot[1] += u
+
+    def summary(self, last_iteration: int, stopped: str = "") -> str:
+        """The end-of-run summary (several lines)."""
+        mb = 1e6
+        rate = self.tokens / self.seconds if self.seconds else 0.0
+
+        def fmt(x):
+            return "n/a" if x is None or not math.isfinite(x) else f"{x:.4f}"
+        head = (f"megacomp-pretrain: {stopped or 'done'}: iterations {self.first_iteration}-{last_iteration} "
+                f"({self.iterations} this run, {self.skipped} skipped), {self.tokens:,} tokens in {self.seconds:.1f} s "
+                f"({rate:,.0f} tok/s), loss {fmt(self.first_loss)} -> {fmt(self.last_loss)}")
+        lines = [head, "  bytes on the wire over all iterations of this run, all ranks (sent / uncompressed):"]
+        total_w = total_u = 0
+        for kind, (w, u) in sorted(self.traffic.items()):
+            if not u:
+                continue
+            total_w, total_u = total_w + w, total_u + u
+            lines.append(f"    {kind:<20} {w / mb:10.2f} MB of {u / mb:10.2f} MB  ({w / u:.2f}x)")
+        if total_u:
+            lines.append(f"    {'total':<20} {total_w / mb:10.2f} MB of {total_u / mb:10.2f} MB  ({total_w / total_u:.2f}x)")
+        return "\n".join(lines)

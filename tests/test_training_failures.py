@@ -1,0 +1,163 @@
+"""Pretraining runs that go wrong, as a user meets them (issue 22): real ranks, real launches.
+
+- A diverging run (``--lr 1e6``) stops at the same iteration on every rank with one line on stderr,
+  a non-zero status, and no checkpoint of the diverged state; skipped steps are tolerated up to
+  ``--max-skipped-steps`` and the metrics record null for the loss and grad norm they cannot have.
+- Bad input (a missing ``--config``, a bad ``--data-path``) is one ``megacomp-pretrain: error:`` line,
+  printed once, status 2, no traceback.
+- ``--save D --load D`` starts fresh when D has no checkpoint (and says so) and resumes when it has one.
+- An exit signal (SIGUSR1, as Slurm's ``--signal=USR1@120`` sends) on one rank of a 4-rank run: every
+  rank saves at the same iteration boundary and returns normally, and ``--load`` continues the same loss
+  curve bit for bit.
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from distributed import run_ranks
+from megacomp.data import default_corpus_files
+from megacomp.training import PretrainConfig, Trainer, TrainingDiverged
+
+TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512, micro_batch_size=2,
+            global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=2, tokenizer_max_bytes=400_000,
+            log_interval=1)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A data cache with the tokenizer and tokens already built (so each launch below takes seconds)."""
+    cache = tmp_path_factory.mktemp("data-cache")
+    files = [str(f) for f in default_corpus_files()[:40]]
+    cfg = PretrainConfig(**{**TINY, "train_iters": 1}, data_path=files, data_cache_dir=str(cache))
+    run_ranks(_train_body, 1, cfg)
+    return files, str(cache)
+
+
+def _train_body(rank, world, cfg):
+    trainer = Trainer(cfg)
+    try:
+        return [(h["loss"], h["skipped"]) for h in trainer.train()]
+    finally:
+        trainer.close()
+
+
+def launch(tmp_path, corpus, nproc, *flags, config=None, timeout=240):
+    """``torchrun --standalone --nproc-per-node N -m megacomp.pretrain`` on the tiny config; (status, out, err)."""
+    files, cache = corpus
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump({**TINY, "data_path": files, "data_cache_dir": cache}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megacomp.pretrain", "--config", str(config or cfg_file), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MEGACOMP_DEBUG", None)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    return out.returncode, out.stdout, out.stderr
+
+
+def megacomp_traceback(err: str) -> bool:
+    """Whether a rank printed a traceback through megacomp's code (torchrun's own failure report, which
+    follows any non-zero worker exit, is not ours to change)."""
+    return bool(re.search(r'File ".*megacomp/', err))
+
+
+def error_lines(err: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith("megacomp-pretrain: error:")]
+
+
+def test_divergence_stops_every_rank_once_without_a_checkpoint(tmp_path, corpus):
+    status, out, err = launch(tmp_path, corpus, 2, "--lr", "1e6", "--train-iters", "6", "--save", str(tmp_path / "ck"),
+                              "--log-dir", str(tmp_path / "logs"))
+    assert status != 0
+    [line] = error_lines(err)
+    assert "training diverged at iteration 2" in line and "--loss-divergence-factor" in line and "--lr" in line
+    assert not megacomp_traceback(err)
+    assert not (tmp_path / "ck").exists() or not any(p.name.startswith("iter_") for p in (tmp_path / "ck").iterdir())
+    assert "megacomp-pretrain: diverged" in out  # the summary says what happened
+    records = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records] == [1, 2]
+
+
+def test_skipped_steps_are_tolerated_up_to_the_limit(corpus):
+    """Inf/NaN gradients skip the step; more than max_skipped_steps in a row stop the run, on every rank."""
+    files, cache = corpus
+    cfg = PretrainConfig(**{**TINY, "train_iters": 6, "lr": 1e6, "loss_divergence_factor": 0.0,
+                            "max_skipped_steps": 2}, data_path=files, data_cache_dir=cache)
+    results = run_ranks(_diverge_body, 2, cfg)
+    for res in results:
+        assert res[0] == "diverged" and "3 consecutive steps skipped" in res[1] and "--max-skipped-steps 2" in res[1]
+    assert results[0][2] == results[1][2]  # the same iteration on every rank
+
+
+def _diverge_body(rank, world, cfg):
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        return ("finished", "", trainer.iteration)
+    except TrainingDiverged as e:
+        return ("diverged", str(e), trainer.iteration)
+    finally:
+        trainer.close()
+
+
+def test_bad_input_is_one_line_once(tmp_path, corpus):
+    status, _, err = launch(tmp_path, corpus, 2, config=tmp_path / "missing.yaml")
+    assert status != 0 and error_lines(err) == [f"megacomp-pretrain: error: cannot read {tmp_path / 'missing.yaml'}: "
+                                                f"No such file or directory"]
+    assert not megacomp_traceback(err)
+    status, _, err = launch(tmp_path, corpus, 2, "--data-path", str(tmp_path / "nope"))
+    [line] = error_lines(err)
+    assert status != 0 and "nope" in line
+    assert not megacomp_traceback(err)
+
+
+def test_save_and_load_the_same_directory_starts_fresh_then_resumes(tmp_path, corpus):
+    ck = str(tmp_path / "ck")
+    status, out, err = launch(tmp_path, corpus, 2, "--save", ck, "--load", ck, "--train-iters", "2")
+    assert status == 0, err
+    assert f"no checkpoint in {ck} yet: starting from iteration 0" in out
+    assert f"megacomp-pretrain: saved checkpoint to {ck}/iter_0000002" in out
+    status, out, err = launch(tmp_path, corpus, 2, "--save", ck, "--load", ck, "--train-iters", "3",
+                              "--keep-checkpoints", "1")
+    assert status == 0, err
+    assert f"resumed from {ck} at iteration 2" in out and "iter      3 |" in out and "iter      2 |" not in out
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
+
+
+def _signal_body(rank, world, cfg, signal_rank):
+    trainer = Trainer(cfg)
+    if rank == signal_rank:  # Slurm's warning signal reaches this rank while it trains
+        def send():
+            while trainer.iteration < 2:
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        threading.Thread(target=send, daemon=True).start()
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    return [h["loss"] for h in history], trainer.iteration
+
+
+def test_exit_signal_saves_at_the_next_boundary_and_resume_continues_bit_for_bit(tmp_path, corpus):
+    files, cache = corpus
+    cfg = PretrainConfig(**{**TINY, "train_iters": 6}, data_path=files, data_cache_dir=cache,
+                         tensor_model_parallel_size=2, compression="all")
+    full = run_ranks(_train_body, 4, cfg)[0]
+    ck = str(tmp_path / "ck")
+    first = run_ranks(_signal_body, 4, replace(cfg, save=ck), 1)
+    stops = {it for _, it in first}
+    assert len(stops) == 1, stops  # every rank stopped at the same iteration boundary
+    [stop] = stops
+    assert 2 <= stop < 6
+    assert os.path.isdir(os.path.join(ck, f"iter_{stop:07d}"))
+    rest = run_ranks(_train_body, 4, replace(cfg, load=ck))[0]
+    assert first[0][0] + [loss for loss, _ in rest] == [loss for loss, _ in full]
