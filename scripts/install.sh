@@ -8,12 +8,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "install.sh: no torch found: installing the CPU wheel torch==2.13.0 (a CUDA torch you install first is kept)"
   "$PY" -m pip install --quiet "torch==2.13.0"
+else
+  echo "install.sh: using the installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
 fi
 extra=""
 [ "${1:-}" = "test" ] && extra="[test]"
+echo "install.sh: installing megacomp in editable mode${extra:+ with the test requirements} (pip, quiet) ..."
 "$PY" -m pip install --quiet --no-build-isolation -e ".${extra}"
 # triton (~286 MB wheel): only if none is importable, so a CUDA torch keeps the triton it was built with
 if [ "${1:-}" = "test" ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "triton==3.9.0"
 fi
+echo "install.sh: done. The C++ codec kernels build on first use (about a minute, once; it says so)."

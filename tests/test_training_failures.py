@@ -117,6 +117,11 @@ def test_bad_input_is_one_line_once(tmp_path, corpus):
     [line] = error_lines(err)
     assert status != 0 and "nope" in line
     assert not megacomp_traceback(err)
+    for flags, words in [(("--tensor-model-parallel-size", "3"), "does not divide the world size 2"),
+                         (("--compression", "lolo"), "neither a file nor a preset")]:
+        status, _, err = launch(tmp_path, corpus, 2, *flags)
+        [line] = error_lines(err)
+        assert status != 0 and words in line and not megacomp_traceback(err), err
 
 
 def test_save_and_load_the_same_directory_starts_fresh_then_resumes(tmp_path, corpus):
