@@ -49,11 +49,11 @@ import pytest
 import torch
 import yaml
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distributed import run_ranks
+from test_optimizer_ddp_hook import train as train_with_hook
 from megacomp.data import default_corpus_files
-from megacomp.optimizer import CompressedHookState, DistributedOptimizer, compressed_allreduce_hook
+from megacomp.optimizer import CompressedHookState, DistributedOptimizer
 from megacomp.training import PretrainConfig, Trainer
 
 HERE = Path(__file__).resolve().parent
@@ -223,23 +223,9 @@ HOOK_CASES = {
 
 def _hook_body(rank, world, steps):
     out = {}
-    w_true = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
-    for name, kwargs in HOOK_CASES.items():
-        torch.manual_seed(0)
-        ddp = DDP(nn.Sequential(nn.Linear(16, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4)),
-                  bucket_cap_mb=0.1)
-        ddp.register_comm_hook(CompressedHookState(**kwargs), compressed_allreduce_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-        g = torch.Generator().manual_seed(100 + rank)
-        losses = []
-        for _ in range(steps):
-            x = torch.randn(32, 16, generator=g)
-            loss = ((ddp(x) - torch.tanh(x @ w_true)) ** 2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item().hex())
-        out[name] = {"loss": losses, "params_sha256": params_sha256(ddp.module.parameters())}
+    for name, kwargs in HOOK_CASES.items():  # the regression task of test_optimizer_ddp_hook.py
+        params, losses = train_with_hook(rank, CompressedHookState(**kwargs), steps)
+        out[name] = {"loss": [loss.hex() for loss in losses], "params_sha256": params_sha256(params)}
     return out
 
 
