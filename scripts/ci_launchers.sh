@@ -5,7 +5,7 @@
 #   bash scripts/ci_launchers.sh torchrun mpirun     # a subset
 #
 #   torchrun  scripts/pretrain_gpt.sh (torchrun --standalone --nproc-per-node 4 -m megacomp.pretrain ...):
-#             TP 2 x DP 2 with tp_fp8, and TP 2 x PP 2 with all
+#             TP 2 x DP 2 with tp_fp8, TP 2 x PP 2 with all, and DiLoCo over 2 replicas of TP 2 (int4 outer)
 #   slurm     scripts/slurm_up.sh (installs Slurm when missing), sbatch --wait scripts/pretrain_gpt.sbatch
 #             (4 tasks, PP 2 x DP 2, all), check its output; then a long job with SAVE=LOAD is sent SIGUSR1
 #             (scancel --signal=USR1, as the script's --signal=USR1@120 would be before the time limit): it
@@ -139,6 +139,10 @@ stage_torchrun() {
     TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1
   launch torchrun_tp2_pp2 torchrun "TP2xPP2" all tp_forward,tp_backward,pp_activation,pp_gradient \
     TP=2 PP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1
+  # DiLoCo: 2 replicas of TP 2, an int4 pseudo-gradient every 2 steps (traffic kind 'outer')
+  launch torchrun_diloco_2xtp2 torchrun "2 replicas x TP2" tp_fp8 tp_forward,tp_backward,outer \
+    TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --outer-algorithm diloco --num-replicas 2 \
+    --outer-steps 2 --outer-codec int4 --outer-error-feedback ef
 }
 
 # ---- (b) Slurm ---------------------------------------------------------------------------------------

@@ -350,6 +350,13 @@ class DistributedOptimizer:
         self._validated = True
         return True
 
+    @torch.no_grad()
+    def load_params_from_model(self) -> None:
+        """Set this rank's fp32 master shards from the model parameters, after something other than this
+        optimizer changed them (an outer step of megacomp.outer); the inner optimizer state is kept."""
+        for b, m in zip(self.buckets, self.masters):
+            m.copy_(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.world))])
+
     def sync_params(self) -> None:
         """All-gather the master shards into the model parameters (``param_codec`` on compressed buckets)."""
         for b, m in zip(self.buckets, self.masters):

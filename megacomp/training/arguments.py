@@ -109,6 +109,21 @@ class PretrainConfig:
     (non-zero exit, no checkpoint of the diverged state)."""
     loss_divergence_factor: float = 10.0
     """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
+    outer_algorithm: str = "none"
+    """Local-step outer loop over model replicas: none or diloco (megacomp.outer)."""
+    num_replicas: int = 1
+    """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
+    and they exchange a pseudo-gradient every --outer-steps steps."""
+    outer_steps: int = 50
+    """H: inner steps between two outer synchronisations (DiLoCo)."""
+    outer_lr: float = 0.7
+    """Outer SGD learning rate (DiLoCo)."""
+    outer_momentum: float = 0.9
+    """Outer SGD Nesterov momentum (DiLoCo; 0 = plain SGD)."""
+    outer_codec: Any = None
+    """Codec of the pseudo-gradient all-reduce (a name or mapping; None = uncompressed)."""
+    outer_error_feedback: Any = None
+    """Error feedback on the pseudo-gradient ('ef', 'loco'); needs outer_codec."""
     exit_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (Slurm: sbatch --signal=USR1@120), save a checkpoint at the next iteration
     boundary and exit with status 0."""
@@ -248,6 +263,18 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.max_skipped_steps}")
     if cfg.loss_divergence_factor < 0 or 0 < cfg.loss_divergence_factor <= 1:
         raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {cfg.loss_divergence_factor}")
+    if cfg.outer_algorithm not in ("none", "diloco"):
+        raise ValueError(f"outer_algorithm must be none or diloco, got {cfg.outer_algorithm!r} (streaming_diloco, "
+                         f"noloco and mt_dao are not implemented yet)")
+    if cfg.outer_algorithm == "diloco":
+        from ..outer import DiLoCoConfig
+
+        DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+                     codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback)  # raises on bad values
+        if cfg.num_replicas < 2:
+            raise ValueError(f"outer_algorithm diloco needs num_replicas >= 2, got {cfg.num_replicas}")
+    elif cfg.num_replicas != 1:
+        raise ValueError(f"num_replicas {cfg.num_replicas} needs an outer algorithm (--outer-algorithm diloco)")
     if cfg.params_dtype not in ("float32", "bfloat16"):
         raise ValueError(f"params_dtype must be float32 or bfloat16, got {cfg.params_dtype!r}")
     if world_size is None:
@@ -260,6 +287,10 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"pipeline_model_parallel_size ({cfg.pipeline_model_parallel_size}) = {mp} does not divide "
                          f"the world size {world_size}; pick sizes whose product divides the number of ranks")
     dp = world_size // mp
+    if dp % cfg.num_replicas:
+        raise ValueError(f"num_replicas {cfg.num_replicas} does not divide the data-parallel size {dp} (world "
+                         f"{world_size} = TP {cfg.tensor_model_parallel_size} x PP {cfg.pipeline_model_parallel_size} "
+                         f"x DP {dp})")
     if cfg.global_batch_size % (cfg.micro_batch_size * dp):
         raise ValueError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size "
                          f"{cfg.micro_batch_size} x data-parallel size {dp}")

@@ -279,8 +279,14 @@ def _iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def _state(model, optimizer, extra: bytes, groups) -> dict[str, Any]:
-    where = f"pp{groups.pp_rank}_tp{groups.tp_rank}"
+def _where(groups, replica: Optional[int]) -> str:
+    """The key of this rank's model and optimizer entries: per pipeline stage and TP rank (data-parallel
+    copies are equal and deduplicate), and per replica when local-step replicas hold different weights."""
+    return (f"r{replica}_" if replica is not None else "") + f"pp{groups.pp_rank}_tp{groups.tp_rank}"
+
+
+def _state(model, optimizer, extra: bytes, groups, replica: Optional[int] = None) -> dict[str, Any]:
+    where = _where(groups, replica)
     return {f"model/{where}": model.state_dict(), f"optim/{where}": optimizer.state_dict(),
             f"extra/rank{dist.get_rank()}": extra}
 
@@ -292,7 +298,8 @@ def _pack(extra: dict) -> bytes:
     return buf.getvalue()
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, groups, run_info: dict) -> str:
+def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, groups, run_info: dict,
+                    replica: Optional[int] = None) -> str:
     """Write iteration ``iteration`` under ``root`` (a collective: every rank calls it)."""
     final = _iter_dir(root, iteration)
     tmp = final + ".tmp"
@@ -300,7 +307,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, gr
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer, _pack(extra), groups), checkpoint_id=tmp)
+    dcp.save(_state(model, optimizer, _pack(extra), groups, replica), checkpoint_id=tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "megacomp.json"), "w", encoding="utf-8") as f:
@@ -343,7 +350,8 @@ def check_compatible(saved: dict, run_info: dict, path: str) -> None:
                          f"the same model, parallel layout, world size and compression, or start a new --save dir")
 
 
-def load_checkpoint(root: str, model, optimizer, groups, run_info: dict) -> tuple[int, dict]:
+def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
+                    replica: Optional[int] = None) -> tuple[int, dict]:
     """Load the latest checkpoint under ``root``; returns (iteration, this rank's extra state). Raises ValueError
     naming the file (and the newest older complete iteration, if any) when a file is missing, truncated,
     garbled or holds a pickle outside the allow-lists (see the module docstring), on every rank alike."""
@@ -357,7 +365,7 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict) -> tupl
         raise _error(e, root, iteration, path) from None
     check_compatible(saved, run_info, path)
     optimizer.init_state()
-    state = _state(model, optimizer, b"", groups)
+    state = _state(model, optimizer, b"", groups, replica)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
     except CheckpointException as e:  # DCP gathered the failures of every rank: report the lowest rank's
@@ -367,7 +375,7 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict) -> tupl
             raise _error(broken[0], root, iteration, path) from None
         unfit = _Unreadable(os.path.join(path, ".metadata"), f"does not fit this run's state: {_short(failures[0])}")
         raise _error(unfit, root, iteration, path) from e
-    where = f"pp{groups.pp_rank}_tp{groups.tp_rank}"
+    where = _where(groups, replica)
     model.load_state_dict(state[f"model/{where}"])
     optimizer.load_state_dict(state[f"optim/{where}"])
     extra = state[f"extra/rank{dist.get_rank()}"]  # opened by SafeLoadPlanner (weights_only=True)

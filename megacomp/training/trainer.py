@@ -30,6 +30,7 @@ from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW
+from ..outer import DiLoCo, DiLoCoConfig, build_replica_groups
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
 from .arguments import PretrainConfig, check
 from .checkpoint import latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -76,7 +77,15 @@ class Trainer:
         self.device = comm.comm_device()  # cuda:<local rank> under NCCL (set by init_distributed), else CPU
         self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
                               layer_range=split_layers(cfg.num_layers, pp, g.pp_rank)).to(self.device)
+        # local-step training: the DP ranks split into replicas; the sharded optimizer works inside a replica
+        self.replicas = build_replica_groups(g, cfg.num_replicas) if cfg.outer_algorithm != "none" else None
         self.optimizer = self._build_optimizer()
+        self.outer = None
+        if self.replicas is not None:
+            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, DiLoCoConfig(
+                outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+                codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback),
+                after_sync=self.optimizer.load_params_from_model)
         self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
@@ -102,6 +111,13 @@ class Trainer:
                          params=params,
                          compression_name=name, comp=self.compression_spec, log_dir=cfg.log_dir,
                          resumed_from=resumed), flush=True)
+            if self.outer is not None:
+                oc = self.outer.config
+                print(f"  outer loop: DiLoCo over {cfg.num_replicas} replicas of {g.dp_size // cfg.num_replicas} DP "
+                      f"rank(s), sync every {oc.outer_steps} steps, outer SGD lr {oc.outer_lr:g} momentum "
+                      f"{oc.outer_momentum:g}{' (Nesterov)' if oc.nesterov and oc.outer_momentum else ''}, pseudo-gradient "
+                      f"codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')",
+                      flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -136,7 +152,8 @@ class Trainer:
         deferred = ([tied] if tied is not None else []) + self._sp_params()
         return DistributedOptimizer(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            optimizer_class, g.dp, grad_channel=self.channels.dp_gradient, param_channel=self.channels.dp_parameter,
+            optimizer_class, self.replicas.inner if self.replicas is not None else g.dp,
+            grad_channel=self.channels.dp_gradient, param_channel=self.channels.dp_parameter,
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=g.mp if g.tp_size * g.pp_size > 1 else None,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
@@ -155,20 +172,31 @@ class Trainer:
         # the DP gradient error lives in the optimizer's sharded state
         return {"rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-                "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",))}
+                "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",)),
+                "outer": self.outer.state_dict() if self.outer is not None else None}
+
+    def _replica(self) -> Optional[int]:
+        return self.replicas.replica if self.replicas is not None else None
 
     def _load(self) -> None:
-        self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info())
+        self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info(),
+                                                replica=self._replica())
         torch.set_rng_state(extra["rng"])
         if extra.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
         self.channels.load_state_dict(extra["channels"])  # error feedback and seeded stochastic streams continue
+        if (extra.get("outer") is None) != (self.outer is None):
+            raise ValueError(f"checkpoint {self.cfg.load} was written {'with' if extra.get('outer') else 'without'} an "
+                             f"outer loop and this run is {'with' if self.outer else 'without'} one; resume with the "
+                             f"same --outer-algorithm")
+        if self.outer is not None:
+            self.outer.load_state_dict(extra["outer"])
 
     def save(self) -> None:
         """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it), say
         where (rank 0), and keep only the newest ``keep_checkpoints`` when that is set."""
         path = save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(),
-                               self.groups, self.run_info())
+                               self.groups, self.run_info(), replica=self._replica())
         if self.is_logger:
             removed = prune_checkpoints(self.cfg.save, self.cfg.keep_checkpoints) if self.cfg.keep_checkpoints else []
             extra = f" (removed {len(removed)} older: --keep-checkpoints {self.cfg.keep_checkpoints})" if removed else ""
@@ -241,6 +269,12 @@ class Trainer:
         losses = self._forward_backward(batches)
         self._finalize_grads()
         stepped = self.optimizer.step()
+        if self.outer is not None:
+            # replicas skip steps independently; the verdict and the outer cycle must be the same everywhere
+            flag = torch.tensor([0.0 if stepped else 1.0], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stepped = not flag.item()
+            self.outer.step()
         elapsed = time.perf_counter() - t0
         loss = self._global_loss(losses)
         traffic = gather_traffic()
