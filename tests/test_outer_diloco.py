@@ -217,3 +217,20 @@ def test_pretraining_with_diloco_over_two_tp2_replicas_logs_outer_traffic_and_re
     assert [loss for loss, _ in first + rest] == losses
     with pytest.raises(AssertionError, match="saved with"):
         run_ranks(_pretrain_body, 4, replace(cfg, load=ck, outer_steps=3))
+
+
+def test_pretraining_flags_for_the_outer_loop_are_checked():
+    from megacomp.training import PretrainConfig
+    from megacomp.training.arguments import check
+
+    base = PretrainConfig(tensor_model_parallel_size=2, global_batch_size=16, micro_batch_size=4)
+    check(PretrainConfig(**{**base.to_dict(), "outer_algorithm": "diloco", "num_replicas": 2}), world_size=4)
+    cases = [({"outer_algorithm": "diloco", "num_replicas": 2, "outer_steps": 0}, "outer_steps"),
+             ({"outer_algorithm": "diloco", "num_replicas": 1}, "needs num_replicas >= 2"),
+             ({"outer_algorithm": "diloco", "num_replicas": 3}, "num_replicas 3 does not divide the data-parallel size 2"),
+             ({"num_replicas": 2}, "needs an outer algorithm"),
+             ({"outer_algorithm": "noloco", "num_replicas": 2}, "not implemented yet"),
+             ({"outer_algorithm": "diloco", "num_replicas": 2, "outer_error_feedback": "ef"}, "needs a lossy codec")]
+    for extra, words in cases:
+        with pytest.raises(ValueError, match=words):
+            check(PretrainConfig(**{**base.to_dict(), **extra}), world_size=4)
