@@ -25,7 +25,8 @@ with classic EF, and int2 with classic EF;
 ``pp`` (PP 2 x DP 2): none vs int8 activations + int8 gradients with error feedback;
 ``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
-``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants.
+``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
+``diloco``: issue #16's DiLoCo (4 replicas, H = 50, uncompressed and int4 + EF outer) against DDP-AdamW.
 The table and the plots are drawn from ``results.json`` only, so ``--from-results`` regenerates them
 without training. Numbers are measured, never asserted: the tests bound codec errors, this script shows
 training quality.
@@ -112,6 +113,16 @@ SUITES["zero"] = {"layout": [], "variants": {
 }}
 
 
+# issue #16: DiLoCo over 4 replicas of one DP rank each (the same tokens per iteration as 4-rank DDP):
+# outer exchange every H = 50 steps, uncompressed or int4 + classic EF, against DDP-AdamW ("none")
+DILOCO = ["--outer-algorithm", "diloco", "--num-replicas", "4", "--outer-steps", "50"]
+SUITES["diloco"] = {"layout": [], "variants": {
+    "none": {},
+    "DiLoCo H=50": {"args": DILOCO},
+    "DiLoCo H=50, int4+EF outer": {"args": [*DILOCO, "--outer-codec", "int4", "--outer-error-feedback", "ef"]},
+}}
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
@@ -124,13 +135,14 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     run_dir = Path(args.runs) / suite / slug(name) / (f"seed{seed}" if seed is not None else "")
     run_dir.mkdir(parents=True, exist_ok=True)
     compression, extra = dict(compression), []
+    flags = compression.pop("args", [])  # further pretrain flags of the variant (e.g. the outer loop)
     freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
     if freeze:  # variance frozen after, and compression from, the same step
         extra = [FREEZE_FLAG, str(max(1, int(freeze * args.iters)))]
     if (freeze or warmup) and "dp_gradient" in compression:
         compression["dp_gradient_warmup_steps"] = max(1, int((freeze or warmup) * args.iters))
     compression["min_compress_numel"] = 4096
-    extra = [*SUITES[suite]["layout"], *extra]
+    extra = [*SUITES[suite]["layout"], *extra, *flags]
     done = run_dir / "metrics.jsonl"
     if args.reuse and done.exists() and len(done.read_text().splitlines()) == args.iters:
         print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} reused", flush=True)
@@ -186,7 +198,10 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
              "Each variant is compared with the uncompressed run of the same optimizer (`none` for AdamW, "
              "`none, frozen v` for the frozen-variance variants), seed by seed.", "",
              "| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | dp_gradient MB/iter "
-             "(wire / fp32) |", "|---|---|---|---|---|"]
+             "(wire / fp32) | DP + outer MB over the run (wire) | x fewer than none |", "|---|---|---|---|---|---|---|"]
+    def dp_bytes(recs):  # every iteration of the run, warm-ups included: the data-parallel and outer traffic
+        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k == "outer")
+    base_bytes = dp_bytes(runs["none"][0])
     for name, vals in final.items():
         ref = "none, frozen v" if name in frozen_names and "none, frozen v" in final else "none"
         base = final[ref] if name != ref else final["none"]
@@ -194,8 +209,11 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
         w, u = runs[name][0][-1]["traffic"].get("dp_gradient", [0, 0])
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0
+        total = dp_bytes(runs[name][0])
+        fewer = f"{base_bytes / total:.1f}x" if total else "-"
         lines.append(f"| {name} | {statistics.mean(vals):.4f} ± {sd:.4f} | {statistics.mean(rel):+.2f}% ± {rsd:.2f}% | "
-                     f"{', '.join(f'{x:+.2f}%' for x in rel)} | {w / 1e6:.3f} / {u / 1e6:.3f} |")
+                     f"{', '.join(f'{x:+.2f}%' for x in rel)} | {w / 1e6:.3f} / {u / 1e6:.3f} | {total / 1e6:.2f} | "
+                     f"{fewer} |")
     return lines + [""]
 
 
@@ -272,7 +290,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen and/or zero (issue #4 set, use --seeds)")
+    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen, zero (issue #4 set, use --seeds) "
+                        "and/or diloco (issue #16)")
     p.add_argument("--out", default="results/convergence", help="the study: results.json, convergence.md, plots")
     p.add_argument("--runs", default="results/convergence_runs",
                    help="the runs' own logs (metrics.jsonl, stdout, preset), one directory per suite/variant/seed")
