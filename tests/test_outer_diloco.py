@@ -21,7 +21,8 @@ EPS32 = 2.0 ** -24  # unit roundoff of fp32
 
 def make_params(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(37, 5, generator=g)), torch.nn.Parameter(torch.randn(11, generator=g))]
+    return [torch.nn.Parameter(torch.randn(37, 5, generator=g)), torch.nn.Parameter(torch.randn(11, generator=g)),
+            torch.nn.Parameter(torch.randn(4, 3, generator=g))]
 
 
 def inner_step(params, rank, step):
@@ -41,8 +42,8 @@ def _rule_body(rank, world, lr, momentum, nesterov, h, outer_steps):
     outer = DiLoCo(params, None, DiLoCoConfig(outer_steps=h, outer_lr=lr, outer_momentum=momentum, nesterov=nesterov))
     checks = []
     for t in range(outer_steps * h):
-        before = outer.outer.detach().double().clone()
-        buf = outer.optimizer.state.get(outer.outer, {}).get("momentum_buffer")
+        before = outer.outer[0].detach().double().clone()
+        buf = outer.optimizers[0].state.get(outer.outer[0], {}).get("momentum_buffer")
         m_before = buf.double().clone() if buf is not None else None
         inner_step(params, rank, t)
         local = flat(params).double()
@@ -60,7 +61,7 @@ def _rule_body(rank, world, lr, momentum, nesterov, h, outer_steps):
         scale = before.abs() + torch.stack(locals_).abs().max(0).values + m.abs() + delta.abs()
         bound = (world + 8) * EPS32 * scale * (1 + lr)  # one rounding per fp32 operation on these magnitudes
         checks.append((((got - want).abs() <= bound).all().item(), (got - want).abs().max().item(),
-                       torch.equal(got.float(), outer.outer.detach())))
+                       torch.equal(got.float(), outer.outer[0].detach())))
     return checks
 
 
@@ -234,3 +235,130 @@ def test_pretraining_flags_for_the_outer_loop_are_checked():
     for extra, words in cases:
         with pytest.raises(ValueError, match=words):
             check(PretrainConfig(**{**base.to_dict(), **extra}), world_size=4)
+
+
+# -- Streaming DiLoCo ---------------------------------------------------------------------------------
+def _streaming_body(rank, world, cfg_kw, steps):
+    """The implementation on this rank, and an fp64 simulation of every replica under the same schedule."""
+    cfg = DiLoCoConfig(**cfg_kw)
+    params = make_params()
+    outer = DiLoCo(params, None, cfg)
+    frag_sizes = [sum(p.numel() for p in f) for f in outer.fragments]
+    bounds = [0]
+    for n in frag_sizes:
+        bounds.append(bounds[-1] + n)
+    # fp64 simulation: replicas' weights, outer weights and momenta per fragment, pending exchanges
+    sim = [flat(make_params()).double() for _ in range(world)]
+    sim_outer = [sim[0][bounds[f]:bounds[f + 1]].clone() for f in range(cfg.fragments)]
+    sim_m = [None] * cfg.fragments
+    pending = {}
+    H, P, tau, alpha, lr, mu = cfg.outer_steps, cfg.fragments, cfg.delay, cfg.mixing, cfg.outer_lr, cfg.outer_momentum
+    calls = 0
+    for t in range(1, steps + 1):
+        inner_step(params, rank, t)
+        for r in range(world):  # the same perturbation as inner_step, applied in fp64
+            g = torch.Generator().manual_seed(1000 * r + t)
+            d = torch.cat([torch.randn(p.shape, generator=g).reshape(-1) for p in make_params()]).double()
+            sim[r] += 0.05 * (r + 1) * d
+        outer.step()
+
+        def apply(f):
+            delta = pending.pop(f)[1]
+            m = delta.clone() if sim_m[f] is None or mu == 0 else mu * sim_m[f] + delta
+            sim_m[f] = m
+            step = delta + mu * m if (cfg.nesterov and mu) else (m if mu else delta)
+            sim_outer[f] = sim_outer[f] - lr * step
+            for r in range(world):
+                seg = sim[r][bounds[f]:bounds[f + 1]]
+                seg.copy_(sim_outer[f] + alpha * (seg - sim_outer[f]))
+        for f in sorted(pending):
+            if pending[f][0] == t:
+                apply(f)
+        for f in range(P):
+            if (t + f * H // P) % H == 0:
+                calls += 1
+                delta = torch.stack([sim_outer[f] - s[bounds[f]:bounds[f + 1]] for s in sim]).mean(0)
+                pending[f] = (t + tau, delta)
+                if tau == 0:
+                    apply(f)
+    outer.finish()
+    got = flat(params).double()
+    scale = max(s.abs().max().item() for s in sim)
+    bound = steps * (world + 8) * EPS32 * scale * (1 + lr) * 4  # fp32 rounding per operation, accumulated
+    return (got - sim[rank]).abs().max().item(), bound, calls, outer.syncs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("cfg_kw", [dict(outer_steps=4, fragments=2, delay=1, mixing=0.5),
+                                    dict(outer_steps=6, fragments=3, delay=2, mixing=0.0, outer_momentum=0.0),
+                                    dict(outer_steps=4, fragments=1, delay=3, mixing=0.25)],
+                         ids=["P2-tau1-a.5", "P3-tau2-plainSGD", "P1-tau3-a.25"])
+def test_streaming_diloco_equals_an_fp64_simulation_of_its_schedule(world, cfg_kw):
+    for err, bound, calls, syncs in run_ranks(_streaming_body, world, cfg_kw, 13):
+        assert err <= bound, (err, bound)
+        assert calls >= 3 and syncs <= calls  # exchanges still in flight at the end are not applied
+
+
+def _streaming_resume_body(rank, world):
+    cfg = DiLoCoConfig(outer_steps=4, fragments=2, delay=2, mixing=0.5, codec={"name": "int4", "block_size": 32},
+                       error_feedback="loco")
+    params = make_params()
+    outer = DiLoCo(params, None, cfg)
+    for t in range(1, 5):  # fragment 1 started at step 2 applies at 4; fragment 0 starts at 4 and is in flight
+        inner_step(params, rank, t)
+        outer.step()
+    in_flight = sorted(outer.pending)
+    saved, saved_params = outer.state_dict(), [p.detach().clone() for p in params]
+    for t in range(5, 12):
+        inner_step(params, rank, t)
+        outer.step()
+    straight = flat(params).clone()
+    params2 = [torch.nn.Parameter(p.clone()) for p in saved_params]
+    outer2 = DiLoCo(params2, None, cfg)
+    outer2.load_state_dict(saved)
+    for t in range(5, 12):
+        inner_step(params2, rank, t)
+        outer2.step()
+    outer.finish()
+    outer2.finish()
+    return in_flight, torch.equal(straight, flat(params2))
+
+
+def test_streaming_diloco_resumes_bit_identically_with_an_exchange_in_flight():
+    for in_flight, same in run_ranks(_streaming_resume_body, 2):
+        assert in_flight == [0] and same
+
+
+def test_streaming_settings_are_checked():
+    with pytest.raises(ValueError, match="delay"):
+        DiLoCoConfig(outer_steps=4, delay=4)
+    with pytest.raises(ValueError, match="mixing"):
+        DiLoCoConfig(mixing=1.0)
+    with pytest.raises(ValueError, match="fragments"):
+        DiLoCoConfig(fragments=0)
+
+
+def test_pretraining_with_streaming_diloco_resumes_with_an_exchange_in_flight(tmp_path):
+    from dataclasses import replace
+
+    from megacomp.data import default_corpus_files
+    from megacomp.training import PretrainConfig
+
+    cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
+                         micro_batch_size=2, global_batch_size=8, train_iters=8, lr=3e-3, lr_warmup_iters=2,
+                         data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
+                         tokenizer_max_bytes=400_000, outer_algorithm="streaming_diloco", num_replicas=2,
+                         outer_steps=4, outer_fragments=2, outer_delay=1, outer_mixing=0.5, outer_codec="int4")
+    full = run_ranks(_pretrain_body, 2, cfg)[0]
+    losses = [loss for loss, _ in full]
+    outer = [t.get("outer", [0, 0])[0] > 0 for _, t in full]
+    assert outer == [False, True, False, True] * 2  # fragment 1 starts at steps 2, 6; fragment 0 at 4, 8
+    ck = str(tmp_path / "ck")
+    first = run_ranks(_pretrain_body, 2, replace(cfg, save=ck, exit_interval=4))[0]  # fragment 0 in flight
+    rest = run_ranks(_pretrain_body, 2, replace(cfg, load=ck))[0]
+    assert [loss for loss, _ in first + rest] == losses
+    with pytest.raises(ValueError, match="streaming_diloco"):
+        from megacomp.training.arguments import check
+        check(replace(cfg, outer_algorithm="diloco"), world_size=2)
+    with pytest.raises(ValueError, match="larger than the 2 layers"):
+        check(replace(cfg, outer_fragments=3), world_size=2)

@@ -12,6 +12,14 @@ rank of a replica (a TP x PP [x inner-DP] model), for this rank's parameter shar
               m = momentum * m + Delta;  step = Delta + momentum * m (Nesterov) or m;  theta -= lr * step
     the model's parameters (and the inner optimizer's fp32 masters) are set to theta_t
 
+Streaming DiLoCo (Douillard et al., 2025; torchft's ``fragment_sync_delay`` / ``fragment_update_alpha``) is
+the same loop with three more settings: the parameters are cut into ``fragments`` contiguous groups of
+about equal size, fragment p starts its exchange at the inner steps t with (t + p * H // P) % H == 0
+(staggered, so the peak traffic is one fragment), the exchange runs in the background for ``delay``
+inner steps (tau < H) and is applied then, and the fragment's local weights are merged with the new outer
+weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weights). DiLoCo is fragments
+1, delay 0, mixing 0, and runs exactly the same operations.
+
 The inner optimizer keeps its own state across outer steps (as in the paper). With H = 1, lr = 1 and no
 momentum, theta_t = theta_{t-1} - mean(theta_{t-1} - theta_i): parameter averaging after every step, up to
 fp32 rounding of the subtraction (tests/test_outer_diloco.py bounds it).
@@ -20,8 +28,9 @@ Error bound with a lossy outer codec: the averaged pseudo-gradient carries the c
 error (megacomp.comm.collectives, applied to Delta / R); error feedback (``error_feedback``) carries the
 residual into the next outer step.
 
-State (checkpointed by :meth:`DiLoCo.state_dict`): theta_{t-1} (fp32, flat), the outer SGD's momentum, the
-inner-step counter (position in the H-step cycle), and the outer channel's error feedback and stream.
+State (checkpointed by :meth:`DiLoCo.state_dict`): theta_{t-1} per fragment (fp32, flat), the outer SGD's
+momentum per fragment, the inner-step counter (position in the cycle), exchanges in flight (completed and
+kept with the step they apply at), and the outer channel's error feedback and stream.
 """
 from __future__ import annotations
 
@@ -52,10 +61,23 @@ class DiLoCoConfig:
     """Codec of the pseudo-gradient all-reduce (None: uncompressed)."""
     error_feedback: Any = None
     """Error feedback on the pseudo-gradient ('ef', 'loco' or a mapping); needs a lossy codec."""
+    fragments: int = 1
+    """Streaming DiLoCo: contiguous parameter fragments synchronised at staggered steps (1 = DiLoCo)."""
+    delay: int = 0
+    """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau, < outer_steps)."""
+    mixing: float = 0.0
+    """Streaming DiLoCo: alpha in local = lerp(outer, local, alpha) when a fragment is applied (0: outer)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.outer_steps, int) or self.outer_steps < 1:
             raise ValueError(f"outer_steps (H) must be an int >= 1, got {self.outer_steps!r}")
+        if not isinstance(self.fragments, int) or self.fragments < 1:
+            raise ValueError(f"fragments must be an int >= 1, got {self.fragments!r}")
+        if not isinstance(self.delay, int) or not 0 <= self.delay < self.outer_steps:
+            raise ValueError(f"delay (tau) must be an int in [0, outer_steps={self.outer_steps}), got {self.delay!r}: "
+                             f"an exchange must be applied before its fragment's next one starts")
+        if not 0 <= self.mixing < 1:
+            raise ValueError(f"mixing (alpha) must be in [0, 1), got {self.mixing}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
@@ -95,52 +117,94 @@ class DiLoCo:
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("DiLoCo: no parameters")
+        if config.fragments > len(self.params):
+            raise ValueError(f"DiLoCo: {config.fragments} fragments for {len(self.params)} parameter tensors on this "
+                             f"rank; use at most that many fragments")
         self.config, self.group, self.after_sync = config, outer_group, after_sync
         self.replicas = dist.get_world_size(outer_group)
         self.channel = channel if channel is not None else Channel(
             "outer", config.codec, group=outer_group, error_feedback=config.error_feedback)
-        with torch.no_grad():
-            self.outer = torch.nn.Parameter(self._flat_local(), requires_grad=False)  # theta_{t-1}
-        self.optimizer = torch.optim.SGD([self.outer], lr=config.outer_lr, momentum=config.outer_momentum,
-                                         nesterov=config.nesterov and config.outer_momentum > 0)
+        self.fragments = _split(self.params, config.fragments)
+        with torch.no_grad():  # theta_{t-1}, one flat fp32 tensor per fragment
+            self.outer = [torch.nn.Parameter(_flat(f), requires_grad=False) for f in self.fragments]
+        nesterov = config.nesterov and config.outer_momentum > 0
+        self.optimizers = [torch.optim.SGD([o], lr=config.outer_lr, momentum=config.outer_momentum, nesterov=nesterov)
+                           for o in self.outer]
         self.inner_steps = 0
         self.syncs = 0
+        self.pending: dict[int, list] = {}  # fragment -> [apply at inner step, averaged delta, work or None]
 
-    def _flat_local(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in self.params])
+    def _key(self, frag: int) -> str:
+        return "pseudo_gradient" if self.config.fragments == 1 else f"pseudo_gradient/f{frag}"
 
     def step(self) -> bool:
-        """Count one inner step; every ``outer_steps`` steps synchronise (:meth:`sync`). Returns whether it did."""
+        """Count one inner step; apply the exchanges due now, start the ones scheduled now (see the module
+        docstring). Returns whether any fragment's weights were replaced."""
         self.inner_steps += 1
-        if self.inner_steps % self.config.outer_steps:
-            return False
-        self.sync()
-        return True
+        t, cfg, changed = self.inner_steps, self.config, False
+        for frag in sorted(self.pending):
+            if self.pending[frag][0] == t:
+                self._apply(frag)
+                changed = True
+        for frag in range(cfg.fragments):
+            if (t + frag * cfg.outer_steps // cfg.fragments) % cfg.outer_steps == 0:
+                self._start(frag)
+                if cfg.delay == 0:
+                    self._apply(frag)
+                    changed = True
+        if changed and self.after_sync is not None:
+            self.after_sync()
+        return changed
 
     @torch.no_grad()
     def sync(self) -> None:
-        """One outer step now (a collective over the outer group)."""
-        delta = self.outer.detach() - self._flat_local()  # Delta = theta_{t-1} - theta_local
-        delta.div_(self.replicas)  # mean = sum of Delta / R: gloo has no AVG, and the codecs see the scaled values
-        self.channel.all_reduce(delta, dist.ReduceOp.SUM, key="pseudo_gradient")
-        self.outer.grad = delta
-        self.optimizer.step()
-        self.outer.grad = None
-        off = 0
-        for p in self.params:
-            n = p.numel()
-            p.copy_(self.outer[off:off + n].view_as(p))
-            off += n
-        self.syncs += 1
+        """An outer step of every fragment now, without delay (a collective over the outer group)."""
+        for frag in range(self.config.fragments):
+            self._start(frag, background=False)
+            self._apply(frag)
         if self.after_sync is not None:
             self.after_sync()
 
+    @torch.no_grad()
+    def _start(self, frag: int, background: Optional[bool] = None) -> None:
+        delta = self.outer[frag].detach() - _flat(self.fragments[frag])  # Delta = theta_{t-1} - theta_local
+        delta.div_(self.replicas)  # mean = sum of Delta / R: gloo has no AVG, and the codecs see the scaled values
+        background = self.config.delay > 0 if background is None else background
+        work = self.channel.all_reduce(delta, dist.ReduceOp.SUM, key=self._key(frag), async_op=background)
+        self.pending[frag] = [self.inner_steps + (self.config.delay if background else 0), delta, work]
+
+    @torch.no_grad()
+    def _apply(self, frag: int) -> None:
+        _, delta, work = self.pending.pop(frag)
+        if work is not None:
+            work.wait()
+        outer = self.outer[frag]
+        outer.grad = delta
+        self.optimizers[frag].step()
+        outer.grad = None
+        off, alpha = 0, self.config.mixing
+        for p in self.fragments[frag]:
+            n = p.numel()
+            new = outer[off:off + n].view_as(p)
+            p.copy_(new if alpha == 0 else torch.lerp(new, p.detach().to(torch.float32), alpha))
+            off += n
+        self.syncs += 1
+
+    def finish(self) -> None:
+        """Complete the exchanges in flight (not applied): call before tearing down the process groups."""
+        for frag in sorted(self.pending):
+            work = self.pending[frag][2]
+            if work is not None:
+                work.wait()
+                self.pending[frag][2] = None
+
     def state_dict(self) -> dict[str, Any]:
         """theta_{t-1}, the outer optimizer, the cycle position and the channel (see the module docstring)."""
-        return {"config": self.config.to_dict(), "outer": self.outer.detach().clone(),
-                "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # torch returns live momentum buffers
-                "inner_steps": self.inner_steps, "syncs": self.syncs,
-                "channel": self.channel.state_dict()}
+        self.finish()  # exchanges in flight complete now and are kept with the step they apply at
+        return {"config": self.config.to_dict(), "outer": [o.detach().clone() for o in self.outer],
+                "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # torch returns live buffers
+                "inner_steps": self.inner_steps, "syncs": self.syncs, "channel": self.channel.state_dict(),
+                "pending": {f: [at, d.clone()] for f, (at, d, _) in self.pending.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Raises ValueError when it was saved with another outer configuration or
@@ -148,11 +212,33 @@ class DiLoCo:
         if state["config"] != self.config.to_dict():
             raise ValueError(f"DiLoCo state was saved with {state['config']}, this run uses {self.config.to_dict()}; "
                              f"resume with the same outer configuration")
-        if state["outer"].numel() != self.outer.numel():
-            raise ValueError(f"DiLoCo state holds {state['outer'].numel()} parameters, this rank has "
-                             f"{self.outer.numel()}; resume with the same model and layout")
+        if [o.numel() for o in state["outer"]] != [o.numel() for o in self.outer]:
+            raise ValueError(f"DiLoCo state holds fragments of {[o.numel() for o in state['outer']]} parameters, this "
+                             f"rank has {[o.numel() for o in self.outer]}; resume with the same model and layout")
         with torch.no_grad():
-            self.outer.copy_(state["outer"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            for o, saved in zip(self.outer, state["outer"]):
+                o.copy_(saved)
+        for opt, saved in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(saved)
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.channel.load_state_dict(state["channel"])
+        self.pending = {int(f): [int(at), d.clone(), None] for f, (at, d) in state["pending"].items()}
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+
+
+def _split(params: list, parts: int) -> list[list]:
+    """``params`` cut into ``parts`` contiguous, non-empty groups of about equal element count."""
+    total = sum(p.numel() for p in params)
+    groups, current, acc = [], [], 0
+    for i, p in enumerate(params):
+        current.append(p)
+        acc += p.numel()
+        left_params, left_groups = len(params) - i - 1, parts - len(groups) - 1
+        if left_groups and (acc >= total * (len(groups) + 1) / parts or left_params == left_groups):
+            groups.append(current)
+            current = []
+    groups.append(current)
+    return groups

@@ -110,7 +110,7 @@ class PretrainConfig:
     loss_divergence_factor: float = 10.0
     """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
     outer_algorithm: str = "none"
-    """Local-step outer loop over model replicas: none or diloco (megacomp.outer)."""
+    """Local-step outer loop over model replicas: none, diloco or streaming_diloco (megacomp.outer)."""
     num_replicas: int = 1
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
@@ -124,6 +124,12 @@ class PretrainConfig:
     """Codec of the pseudo-gradient all-reduce (a name or mapping; None = uncompressed)."""
     outer_error_feedback: Any = None
     """Error feedback on the pseudo-gradient ('ef', 'loco'); needs outer_codec."""
+    outer_fragments: int = 1
+    """Streaming DiLoCo: parameter fragments synchronised at staggered steps (at most num_layers)."""
+    outer_delay: int = 0
+    """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau < outer_steps)."""
+    outer_mixing: float = 0.0
+    """Streaming DiLoCo: alpha in local = alpha * local + (1 - alpha) * outer when a fragment lands."""
     exit_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (Slurm: sbatch --signal=USR1@120), save a checkpoint at the next iteration
     boundary and exit with status 0."""
@@ -263,16 +269,19 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.max_skipped_steps}")
     if cfg.loss_divergence_factor < 0 or 0 < cfg.loss_divergence_factor <= 1:
         raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {cfg.loss_divergence_factor}")
-    if cfg.outer_algorithm not in ("none", "diloco"):
-        raise ValueError(f"outer_algorithm must be none or diloco, got {cfg.outer_algorithm!r} (streaming_diloco, "
-                         f"noloco and mt_dao are not implemented yet)")
-    if cfg.outer_algorithm == "diloco":
-        from ..outer import DiLoCoConfig
-
-        DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                     codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback)  # raises on bad values
+    if cfg.outer_algorithm not in ("none", "diloco", "streaming_diloco"):
+        raise ValueError(f"outer_algorithm must be none, diloco or streaming_diloco, got {cfg.outer_algorithm!r} "
+                         f"(noloco and mt_dao are not implemented yet)")
+    if cfg.outer_algorithm == "diloco" and (cfg.outer_fragments != 1 or cfg.outer_delay or cfg.outer_mixing):
+        raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo settings: use "
+                         "--outer-algorithm streaming_diloco")
+    if cfg.outer_algorithm != "none":
+        outer_config(cfg)  # raises on bad values
+        if cfg.outer_fragments > cfg.num_layers:
+            raise ValueError(f"outer_fragments {cfg.outer_fragments} is larger than the {cfg.num_layers} layers; use "
+                             f"at most one fragment per layer")
         if cfg.num_replicas < 2:
-            raise ValueError(f"outer_algorithm diloco needs num_replicas >= 2, got {cfg.num_replicas}")
+            raise ValueError(f"outer_algorithm {cfg.outer_algorithm} needs num_replicas >= 2, got {cfg.num_replicas}")
     elif cfg.num_replicas != 1:
         raise ValueError(f"num_replicas {cfg.num_replicas} needs an outer algorithm (--outer-algorithm diloco)")
     if cfg.params_dtype not in ("float32", "bfloat16"):
@@ -304,3 +313,13 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"needs at least one layer")
     if cfg.sequence_parallel and cfg.seq_length % cfg.tensor_model_parallel_size:
         raise ValueError(f"sequence_parallel needs seq_length ({cfg.seq_length}) divisible by the TP size")
+
+
+def outer_config(cfg: PretrainConfig):
+    """The megacomp.outer.DiLoCoConfig of a run (DiLoCo is Streaming DiLoCo with one fragment, no delay, no
+    mixing). Raises ValueError for bad values (see DiLoCoConfig)."""
+    from ..outer import DiLoCoConfig
+
+    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+                        codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback,
+                        fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)

@@ -30,9 +30,9 @@ from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW
-from ..outer import DiLoCo, DiLoCoConfig, build_replica_groups
+from ..outer import DiLoCo, build_replica_groups
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
-from .arguments import PretrainConfig, check
+from .arguments import PretrainConfig, check, outer_config
 from .checkpoint import latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics import MetricsLogger, gather_traffic
@@ -82,10 +82,8 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.outer = None
         if self.replicas is not None:
-            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, DiLoCoConfig(
-                outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback),
-                after_sync=self.optimizer.load_params_from_model)
+            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, outer_config(cfg),
+                                after_sync=self.optimizer.load_params_from_model)
         self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
@@ -113,8 +111,10 @@ class Trainer:
                          resumed_from=resumed), flush=True)
             if self.outer is not None:
                 oc = self.outer.config
-                print(f"  outer loop: DiLoCo over {cfg.num_replicas} replicas of {g.dp_size // cfg.num_replicas} DP "
-                      f"rank(s), sync every {oc.outer_steps} steps, outer SGD lr {oc.outer_lr:g} momentum "
+                stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing "
+                          f"{oc.mixing:g}" if cfg.outer_algorithm == "streaming_diloco" else "")
+                print(f"  outer loop: {'Streaming ' if stream else ''}DiLoCo{stream} over {cfg.num_replicas} replicas of "
+                      f"{g.dp_size // cfg.num_replicas} DP rank(s), sync every {oc.outer_steps} steps, outer SGD lr {oc.outer_lr:g} momentum "
                       f"{oc.outer_momentum:g}{' (Nesterov)' if oc.nesterov and oc.outer_momentum else ''}, pseudo-gradient "
                       f"codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')",
                       flush=True)
@@ -336,5 +336,8 @@ class Trainer:
         return history
 
     def close(self) -> None:
-        """Tear down the model-parallel groups (the process group stays: its owner destroys it)."""
+        """Complete outer exchanges still in flight, then tear down the model-parallel groups (the process
+        group stays: its owner destroys it)."""
+        if self.outer is not None:
+            self.outer.finish()
         parallel_state.destroy_model_parallel()
