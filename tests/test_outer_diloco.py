@@ -123,31 +123,38 @@ def test_lossy_outer_codec_is_counted_and_keeps_its_residual():
         assert keys == ["pseudo_gradient/worker"]
 
 
-def _resume_body(rank, world):
-    cfg = DiLoCoConfig(outer_steps=2, codec={"name": "int4", "block_size": 32}, error_feedback="loco")
+def run_and_resume(rank, cfg, stop, end):
+    """Steps 1..end straight, and steps 1..stop then a fresh DiLoCo loaded from the state at ``stop`` for the
+    rest: (whether both end bit-identical, the fragments in flight at ``stop``, the saved state)."""
     params = make_params()
     outer = DiLoCo(params, None, cfg)
-    for t in range(5):  # mid-cycle: 2 syncs and one inner step of the third cycle
+    for t in range(1, stop + 1):
         inner_step(params, rank, t)
         outer.step()
+    in_flight = sorted(outer.pending)
     saved, saved_params = outer.state_dict(), [p.detach().clone() for p in params]
-    for t in range(5, 9):
-        inner_step(params, rank, t)
-        outer.step()
-    straight = flat(params).clone()
     params2 = [torch.nn.Parameter(p.clone()) for p in saved_params]
     outer2 = DiLoCo(params2, None, cfg)
     outer2.load_state_dict(saved)
-    for t in range(5, 9):
-        inner_step(params2, rank, t)
-        outer2.step()
+    for t in range(stop + 1, end + 1):
+        for ps, o in ((params, outer), (params2, outer2)):
+            inner_step(ps, rank, t)
+            o.step()
+    outer.finish()
+    outer2.finish()
+    return torch.equal(flat(params), flat(params2)), in_flight, saved
+
+
+def _resume_body(rank, world):
+    cfg = DiLoCoConfig(outer_steps=2, codec={"name": "int4", "block_size": 32}, error_feedback="loco")
+    same, _, saved = run_and_resume(rank, cfg, 5, 9)  # mid-cycle: 2 syncs and one step of the third cycle
     other = DiLoCo(make_params(), None, DiLoCoConfig(outer_steps=3))
     try:
         other.load_state_dict(saved)
         refused = ""
     except ValueError as e:
         refused = str(e)
-    return torch.equal(straight, flat(params2)), refused
+    return same, refused
 
 
 def test_state_dict_resumes_bit_identically_and_refuses_another_configuration():
@@ -302,26 +309,9 @@ def test_streaming_diloco_equals_an_fp64_simulation_of_its_schedule(world, cfg_k
 def _streaming_resume_body(rank, world):
     cfg = DiLoCoConfig(outer_steps=4, fragments=2, delay=2, mixing=0.5, codec={"name": "int4", "block_size": 32},
                        error_feedback="loco")
-    params = make_params()
-    outer = DiLoCo(params, None, cfg)
-    for t in range(1, 5):  # fragment 1 started at step 2 applies at 4; fragment 0 starts at 4 and is in flight
-        inner_step(params, rank, t)
-        outer.step()
-    in_flight = sorted(outer.pending)
-    saved, saved_params = outer.state_dict(), [p.detach().clone() for p in params]
-    for t in range(5, 12):
-        inner_step(params, rank, t)
-        outer.step()
-    straight = flat(params).clone()
-    params2 = [torch.nn.Parameter(p.clone()) for p in saved_params]
-    outer2 = DiLoCo(params2, None, cfg)
-    outer2.load_state_dict(saved)
-    for t in range(5, 12):
-        inner_step(params2, rank, t)
-        outer2.step()
-    outer.finish()
-    outer2.finish()
-    return in_flight, torch.equal(straight, flat(params2))
+    # fragment 1 started at step 2 applies at 4; fragment 0 starts at 4 and is in flight when the state is taken
+    same, in_flight, _ = run_and_resume(rank, cfg, 4, 11)
+    return in_flight, same
 
 
 def test_streaming_diloco_resumes_bit_identically_with_an_exchange_in_flight():
