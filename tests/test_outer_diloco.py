@@ -352,3 +352,37 @@ def test_pretraining_with_streaming_diloco_resumes_with_an_exchange_in_flight(tm
         check(replace(cfg, outer_algorithm="diloco"), world_size=2)
     with pytest.raises(ValueError, match="larger than the 2 layers"):
         check(replace(cfg, outer_fragments=3), world_size=2)
+
+
+def _lossy_bound_body(rank, world, spec):
+    from codec_bounds import all_reduce_bound
+    from megacomp.compression import make_codec
+
+    lr, mu = 0.7, 0.9
+    exact_p, lossy_p = make_params(), make_params()
+    exact = DiLoCo(exact_p, None, DiLoCoConfig(outer_steps=1, outer_lr=lr, outer_momentum=mu))
+    lossy = DiLoCo(lossy_p, None, DiLoCoConfig(outer_steps=1, outer_lr=lr, outer_momentum=mu, codec=spec))
+    start = flat(exact_p).clone()
+    inner_step(exact_p, rank, 1)
+    inner_step(lossy_p, rank, 1)
+    scaled = ((start - flat(exact_p)) / world)  # what each rank hands to the all-reduce: Delta_r / R
+    parts = [torch.empty_like(scaled) for _ in range(world)]
+    dist.all_gather(parts, scaled)
+    exact.step()
+    lossy.step()
+    # first outer step: theta = theta0 - lr * (1 + mu) * mean(Delta) (Nesterov, fresh momentum), so the codec's
+    # all-reduce error enters scaled by lr * (1 + mu); plus fp32 rounding of the outer update on both sides
+    codec_err = all_reduce_bound(make_codec(spec), parts).reshape(-1)
+    scale = start.abs().double() + flat(exact_p).abs().double()
+    bound = lr * (1 + mu) * codec_err + 2 * (world + 8) * EPS32 * scale * (1 + lr)
+    diff = (flat(lossy_p).double() - flat(exact_p).double()).abs()
+    return bool((diff <= bound).all()), diff.max().item(), bool((diff > 0).any())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("spec", [{"name": "int8", "block_size": 64}, {"name": "int4", "block_size": 32}],
+                         ids=["int8", "int4"])
+def test_lossy_outer_codec_error_is_within_the_codec_bound(world, spec):
+    for ok, worst, changed in run_ranks(_lossy_bound_body, world, spec):
+        assert ok, worst
+        assert changed  # the codec really quantized
