@@ -10,14 +10,19 @@ diverged (see megacomp.training.guard; nothing of the diverged state is saved); 
 (a traceback: a bug, or a failure of the machine).
 
 Failure output: every user-facing error is one line, ``megacomp-pretrain: error: ...``, printed by one
-rank (rank 0; every rank raises it alike, since all read the same inputs); the other ranks exit quietly
-with the same status. ``MEGACOMP_DEBUG=1`` adds the traceback on every rank.
+rank (rank 0; every rank raises it alike, since all read the same inputs). The other ranks wait up to
+``MEGACOMP_ERROR_GRACE`` seconds (default 20) before exiting with the same status: the launcher
+(torchrun, ``srun --kill-on-bad-exit``, mpirun) stops the whole job at the first rank that exits, and a
+rank other than 0 exiting at once could take rank 0 down before it printed. A rank still alive after the
+grace period has an error of its own (a file missing on one node, say) and prints it, naming its rank.
+``MEGACOMP_DEBUG=1`` adds the traceback on every rank.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -36,11 +41,27 @@ def _rank() -> int:
 
 
 def _say(message: str) -> None:
-    """One line on stderr from rank 0 (the traceback too, on every rank, under MEGACOMP_DEBUG=1)."""
+    """One line on stderr from rank 0 (the traceback too, on every rank, under MEGACOMP_DEBUG=1).
+
+    Any other rank first waits out the grace period (see the module docstring), so that the launcher
+    stops it after rank 0 has printed; if it is still running then, the error is its own and it prints it.
+    """
     if os.environ.get("MEGACOMP_DEBUG", "") not in ("", "0"):
         traceback.print_exc()
-    if _rank() == 0:
-        print(f"megacomp-pretrain: error: {message}", file=sys.stderr, flush=True)
+    rank = _rank()
+    if rank != 0:
+        time.sleep(_error_grace())
+    where = f"rank {rank}: " if rank != 0 else ""
+    print(f"megacomp-pretrain: error: {where}{message}", file=sys.stderr, flush=True)
+
+
+def _error_grace() -> float:
+    """Seconds a rank other than 0 waits before printing its error (``MEGACOMP_ERROR_GRACE``, default 20)."""
+    value = os.environ.get("MEGACOMP_ERROR_GRACE", "20")
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return 20.0
 
 
 def _configure_logging() -> None:

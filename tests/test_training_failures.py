@@ -124,6 +124,21 @@ def test_bad_input_is_one_line_once(tmp_path, corpus):
         assert status != 0 and words in line and not megacomp_traceback(err), err
 
 
+def test_an_error_on_another_rank_waits_for_rank_0_then_names_its_rank(monkeypatch, capsys):
+    """Rank 0 prints at once. Another rank waits out the grace period first (so that a launcher which stops
+    the job at the first exit cannot kill rank 0 before it printed), then prints the error with its rank."""
+    from megacomp import pretrain
+    monkeypatch.setenv("RANK", "0")
+    pretrain._say("bad thing")
+    assert capsys.readouterr().err == "megacomp-pretrain: error: bad thing\n"
+    slept = []
+    monkeypatch.setattr(pretrain.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MEGACOMP_ERROR_GRACE", "7.5")
+    pretrain._say("a file missing on this node")
+    assert slept == [7.5] and capsys.readouterr().err == "megacomp-pretrain: error: rank 1: a file missing on this node\n"
+
+
 def test_save_and_load_the_same_directory_starts_fresh_then_resumes(tmp_path, corpus):
     ck = str(tmp_path / "ck")
     status, out, err = launch(tmp_path, corpus, 2, "--save", ck, "--load", ck, "--train-iters", "2")
