@@ -6,7 +6,9 @@ mpi4py); with no launcher it runs as a single process. See megacomp/training/arg
 
 Exit status: 0 when training finished, or stopped at an exit signal after saving; 2 for bad input (flags,
 config or preset files, data paths, parallel sizes, a checkpoint that cannot be resumed); 3 when the run
-diverged (see megacomp.training.guard; nothing of the diverged state is saved); 1 for anything else
+diverged (see megacomp.training.guard; nothing of the diverged state is saved); 4 when a replica of a
+local-step run did not reach an outer exchange within ``--outer-timeout`` (megacomp.outer.liveness: the
+survivors stop, naming it; restart from the last checkpoint); 1 for anything else
 (a traceback: a bug, or a failure of the machine).
 
 Failure output: every user-facing error is one line, ``megacomp-pretrain: error: ...``, printed by one
@@ -29,6 +31,7 @@ import torch.distributed as dist
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
+EXIT_REPLICA_LOST = 4
 
 
 def _rank() -> int:
@@ -82,6 +85,7 @@ def main(argv=None) -> int:
         SystemExit: ``--help``, or bad command-line flags (argparse prints the usage; status 2).
         Exception: anything that is not a user-facing error propagates with its traceback.
     """
+    from .outer import ReplicaLost
     from .training import Trainer, TrainingDiverged, parse_args
 
     try:
@@ -97,6 +101,9 @@ def main(argv=None) -> int:
     except TrainingDiverged as e:
         _say(f"{e} (nothing was saved after the last checkpoint)")
         return EXIT_DIVERGED
+    except ReplicaLost as e:
+        _say(str(e))
+        return EXIT_REPLICA_LOST
     except (ValueError, OSError) as e:  # bad configuration or input: one line, no traceback soup
         _say(str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}")
         return EXIT_BAD_INPUT

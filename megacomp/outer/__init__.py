@@ -3,5 +3,6 @@ exchange a compressed pseudo-gradient. Implemented: DiLoCo and Streaming DiLoCo 
 Planned on the same API: NoLoCo, MT-DAO, SparseLoCo."""
 from .diloco import DiLoCo, DiLoCoConfig
 from .groups import ReplicaGroups, build_replica_groups
+from .liveness import ReplicaLost, ReplicaWatch
 
-__all__ = ["DiLoCo", "DiLoCoConfig", "ReplicaGroups", "build_replica_groups"]
+__all__ = ["DiLoCo", "DiLoCoConfig", "ReplicaGroups", "ReplicaLost", "ReplicaWatch", "build_replica_groups"]

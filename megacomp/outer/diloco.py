@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from ..comm import Channel
 from ..compression import CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config
+from .liveness import ReplicaLost, ReplicaWatch
 
 
 @dataclass
@@ -107,20 +108,25 @@ class DiLoCo:
             stats tag ``outer``).
         after_sync: called after the parameters were replaced (the trainer reloads the sharded optimizer's
             masters from the model here).
+        watch: arrival checks at every exchange (megacomp.outer.liveness.ReplicaWatch with ``lag`` = the
+            fragment count): a replica that died is named after the watch's timeout instead of hanging the
+            others. None: no checks (the collective waits up to the process group's timeout).
 
     Raises:
         ValueError: bad config values (DiLoCoConfig), an empty parameter list.
+        ReplicaLost: (from step/sync) a replica did not reach an exchange within the watch's timeout.
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], outer_group, config: DiLoCoConfig, *,
-                 channel: Optional[Channel] = None, after_sync: Optional[Callable[[], None]] = None) -> None:
+                 channel: Optional[Channel] = None, after_sync: Optional[Callable[[], None]] = None,
+                 watch: Optional[ReplicaWatch] = None) -> None:
         self.params = [p for p in params]
         if not self.params:
             raise ValueError("DiLoCo: no parameters")
         if config.fragments > len(self.params):
             raise ValueError(f"DiLoCo: {config.fragments} fragments for {len(self.params)} parameter tensors on this "
                              f"rank; use at most that many fragments")
-        self.config, self.group, self.after_sync = config, outer_group, after_sync
+        self.config, self.group, self.after_sync, self.watch = config, outer_group, after_sync, watch
         self.replicas = dist.get_world_size(outer_group)
         self.channel = channel if channel is not None else Channel(
             "outer", config.codec, group=outer_group, error_feedback=config.error_feedback)
@@ -132,7 +138,10 @@ class DiLoCo:
                            for o in self.outer]
         self.inner_steps = 0
         self.syncs = 0
-        self.pending: dict[int, list] = {}  # fragment -> [apply at inner step, averaged delta, work or None]
+        self.exchanges = 0  # exchanges started by this object (the watch's numbering)
+        self.lost = False  # the watch found a replica missing: nothing pending completes any more
+        # fragment -> [apply at inner step, averaged delta, work or None, exchange number or None]
+        self.pending: dict[int, list] = {}
 
     def _key(self, frag: int) -> str:
         return "pseudo_gradient" if self.config.fragments == 1 else f"pseudo_gradient/f{frag}"
@@ -170,12 +179,20 @@ class DiLoCo:
         delta = self.outer[frag].detach() - _flat(self.fragments[frag])  # Delta = theta_{t-1} - theta_local
         delta.div_(self.replicas)  # mean = sum of Delta / R: gloo has no AVG, and the codecs see the scaled values
         background = self.config.delay > 0 if background is None else background
+        n, self.exchanges = self.exchanges, self.exchanges + 1
+        if self.watch is not None:
+            self.watch.announce(n)
+            if not background:
+                self._await(n)  # before entering a blocking collective a dead replica would hang
         work = self.channel.all_reduce(delta, dist.ReduceOp.SUM, key=self._key(frag), async_op=background)
-        self.pending[frag] = [self.inner_steps + (self.config.delay if background else 0), delta, work]
+        self.pending[frag] = [self.inner_steps + (self.config.delay if background else 0), delta, work,
+                              n if background else None]
 
     @torch.no_grad()
     def _apply(self, frag: int) -> None:
-        _, delta, work = self.pending.pop(frag)
+        _, delta, work, n = self.pending.pop(frag)
+        if n is not None:
+            self._await(n)
         if work is not None:
             work.wait()
         outer = self.outer[frag]
@@ -190,10 +207,26 @@ class DiLoCo:
             off += n
         self.syncs += 1
 
+    def _await(self, n: int) -> None:
+        """The watch's arrival check of exchange ``n`` (nothing without a watch); remembers a lost replica."""
+        if self.watch is None:
+            return
+        try:
+            self.watch.await_all(n)
+        except ReplicaLost:
+            self.lost = True
+            raise
+
     def finish(self) -> None:
         """Complete the exchanges in flight (not applied): call before tearing down the process groups."""
+        if self.lost:  # a replica is gone: its side of these exchanges never comes, and the run stops anyway
+            self.pending = {}
+            return
         for frag in sorted(self.pending):
-            work = self.pending[frag][2]
+            work, n = self.pending[frag][2], self.pending[frag][3]
+            if n is not None:
+                self._await(n)
+                self.pending[frag][3] = None
             if work is not None:
                 work.wait()
                 self.pending[frag][2] = None
@@ -204,7 +237,7 @@ class DiLoCo:
         return {"config": self.config.to_dict(), "outer": [o.detach().clone() for o in self.outer],
                 "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # torch returns live buffers
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "channel": self.channel.state_dict(),
-                "pending": {f: [at, d.clone()] for f, (at, d, _) in self.pending.items()}}
+                "pending": {f: [at, d.clone()] for f, (at, d, *_) in self.pending.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Raises ValueError when it was saved with another outer configuration or
@@ -222,7 +255,7 @@ class DiLoCo:
             opt.load_state_dict(saved)
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.channel.load_state_dict(state["channel"])
-        self.pending = {int(f): [int(at), d.clone(), None] for f, (at, d) in state["pending"].items()}
+        self.pending = {int(f): [int(at), d.clone(), None, None] for f, (at, d) in state["pending"].items()}
 
 
 def _flat(params) -> torch.Tensor:

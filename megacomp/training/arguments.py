@@ -130,6 +130,9 @@ class PretrainConfig:
     """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau < outer_steps)."""
     outer_mixing: float = 0.0
     """Streaming DiLoCo: alpha in local = alpha * local + (1 - alpha) * outer when a fragment lands."""
+    outer_timeout: float = 600.0
+    """Seconds a replica waits for the others at an outer exchange; then it stops with an error naming the
+    replicas that did not arrive (a dead or stalled replica must not hang the rest)."""
     exit_on_signal: bool = True
     """On SIGTERM or SIGUSR1 (Slurm: sbatch --signal=USR1@120), save a checkpoint at the next iteration
     boundary and exit with status 0."""

@@ -30,7 +30,7 @@ from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW
-from ..outer import DiLoCo, build_replica_groups
+from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
 from .arguments import PretrainConfig, check, outer_config
 from .checkpoint import latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -82,8 +82,10 @@ class Trainer:
         self.optimizer = self._build_optimizer()
         self.outer = None
         if self.replicas is not None:
-            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, outer_config(cfg),
-                                after_sync=self.optimizer.load_params_from_model)
+            oc = outer_config(cfg)
+            watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, cfg.outer_timeout, lag=oc.fragments)
+            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, oc,
+                                after_sync=self.optimizer.load_params_from_model, watch=watch)
         self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
