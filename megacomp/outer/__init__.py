@@ -1,6 +1,7 @@
 """Local-step outer loops over model replicas (issue 16): replicas train H steps on their own, then
-exchange a compressed pseudo-gradient. Implemented: DiLoCo and Streaming DiLoCo (one engine, DiLoCo).
-Planned on the same API: NoLoCo, MT-DAO, SparseLoCo."""
+exchange a compressed pseudo-gradient. Implemented: DiLoCo, Streaming DiLoCo and NoLoCo (one engine,
+DiLoCo; NoLoCo's gossip step in noloco.py), with bounded waits for lost replicas (liveness.py).
+Planned on the same API: MT-DAO, SparseLoCo."""
 from .diloco import DiLoCo, DiLoCoConfig
 from .groups import ReplicaGroups, build_replica_groups
 from .liveness import ReplicaLost, ReplicaWatch

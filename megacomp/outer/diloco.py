@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..comm import Channel
 from ..compression import CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config
 from .liveness import ReplicaLost, ReplicaWatch
+from .noloco import gossip_groups, outer_update, start_exchange
 
 
 @dataclass
@@ -68,6 +69,13 @@ class DiLoCoConfig:
     """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau, < outer_steps)."""
     mixing: float = 0.0
     """Streaming DiLoCo: alpha in local = lerp(outer, local, alpha) when a fragment is applied (0: outer)."""
+    algorithm: str = "diloco"
+    """'diloco' (all-reduce of the pseudo-gradient, outer SGD) or 'noloco' (gossip in random groups,
+    megacomp.outer.noloco; outer_lr is alpha, outer_momentum beta, nesterov is not used)."""
+    group_size: int = 2
+    """NoLoCo: replicas per gossip group (must divide the replica count)."""
+    seed: int = 0
+    """NoLoCo: seed of the group draws (the same on every rank)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.outer_steps, int) or self.outer_steps < 1:
@@ -83,10 +91,17 @@ class DiLoCoConfig:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.algorithm not in ("diloco", "noloco"):
+            raise ValueError(f"outer algorithm must be 'diloco' or 'noloco', got {self.algorithm!r}")
+        if self.algorithm == "noloco" and (not isinstance(self.group_size, int) or self.group_size < 2):
+            raise ValueError(f"NoLoCo group_size must be an int >= 2, got {self.group_size!r}")
         self.codec = make_codec(self.codec)
         if self.error_feedback is not None:
             self.error_feedback = make_error_feedback_config(self.error_feedback)
         check_error_feedback_codec(self.codec, self.error_feedback, "DiLoCo error_feedback")
+        if self.algorithm == "noloco" and self.error_feedback is not None and self.group_size != 2:
+            raise ValueError(f"NoLoCo error feedback needs groups of 2 (one encoding per peer), got group_size "
+                             f"{self.group_size}; use group_size 2 or no error feedback")
 
     def to_dict(self) -> dict:
         """Plain data (for checkpoints and the compatibility check)."""
@@ -108,9 +123,8 @@ class DiLoCo:
             stats tag ``outer``).
         after_sync: called after the parameters were replaced (the trainer reloads the sharded optimizer's
             masters from the model here).
-        watch: arrival checks at every exchange (megacomp.outer.liveness.ReplicaWatch with ``lag`` = the
-            fragment count): a replica that died is named after the watch's timeout instead of hanging the
-            others. None: no checks (the collective waits up to the process group's timeout).
+        watch: arrival checks at every exchange (megacomp.outer.liveness.ReplicaWatch): a replica that died
+            is named after the watch's timeout instead of hanging the others. None: no checks (the collective waits up to the process group's timeout).
 
     Raises:
         ValueError: bad config values (DiLoCoConfig), an empty parameter list.
@@ -128,19 +142,29 @@ class DiLoCo:
                              f"rank; use at most that many fragments")
         self.config, self.group, self.after_sync, self.watch = config, outer_group, after_sync, watch
         self.replicas = dist.get_world_size(outer_group)
+        self.replica = dist.get_rank(outer_group)
+        self.outer_ranks = dist.get_process_group_ranks(outer_group) if outer_group is not None else \
+            list(range(dist.get_world_size()))
+        if config.algorithm == "noloco" and self.replicas % config.group_size:
+            raise ValueError(f"NoLoCo group_size {config.group_size} does not divide the replica count {self.replicas}; "
+                             f"use a divisor of {self.replicas}")
         self.channel = channel if channel is not None else Channel(
             "outer", config.codec, group=outer_group, error_feedback=config.error_feedback)
+        self.plain = self.channel.uncompressed()  # NoLoCo's slow weights: same traffic kind, never quantised
         self.fragments = _split(self.params, config.fragments)
         with torch.no_grad():  # theta_{t-1}, one flat fp32 tensor per fragment
             self.outer = [torch.nn.Parameter(_flat(f), requires_grad=False) for f in self.fragments]
         nesterov = config.nesterov and config.outer_momentum > 0
         self.optimizers = [torch.optim.SGD([o], lr=config.outer_lr, momentum=config.outer_momentum, nesterov=nesterov)
-                           for o in self.outer]
+                           for o in self.outer] if config.algorithm == "diloco" else []
+        # NoLoCo's outer momentum m_i, one flat fp32 tensor per fragment
+        self.momenta = [torch.zeros_like(o) for o in self.outer] if config.algorithm == "noloco" else []
         self.inner_steps = 0
         self.syncs = 0
         self.exchanges = 0  # exchanges started by this object (the watch's numbering)
         self.lost = False  # the watch found a replica missing: nothing pending completes any more
-        # fragment -> [apply at inner step, averaged delta, work or None, exchange number or None]
+        # fragment -> [apply at inner step, tensors (DiLoCo: [mean Delta]; NoLoCo: [Delta, peers' Delta...,
+        # peers' phi...]), work or None, exchange number or None (awaited), gossip group or None (everyone)]
         self.pending: dict[int, list] = {}
 
     def _key(self, frag: int) -> str:
@@ -177,28 +201,47 @@ class DiLoCo:
     @torch.no_grad()
     def _start(self, frag: int, background: Optional[bool] = None) -> None:
         delta = self.outer[frag].detach() - _flat(self.fragments[frag])  # Delta = theta_{t-1} - theta_local
-        delta.div_(self.replicas)  # mean = sum of Delta / R: gloo has no AVG, and the codecs see the scaled values
         background = self.config.delay > 0 if background is None else background
         n, self.exchanges = self.exchanges, self.exchanges + 1
+        members = None
+        if self.config.algorithm == "noloco":
+            members = next(g for g in gossip_groups(self.replicas, self.config.group_size, self.config.seed, n)
+                           if self.replica in g)
         if self.watch is not None:
             self.watch.announce(n)
             if not background:
-                self._await(n)  # before entering a blocking collective a dead replica would hang
-        work = self.channel.all_reduce(delta, dist.ReduceOp.SUM, key=self._key(frag), async_op=background)
-        self.pending[frag] = [self.inner_steps + (self.config.delay if background else 0), delta, work,
-                              n if background else None]
+                self._await(n, members)  # before entering a blocking exchange a dead replica would hang
+        at = self.inner_steps + (self.config.delay if background else 0)
+        if members is None:
+            delta.div_(self.replicas)  # mean = sum of Delta / R: gloo has no AVG, and the codecs see the scaled values
+            work = self.channel.all_reduce(delta, dist.ReduceOp.SUM, key=self._key(frag), async_op=background)
+            tensors = [delta]
+        else:
+            peers = [r for r in members if r != self.replica]
+            works, deltas, phis = start_exchange(self.channel, self.plain, self.outer_ranks, peers, delta,
+                                                 self.outer[frag].detach(), self._key(frag))
+            work, tensors = _Works(works), [delta, *deltas, *phis]
+            if not background:
+                work.wait()
+                work = None
+        self.pending[frag] = [at, tensors, work, n if background else None, members]
 
     @torch.no_grad()
     def _apply(self, frag: int) -> None:
-        _, delta, work, n = self.pending.pop(frag)
+        _, tensors, work, n, members = self.pending.pop(frag)
         if n is not None:
-            self._await(n)
+            self._await(n, members)
         if work is not None:
             work.wait()
         outer = self.outer[frag]
-        outer.grad = delta
-        self.optimizers[frag].step()
-        outer.grad = None
+        if self.config.algorithm == "noloco":
+            peers = (len(tensors) - 1) // 2
+            outer_update(outer.data, self.momenta[frag], tensors[0], tensors[1:1 + peers], tensors[1 + peers:],
+                         self.config.outer_lr, self.config.outer_momentum)
+        else:
+            outer.grad = tensors[0]
+            self.optimizers[frag].step()
+            outer.grad = None
         off, alpha = 0, self.config.mixing
         for p in self.fragments[frag]:
             n = p.numel()
@@ -207,12 +250,12 @@ class DiLoCo:
             off += n
         self.syncs += 1
 
-    def _await(self, n: int) -> None:
+    def _await(self, n: int, members=None) -> None:
         """The watch's arrival check of exchange ``n`` (nothing without a watch); remembers a lost replica."""
         if self.watch is None:
             return
         try:
-            self.watch.await_all(n)
+            self.watch.await_all(n, members)
         except ReplicaLost:
             self.lost = True
             raise
@@ -223,9 +266,9 @@ class DiLoCo:
             self.pending = {}
             return
         for frag in sorted(self.pending):
-            work, n = self.pending[frag][2], self.pending[frag][3]
+            work, n, members = self.pending[frag][2], self.pending[frag][3], self.pending[frag][4]
             if n is not None:
-                self._await(n)
+                self._await(n, members)
                 self.pending[frag][3] = None
             if work is not None:
                 work.wait()
@@ -236,8 +279,10 @@ class DiLoCo:
         self.finish()  # exchanges in flight complete now and are kept with the step they apply at
         return {"config": self.config.to_dict(), "outer": [o.detach().clone() for o in self.outer],
                 "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # torch returns live buffers
+                "momenta": [m.clone() for m in self.momenta], "exchanges": self.exchanges,
                 "inner_steps": self.inner_steps, "syncs": self.syncs, "channel": self.channel.state_dict(),
-                "pending": {f: [at, d.clone()] for f, (at, d, *_) in self.pending.items()}}
+                "pending": {f: [at, [t.clone() for t in ts], members] for f, (at, ts, _, _, members)
+                            in self.pending.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`. Raises ValueError when it was saved with another outer configuration or
@@ -255,7 +300,22 @@ class DiLoCo:
             opt.load_state_dict(saved)
         self.inner_steps, self.syncs = int(state["inner_steps"]), int(state["syncs"])
         self.channel.load_state_dict(state["channel"])
-        self.pending = {int(f): [int(at), d.clone(), None, None] for f, (at, d) in state["pending"].items()}
+        for m, saved in zip(self.momenta, state.get("momenta", [])):
+            m.copy_(saved)
+        self.exchanges = int(state.get("exchanges", 0))
+        self.pending = {int(f): [int(at), [t.clone() for t in ts], None, None, members]
+                        for f, (at, ts, members) in state["pending"].items()}
+
+
+class _Works:
+    """Several point-to-point works waited on as one."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
 
 
 def _flat(params) -> torch.Tensor:

@@ -110,7 +110,7 @@ class PretrainConfig:
     loss_divergence_factor: float = 10.0
     """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
     outer_algorithm: str = "none"
-    """Local-step outer loop over model replicas: none, diloco or streaming_diloco (megacomp.outer)."""
+    """Local-step outer loop over model replicas: none, diloco, streaming_diloco or noloco (megacomp.outer)."""
     num_replicas: int = 1
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
@@ -118,8 +118,10 @@ class PretrainConfig:
     """H: inner steps between two outer synchronisations (DiLoCo)."""
     outer_lr: float = 0.7
     """Outer SGD learning rate (DiLoCo)."""
-    outer_momentum: float = 0.9
-    """Outer SGD Nesterov momentum (DiLoCo; 0 = plain SGD)."""
+    outer_momentum: Optional[float] = None
+    """Outer momentum (0 = none). Default: the algorithm's, 0.9 Nesterov for DiLoCo, 0.5 for NoLoCo."""
+    outer_group_size: int = 2
+    """NoLoCo: replicas per gossip group, drawn at random every outer step (must divide num_replicas)."""
     outer_codec: Any = None
     """Codec of the pseudo-gradient all-reduce (a name or mapping; None = uncompressed)."""
     outer_error_feedback: Any = None
@@ -272,9 +274,9 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.max_skipped_steps}")
     if cfg.loss_divergence_factor < 0 or 0 < cfg.loss_divergence_factor <= 1:
         raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {cfg.loss_divergence_factor}")
-    if cfg.outer_algorithm not in ("none", "diloco", "streaming_diloco"):
-        raise ValueError(f"outer_algorithm must be none, diloco or streaming_diloco, got {cfg.outer_algorithm!r} "
-                         f"(noloco and mt_dao are not implemented yet)")
+    if cfg.outer_algorithm not in ("none", "diloco", "streaming_diloco", "noloco"):
+        raise ValueError(f"outer_algorithm must be none, diloco, streaming_diloco or noloco, got "
+                         f"{cfg.outer_algorithm!r} (mt_dao is not implemented yet)")
     if cfg.outer_algorithm == "diloco" and (cfg.outer_fragments != 1 or cfg.outer_delay or cfg.outer_mixing):
         raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo settings: use "
                          "--outer-algorithm streaming_diloco")
@@ -285,6 +287,9 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                              f"at most one fragment per layer")
         if cfg.num_replicas < 2:
             raise ValueError(f"outer_algorithm {cfg.outer_algorithm} needs num_replicas >= 2, got {cfg.num_replicas}")
+        if cfg.outer_algorithm == "noloco" and cfg.num_replicas % cfg.outer_group_size:
+            raise ValueError(f"outer_group_size {cfg.outer_group_size} does not divide num_replicas {cfg.num_replicas}; "
+                             f"NoLoCo's gossip groups must split the replicas evenly")
     elif cfg.num_replicas != 1:
         raise ValueError(f"num_replicas {cfg.num_replicas} needs an outer algorithm (--outer-algorithm diloco)")
     if cfg.params_dtype not in ("float32", "bfloat16"):
@@ -323,6 +328,9 @@ def outer_config(cfg: PretrainConfig):
     mixing). Raises ValueError for bad values (see DiLoCoConfig)."""
     from ..outer import DiLoCoConfig
 
-    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+    noloco = cfg.outer_algorithm == "noloco"
+    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (0.5 if noloco else 0.9)
+    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=momentum,
+                        algorithm="noloco" if noloco else "diloco", group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
                         codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback,
                         fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)

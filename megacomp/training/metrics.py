@@ -17,18 +17,15 @@ import torch.distributed as dist
 
 from .. import comm
 
-# stats tags that are receive-side mirrors of traffic already counted on the sender
-_RECEIVE_TAGS = ("pp_activation_recv", "pp_gradient_recv")
-
 
 def gather_traffic() -> dict[str, list[int]]:
     """This iteration's wire statistics summed over all ranks (a collective), then reset.
 
     Returns ``{tag: [wire_bytes, uncompressed_bytes]}`` over the union of all ranks' tags. Receive-side
-    mirror tags (``pp_*_recv``) are left out so each byte is counted once; the local table is reset before
+    mirror tags (``*_recv``: the point-to-point receive side of the pipeline's and NoLoCo's sends) are left out so each byte is counted once; the local table is reset before
     the exchange. Every rank must call it, with torch.distributed initialised.
     """
-    local = {k: v for k, v in comm.stats().items() if k not in _RECEIVE_TAGS}
+    local = {k: v for k, v in comm.stats().items() if not k.endswith("_recv")}
     comm.reset_stats()
     names = [None] * dist.get_world_size()
     dist.all_gather_object(names, sorted(local))

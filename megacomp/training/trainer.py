@@ -83,7 +83,7 @@ class Trainer:
         self.outer = None
         if self.replicas is not None:
             oc = outer_config(cfg)
-            watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, cfg.outer_timeout, lag=oc.fragments)
+            watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, cfg.outer_timeout)
             self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, oc,
                                 after_sync=self.optimizer.load_params_from_model, watch=watch)
         self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
@@ -112,14 +112,7 @@ class Trainer:
                          compression_name=name, comp=self.compression_spec, log_dir=cfg.log_dir,
                          resumed_from=resumed), flush=True)
             if self.outer is not None:
-                oc = self.outer.config
-                stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing "
-                          f"{oc.mixing:g}" if cfg.outer_algorithm == "streaming_diloco" else "")
-                print(f"  outer loop: {'Streaming ' if stream else ''}DiLoCo{stream} over {cfg.num_replicas} replicas of "
-                      f"{g.dp_size // cfg.num_replicas} DP rank(s), sync every {oc.outer_steps} steps, outer SGD lr {oc.outer_lr:g} momentum "
-                      f"{oc.outer_momentum:g}{' (Nesterov)' if oc.nesterov and oc.outer_momentum else ''}, pseudo-gradient "
-                      f"codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')",
-                      flush=True)
+                print(f"  outer loop: {outer_summary(self.outer.config, cfg.num_replicas, g.dp_size)}", flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -343,3 +336,17 @@ class Trainer:
         if self.outer is not None:
             self.outer.finish()
         parallel_state.destroy_model_parallel()
+
+
+def outer_summary(oc, replicas: int, dp: int) -> str:
+    """One line saying what the outer loop does (the banner's): algorithm, replicas, period, rule, codec."""
+    per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
+    codec = f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')"
+    stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing {oc.mixing:g}"
+              if oc.fragments > 1 or oc.delay or oc.mixing else "")
+    if oc.algorithm == "noloco":
+        return (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
+                f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")
+    nesterov = " (Nesterov)" if oc.nesterov and oc.outer_momentum else ""
+    return (f"{'Streaming ' if stream else ''}DiLoCo{stream} over {per}, outer SGD lr {oc.outer_lr:g} momentum "
+            f"{oc.outer_momentum:g}{nesterov}, {codec}")
