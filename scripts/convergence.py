@@ -26,7 +26,8 @@ with classic EF, and int2 with classic EF;
 ``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
 ``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
-``diloco``: issue #16's DiLoCo (4 replicas, H = 50, uncompressed and int4 + EF outer) against DDP-AdamW.
+``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
+int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer) and NoLoCo (groups of 2).
 The table and the plots are drawn from ``results.json`` only, so ``--from-results`` regenerates them
 without training. Numbers are measured, never asserted: the tests bound codec errors, this script shows
 training quality.
@@ -120,6 +121,11 @@ SUITES["diloco"] = {"layout": [], "variants": {
     "none": {},
     "DiLoCo H=50": {"args": DILOCO},
     "DiLoCo H=50, int4+EF outer": {"args": [*DILOCO, "--outer-codec", "int4", "--outer-error-feedback", "ef"]},
+    "DiLoCo H=10": {"args": [*DILOCO[:-1], "10"]},
+    "Streaming DiLoCo H=50 P=4 tau=5, int4+EF outer": {"args": [
+        "--outer-algorithm", "streaming_diloco", "--num-replicas", "4", "--outer-steps", "50", "--outer-fragments", "4",
+        "--outer-delay", "5", "--outer-codec", "int4", "--outer-error-feedback", "ef"]},
+    "NoLoCo H=50 (groups of 2)": {"args": ["--outer-algorithm", "noloco", "--num-replicas", "4", "--outer-steps", "50"]},
 }}
 
 

@@ -237,7 +237,7 @@ def test_pretraining_flags_for_the_outer_loop_are_checked():
              ({"outer_algorithm": "diloco", "num_replicas": 1}, "needs num_replicas >= 2"),
              ({"outer_algorithm": "diloco", "num_replicas": 3}, "num_replicas 3 does not divide the data-parallel size 2"),
              ({"num_replicas": 2}, "needs an outer algorithm"),
-             ({"outer_algorithm": "mt_dao", "num_replicas": 2}, "not implemented yet"),
+             ({"outer_algorithm": "gossip", "num_replicas": 2}, "must be one of none, diloco"),
              ({"outer_algorithm": "diloco", "num_replicas": 2, "outer_error_feedback": "ef"}, "needs a lossy codec")]
     for extra, words in cases:
         with pytest.raises(ValueError, match=words):

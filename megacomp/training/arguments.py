@@ -110,16 +110,22 @@ class PretrainConfig:
     loss_divergence_factor: float = 10.0
     """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
     outer_algorithm: str = "none"
-    """Local-step outer loop over model replicas: none, diloco, streaming_diloco or noloco (megacomp.outer)."""
+    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco or mt_dao
+    (megacomp.outer)."""
     num_replicas: int = 1
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
     outer_steps: int = 50
     """H: inner steps between two outer synchronisations (DiLoCo)."""
-    outer_lr: float = 0.7
-    """Outer SGD learning rate (DiLoCo)."""
+    outer_lr: Optional[float] = None
+    """Outer learning rate. Default: the algorithm's, 0.7 for DiLoCo and NoLoCo, 1.0 for MT-DAO (averaging)."""
     outer_momentum: Optional[float] = None
-    """Outer momentum (0 = none). Default: the algorithm's, 0.9 Nesterov for DiLoCo, 0.5 for NoLoCo."""
+    """Outer momentum (0 = none). Default: the algorithm's, 0.9 Nesterov for DiLoCo, 0.5 for NoLoCo, 0 for
+    MT-DAO."""
+    mt_dao_slow_betas: str = "0.999"
+    """MT-DAO: comma list of the slow first moments' betas (the fast one is --adam-beta1; 0 = raw gradient)."""
+    mt_dao_slow_weights: str = "0.9"
+    """MT-DAO: comma list of the slow moments' weights in the update (sum <= 1; the fast one gets the rest)."""
     outer_group_size: int = 2
     """NoLoCo: replicas per gossip group, drawn at random every outer step (must divide num_replicas)."""
     outer_codec: Any = None
@@ -274,12 +280,16 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.max_skipped_steps}")
     if cfg.loss_divergence_factor < 0 or 0 < cfg.loss_divergence_factor <= 1:
         raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {cfg.loss_divergence_factor}")
-    if cfg.outer_algorithm not in ("none", "diloco", "streaming_diloco", "noloco"):
-        raise ValueError(f"outer_algorithm must be none, diloco, streaming_diloco or noloco, got "
-                         f"{cfg.outer_algorithm!r} (mt_dao is not implemented yet)")
-    if cfg.outer_algorithm == "diloco" and (cfg.outer_fragments != 1 or cfg.outer_delay or cfg.outer_mixing):
-        raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo settings: use "
+    if cfg.outer_algorithm not in OUTER_ALGORITHMS:
+        raise ValueError(f"outer_algorithm must be one of {', '.join(OUTER_ALGORITHMS)}, got {cfg.outer_algorithm!r}")
+    if cfg.outer_algorithm in ("diloco", "mt_dao") and (cfg.outer_fragments != 1 or cfg.outer_delay or cfg.outer_mixing):
+        raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo (and NoLoCo) settings: use "
                          "--outer-algorithm streaming_diloco")
+    if cfg.outer_algorithm == "mt_dao":
+        mt_dao_optimizer_kwargs(cfg)  # raises on bad lists
+        if cfg.adam_freeze_variance_step:
+            raise ValueError("adam_freeze_variance_step and outer_algorithm mt_dao both replace the inner optimizer; "
+                             "use one of them")
     if cfg.outer_algorithm != "none":
         outer_config(cfg)  # raises on bad values
         if cfg.outer_fragments > cfg.num_layers:
@@ -323,14 +333,40 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"sequence_parallel needs seq_length ({cfg.seq_length}) divisible by the TP size")
 
 
+OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao")
+
+
+def mt_dao_optimizer_kwargs(cfg: PretrainConfig) -> dict:
+    """``slow_betas`` and ``slow_weights`` of megacomp.optimizer.MultiTimescaleAdamW from the comma lists.
+
+    Raises:
+        ValueError: a list that does not parse, lists of different lengths, betas outside [0, 1), weights < 0
+            or summing to more than 1."""
+    out = {}
+    for field, key in (("mt_dao_slow_betas", "slow_betas"), ("mt_dao_slow_weights", "slow_weights")):
+        text = str(getattr(cfg, field))
+        try:
+            out[key] = tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"{field} must be a comma list of numbers, got {text!r}") from None
+    betas, weights = out["slow_betas"], out["slow_weights"]
+    if len(betas) != len(weights) or not all(0 <= b < 1 for b in betas) or any(w < 0 for w in weights) \
+            or sum(weights) > 1:
+        raise ValueError(f"mt_dao_slow_betas {betas} and mt_dao_slow_weights {weights}: one weight per beta, betas in "
+                         f"[0, 1), weights >= 0 summing to at most 1")
+    return out
+
+
 def outer_config(cfg: PretrainConfig):
     """The megacomp.outer.DiLoCoConfig of a run (DiLoCo is Streaming DiLoCo with one fragment, no delay, no
-    mixing). Raises ValueError for bad values (see DiLoCoConfig)."""
+    mixing; MT-DAO is its parameter averaging, outer lr 1 and no momentum, plus megacomp.outer.mt_dao's state
+    averaging). Raises ValueError for bad values (see DiLoCoConfig)."""
     from ..outer import DiLoCoConfig
 
-    noloco = cfg.outer_algorithm == "noloco"
-    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (0.5 if noloco else 0.9)
-    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=cfg.outer_lr, outer_momentum=momentum,
+    noloco, mt_dao = cfg.outer_algorithm == "noloco", cfg.outer_algorithm == "mt_dao"
+    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (0.5 if noloco else 0.0 if mt_dao else 0.9)
+    lr = cfg.outer_lr if cfg.outer_lr is not None else (1.0 if mt_dao else 0.7)
+    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=lr, outer_momentum=momentum,
                         algorithm="noloco" if noloco else "diloco", group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
                         codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback,
                         fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)

@@ -29,10 +29,11 @@ from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
-from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW
+from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
+from ..outer.mt_dao import average_optimizer_state
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
-from .arguments import PretrainConfig, check, outer_config
+from .arguments import PretrainConfig, check, mt_dao_optimizer_kwargs, outer_config
 from .checkpoint import latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics import MetricsLogger, gather_traffic
@@ -84,8 +85,8 @@ class Trainer:
         if self.replicas is not None:
             oc = outer_config(cfg)
             watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, cfg.outer_timeout)
-            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, oc,
-                                after_sync=self.optimizer.load_params_from_model, watch=watch)
+            self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, oc, after_sync=self._after_outer_sync,
+                                watch=watch)
         self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
@@ -112,7 +113,7 @@ class Trainer:
                          compression_name=name, comp=self.compression_spec, log_dir=cfg.log_dir,
                          resumed_from=resumed), flush=True)
             if self.outer is not None:
-                print(f"  outer loop: {outer_summary(self.outer.config, cfg.num_replicas, g.dp_size)}", flush=True)
+                print(f"  outer loop: {outer_summary(self.outer.config, cfg.num_replicas, g.dp_size, cfg.outer_algorithm)}", flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -142,6 +143,8 @@ class Trainer:
             return w * (0.5 if p is tied else 1.0)
 
         optimizer_class = torch.optim.AdamW
+        if cfg.outer_algorithm == "mt_dao":
+            optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(cfg))
         if cfg.adam_freeze_variance_step:
             optimizer_class = functools.partial(FrozenVarianceAdamW, freeze_step=cfg.adam_freeze_variance_step)
         deferred = ([tied] if tied is not None else []) + self._sp_params()
@@ -152,6 +155,13 @@ class Trainer:
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=g.mp if g.tp_size * g.pp_size > 1 else None,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+    def _after_outer_sync(self) -> None:
+        """The model's parameters were replaced by the outer step: reload the optimizer's fp32 masters; under
+        MT-DAO also average the optimizer's moments across the replicas (megacomp.outer.mt_dao)."""
+        self.optimizer.load_params_from_model()
+        if self.cfg.outer_algorithm == "mt_dao":
+            average_optimizer_state(self.optimizer.optimizer, self.outer.plain)
 
     def run_info(self) -> dict:
         """The run's configuration as recorded in megacomp.json (the fields a resume must match)."""
@@ -338,12 +348,15 @@ class Trainer:
         parallel_state.destroy_model_parallel()
 
 
-def outer_summary(oc, replicas: int, dp: int) -> str:
+def outer_summary(oc, replicas: int, dp: int, algorithm: str = "") -> str:
     """One line saying what the outer loop does (the banner's): algorithm, replicas, period, rule, codec."""
     per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
     codec = f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')"
     stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing {oc.mixing:g}"
               if oc.fragments > 1 or oc.delay or oc.mixing else "")
+    if algorithm == "mt_dao":
+        return (f"MT-DAO over {per}: parameters averaged (outer lr {oc.outer_lr:g}, momentum {oc.outer_momentum:g}, "
+                f"{codec}) and every Adam moment averaged uncompressed; inner MultiTimescaleAdamW")
     if oc.algorithm == "noloco":
         return (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
                 f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")

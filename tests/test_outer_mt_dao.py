@@ -1,0 +1,115 @@
+"""megacomp.outer.mt_dao (MT-DAO: parameters and every optimizer moment averaged every H steps).
+
+- average_optimizer_state replaces each moment by the replicas' mean (fp32: x / R summed, bound derived in
+  the test) and leaves the step counters alone.
+- Pretraining with --outer-algorithm mt_dao on 4 replicas: the loss falls, after a synchronisation every
+  replica holds the same parameters and the same optimizer state (bit for bit: the all-reduce hands every
+  rank the same sum), the outer traffic carries the parameters and 3 moments (fast, second, one slow), and
+  resume is bit-identical.
+- Bad settings raise naming the fix.
+"""
+import hashlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megacomp.comm import Channel
+from megacomp.optimizer import MultiTimescaleAdamW
+from megacomp.outer.mt_dao import average_optimizer_state
+
+EPS32 = 2.0 ** -24
+
+
+def _average_body(rank, world):
+    p = torch.nn.Parameter(torch.zeros(9, 4))
+    opt = MultiTimescaleAdamW([p], lr=1e-2)
+    p.grad = torch.randn(9, 4, generator=torch.Generator().manual_seed(rank)) * (rank + 1)
+    opt.step()
+    before = {k: v.double().clone() for k, v in opt.state[p].items()}
+    gathered = {}
+    for k, v in opt.state[p].items():
+        xs = [torch.empty_like(v) for _ in range(world)]
+        dist.all_gather(xs, v)
+        gathered[k] = torch.stack([x.double() for x in xs])
+    count = average_optimizer_state(opt, Channel("outer", None))
+    out = {}
+    for k, v in opt.state[p].items():
+        if k == "step":
+            out[k] = torch.equal(v.double(), before[k])
+            continue
+        want = gathered[k].mean(0)
+        # x / R rounds once per member, the sum of R terms R - 1 times: R + (R - 1) roundings of at most max|x|
+        bound = (2 * world - 1) * EPS32 * gathered[k].abs().max(0).values
+        out[k] = bool(((v.double() - want).abs() <= bound).all())
+    return count, out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_average_optimizer_state_is_the_mean_and_keeps_the_step(world):
+    for count, out in run_ranks(_average_body, world):
+        assert count == 3 and all(out.values()), out  # exp_avg, exp_avg_sq, slow_avg_0; step unchanged
+
+
+def _pretrain_body(rank, world, cfg):
+    from megacomp.training import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train()
+        h = hashlib.sha256()
+        for p in trainer.model.parameters():
+            h.update(p.detach().numpy().tobytes())
+        for state in trainer.optimizer.optimizer.state.values():
+            for k in sorted(state):
+                h.update(state[k].numpy().tobytes())
+        kinds = sorted(next(iter(trainer.optimizer.optimizer.state.values())))
+    finally:
+        trainer.close()
+    return [(x["loss"], x["traffic"]) for x in history], h.hexdigest(), kinds
+
+
+def _cfg(tmp_path, **kw):
+    from megacomp.data import default_corpus_files
+    from megacomp.training import PretrainConfig
+
+    return PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
+                          micro_batch_size=2, global_batch_size=8, train_iters=6, lr=3e-3, lr_warmup_iters=2,
+                          data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
+                          tokenizer_max_bytes=400_000, outer_algorithm="mt_dao", num_replicas=4, outer_steps=2, **kw)
+
+
+def test_pretraining_with_mt_dao_synchronises_parameters_and_moments_and_resumes(tmp_path):
+    from dataclasses import replace
+
+    cfg = _cfg(tmp_path)
+    results = run_ranks(_pretrain_body, 4, cfg)
+    history, digest, kinds = results[0]
+    assert kinds == ["exp_avg", "exp_avg_sq", "slow_avg_0", "step"]
+    assert all(r[1] == digest for r in results)  # step 6 synchronised: every replica identical
+    losses = [loss for loss, _ in history]
+    assert losses[-1] < losses[0]
+    outer = [t.get("outer", [0, 0]) for _, t in history]
+    assert [w > 0 for w, _ in outer] == [False, True] * 3
+    per_sync = {w for w, _ in outer if w}
+    diloco = run_ranks(_pretrain_body, 4, replace(cfg, outer_algorithm="diloco"))[0][0]
+    params_only = {t["outer"][0] for _, t in diloco if t.get("outer", [0])[0]}
+    assert len(per_sync) == 1 and len(params_only) == 1
+    assert per_sync.pop() == 4 * params_only.pop()  # the parameters' exchange + 3 moments of the same size
+    ck = str(tmp_path / "ck")
+    first = run_ranks(_pretrain_body, 4, replace(cfg, save=ck, exit_interval=3))[0][0]
+    rest = run_ranks(_pretrain_body, 4, replace(cfg, load=ck))[0][0]
+    assert [loss for loss, _ in first + rest] == losses
+
+
+def test_mt_dao_flags_are_checked(tmp_path):
+    from megacomp.training.arguments import check
+
+    for kw, words in [(dict(mt_dao_slow_betas="0.999,0.99"), "one weight per beta"),
+                      (dict(mt_dao_slow_weights="0.9,x", mt_dao_slow_betas="0.9,0.99"), "comma list of numbers"),
+                      (dict(mt_dao_slow_weights="1.5"), "summing to at most 1"),
+                      (dict(adam_freeze_variance_step=5), "both replace the inner optimizer"),
+                      (dict(outer_fragments=2), "Streaming DiLoCo")]:
+        with pytest.raises(ValueError, match=words):
+            check(_cfg(tmp_path, **kw))
