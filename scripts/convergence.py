@@ -27,7 +27,8 @@ with classic EF, and int2 with classic EF;
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
 ``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
-int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer) and NoLoCo (groups of 2).
+int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
+MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
 The table and the plots are drawn from ``results.json`` only, so ``--from-results`` regenerates them
 without training. Numbers are measured, never asserted: the tests bound codec errors, this script shows
 training quality.
@@ -126,6 +127,20 @@ SUITES["diloco"] = {"layout": [], "variants": {
         "--outer-algorithm", "streaming_diloco", "--num-replicas", "4", "--outer-steps", "50", "--outer-fragments", "4",
         "--outer-delay", "5", "--outer-codec", "int4", "--outer-error-feedback", "ef"]},
     "NoLoCo H=50 (groups of 2)": {"args": ["--outer-algorithm", "noloco", "--num-replicas", "4", "--outer-steps", "50"]},
+    "MT-DAO H=50 (slow 0.999, w 0.9)": {"args": ["--outer-algorithm", "mt_dao", "--num-replicas", "4", "--outer-steps", "50"]},
+    "MT-DAO H=50 (slow 0.99, w 0.5)": {"args": ["--outer-algorithm", "mt_dao", "--num-replicas", "4", "--outer-steps", "50",
+                                                "--mt-dao-slow-betas", "0.99", "--mt-dao-slow-weights", "0.5"]},
+}}
+# What closes DiLoCo's gap to DDP at this scale: outer lr, inner lr, H (a sweep; one seed is enough to rank)
+SUITES["diloco_sweep"] = {"layout": [], "variants": {
+    "none": {},
+    "DiLoCo H=50": {"args": DILOCO},
+    "DiLoCo H=50, outer lr 1.0": {"args": [*DILOCO, "--outer-lr", "1.0"]},
+    "DiLoCo H=50, outer lr 1.4": {"args": [*DILOCO, "--outer-lr", "1.4"]},
+    "DiLoCo H=50, inner lr x2": {"args": [*DILOCO, "--lr", "6e-3", "--min-lr", "6e-4"]},
+    "DiLoCo H=50, outer lr 1.0, inner lr x2": {"args": [*DILOCO, "--outer-lr", "1.0", "--lr", "6e-3", "--min-lr", "6e-4"]},
+    "DiLoCo H=5": {"args": [*DILOCO[:-1], "5"]},
+    "DDP, inner lr x2": {"args": ["--lr", "6e-3", "--min-lr", "6e-4"]},
 }}
 
 

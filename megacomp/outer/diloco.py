@@ -20,9 +20,11 @@ inner steps (tau < H) and is applied then, and the fragment's local weights are 
 weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weights). DiLoCo is fragments
 1, delay 0, mixing 0, and runs exactly the same operations.
 
-The inner optimizer keeps its own state across outer steps (as in the paper). With H = 1, lr = 1 and no
-momentum, theta_t = theta_{t-1} - mean(theta_{t-1} - theta_i): parameter averaging after every step, up to
-fp32 rounding of the subtraction (tests/test_outer_diloco.py bounds it).
+The inner optimizer keeps its own state across outer steps (as in the paper). With lr = 1, no momentum, no
+mixing and no codec, theta_t = theta_{t-1} - mean(theta_{t-1} - theta_i) = mean(theta_i): parameter
+averaging. The engine then averages the local weights directly (sum of theta_i / R, one all-reduce), which is
+bit-identical to torch.distributed.algorithms.model_averaging's ``average_parameters`` (tested at 2 and 3
+replicas) instead of carrying the two extra fp32 roundings of the pseudo-gradient form.
 
 Error bound with a lossy outer codec: the averaged pseudo-gradient carries the compressed all-reduce's
 error (megacomp.comm.collectives, applied to Delta / R); error feedback (``error_feedback``) carries the
@@ -151,6 +153,11 @@ class DiLoCo:
         self.channel = channel if channel is not None else Channel(
             "outer", config.codec, group=outer_group, error_feedback=config.error_feedback)
         self.plain = self.channel.uncompressed()  # NoLoCo's slow weights: same traffic kind, never quantised
+        # DiLoCo with lr 1, no momentum, no mixing and no codec is parameter averaging: the weights themselves
+        # are averaged (sum of theta_i / R), which is the same value as theta - mean(theta - theta_i) without
+        # that form's two extra roundings, and bit-identical to torch's average_parameters
+        self.averaging = (config.algorithm == "diloco" and config.outer_lr == 1 and config.outer_momentum == 0
+                          and config.mixing == 0 and self.channel.codec.is_identity)
         self.fragments = _split(self.params, config.fragments)
         with torch.no_grad():  # theta_{t-1}, one flat fp32 tensor per fragment
             self.outer = [torch.nn.Parameter(_flat(f), requires_grad=False) for f in self.fragments]
@@ -213,7 +220,9 @@ class DiLoCo:
                 self._await(n, members)  # before entering a blocking exchange a dead replica would hang
         at = self.inner_steps + (self.config.delay if background else 0)
         if members is None:
-            delta.div_(self.replicas)  # mean = sum of Delta / R: gloo has no AVG, and the codecs see the scaled values
+            if self.averaging:  # theta_t = mean(theta_i) exactly: torch's average_parameters, operation for operation
+                delta = _flat(self.fragments[frag])
+            delta.div_(self.replicas)  # mean = sum / R: gloo has no AVG, and the codecs see the scaled values
             work = self.channel.all_reduce(delta, dist.ReduceOp.SUM, key=self._key(frag), async_op=background)
             tensors = [delta]
         else:
@@ -238,6 +247,8 @@ class DiLoCo:
             peers = (len(tensors) - 1) // 2
             outer_update(outer.data, self.momenta[frag], tensors[0], tensors[1:1 + peers], tensors[1 + peers:],
                          self.config.outer_lr, self.config.outer_momentum)
+        elif self.averaging:
+            outer.data.copy_(tensors[0])
         else:
             outer.grad = tensors[0]
             self.optimizers[frag].step()
