@@ -204,3 +204,14 @@ def test_pretraining_flags_for_noloco_are_checked():
     with pytest.raises(ValueError, match="needs groups of 2"):
         check(PretrainConfig(outer_algorithm="noloco", num_replicas=4, outer_group_size=4, outer_codec="int8",
                              outer_error_feedback="ef"))
+
+
+def test_run_summary_splits_bytes_per_token_into_inner_and_outer():
+    from megacomp.training.report import RunTotals
+
+    totals = RunTotals()
+    for it, outer in ((1, 0), (2, 4000)):
+        totals.add({"iteration": it, "iteration_time_s": 1.0, "loss": 3.0, "skipped": False,
+                    "traffic": {"dp_gradient": [1000, 4000], "outer": [outer, outer]}}, tokens=100)
+    text = totals.summary(2)
+    assert "per token" in text and "30.0 bytes (inner 10.0, outer 20.0)" in text

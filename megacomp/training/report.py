@@ -115,4 +115,9 @@ class RunTotals:
             lines.append(f"    {kind:<20} {w / mb:10.2f} MB of {u / mb:10.2f} MB  ({w / u:.2f}x)")
         if total_u:
             lines.append(f"    {'total':<20} {total_w / mb:10.2f} MB of {total_u / mb:10.2f} MB  ({total_w / total_u:.2f}x)")
+        if total_u and self.tokens:
+            outer = self.traffic.get("outer", (0, 0))[0]
+            split = (f" (inner {(total_w - outer) / self.tokens:,.1f}, outer {outer / self.tokens:,.1f})"
+                     if "outer" in self.traffic else "")
+            lines.append(f"    {'per token':<20} {total_w / self.tokens:10,.1f} bytes{split}")
         return "\n".join(lines)

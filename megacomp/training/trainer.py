@@ -287,9 +287,13 @@ class Trainer:
         if not self._validated_once and not cfg.validate_collectives_every:
             self.channels.set_validate(False)  # shapes are fixed from now on: skip the per-call argument check
         self._validated_once = True
+        tokens = cfg.global_batch_size * cfg.seq_length
+        wire = sum(w for w, _ in traffic.values())
+        outer = traffic.get("outer", [0, 0])[0]  # local-step runs: the replicas' exchange; the rest is inner traffic
         return {"iteration": self.iteration, "loss": loss, "lr": lr,
-                "tokens_per_second": cfg.global_batch_size * cfg.seq_length / elapsed, "iteration_time_s": elapsed,
-                "wire_bytes": sum(w for w, _ in traffic.values()),
+                "tokens_per_second": tokens / elapsed, "iteration_time_s": elapsed,
+                "wire_bytes": wire, "inner_wire_bytes": wire - outer, "outer_wire_bytes": outer,
+                "wire_bytes_per_token": wire / tokens,
                 "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
                 "grad_norm": self.optimizer.last_grad_norm if stepped else None, "skipped": not stepped}
 
