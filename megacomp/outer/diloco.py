@@ -20,6 +20,11 @@ inner steps (tau < H) and is applied then, and the fragment's local weights are 
 weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weights). DiLoCo is fragments
 1, delay 0, mixing 0, and runs exactly the same operations.
 
+NoLoCo (``algorithm='noloco'``) keeps this schedule and state but replaces the all-reduce and the SGD step
+by megacomp.outer.noloco's point-to-point exchange inside a seeded random group and its outer rule.
+MT-DAO is this loop as parameter averaging plus the trainer averaging the optimizer moments after each
+synchronisation (megacomp.outer.mt_dao). Every exchange can be guarded by a ReplicaWatch (liveness.py).
+
 The inner optimizer keeps its own state across outer steps (as in the paper). With lr = 1, no momentum, no
 mixing and no codec, theta_t = theta_{t-1} - mean(theta_{t-1} - theta_i) = mean(theta_i): parameter
 averaging. The engine then averages the local weights directly (sum of theta_i / R, one all-reduce), which is
@@ -31,8 +36,9 @@ error (megacomp.comm.collectives, applied to Delta / R); error feedback (``error
 residual into the next outer step.
 
 State (checkpointed by :meth:`DiLoCo.state_dict`): theta_{t-1} per fragment (fp32, flat), the outer SGD's
-momentum per fragment, the inner-step counter (position in the cycle), exchanges in flight (completed and
-kept with the step they apply at), and the outer channel's error feedback and stream.
+(or NoLoCo's) momentum per fragment, the inner-step and exchange counters (position in the cycle; NoLoCo's
+group draws), exchanges in flight (completed and kept with the step they apply at), and the outer
+channel's error feedback and stream.
 """
 from __future__ import annotations
 
