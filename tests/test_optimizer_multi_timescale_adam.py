@@ -70,5 +70,5 @@ def test_bad_settings():
         MultiTimescaleAdamW(p, slow_betas=(0.9, 0.99), slow_weights=(0.5,))
     with pytest.raises(ValueError, match="sum to at most 1"):
         MultiTimescaleAdamW(p, slow_betas=(0.9, 0.99), slow_weights=(0.6, 0.5))
-    with pytest.raises(ValueError, match=r"betas must be in \[0, 1\)"):
+    with pytest.raises(ValueError, match=r"slow betas must be in \[0, 1\)"):
         MultiTimescaleAdamW(p, slow_betas=(1.0,), slow_weights=(0.5,))

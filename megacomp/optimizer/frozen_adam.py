@@ -64,29 +64,40 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd, freeze = group["lr"], group["eps"], group["weight_decay"], group["freeze_step"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                g = p.grad
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    self._init_state(p, state, group)
                 state["step"] += 1
-                t = int(state["step"].item())
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                # the same operations, in the same order, as torch.optim.adamw's single-tensor path
-                p.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                if freeze is None or t <= freeze:
-                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                t_v = t if freeze is None else min(t, freeze)
-                bias_correction1 = 1 - beta1 ** t
-                bias_correction2 = 1 - beta2 ** t_v
-                step_size = lr / bias_correction1
-                denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                p.addcdiv_(m, denom, value=-step_size)
+                self._update(p, p.grad, state, group, int(state["step"].item()))
         return loss
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        """A parameter's first state: the step counter and AdamW's two moments (subclasses add their own)."""
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _update(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int) -> None:
+        """Step ``t`` of one parameter: the operations, in the same order, of torch.optim.adamw's single-tensor
+        path (the variance update skipped after ``freeze_step``), then :meth:`_apply`."""
+        beta1, beta2 = group["betas"]
+        lr, eps, wd, freeze = group["lr"], group["eps"], group["weight_decay"], group["freeze_step"]
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        p.mul_(1 - lr * wd)
+        m.lerp_(g, 1 - beta1)
+        if freeze is None or t <= freeze:
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        t_v = t if freeze is None else min(t, freeze)
+        bias_correction1 = 1 - beta1 ** t
+        bias_correction2 = 1 - beta2 ** t_v
+        denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
+        self._apply(p, g, state, group, t, bias_correction1, denom)
+
+    def _apply(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int, bias_correction1: float,
+               denom: torch.Tensor) -> None:
+        """p -= lr * m_hat / denom (AdamW's last operation; MultiTimescaleAdamW mixes in its slow moments)."""
+        step_size = group["lr"] / bias_correction1
+        p.addcdiv_(state["exp_avg"], denom, value=-step_size)

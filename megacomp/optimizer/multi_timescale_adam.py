@@ -23,80 +23,49 @@ so sharded checkpoints and MT-DAO's state averaging (megacomp.outer.mt_dao) see 
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from .frozen_adam import FrozenVarianceAdamW
 
-class MultiTimescaleAdamW(torch.optim.Optimizer):
-    """AdamW plus ``slow_betas`` first moments mixed in with ``slow_weights`` (see the module docstring).
+
+class MultiTimescaleAdamW(FrozenVarianceAdamW):
+    """AdamW plus ``slow_betas`` first moments mixed in with ``slow_weights`` (see the module docstring); the
+    AdamW part, ``freeze_step`` included, is FrozenVarianceAdamW's.
 
     Raises:
-        ValueError: ``lr``, ``eps`` or ``weight_decay`` < 0; a beta outside ``[0, 1)``; ``slow_betas`` and
+        ValueError: as FrozenVarianceAdamW; a slow beta outside ``[0, 1)``; ``slow_betas`` and
             ``slow_weights`` of different lengths; a weight < 0 or weights summing to more than 1.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 slow_betas=(0.999,), slow_weights=(0.9,)) -> None:
+                 slow_betas=(0.999,), slow_weights=(0.9,), freeze_step=None) -> None:
         slow_betas, slow_weights = tuple(float(b) for b in slow_betas), tuple(float(w) for w in slow_weights)
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in (*betas, *slow_betas)):
-            raise ValueError(f"betas must be in [0, 1), got betas {tuple(betas)} and slow_betas {slow_betas}")
+        if not all(0.0 <= b < 1.0 for b in slow_betas):
+            raise ValueError(f"slow betas must be in [0, 1), got {slow_betas}")
         if len(slow_betas) != len(slow_weights):
             raise ValueError(f"one weight per slow momentum: slow_betas {slow_betas}, slow_weights {slow_weights}")
         if any(w < 0 for w in slow_weights) or sum(slow_weights) > 1.0:
             raise ValueError(f"slow_weights must be >= 0 and sum to at most 1 (the fast momentum gets the rest), got "
                              f"{slow_weights}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      slow_betas=slow_betas, slow_weights=slow_weights))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One update of every parameter that has a gradient (the steps in the module docstring).
-
-        Args:
-            closure: optional; re-evaluates the model and returns the loss (run with grad enabled).
-
-        Returns:
-            The closure's loss, or None.
-        """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, freeze_step=freeze_step)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            slow = list(zip(group["slow_betas"], group["slow_weights"]))
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    for j in range(len(slow)):
-                        state[f"slow_avg_{j}"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = int(state["step"].item())
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                # the same operations, in the same order, as torch.optim.adamw's single-tensor path
-                p.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                bias_correction1 = 1 - beta1 ** t
-                bias_correction2 = 1 - beta2 ** t
-                denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
-                if not slow:
-                    p.addcdiv_(m, denom, value=-(lr / bias_correction1))
-                    continue
-                u = m * ((1 - sum(w for _, w in slow)) / bias_correction1)
-                for j, (b, w) in enumerate(slow):
-                    s = state[f"slow_avg_{j}"]
-                    s.lerp_(g, 1 - b)
-                    u.add_(s, alpha=w / (1 - b ** t))
-                p.addcdiv_(u, denom, value=-lr)
-        return loss
+            group.setdefault("slow_betas", slow_betas)
+            group.setdefault("slow_weights", slow_weights)
+
+    def _init_state(self, p: torch.Tensor, state: dict, group: dict) -> None:
+        super()._init_state(p, state, group)
+        for j in range(len(group["slow_betas"])):
+            state[f"slow_avg_{j}"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def _apply(self, p: torch.Tensor, g: torch.Tensor, state: dict, group: dict, t: int, bias_correction1: float,
+               denom: torch.Tensor) -> None:
+        slow = list(zip(group["slow_betas"], group["slow_weights"]))
+        if not slow:  # AdamW's own last operation: bit-identical to torch.optim.AdamW
+            super()._apply(p, g, state, group, t, bias_correction1, denom)
+            return
+        u = state["exp_avg"] * ((1 - sum(w for _, w in slow)) / bias_correction1)
+        for j, (b, w) in enumerate(slow):
+            s = state[f"slow_avg_{j}"]
+            s.lerp_(g, 1 - b)
+            u.add_(s, alpha=w / (1 - b ** t))
+        p.addcdiv_(u, denom, value=-group["lr"])
