@@ -13,9 +13,10 @@ addresses only inside the namespaces it creates), one rank in each: the tiny GPT
 
 Reported per link rate and variant: mean iteration time over all iterations (warm-up included: local-step
 methods pay their traffic in bursts, so a median would hide it), total training time, wire MB over the run,
-the final loss (mean of the last 20 iterations), and the time to DDP fp32's final loss at the same rate
+the final loss (mean of the last 20 iterations), the time to DDP fp32's final loss at the same rate
 (the first iteration whose 20-iteration running mean reaches it; "not reached" when none does within the
-run). Same seed and data order for every variant. PowerSGD is not a megacomp pretraining option yet (issue
+run), and the time to the highest final loss of the variants at that rate (a quality every variant reaches,
+so the times compare at equal loss). Same seed and data order for every variant. PowerSGD is not a megacomp pretraining option yet (issue
 #17); ``netns_bench.py ddp`` measures torch's PowerSGD hook on its own loop.
 
 Output: a Markdown table on stdout and in ``--out`` (default results/netns): ``local_steps.md`` and the
@@ -73,19 +74,22 @@ def table(records: list[dict]) -> list[str]:
     first = records[0]
     lines = [f"## Local-step training over a shaped link (DP 2, one rank per namespace; {first['config']}, "
              f"{first['iters']} iterations, global batch 16)", "",
-             "| link | variant | mean iteration s | total s | wire MB (run) | final loss | time to DDP fp32's final loss |",
-             "|---|---|---|---|---|---|---|"]
+             "| link | variant | mean iteration s | total s | wire MB (run) | final loss | time to DDP fp32's final loss "
+             "| time to the highest final loss (every variant reaches it) |",
+             "|---|---|---|---|---|---|---|---|"]
     for rate in dict.fromkeys(r["rate"] for r in records):
         rows = [r for r in records if r["rate"] == rate]
         base = next((r for r in rows if r["variant"] == "DDP fp32"), None)
         target = running_mean(base["losses"], WINDOW)[-1] if base else None
+        common = max(running_mean(r["losses"], WINDOW)[-1] for r in rows)
         for r in rows:
             final = running_mean(r["losses"], WINDOW)[-1]
             reach = time_to(r["losses"], r["times_s"], target) if target is not None else None
             reach_s = "n/a" if target is None else (f"{reach:.1f} s" if reach is not None else "not reached")
             total = sum(r["times_s"])
             lines.append(f"| {rate} | {r['variant']} | {total / len(r['times_s']):.3f} | {total:.1f} | "
-                         f"{r['wire_bytes'] / 1e6:.1f} | {final:.4f} | {reach_s} |")
+                         f"{r['wire_bytes'] / 1e6:.1f} | {final:.4f} | {reach_s} | "
+                         f"{time_to(r['losses'], r['times_s'], common):.1f} s ({common:.4f}) |")
     return lines + ["", f"Final loss: mean of the last {WINDOW} iterations; the target is DDP fp32's at the same "
                         f"rate. Wire MB: every rank's bytes over every iteration, warm-up included."]
 
