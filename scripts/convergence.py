@@ -141,6 +141,7 @@ SUITES["diloco_sweep"] = {"layout": [], "variants": {
     "DiLoCo H=50, outer lr 1.0, inner lr x2": {"args": [*DILOCO, "--outer-lr", "1.0", "--lr", "6e-3", "--min-lr", "6e-4"]},
     "DiLoCo H=50, outer lr 0.4": {"args": [*DILOCO, "--outer-lr", "0.4"]},
     "DiLoCo H=50, outer lr 0.7, momentum 0.6": {"args": [*DILOCO, "--outer-momentum", "0.6"]},
+    "DiLoCo H=50, outer lr 0.7, momentum 0.3": {"args": [*DILOCO, "--outer-momentum", "0.3"]},
     "DiLoCo H=5": {"args": [*DILOCO[:-1], "5"]},
     "DDP, inner lr x2": {"args": ["--lr", "6e-3", "--min-lr", "6e-4"]},
 }}
