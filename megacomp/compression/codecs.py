@@ -18,10 +18,11 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from . import quantize, transforms
+from . import quantize, sparse, transforms
 from .formats import Format, get_format
 
 ROUNDINGS = ("nearest", "stochastic")
+_STRUCTURE_FIELDS = ("k", "chunk", "select", "transform")
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -77,9 +78,21 @@ class Codec:
     (x, seed). A stream that continues across calls belongs to its owner: a ``megacomp.comm.Channel``
     owns one (seeded from here, checkpointed with its state), or pass ``generator=``. None: use the
     generator passed to ``encode`` or torch's default generator."""
+    k: int = 0
+    """Entries kept per chunk (megacomp.compression.sparse); 0 = every entry (no selection). With ``k`` the
+    codec's ``name`` is the format of the kept values (``none``: the input's dtype)."""
+    chunk: Optional[int] = None
+    """Chunk length of ``k`` and ``transform`` (at most 65536); None = 64 with ``transform='dct'`` (DeMo's
+    chunk), 4096 otherwise. Must be None for a codec with no structure."""
+    select: str = "topk"
+    """How the ``k`` entries are chosen: ``topk`` (largest magnitudes; indices on the wire, 1 byte each for
+    chunks <= 256, else 2) or ``randk`` (uniform, from a 64-bit key on the wire; E[decode] = k/chunk * x)."""
+    transform: str = "none"
+    """``dct``: a chunked orthonormal DCT-II before selection (inverted after decoding); ``none``: none."""
 
     def __post_init__(self) -> None:
         fmt = get_format(self.name)
+        self._check_structure()
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"codec {self.name}: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.hadamard:
@@ -109,7 +122,38 @@ class Codec:
             if bs == 0:
                 raise ValueError(f"codec {self.name}: dual_scale needs block_size > 0 (the fine scale is per block)")
 
+    def _check_structure(self) -> None:
+        where = f"codec {self.name}"
+        if self.select not in sparse.SELECTS:
+            raise ValueError(f"{where}: select must be one of {sparse.SELECTS}, got {self.select!r}")
+        if self.transform not in sparse.TRANSFORMS:
+            raise ValueError(f"{where}: transform must be one of {sparse.TRANSFORMS}, got {self.transform!r}")
+        if not isinstance(self.k, int) or isinstance(self.k, bool) or self.k < 0:
+            raise ValueError(f"{where}: k (entries kept per chunk) must be an int >= 0, got {self.k!r}")
+        if not self.structured:
+            if self.chunk is not None:
+                raise ValueError(f"{where}: chunk only applies with k > 0 or transform='dct'; set one or drop chunk")
+            if self.select != "topk":
+                raise ValueError(f"{where}: select={self.select!r} needs k > 0 (entries kept per chunk)")
+            return
+        chunk = (64 if self.transform == "dct" else 4096) if self.chunk is None else self.chunk
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or not 1 <= chunk <= sparse.MAX_CHUNK:
+            raise ValueError(f"{where}: chunk must be an int in [1, {sparse.MAX_CHUNK}] (indices are coded in "
+                             f"16 bits within a chunk), got {self.chunk!r}")
+        if self.k > chunk:
+            raise ValueError(f"{where}: k={self.k} entries per chunk exceeds the chunk of {chunk}; use k <= chunk "
+                             f"(k = chunk sends every entry)")
+        if self.hadamard or self.dual_scale:
+            raise ValueError(f"{where}: k/transform do not combine with hadamard or dual_scale; the kept values use "
+                             f"per-block scales (block_size)")
+        object.__setattr__(self, "chunk", chunk)
+
     # -- description -------------------------------------------------------------------------
+    @property
+    def structured(self) -> bool:
+        """Whether the codec selects entries (``k > 0``) or transforms (``dct``) before the value format."""
+        return bool(self.k) or self.transform != "none"
+
     @property
     def format(self) -> Format:
         """The registered wire format behind ``name`` (kind, bits, range, default block size)."""
@@ -118,13 +162,26 @@ class Codec:
     @property
     def is_identity(self) -> bool:
         """True for ``none``: collectives then call torch.distributed directly."""
-        return self.format.kind == "identity"
+        return self.format.kind == "identity" and not self.structured
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-data form for YAML and checkpoints; ``make_codec(d)`` rebuilds an equal codec."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        """Plain-data form for YAML and checkpoints; ``make_codec(d)`` rebuilds an equal codec. The structure
+        fields (k, chunk, select, transform) appear only for a structured codec, so the form of every other
+        codec, and the checkpoints that record it, are what they were before those fields existed."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        if not self.structured:
+            for name in _STRUCTURE_FIELDS:
+                del out[name]
+        return out
 
     def __str__(self) -> str:
+        if self.structured:
+            parts = [str(sparse.value_codec(self))]
+            if self.k:
+                parts.append(f"{self.select}{self.k}/{self.chunk}")
+            if self.transform != "none":
+                parts.append(f"{self.transform}{self.chunk}")
+            return "+".join(parts)
         if not self.format.scaled:
             return self.name
         parts = [self.name, f"b{self.block_size}" if self.block_size else "tensor"]
@@ -143,6 +200,8 @@ class Codec:
         ``dtype`` only matters for ``none``, which sends the input's own bytes.
         """
         fmt = self.format
+        if self.structured:
+            return sparse.wire_bytes(self, numel, dtype)
         if fmt.kind == "identity":
             return numel * torch.empty((), dtype=dtype).element_size()
         if fmt.kind == "cast":
@@ -179,6 +238,8 @@ class Codec:
         self.check_dtype(x.dtype)
         fmt = self.format
         flat = x.reshape(-1)
+        if self.structured:
+            return sparse.encode(self, flat, generator, strict)
         if fmt.kind == "identity":
             return flat.contiguous().view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
         if fmt.kind == "cast":
@@ -199,7 +260,10 @@ class Codec:
 
         With a Hadamard codec and ``rotated=True`` the values stay in the rotated basis (fp32, padded to a
         multiple of the rotation size): sums of such decodings are rotated back once with :meth:`unrotate`.
+        Structured codecs (``k``, ``transform``) always decode to the original basis.
         """
+        if self.structured:
+            return sparse.decode(self, buf, numel, dtype)
         expected = self.wire_bytes(numel, dtype)
         if buf.dtype != torch.uint8 or buf.numel() != expected:
             raise ValueError(f"codec {self}: expected a uint8 buffer of {expected} bytes for {numel} elements, "
@@ -228,7 +292,7 @@ class Codec:
         """``acc += decode_flat(buf, numel, fp32, rotated=True)`` in one fused pass where a kernel exists
         (the reduce side of reduce-scatter); ``acc`` is fp32 with the decoded (rotated, padded) length."""
         fmt = self.format
-        if fmt.scaled and not (fmt.kind == "sign") and buf.numel() == self.wire_bytes(numel):
+        if fmt.scaled and not (fmt.kind == "sign") and not self.structured and buf.numel() == self.wire_bytes(numel):
             padded = transforms.padded_numel(numel, self.hadamard) if self.hadamard and numel else numel
             return quantize.decode_scaled(buf, padded, fmt, self.block_size, self.dual_scale, accumulate_into=acc)
         return acc.add_(self.decode_flat(buf, numel, rotated=True))

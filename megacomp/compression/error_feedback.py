@@ -255,8 +255,8 @@ def check_error_feedback_codec(codec: Codec, error_feedback: Any, where: str) ->
 def uses_fused_update(config: ErrorFeedbackConfig, codec: Codec, dtype: torch.dtype) -> bool:
     """Kernel eligibility of the error-feedback update, decided once for the collectives' chunk encoders
     and :meth:`ErrorFeedback.update_encoded`: fp32 error storage, an int or fp8 codec without Hadamard
-    rotation, fp32 values. Then the update runs per chunk from the encoded bytes (C++/Triton kernels or
+    rotation or structure (top-k, DCT), fp32 values. Then the update runs per chunk from the encoded bytes (C++/Triton kernels or
     their reference), in the same bits as :meth:`ErrorFeedback.update`; otherwise the decode-and-update
     reference runs."""
     return (config.storage == "fp32" and codec.format.kind in ("int", "float8") and not codec.hadamard
-            and dtype == torch.float32)
+            and not codec.structured and dtype == torch.float32)
