@@ -22,6 +22,8 @@ weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weig
 
 NoLoCo (``algorithm='noloco'``) keeps this schedule and state but replaces the all-reduce and the SGD step
 by megacomp.outer.noloco's point-to-point exchange inside a seeded random group and its outer rule.
+SparseLoCo (``algorithm='sparseloco'``; DCT-momentum DiLoCo is the same with a DCT codec) keeps the schedule too and
+replaces the outer momentum by megacomp.outer.sparseloco's error-feedback accumulator and all-gather exchange.
 MT-DAO is this loop as parameter averaging plus the trainer averaging the optimizer moments after each
 synchronisation (megacomp.outer.mt_dao). Every exchange can be guarded by a ReplicaWatch (liveness.py).
 
@@ -52,6 +54,7 @@ import torch.distributed as dist
 from ..comm import Channel
 from ..compression import CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config
 from .liveness import ReplicaLost, ReplicaWatch
+from . import sparseloco
 from .noloco import gossip_groups, outer_update, start_exchange
 
 
@@ -78,8 +81,10 @@ class DiLoCoConfig:
     mixing: float = 0.0
     """Streaming DiLoCo: alpha in local = lerp(outer, local, alpha) when a fragment is applied (0: outer)."""
     algorithm: str = "diloco"
-    """'diloco' (all-reduce of the pseudo-gradient, outer SGD) or 'noloco' (gossip in random groups,
-    megacomp.outer.noloco; outer_lr is alpha, outer_momentum beta, nesterov is not used)."""
+    """'diloco' (all-reduce of the pseudo-gradient, outer SGD), 'noloco' (gossip in random groups,
+    megacomp.outer.noloco; outer_lr is alpha, outer_momentum beta, nesterov is not used) or 'sparseloco'
+    (error-feedback accumulator and all-gather, megacomp.outer.sparseloco; outer_lr is alpha, outer_momentum
+    the accumulator's decay beta; the accumulator is the error feedback, so error_feedback must be None)."""
     group_size: int = 2
     """NoLoCo: replicas per gossip group (must divide the replica count)."""
     seed: int = 0
@@ -97,10 +102,17 @@ class DiLoCoConfig:
             raise ValueError(f"mixing (alpha) must be in [0, 1), got {self.mixing}")
         if not self.outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0, got {self.outer_lr}")
-        if not 0 <= self.outer_momentum < 1:
+        if self.algorithm == "sparseloco":  # beta = 1: the accumulator keeps every unsent part (classic EF)
+            if not 0 <= self.outer_momentum <= 1:
+                raise ValueError(f"SparseLoCo's accumulator decay (outer_momentum) must be in [0, 1], got "
+                                 f"{self.outer_momentum}")
+        elif not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.algorithm not in ("diloco", "noloco"):
-            raise ValueError(f"outer algorithm must be 'diloco' or 'noloco', got {self.algorithm!r}")
+        if self.algorithm not in ("diloco", "noloco", "sparseloco"):
+            raise ValueError(f"outer algorithm must be 'diloco', 'noloco' or 'sparseloco', got {self.algorithm!r}")
+        if self.algorithm == "sparseloco" and self.error_feedback is not None:
+            raise ValueError("SparseLoCo's accumulator is its error feedback; drop error_feedback (outer_momentum "
+                             "sets the accumulator's decay)")
         if self.algorithm == "noloco" and (not isinstance(self.group_size, int) or self.group_size < 2):
             raise ValueError(f"NoLoCo group_size must be an int >= 2, got {self.group_size!r}")
         self.codec = make_codec(self.codec)
@@ -170,8 +182,8 @@ class DiLoCo:
         nesterov = config.nesterov and config.outer_momentum > 0
         self.optimizers = [torch.optim.SGD([o], lr=config.outer_lr, momentum=config.outer_momentum, nesterov=nesterov)
                            for o in self.outer] if config.algorithm == "diloco" else []
-        # NoLoCo's outer momentum m_i, one flat fp32 tensor per fragment
-        self.momenta = [torch.zeros_like(o) for o in self.outer] if config.algorithm == "noloco" else []
+        # NoLoCo's outer momentum m_i or SparseLoCo's accumulator e_r, one flat fp32 tensor per fragment
+        self.momenta = [torch.zeros_like(o) for o in self.outer] if config.algorithm != "diloco" else []
         self.inner_steps = 0
         self.syncs = 0
         self.exchanges = 0  # exchanges started by this object (the watch's numbering)
@@ -225,7 +237,14 @@ class DiLoCo:
             if not background:
                 self._await(n, members)  # before entering a blocking exchange a dead replica would hang
         at = self.inner_steps + (self.config.delay if background else 0)
-        if members is None:
+        if self.config.algorithm == "sparseloco":
+            work, gathered = sparseloco.start_exchange(self.channel, self.momenta[frag], delta, self.config.outer_momentum,
+                                                       self.replicas, background)
+            tensors = [gathered]
+            if work is not None and not background:
+                work.wait()
+                work = None
+        elif members is None:
             if self.averaging:  # theta_t = mean(theta_i) exactly: torch's average_parameters, operation for operation
                 delta = _flat(self.fragments[frag])
             delta.div_(self.replicas)  # mean = sum / R: gloo has no AVG, and the codecs see the scaled values
@@ -249,7 +268,10 @@ class DiLoCo:
         if work is not None:
             work.wait()
         outer = self.outer[frag]
-        if self.config.algorithm == "noloco":
+        if self.config.algorithm == "sparseloco":
+            sparseloco.outer_update(outer.data, self.momenta[frag], tensors[0], self.replica, self.replicas,
+                                    self.config.outer_lr)
+        elif self.config.algorithm == "noloco":
             peers = (len(tensors) - 1) // 2
             outer_update(outer.data, self.momenta[frag], tensors[0], tensors[1:1 + peers], tensors[1 + peers:],
                          self.config.outer_lr, self.config.outer_momentum)
