@@ -144,6 +144,15 @@ class Channel:
         return collectives.run_all_gather_into_tensor(self, output_tensor, input_tensor, self._group(group), async_op,
                                                       check_finite, tag or self.name, validate)
 
+    def all_gather_encoded(self, output: torch.Tensor, input: torch.Tensor, *, numel: int,
+                           dtype: torch.dtype = torch.float32, group=None, async_op: bool = False,
+                           tag: Optional[str] = None, validate: Optional[bool] = None):
+        """All-gather byte messages encoded by the caller (uint8, the same size on every rank) into the uint8
+        ``output`` (``world * input.numel()`` bytes, rank order); counted as ``numel`` elements of ``dtype``
+        uncompressed. For algorithms that must see each rank's encoding (DeMo's top-k indices)."""
+        return collectives.run_all_gather_encoded(self, output, input, numel, dtype, self._group(group), async_op,
+                                                  tag or self.name, validate)
+
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
                           input_split_sizes=None, group=None, async_op: bool = False, *, check_finite: bool = False,
                           tag: Optional[str] = None, validate: Optional[bool] = None):

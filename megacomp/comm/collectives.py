@@ -407,3 +407,29 @@ def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_
             output.copy_(torch.cat(parts).view(output.shape))
 
     return _handle(finish, async_op)
+
+
+def run_all_gather_encoded(ch, output: torch.Tensor, input: torch.Tensor, numel: int, dtype: torch.dtype, group,
+                           async_op: bool, tag: Optional[str], validate: Optional[bool]):
+    """All-gather byte messages the caller encoded itself (an optimizer that must see each rank's encoding,
+    e.g. DeMo's indices): slot r of the uint8 ``output`` (``world * input.numel()`` bytes) receives rank r's
+    ``input``, unchanged. Wire statistics count the bytes sent against ``numel`` elements of ``dtype`` (what
+    the message would be uncompressed). Every rank's message must have the same size (validated)."""
+    world = dist.get_world_size(group)
+    w = input.numel()
+    if input.dtype != torch.uint8 or output.dtype != torch.uint8:
+        raise TypeError(f"megacomp.comm.all_gather_encoded: messages are uint8 byte buffers, got input {input.dtype} "
+                        f"and output {output.dtype}")
+    if output.numel() != world * w:
+        raise ValueError(f"megacomp.comm.all_gather_encoded: output has {output.numel()} bytes but must have "
+                         f"world_size * input.numel() = {world} * {w} = {world * w}")
+    if ch.validates(validate):
+        _common.validate("all_gather_encoded", group, {"bytes": w, "numel": numel, "dtype": dtype_code(dtype)},
+                         tag=_shown(tag, "all_gather_encoded"), device=input.device)
+    raw = (world - 1) * numel * torch.empty((), dtype=dtype).element_size()
+    ch.stats.record(tag or "all_gather_encoded", (world - 1) * w, raw)
+    if world == 1:
+        output.copy_(input)
+        return _handle(lambda: None, async_op)
+    work = all_gather_bytes(output, input.contiguous(), group, next_tags(group), use_duplex(group, ch.options.duplex))
+    return _handle(work.wait, async_op)

@@ -140,6 +140,34 @@ def encode(codec, flat: torch.Tensor, generator: Optional[torch.Generator] = Non
     return torch.cat([head, body])
 
 
+def _head_bytes(codec, kept_values: int) -> int:
+    """Bytes before the values: the random-k key, or one index per kept value."""
+    return 8 if codec.select == "randk" else kept_values * index_bytes(codec.chunk)
+
+
+def _kept_positions(codec, buf: torch.Tensor, nfull: int, rest: int):
+    """Yield (start element, rows, chunk width, sorted kept positions [rows, k]) for the block of full chunks
+    and the last partial chunk of an encoding, read from its indices (top-k) or regenerated from its key
+    (random-k). Raises ValueError for an index outside its chunk (a corrupt message)."""
+    shapes = [(nfull, codec.chunk, min(codec.k, codec.chunk))] + ([(1, rest, min(codec.k, rest))] if rest else [])
+    if codec.select == "randk":
+        key = int(buf[:8].clone().view(torch.int64).item())
+    else:
+        raw = buf[:_head_bytes(codec, sum(r * k for r, _, k in shapes))].clone()
+        idx_all = raw.to(torch.int64) if index_bytes(codec.chunk) == 1 else raw.view(torch.int16).to(torch.int64) & 0xFFFF
+    start, ipos = 0, 0
+    for i, (rows, width, k) in enumerate(s for s in shapes if s[0] * s[1]):
+        if codec.select == "randk":
+            pos = _positions(codec, torch.empty(rows, width, device=buf.device), key + i)
+        else:
+            pos = idx_all[ipos:ipos + rows * k].view(rows, k)
+            ipos += rows * k
+        if bool((pos >= width).any()):
+            raise ValueError(f"codec {codec}: an index in the buffer is out of its chunk (corrupt message)")
+        yield start, rows, width, pos
+        start += rows * width
+
+
 def decode(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`encode`: a 1-D tensor of ``numel`` elements of ``dtype``."""
     expected = wire_bytes(codec, numel, dtype)
@@ -154,29 +182,32 @@ def decode(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Te
     if not codec.k:
         coeffs = value_codec(codec).decode_flat(buf, n, value_dtype(codec, dtype)).to(work)
         return dct.idct_chunks(coeffs.view(-1, codec.chunk), numel).to(dtype)
-    head = 8 if codec.select == "randk" else n * index_bytes(codec.chunk)
-    vals = value_codec(codec).decode_flat(buf[head:], n, value_dtype(codec, dtype)).to(work)
+    vals = value_codec(codec).decode_flat(buf[_head_bytes(codec, n):], n, value_dtype(codec, dtype)).to(work)
     out = torch.zeros(nfull * codec.chunk + rest, dtype=work, device=buf.device)
-    k_full = min(codec.k, codec.chunk)
-    shapes = [(nfull, codec.chunk, k_full)] + ([(1, rest, min(codec.k, rest))] if rest else [])
-    if codec.select == "randk":
-        key = int(buf[:8].clone().view(torch.int64).item())
-    else:
-        raw = buf[:head].clone()
-        idx_all = raw.to(torch.int64) if index_bytes(codec.chunk) == 1 else raw.view(torch.int16).to(torch.int64) & 0xFFFF
-    start, vpos, ipos = 0, 0, 0
-    for i, (rows, width, k) in enumerate(s for s in shapes if s[0] * s[1]):
-        if codec.select == "randk":
-            pos = _positions(codec, torch.empty(rows, width, device=buf.device), key + i)
-        else:
-            pos = idx_all[ipos:ipos + rows * k].view(rows, k)
-            ipos += rows * k
-        if bool((pos >= width).any()):
-            raise ValueError(f"codec {codec}: an index in the buffer is out of its chunk (corrupt message)")
-        block = out[start:start + rows * width].view(rows, width)
-        block.scatter_(1, pos, vals[vpos:vpos + rows * k].view(rows, k))
-        start += rows * width
+    vpos = 0
+    for start, rows, width, pos in _kept_positions(codec, buf, nfull, rest):
+        k = pos.shape[1]
+        out[start:start + rows * width].view(rows, width).scatter_(1, pos, vals[vpos:vpos + rows * k].view(rows, k))
         vpos += rows * k
     if padded:
         return dct.idct_chunks(out.view(-1, codec.chunk), numel).to(dtype)
     return out.to(dtype)
+
+
+def support(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Which of the ``numel`` elements an encoding of a top-k or random-k codec (``transform='none'``) carries
+    (``dtype``: the dtype it was encoded from): a bool tensor, True at every kept position, also where the kept value itself is (or rounds to) zero.
+    Averaging over the senders of each position (DeMo's reduction) needs this: ``decode`` alone cannot tell
+    a sent zero from an unsent entry. Raises ValueError for other codecs, a buffer of the wrong size or a
+    corrupt index."""
+    if not codec.k or codec.transform != "none":
+        raise ValueError(f"codec {codec}: support() is defined for top-k/random-k codecs without a transform")
+    expected = wire_bytes(codec, numel, dtype)
+    if buf.dtype != torch.uint8 or buf.numel() != expected:
+        raise ValueError(f"codec {codec}: expected a uint8 encoding of {numel} elements, got {buf.dtype} with "
+                         f"{buf.numel()} bytes")
+    mask = torch.zeros(numel, dtype=torch.bool, device=buf.device)
+    nfull, rest = _chunk_lengths(numel, codec.chunk, False)
+    for start, rows, width, pos in _kept_positions(codec, buf, nfull, rest):
+        mask[start:start + rows * width].view(rows, width).scatter_(1, pos, True)
+    return mask
