@@ -11,8 +11,8 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .comm import Channel, CommOptions
-from .compression import Codec, CodecLike, check_error_feedback_codec, make_codec
-from .compression.error_feedback import ErrorFeedbackConfig, make_error_feedback_config
+from .compression import (Codec, CodecLike, ErrorFeedbackConfig, check_error_feedback_codec, make_codec,
+                          make_error_feedback_config)
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
 TRAFFIC_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",

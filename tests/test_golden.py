@@ -22,9 +22,10 @@ Cases (only public entry points, so the file survives the refactor):
 
 One spawn per layout runs all its configurations in turn (a fresh Trainer each, closed after): forking
 and setting up the process groups costs more than a 3-iteration run. The results do not depend on the
-order (running the configurations in reverse gives the same bits), with one caveat: seeded
-stochastic-rounding streams live per process and codec spec (megacomp.compression), and a Trainer does not
-restart them, so a seeded configuration may appear only once per spawn.
+order (running the configurations in reverse gives the same bits): a seeded codec's stochastic-rounding
+stream belongs to its Channel (megacomp.comm.Channel, started at ``Codec.seed`` when the channel is built),
+and each Trainer builds its channels afresh. (At the recording commit the streams lived per process and
+codec spec, so the seeded configuration uses seeds found nowhere else and runs once per spawn.)
 
 The numbers depend on the machine and the libraries (torch's CPU kernels, the Python standard library
 that is the corpus, sentencepiece): the fixture records that environment, and elsewhere these tests skip.

@@ -3,8 +3,8 @@
 - Replica groups split the data-parallel dimension as the module says (inner and outer members).
 - Each outer step equals an independent fp64 restatement of the paper's rule (pseudo-gradient mean,
   SGD with Nesterov momentum) within the fp32 rounding of the operations it performs (bound derived below).
-- H = 1, lr 1, no momentum, no compression is parameter averaging after every step (same bound; whether
-  it is bit-identical is reported by the test's assertion message, not assumed).
+- H = 1, lr 1, no momentum, no compression is parameter averaging after every step, bit for bit (asserted
+  against torch's average_parameters).
 - A lossy outer codec with error feedback is counted under the ``outer`` tag and sends fewer bytes.
 - state_dict / load_state_dict resume bit-identically; bad settings raise naming the fix.
 """

@@ -5,10 +5,13 @@ Two ways in:
   ``CommOptions``, stats tag), built once and passed to whatever moves that traffic;
 - the free functions, with the names and arguments of torch.distributed plus keyword-only ``codec=``
   (and ``error_feedback=``, an ``ErrorFeedback`` you own); ``codec=None`` is bit-identical to torch.distributed.
+
+``all_gather_base`` is torch.distributed's uncompressed flat-tensor all-gather under the name this torch
+version has (``all_gather_single`` or ``all_gather_into_tensor``), for callers above ``comm``.
 """
 from torch.distributed import ReduceOp
 
-from .common import CompressedWork, comm_device
+from .common import CompressedWork, all_gather_base, comm_device
 from .channel import Channel
 from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
                          reduce_scatter_tensor, send)
@@ -17,7 +20,7 @@ from .stats import StatsTable, WireStats, reset_stats, stats
 from .transport import use_duplex
 
 __all__ = [
-    "Channel", "CommOptions", "CompressedWork", "ReduceOp", "StatsTable", "WireStats", "all_gather_into_tensor",
-    "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "recv", "reduce_scatter_tensor",
-    "reset_stats", "send", "stats", "use_duplex",
+    "Channel", "CommOptions", "CompressedWork", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
+    "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "recv",
+    "reduce_scatter_tensor", "reset_stats", "send", "stats", "use_duplex",
 ]
