@@ -26,6 +26,8 @@ import yaml
 from distributed import run_ranks
 from megacomp.data import default_corpus_files
 from megacomp.training import PretrainConfig, Trainer, TrainingDiverged
+from megacomp.training.checkpoint import latest_iteration
+from megacomp.training.guard import DivergenceGuard
 
 TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512, micro_batch_size=2,
             global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=2, tokenizer_max_bytes=400_000,
@@ -86,6 +88,60 @@ def test_divergence_stops_every_rank_once_without_a_checkpoint(tmp_path, corpus)
     assert [r["iteration"] for r in records] == [1, 2]
 
 
+def test_divergence_sets_aside_the_checkpoint_of_the_diverged_weights(tmp_path, corpus):
+    """--save-interval 1: iteration 1's checkpoint holds the weights whose loss diverged at iteration 2; it is
+    renamed to iter_0000001.diverged (not deleted), the latest file no longer names it, and the line says so."""
+    ck = tmp_path / "ck"
+    status, out, err = launch(tmp_path, corpus, 2, "--lr", "1e6", "--train-iters", "6", "--save", str(ck),
+                              "--save-interval", "1")
+    assert status != 0, err  # 3 on the ranks; torchrun reports 1
+    [line] = error_lines(err)
+    assert "training diverged at iteration 2" in line
+    assert f"moved the checkpoint of iteration 1 (the weights that diverged) to {ck}/iter_0000001.diverged" in line
+    assert "no older complete checkpoint" in line and not megacomp_traceback(err)
+    assert f"saved checkpoint to {ck}/iter_0000001" in out
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("iter_")) == ["iter_0000001.diverged"]
+    assert latest_iteration(str(ck)) is None  # a later --save D --load D starts fresh
+
+
+def _guard_body(rank, world, cfg):
+    trainer = Trainer(cfg)
+    try:
+        trainer.train()
+        return trainer.iteration, trainer.guard.state_dict()
+    except TrainingDiverged as e:
+        return trainer.iteration, str(e)
+    finally:
+        trainer.close()
+
+
+def test_guard_state_round_trips_and_divergence_falls_back_to_the_previous_checkpoint(tmp_path, corpus):
+    files, cache = corpus
+    ck = str(tmp_path / "ck")
+    cfg = PretrainConfig(**{**TINY, "train_iters": 2}, data_path=files, data_cache_dir=cache, save=ck,
+                         save_interval=1, max_skipped_steps=0)
+    losses = run_ranks(_train_body, 2, cfg)[0]
+    # resume with nothing left to train: the guard is the one the checkpoint of iteration 2 saved
+    [(it, state)] = {(it, tuple(sorted(s.items()))) for it, s in run_ranks(_guard_body, 2, replace(cfg, load=ck))}
+    assert it == 2 and dict(state) == {"best_loss": min(loss for loss, _ in losses), "consecutive": 0,
+                                       "skipped_total": 0}
+    # a resumed run at --lr 1e6: step 3 ruins the weights, iteration 4's loss diverges, iter 3 is set aside
+    results = run_ranks(_guard_body, 2, replace(cfg, load=ck, train_iters=6, lr=1e6))
+    assert {it for it, _ in results} == {4}  # every rank stopped there; rank 0 set the checkpoint aside and says so
+    assert f"to {ck}/iter_0000003.diverged; the latest checkpoint is now iteration 2" in results[0][1]
+    assert latest_iteration(ck) == 2 and os.path.isdir(os.path.join(ck, "iter_0000002"))
+    assert not os.path.exists(os.path.join(ck, "iter_0000003"))
+
+
+def test_guard_state_of_an_older_checkpoint_loads_as_fresh():
+    guard = DivergenceGuard()
+    guard.load_state_dict({})
+    assert (guard.best_loss, guard.consecutive, guard.skipped_total) == (float("inf"), 0, 0)
+    guard.load_state_dict({"best_loss": 2.5, "consecutive": 1, "skipped_total": 3})
+    with pytest.raises(TrainingDiverged, match="lowest loss so far \\(2.5\\)"):
+        guard.observe(5, 30.0, True, 1e-3)
+
+
 def test_skipped_steps_are_tolerated_up_to_the_limit(corpus):
     """Inf/NaN gradients skip the step; more than max_skipped_steps in a row stop the run, on every rank."""
     files, cache = corpus
@@ -122,6 +178,19 @@ def test_bad_input_is_one_line_once(tmp_path, corpus):
         status, _, err = launch(tmp_path, corpus, 2, *flags)
         [line] = error_lines(err)
         assert status != 0 and words in line and not megacomp_traceback(err), err
+
+
+def test_truncated_metadata_on_load_is_one_line_once(tmp_path, corpus):
+    ck = tmp_path / "ck"
+    status, _, err = launch(tmp_path, corpus, 2, "--save", str(ck), "--train-iters", "1")
+    assert status == 0, err
+    metadata = ck / "iter_0000001" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:40])
+    status, _, err = launch(tmp_path, corpus, 2, "--load", str(ck), "--train-iters", "2")
+    assert status != 0, err
+    [line] = error_lines(err)
+    assert f"checkpoint file {metadata} is unreadable (truncated or garbled" in line
+    assert "no older complete checkpoint" in line and not megacomp_traceback(err)
 
 
 def test_an_error_on_another_rank_waits_for_rank_0_then_names_its_rank(monkeypatch, capsys):

@@ -81,6 +81,20 @@ def test_preset_contents():
     assert (everything.dp_parameter.name, everything.dp_parameter.block_size) == ("int8", 256)
 
 
+def test_help_lists_presets_in_whole_sentences_and_states_each_default_once():
+    from megacomp.training.arguments import build_parser, first_sentence, presets_epilog
+    assert first_sentence("TP in FP8 (e4m3. as tp_fp8.yaml) here. More") == "TP in FP8 (e4m3. as tp_fp8.yaml) here."
+    epilog = presets_epilog().splitlines()
+    assert len(epilog) == 1 + len(PRESETS)
+    for line in epilog[1:]:
+        assert line.endswith("."), line
+    assert any("all-gathers in int8 with one scale per 256 elements." in line for line in epilog)
+    help_text = " ".join(build_parser().format_help().split())
+    assert "MLP width (default 4 x hidden). --seq-length" in help_text
+    assert "Tokens per sample. (default 64)" in help_text
+    assert not re.search(r"\(default[^()]*\)\.? \(default", help_text)
+
+
 # ---- shell scripts ---------------------------------------------------------------------------------------
 @needs_bash
 @pytest.mark.parametrize("name", SHELL_SCRIPTS)
@@ -169,6 +183,7 @@ def test_sbatch_directives():
     directives = dict(re.findall(r"^#SBATCH\s+--([\w-]+)=(\S+)", text, re.M))
     assert {"nodes", "ntasks-per-node", "cpus-per-task", "time", "output"} <= set(directives)
     assert directives["ntasks-per-node"] == "4"
+    assert directives["signal"] == "USR1@120"  # Slurm's warning: the trainer saves and exits at the next iteration
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1' in text
     assert not re.search(r"^\s*torchrun\b", text, re.M)
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_", "CUDA_DEVICE_MAX_CONNECTIONS"):

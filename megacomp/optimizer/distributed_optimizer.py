@@ -39,7 +39,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import Channel
-from ..comm.common import all_gather_base
+from ..comm import all_gather_base
 from ..compression import CodecLike
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
@@ -328,7 +328,7 @@ class DistributedOptimizer:
                 self.ef.reset()
             if self.scaler is not None:
                 self.scaler.update(True)
-            log.info("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
+            log.debug("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
                         self.step_count, self.skipped_steps,
                         f"; loss scale now {self.scaler.scale:g}" if self.scaler is not None else "")
             self._reset()

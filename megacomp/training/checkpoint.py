@@ -3,6 +3,8 @@
 Layout of ``SAVE/``:
     iter_0000100/            a DCP checkpoint (every rank writes its shards) + megacomp.json (the run's config)
     latest_checkpointed_iteration.txt
+    iter_0000101.diverged/   set aside by a run that diverged right after writing it (discard_checkpoint);
+                             never resumed, pruned or offered as a fallback
 
 Contents: the model (keys per pipeline stage and TP rank, so DP replicas deduplicate), the sharded
 optimizer (masters, AdamW state, DP-gradient error feedback, counters; keys per stage, TP and DP rank),
@@ -314,10 +316,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, gr
             json.dump({"iteration": iteration, "format_version": FORMAT_VERSION, **run_info}, f, indent=1, sort_keys=True, default=str)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        latest_tmp = os.path.join(root, LATEST + ".tmp")
-        with open(latest_tmp, "w", encoding="utf-8") as f:
-            f.write(str(iteration))
-        os.replace(latest_tmp, os.path.join(root, LATEST))
+        _write_latest(root, iteration)
     dist.barrier()
     return final
 
@@ -333,6 +332,46 @@ def latest_iteration(root: str) -> Optional[int]:
     if not (text.isascii() and text.isdigit()):
         raise _error(_Unreadable(path, f"holds {text!r}, not an iteration number"), root, None, None)
     return int(text)
+
+
+def _write_latest(root: str, iteration: int) -> None:
+    latest_tmp = os.path.join(root, LATEST + ".tmp")
+    with open(latest_tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+    os.replace(latest_tmp, os.path.join(root, LATEST))
+
+
+def discard_checkpoint(root: str, iteration: int) -> str:
+    """Set the checkpoint of ``iteration`` under ``root`` aside (rank 0 calls it when the run diverged right
+    after writing it): ``latest`` first points at the newest older complete iteration (or is removed when
+    there is none), then ``iter_N`` is renamed to ``iter_N.diverged`` (``.diverged2`` ... if taken), which
+    :func:`latest_iteration`, resume and pruning ignore; nothing is deleted. Returns what was done, a clause
+    for the error line. Raises OSError when a file operation fails."""
+    final = _iter_dir(root, iteration)
+    previous = None
+    for it in reversed(_iterations(root)):
+        if it < iteration:
+            try:
+                _check_iteration(_iter_dir(root, it))
+            except _Unreadable:
+                continue
+            previous = it
+            break
+    if previous is not None:
+        _write_latest(root, previous)
+    else:
+        try:
+            os.remove(os.path.join(root, LATEST))
+        except FileNotFoundError:
+            pass
+    aside, n = final + ".diverged", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{final}.diverged{n}"
+    os.rename(final, aside)
+    now = (f"the latest checkpoint is now iteration {previous} ({_iter_dir(root, previous)})" if previous is not None
+           else f"there is no older complete checkpoint under {root}: start fresh")
+    return f"moved the checkpoint of iteration {iteration} (the weights that diverged) to {aside}; {now}"
 
 
 def check_compatible(saved: dict, run_info: dict, path: str) -> None:
@@ -386,9 +425,10 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
 
 def prune_checkpoints(root: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete ``iter_*`` checkpoints under ``root`` (rank 0 calls it
-    after a save; the one ``latest`` points at is always kept). Returns the removed directories."""
+    after a save; the one ``latest`` points at is always kept; ``.tmp`` and ``.diverged`` ones are not
+    counted nor touched). Returns the removed directories."""
     latest = latest_iteration(root)
-    done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp"))
+    done = [os.path.basename(_iter_dir(root, it)) for it in _iterations(root)]
     old = [d for d in done[:-keep] if latest is None or d != os.path.basename(_iter_dir(root, latest))]
     for d in old:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)

@@ -10,7 +10,9 @@ Per iteration:
      one more stops the run;
   2. a finite loss above ``loss_divergence_factor`` times the lowest loss so far stops the run at once:
      that step was already applied, so the weights are no longer worth keeping.
-A stop raises :class:`TrainingDiverged` with a one-line reason; the trainer writes no checkpoint after it.
+A stop raises :class:`TrainingDiverged` with a one-line reason; the trainer writes no checkpoint after it,
+and moves aside the one written right before it (its weights gave the diverging loss). The state
+(lowest loss, bad steps in a row) is saved in checkpoints, so a resumed run keeps the same verdicts.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class DivergenceGuard:
                 raise TrainingDiverged(
                     f"training diverged at iteration {iteration}: {self.consecutive} consecutive steps skipped "
                     f"({why}; loss {loss:.4g}), more than --max-skipped-steps {self.max_skipped_steps}; lower --lr "
-                    f"(now {lr:.3g}) or raise --clip-grad, then resume from the last checkpoint")
+                    f"(now {lr:.3g}) or lower --clip-grad, then resume from the last checkpoint")
             return (f"iteration {iteration}: step skipped ({why}), {self.consecutive} in a row "
                     f"(stop after {self.max_skipped_steps})")
         self.consecutive = 0
@@ -75,3 +77,14 @@ class DivergenceGuard:
                 f"({self.best_loss:.4g}); lower --lr (now {lr:.3g}), then resume from the last checkpoint")
         self.best_loss = min(self.best_loss, loss)
         return None
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps, so that a resumed run judges its losses against the same history."""
+        return {"best_loss": self.best_loss, "consecutive": self.consecutive, "skipped_total": self.skipped_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s values; a missing key (a checkpoint from before they were saved)
+        keeps the fresh default."""
+        self.best_loss = float(state.get("best_loss", math.inf))
+        self.consecutive = int(state.get("consecutive", 0))
+        self.skipped_total = int(state.get("skipped_total", 0))
