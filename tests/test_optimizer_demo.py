@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from megacomp import comm
 from megacomp.optimizer import DeMo
-from tests.distributed import run_ranks
+from distributed import run_ranks
 
 SHAPES = [(12, 10), (7,), (130, 6), (3, 4, 5)]
 
@@ -263,3 +263,39 @@ def test_bad_settings_raise():
     assert "compression_decay must be in [0, 1)" in msgs[2]
     assert "pass a plain value format" in msgs[3]
     assert "lr must be > 0" in msgs[4]
+
+
+# -- in pretraining (--optimizer demo) ---------------------------------------------------------------------
+from test_training_pretrain import _train_body, base, losses  # noqa: E402,F401  (the fixture and the run helper)
+
+
+def test_pretraining_with_demo_under_tp_and_pp_sends_only_its_components_and_resumes(base, tmp_path):
+    from dataclasses import replace
+
+    cfg = replace(base, train_iters=6, optimizer="demo", demo_topk=8, demo_chunk=16, tensor_model_parallel_size=2,
+                  save=str(tmp_path / "ckpt"))
+    full = run_ranks(_train_body, 4, replace(cfg, save=None))
+    assert all(losses(h) == losses(full[0]) for h in full)
+    assert losses(full[0])[-1] < losses(full[0])[0]
+    traffic = full[0][-1][3]
+    wire, raw = traffic["dp_gradient"]
+    assert 0 < wire < 0.2 * raw and "dp_parameter" not in traffic  # components only, no parameter all-gather
+    first = losses(run_ranks(_train_body, 4, replace(cfg, exit_interval=3))[0])
+    rest = losses(run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "ckpt")))[0])
+    assert first + rest == losses(full[0])  # the momenta (each rank's own) are checkpointed
+    piped = run_ranks(_train_body, 4, replace(cfg, save=None, tensor_model_parallel_size=1,
+                                              pipeline_model_parallel_size=2, train_iters=3))
+    assert losses(piped[0])[-1] < losses(piped[0])[0]
+
+
+def test_pretraining_refuses_demo_with_settings_it_cannot_honour(base):
+    from dataclasses import replace
+
+    from megacomp.training.arguments import check
+
+    with pytest.raises(AssertionError, match="must be a plain value format without error feedback"):
+        run_ranks(_train_body, 2, replace(base, optimizer="demo", compression="loco4"))
+    with pytest.raises(ValueError, match="does not combine with --outer-algorithm"):
+        check(replace(base, optimizer="demo", outer_algorithm="diloco", num_replicas=2))
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, demo"):
+        check(replace(base, optimizer="sgd"))

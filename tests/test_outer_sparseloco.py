@@ -126,3 +126,32 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
         DiLoCoConfig(algorithm="sparseloco", outer_momentum=1.5)
     DiLoCoConfig(algorithm="sparseloco", outer_momentum=1.0)  # beta 1: classic error feedback, allowed
+
+
+def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resumes(tmp_path):
+    from dataclasses import replace
+
+    from megacomp.data import default_corpus_files
+    from megacomp.training import PretrainConfig
+    from megacomp.training.arguments import SPARSELOCO_CODEC, outer_config
+    from megacomp.compression import make_codec
+    from test_outer_diloco import _pretrain_body
+
+    cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
+                         micro_batch_size=2, global_batch_size=8, train_iters=6, lr=3e-3, lr_warmup_iters=2,
+                         data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
+                         tokenizer_max_bytes=400_000, outer_algorithm="sparseloco", num_replicas=4, outer_steps=2)
+    oc = outer_config(cfg)  # the defaults: top-64 of 4096 in int2, alpha 1, beta 0.95
+    assert (oc.algorithm, oc.outer_lr, oc.outer_momentum) == ("sparseloco", 1.0, 0.95)
+    assert make_codec(oc.codec) == make_codec(SPARSELOCO_CODEC)
+    dct = replace(cfg, outer_codec="{name: bf16, transform: dct, chunk: 64, k: 4}")  # DCT-momentum DiLoCo
+    assert make_codec(outer_config(dct).codec).transform == "dct"
+    for run in (cfg, dct):
+        full = run_ranks(_pretrain_body, 4, run)[0]
+        outer = [t.get("outer", [0, 0]) for _, t in full]
+        assert [w > 0 for w, _ in outer] == [False, True] * 3  # one all-gather every 2 steps
+        assert all(0 < w < 0.1 * u for w, u in outer if u)  # a few percent of the coefficients, small values
+        ck = str(tmp_path / f"ck-{run.outer_codec is None}")
+        first = run_ranks(_pretrain_body, 4, replace(run, save=ck, exit_interval=3))[0]  # mid-cycle
+        rest = run_ranks(_pretrain_body, 4, replace(run, load=ck))[0]
+        assert [loss for loss, _ in first + rest] == [loss for loss, _ in full]

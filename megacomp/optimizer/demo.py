@@ -194,7 +194,7 @@ class DeMo(torch.optim.Optimizer):
             if p.grad is not None:
                 delta.add_(p.grad.to(delta.dtype), alpha=lr * clip)
             coeffs = dct.dct_tiles(delta, self.compression_chunk).reshape(-1)
-            msg = codec.encode_flat(coeffs.to(delta.dtype))
+            msg = codec.encode_flat(coeffs.to(delta.dtype), self.channel.generator)
             sent = codec.decode_flat(msg, coeffs.numel(), delta.dtype).to(coeffs.dtype)
             delta.copy_(dct.idct_tiles(coeffs - sent, p.shape, self.compression_chunk))
             messages.append(msg)

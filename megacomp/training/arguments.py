@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -68,6 +69,16 @@ class PretrainConfig:
     adam_freeze_variance_step: int = 0
     """0 = plain AdamW. N > 0: freeze Adam's second moment after N iterations (1-bit Adam's variance
     freezing, megacomp.optimizer.FrozenVarianceAdamW), which lets error feedback reach Adam's update."""
+    optimizer: str = "adamw"
+    """adamw: the sharded optimizer (gradients reduce-scattered over DP, megacomp.optimizer.DistributedOptimizer);
+    demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
+    all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (try ~3e-4)."""
+    demo_topk: int = 32
+    """DeMo: coefficients kept per DCT tile (compression_topk)."""
+    demo_chunk: int = 64
+    """DeMo: largest DCT tile side, tiles of up to chunk x chunk (compression_chunk)."""
+    demo_decay: float = 0.999
+    """DeMo: momentum decay (compression_decay), in [0, 1)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     seed: int = 1234
@@ -110,18 +121,19 @@ class PretrainConfig:
     loss_divergence_factor: float = 10.0
     """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
     outer_algorithm: str = "none"
-    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco or mt_dao
-    (megacomp.outer)."""
+    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao or sparseloco
+    (megacomp.outer; sparseloco with a DCT codec is DCT-momentum DiLoCo)."""
     num_replicas: int = 1
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
     outer_steps: int = 50
     """H: inner steps between two outer synchronisations (DiLoCo)."""
     outer_lr: Optional[float] = None
-    """Outer learning rate. Default: the algorithm's, 0.7 for DiLoCo and NoLoCo, 1.0 for MT-DAO (averaging)."""
+    """Outer learning rate. Default: the algorithm's, 0.7 for DiLoCo and NoLoCo, 1.0 for MT-DAO (averaging) and
+    SparseLoCo (alpha)."""
     outer_momentum: Optional[float] = None
     """Outer momentum (0 = none). Default: the algorithm's, 0.9 Nesterov for DiLoCo, 0.5 for NoLoCo, 0 for
-    MT-DAO."""
+    MT-DAO, and for SparseLoCo the error-feedback accumulator's decay beta, 0.95."""
     mt_dao_slow_betas: str = "0.999"
     """MT-DAO: comma list of the slow first moments' betas (the fast one is --adam-beta1; 0 = raw gradient)."""
     mt_dao_slow_weights: str = "0.9"
@@ -129,7 +141,9 @@ class PretrainConfig:
     outer_group_size: int = 2
     """NoLoCo: replicas per gossip group, drawn at random every outer step (must divide num_replicas)."""
     outer_codec: Any = None
-    """Codec of the pseudo-gradient all-reduce (a name or mapping; None = uncompressed)."""
+    """Codec of the pseudo-gradient all-reduce (a name, or a mapping, also as '{name: int4, ...}' on the command
+    line; None = uncompressed; for sparseloco None =
+    {name: int2, k: 64, chunk: 4096}; add transform: dct for DCT-momentum DiLoCo)."""
     outer_error_feedback: Any = None
     """Error feedback on the pseudo-gradient ('ef', 'loco'); needs outer_codec."""
     outer_fragments: int = 1
@@ -198,13 +212,28 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+def first_sentence(text: str) -> str:
+    """``text`` up to the end of its first sentence: the first ``.``, ``!`` or ``?`` outside parentheses that
+    ends the text or is followed by a space (so ``tp_fp8.yaml`` or ``e4m3)`` do not end it)."""
+    depth = 0
+    for i, c in enumerate(text):
+        depth += (c in "([") - (c in ")]")
+        if c in ".!?" and depth <= 0 and (i + 1 == len(text) or text[i + 1].isspace()):
+            return text[:i + 1]
+    return text
+
+
 def presets_epilog() -> str:
-    """The compression presets of configs/compression/ with the first line of each file's comment."""
+    """The compression presets of configs/compression/ with the first sentence of each file's leading
+    comment (its ``#`` lines joined)."""
     lines = ["compression presets (--compression NAME, or a YAML file):"]
     for path in sorted((REPO_CONFIGS / "compression").glob("*.yaml")):
-        first = next((ln.lstrip("# ").strip() for ln in path.read_text(encoding="utf-8").splitlines()
-                      if ln.startswith("#")), "")
-        lines.append(f"  {path.stem:<12} {first}")
+        comment = []
+        for ln in path.read_text(encoding="utf-8").splitlines():
+            if not ln.startswith("#"):
+                break
+            comment.append(ln.lstrip("#").strip())
+        lines.append(f"  {path.stem:<12} {first_sentence(' '.join(x for x in comment if x))}")
     return "\n".join(lines)
 
 
@@ -221,7 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
     docs = field_docs()
     for f in fields(PretrainConfig):
         default = f.default if f.default is not MISSING else None
-        text = f"{docs.get(f.name, '')} (default {default!r})".replace("%", "%%")
+        doc = docs.get(f.name, "")
+        stated = re.search(r"\bdefault\b", doc, re.I)  # the docstring says what the default means: no second one
+        text = (doc if stated else f"{doc} (default {default!r})").replace("%", "%%")
         t = str(f.type)
         if t == "bool":
             p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=text)
@@ -280,6 +311,15 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.max_skipped_steps}")
     if cfg.loss_divergence_factor < 0 or 0 < cfg.loss_divergence_factor <= 1:
         raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {cfg.loss_divergence_factor}")
+    if cfg.optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {cfg.optimizer!r}")
+    if cfg.optimizer == "demo":
+        if cfg.outer_algorithm != "none" or cfg.adam_freeze_variance_step:
+            raise ValueError("optimizer demo replaces the data-parallel gradient exchange; it does not combine with "
+                             "--outer-algorithm or --adam-freeze-variance-step")
+        if cfg.demo_topk < 1 or cfg.demo_chunk < 1 or not 0 <= cfg.demo_decay < 1:
+            raise ValueError(f"DeMo needs demo_topk >= 1, demo_chunk >= 1 and demo_decay in [0, 1), got "
+                             f"{cfg.demo_topk}, {cfg.demo_chunk} and {cfg.demo_decay}")
     if cfg.outer_algorithm not in OUTER_ALGORITHMS:
         raise ValueError(f"outer_algorithm must be one of {', '.join(OUTER_ALGORITHMS)}, got {cfg.outer_algorithm!r}")
     if cfg.outer_algorithm in ("diloco", "mt_dao") and (cfg.outer_fragments != 1 or cfg.outer_delay or cfg.outer_mixing):
@@ -333,7 +373,10 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"sequence_parallel needs seq_length ({cfg.seq_length}) divisible by the TP size")
 
 
-OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao")
+OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
+SPARSELOCO_CODEC = {"name": "int2", "k": 64, "chunk": 4096}
+"""SparseLoCo's default outer codec: top-64 of every 4096 (1.6% density, inside the paper's 1-3%), 2-bit values."""
+OPTIMIZERS = ("adamw", "demo")
 
 
 def mt_dao_optimizer_kwargs(cfg: PretrainConfig) -> dict:
@@ -364,9 +407,19 @@ def outer_config(cfg: PretrainConfig):
     from ..outer import DiLoCoConfig
 
     noloco, mt_dao = cfg.outer_algorithm == "noloco", cfg.outer_algorithm == "mt_dao"
-    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (0.5 if noloco else 0.0 if mt_dao else 0.9)
-    lr = cfg.outer_lr if cfg.outer_lr is not None else (1.0 if mt_dao else 0.7)
+    sparse = cfg.outer_algorithm == "sparseloco"
+    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (
+        0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else 0.9)
+    lr = cfg.outer_lr if cfg.outer_lr is not None else (1.0 if mt_dao or sparse else 0.7)
+    codec = cfg.outer_codec
+    if isinstance(codec, str) and codec.strip().startswith("{"):  # a YAML mapping given on the command line
+        import yaml
+
+        codec = yaml.safe_load(codec)
+    if sparse and codec is None:
+        codec = dict(SPARSELOCO_CODEC)
+    algorithm = "noloco" if noloco else "sparseloco" if sparse else "diloco"
     return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=lr, outer_momentum=momentum,
-                        algorithm="noloco" if noloco else "diloco", group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
-                        codec=cfg.outer_codec, error_feedback=cfg.outer_error_feedback,
+                        algorithm=algorithm, group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
+                        codec=codec, error_feedback=cfg.outer_error_feedback,
                         fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)

@@ -29,12 +29,12 @@ from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
-from ..optimizer import DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW
+from ..optimizer import DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..outer.mt_dao import average_optimizer_state
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
 from .arguments import PretrainConfig, check, mt_dao_optimizer_kwargs, outer_config
-from .checkpoint import latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics import MetricsLogger, gather_traffic
 from .report import RunTotals, banner
@@ -93,13 +93,13 @@ class Trainer:
         self._validated_once = False
         self.is_logger = dist.get_rank() == 0
         resumed = None
+        self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_divergence_factor)  # _load restores its state
         if cfg.load and latest_iteration(cfg.load) is not None:
             self._load()
             resumed = f"resumed from {cfg.load} at iteration {self.iteration}"
         elif cfg.load:
             resumed = f"no checkpoint in {cfg.load} yet: starting from iteration 0"
         self.resumed = self.iteration > 0
-        self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_divergence_factor)
         self.totals = RunTotals()
         if self.is_logger:
             params = sum(p.numel() for p in self.model.parameters() if not getattr(p, "tensor_model_parallel", False))
@@ -114,6 +114,8 @@ class Trainer:
                          resumed_from=resumed), flush=True)
             if self.outer is not None:
                 print(f"  outer loop: {outer_summary(self.outer.config, cfg.num_replicas, g.dp_size, cfg.outer_algorithm)}", flush=True)
+            if isinstance(self.optimizer, DeMo):
+                print(f"  optimizer: {demo_summary(self.optimizer)}", flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -142,6 +144,10 @@ class Trainer:
             w = 1.0 if getattr(p, "tensor_model_parallel", False) else 1.0 / tp
             return w * (0.5 if p is tied else 1.0)
 
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        norm_group = g.mp if g.tp_size * g.pp_size > 1 else None
+        if cfg.optimizer == "demo":
+            return self._build_demo(groups, norm_group, norm_weight)
         optimizer_class = torch.optim.AdamW
         if cfg.outer_algorithm == "mt_dao":
             optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(cfg))
@@ -149,12 +155,26 @@ class Trainer:
             optimizer_class = functools.partial(FrozenVarianceAdamW, freeze_step=cfg.adam_freeze_variance_step)
         deferred = ([tied] if tied is not None else []) + self._sp_params()
         return DistributedOptimizer(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            optimizer_class, self.replicas.inner if self.replicas is not None else g.dp,
+            groups, optimizer_class, self.replicas.inner if self.replicas is not None else g.dp,
             grad_channel=self.channels.dp_gradient, param_channel=self.channels.dp_parameter,
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
-            max_grad_norm=cfg.clip_grad or None, grad_norm_group=g.mp if g.tp_size * g.pp_size > 1 else None,
+            max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+
+    def _build_demo(self, groups, norm_group, norm_weight) -> DeMo:
+        """DeMo on the dp_gradient channel (its codec, if any, is the format of the kept values); there is no
+        parameter all-gather, since every DP rank applies the same update."""
+        cfg, c, ch = self.cfg, self.compression, self.channels.dp_gradient
+        if ch.error_feedback is not None or ch.codec.structured or c.dp_gradient_warmup_steps:
+            raise ValueError(f"optimizer demo keeps its own residual (the momentum) and does its own DCT and top-k: the "
+                             f"compression config's dp_gradient must be a plain value format without error feedback "
+                             f"or warm-up (got {ch!r}, warm-up {c.dp_gradient_warmup_steps}); e.g. none, bf16 or int8")
+        if not self.channels.dp_parameter.codec.is_identity:
+            raise ValueError(f"optimizer demo sends no parameters (every DP rank applies the same update), but the "
+                             f"compression config sets dp_parameter {self.channels.dp_parameter.codec}; drop it")
+        return DeMo(groups, lr=cfg.lr, compression_decay=cfg.demo_decay, compression_topk=cfg.demo_topk,
+                    compression_chunk=cfg.demo_chunk, value_codec=ch.codec, channel=ch, max_grad_norm=cfg.clip_grad or None,
+                    grad_norm_group=norm_group, grad_norm_weight=norm_weight)
 
     def _after_outer_sync(self) -> None:
         """The model's parameters were replaced by the outer step: reload the optimizer's fp32 masters; under
@@ -178,7 +198,8 @@ class Trainer:
         return {"rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                 "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",)),
-                "outer": self.outer.state_dict() if self.outer is not None else None}
+                "outer": self.outer.state_dict() if self.outer is not None else None,
+                "guard": self.guard.state_dict()}  # the lowest loss so far: a resumed run judges against it
 
     def _replica(self) -> Optional[int]:
         return self.replicas.replica if self.replicas is not None else None
@@ -196,6 +217,8 @@ class Trainer:
                              f"same --outer-algorithm")
         if self.outer is not None:
             self.outer.load_state_dict(extra["outer"])
+        guard = extra.get("guard") or {}  # a checkpoint from before the guard's state was saved: a fresh guard
+        self.guard.load_state_dict(guard)
 
     def save(self) -> None:
         """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it), say
@@ -270,6 +293,7 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
+        self.optimizer.zero_grad()  # DeMo accumulates in .grad; the sharded optimizer has reset its buckets already
         batches = self._micro_batches()
         losses = self._forward_backward(batches)
         self._finalize_grads()
@@ -303,7 +327,8 @@ class Trainer:
 
         Raises:
             TrainingDiverged: the divergence policy stopped the run (nothing was saved after the last good
-                checkpoint); the message is the one-line reason."""
+                checkpoint: one written at the iteration before the stop holds the weights that diverged and is
+                renamed to ``iter_N.diverged``); the message is the one-line reason, and says so."""
         cfg = self.cfg
         self._batches = iter(self.sampler)
         history, saved_at, stopped = [], None, ""
@@ -328,9 +353,27 @@ class Trainer:
                 if cfg.exit_interval and self.iteration % cfg.exit_interval == 0 and self.iteration < cfg.train_iters:
                     stopped = f"stopped at iteration {self.iteration} (--exit-interval {cfg.exit_interval})"
                     break
-        except TrainingDiverged:
+        except TrainingDiverged as e:
+            # the loss of iteration N comes from the weights after step N-1: a checkpoint of N-1 holds the
+            # diverged state; rank 0 sets it aside (checkpoint.discard_checkpoint), the others wait for it
+            note = ""
+            if cfg.save:
+                if self.is_logger:
+                    try:
+                        latest = latest_iteration(cfg.save)
+                    except ValueError:  # an unreadable latest file names no checkpoint of ours
+                        latest = None
+                    if latest is not None and latest == self.iteration - 1:
+                        try:
+                            note = "; " + discard_checkpoint(cfg.save, latest)
+                        except OSError as err:
+                            note = (f"; the checkpoint of iteration {latest} holds the diverged weights but could "
+                                    f"not be set aside ({err}): do not resume from it")
+                dist.barrier()
             if self.is_logger and self.totals.iterations:
                 print(self.totals.summary(self.iteration, "diverged"), flush=True)
+            if note:
+                raise TrainingDiverged(f"{e}{note}") from e
             raise
         finally:
             if signals is not None:
@@ -364,6 +407,17 @@ def outer_summary(oc, replicas: int, dp: int, algorithm: str = "") -> str:
     if oc.algorithm == "noloco":
         return (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
                 f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")
+    if oc.algorithm == "sparseloco":
+        return (f"SparseLoCo over {per}: accumulator e <- {oc.outer_momentum:g} e + Delta, C(e) all-gathered and "
+                f"averaged, theta -= {oc.outer_lr:g} x mean, pseudo-gradient codec {oc.codec} (traffic kind 'outer')")
     nesterov = " (Nesterov)" if oc.nesterov and oc.outer_momentum else ""
     return (f"{'Streaming ' if stream else ''}DiLoCo{stream} over {per}, outer SGD lr {oc.outer_lr:g} momentum "
             f"{oc.outer_momentum:g}{nesterov}, {codec}")
+
+
+def demo_summary(opt: DeMo) -> str:
+    """One line saying what DeMo sends (the banner's)."""
+    dense = sum(p.numel() for p in opt.params) * 4
+    return (f"DeMo, top-{opt.compression_topk} of each DCT tile (up to {opt.compression_chunk}x{opt.compression_chunk}), "
+            f"momentum decay {opt.compression_decay:g}, kept values {opt.value_codec}: {opt.wire_bytes_per_step() / 1e6:.3f} "
+            f"MB per step to each DP peer vs {dense / 1e6:.3f} MB dense fp32 (dp_gradient; no dp_parameter all-gather)")
