@@ -146,6 +146,36 @@ SUITES["diloco_sweep"] = {"layout": [], "variants": {
     "DDP, inner lr x2": {"args": ["--lr", "6e-3", "--min-lr", "6e-4"]},
 }}
 
+# issue #17: DeMo (no gradient all-reduce; each DP rank all-gathers its top-k DCT momentum components) against
+# DDP-AdamW on 4 DP ranks; DeMo's --lr is its sign-SGD step. The sweep ranks learning rates and decays on one seed.
+def demo(lr: float, *more: str, values: Optional[str] = None) -> dict:
+    """A DeMo variant: peak lr (min lr a tenth of it), further flags, and the format of the kept values."""
+    out = {"args": ["--optimizer", "demo", "--lr", f"{lr:g}", "--min-lr", f"{lr / 10:g}", *more]}
+    if values:
+        out["dp_gradient"] = values
+    return out
+
+
+SUITES["demo_sweep"] = {"layout": [], "variants": {
+    "none": {},
+    "DeMo lr 1e-3": demo(1e-3),
+    "DeMo lr 3e-3": demo(3e-3),
+    "DeMo lr 6e-3": demo(6e-3),
+    "DeMo lr 3e-3, decay 0.99": demo(3e-3, "--demo-decay", "0.99"),
+    "DeMo lr 3e-3, decay 0.9": demo(3e-3, "--demo-decay", "0.9"),
+}}
+
+# issue #17: SparseLoCo (top-k per chunk, 2-bit values, an error-feedback accumulator in place of outer momentum)
+# and DCT-momentum DiLoCo (the same rule with a chunked-DCT top-k codec) against DiLoCo at equal tokens
+SPARSELOCO = ["--outer-algorithm", "sparseloco", "--num-replicas", "4", "--outer-steps", "50"]
+DCT_CODEC = '{name: bf16, transform: dct, chunk: 64, k: 4}'
+SUITES["sparseloco"] = {"layout": [], "variants": {
+    "none": {},
+    "DiLoCo H=50": {"args": DILOCO},
+    "SparseLoCo H=50 (int2, top-64/4096)": {"args": SPARSELOCO},
+    "DCT-DiLoCo H=50 (bf16, DCT top-4/64)": {"args": [*SPARSELOCO, "--outer-codec", DCT_CODEC]},
+}}
+
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
