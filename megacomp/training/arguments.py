@@ -17,6 +17,7 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from ..compression import make_codec
 from ..config import CommCompressionConfig, load_yaml
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -374,7 +375,7 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
 
 
 OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
-SPARSELOCO_CODEC = {"name": "int2", "k": 64, "chunk": 4096}
+SPARSELOCO_CODEC = make_codec("int2", k=64, chunk=4096)
 """SparseLoCo's default outer codec: top-64 of every 4096 (1.6% density, inside the paper's 1-3%), 2-bit values."""
 OPTIMIZERS = ("adamw", "demo")
 
@@ -417,7 +418,7 @@ def outer_config(cfg: PretrainConfig):
 
         codec = yaml.safe_load(codec)
     if sparse and codec is None:
-        codec = dict(SPARSELOCO_CODEC)
+        codec = SPARSELOCO_CODEC
     algorithm = "noloco" if noloco else "sparseloco" if sparse else "diloco"
     return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=lr, outer_momentum=momentum,
                         algorithm=algorithm, group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
