@@ -26,6 +26,8 @@ with classic EF, and int2 with classic EF;
 ``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
 ``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
+``demo_sweep`` and ``structured``: issue #17's DeMo (learning rates and decays on one seed), then SparseLoCo,
+DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replicas, --seeds 1,2,3);
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
 int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
 MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
@@ -163,17 +165,21 @@ SUITES["demo_sweep"] = {"layout": [], "variants": {
     "DeMo lr 6e-3": demo(6e-3),
     "DeMo lr 3e-3, decay 0.99": demo(3e-3, "--demo-decay", "0.99"),
     "DeMo lr 3e-3, decay 0.9": demo(3e-3, "--demo-decay", "0.9"),
+    "DeMo lr 1.2e-2": demo(1.2e-2),
 }}
 
 # issue #17: SparseLoCo (top-k per chunk, 2-bit values, an error-feedback accumulator in place of outer momentum)
 # and DCT-momentum DiLoCo (the same rule with a chunked-DCT top-k codec) against DiLoCo at equal tokens
 SPARSELOCO = ["--outer-algorithm", "sparseloco", "--num-replicas", "4", "--outer-steps", "50"]
 DCT_CODEC = '{name: bf16, transform: dct, chunk: 64, k: 4}'
-SUITES["sparseloco"] = {"layout": [], "variants": {
+# and DeMo at the sweep's best learning rate, the reference's fp32 values (top-32 of 64 x 64) and bf16 top-16
+SUITES["structured"] = {"layout": [], "variants": {
     "none": {},
     "DiLoCo H=50": {"args": DILOCO},
     "SparseLoCo H=50 (int2, top-64/4096)": {"args": SPARSELOCO},
     "DCT-DiLoCo H=50 (bf16, DCT top-4/64)": {"args": [*SPARSELOCO, "--outer-codec", DCT_CODEC]},
+    "DeMo lr 6e-3 (fp32, top-32)": demo(6e-3),
+    "DeMo lr 6e-3 (bf16, top-16)": demo(6e-3, "--demo-topk", "16", values="bf16"),
 }}
 
 
