@@ -292,3 +292,27 @@ def test_error_feedback_with_empty_chunks_telescopes(spec):
     rs_err = torch.stack([r[4].double() for r in res]).sum(0)
     for r in range(world):
         assert abs(res[r][3].item() + rs_err[r].item() - steps * rs_exact[r].item()) <= tol
+
+
+def _gather_encoded_body(rank, world):
+    ch = comm.Channel("encoded_test", None)
+    comm.reset_stats()
+    mine = torch.arange(5, dtype=torch.uint8) + 10 * rank
+    out = torch.empty(world * 5, dtype=torch.uint8)
+    ch.all_gather_encoded(out, mine, numel=3)
+    stats = comm.stats()["encoded_test"]
+    try:
+        ch.all_gather_encoded(torch.empty(world * (5 + rank), dtype=torch.uint8),
+                              torch.zeros(5 + rank, dtype=torch.uint8), numel=3)
+        mismatch = ""
+    except ValueError as e:
+        mismatch = str(e)
+    return out, (stats.wire_bytes, stats.uncompressed_bytes), mismatch
+
+
+def test_all_gather_encoded_delivers_the_bytes_unchanged_and_refuses_unequal_sizes():
+    world = 3
+    for out, (wire, raw), mismatch in run_ranks(_gather_encoded_body, world):
+        assert torch.equal(out, torch.cat([torch.arange(5, dtype=torch.uint8) + 10 * r for r in range(world)]))
+        assert (wire, raw) == ((world - 1) * 5, (world - 1) * 3 * 4)  # counted against 3 fp32 elements
+        assert "bytes differs across ranks" in mismatch
