@@ -168,6 +168,23 @@ def _kept_positions(codec, buf: torch.Tensor, nfull: int, rest: int):
         start += rows * width
 
 
+def _scatter_kept(codec, buf: torch.Tensor, n: int, nfull: int, rest: int, dtype: torch.dtype, work: torch.dtype,
+                  with_support: bool):
+    """The kept values of a top-k/random-k encoding scattered into zero chunks (``work`` dtype), and, with
+    ``with_support``, the bool mask of the kept positions (else None), from one read of the indices."""
+    vals = value_codec(codec).decode_flat(buf[_head_bytes(codec, n):], n, value_dtype(codec, dtype)).to(work)
+    out = torch.zeros(nfull * codec.chunk + rest, dtype=work, device=buf.device)
+    mask = torch.zeros(out.numel(), dtype=torch.bool, device=buf.device) if with_support else None
+    vpos = 0
+    for start, rows, width, pos in _kept_positions(codec, buf, nfull, rest):
+        k = pos.shape[1]
+        out[start:start + rows * width].view(rows, width).scatter_(1, pos, vals[vpos:vpos + rows * k].view(rows, k))
+        if mask is not None:
+            mask[start:start + rows * width].view(rows, width).scatter_(1, pos, True)
+        vpos += rows * k
+    return out, mask
+
+
 def decode(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """Inverse of :func:`encode`: a 1-D tensor of ``numel`` elements of ``dtype``."""
     expected = wire_bytes(codec, numel, dtype)
@@ -182,32 +199,26 @@ def decode(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Te
     if not codec.k:
         coeffs = value_codec(codec).decode_flat(buf, n, value_dtype(codec, dtype)).to(work)
         return dct.idct_chunks(coeffs.view(-1, codec.chunk), numel).to(dtype)
-    vals = value_codec(codec).decode_flat(buf[_head_bytes(codec, n):], n, value_dtype(codec, dtype)).to(work)
-    out = torch.zeros(nfull * codec.chunk + rest, dtype=work, device=buf.device)
-    vpos = 0
-    for start, rows, width, pos in _kept_positions(codec, buf, nfull, rest):
-        k = pos.shape[1]
-        out[start:start + rows * width].view(rows, width).scatter_(1, pos, vals[vpos:vpos + rows * k].view(rows, k))
-        vpos += rows * k
+    out, _ = _scatter_kept(codec, buf, n, nfull, rest, dtype, work, False)
     if padded:
         return dct.idct_chunks(out.view(-1, codec.chunk), numel).to(dtype)
     return out.to(dtype)
 
 
-def support(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Which of the ``numel`` elements an encoding of a top-k or random-k codec (``transform='none'``) carries
-    (``dtype``: the dtype it was encoded from): a bool tensor, True at every kept position, also where the kept value itself is (or rounds to) zero.
-    Averaging over the senders of each position (DeMo's reduction) needs this: ``decode`` alone cannot tell
-    a sent zero from an unsent entry. Raises ValueError for other codecs, a buffer of the wrong size or a
-    corrupt index."""
+def decode_with_support(codec, buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32):
+    """:func:`decode` of a top-k or random-k encoding (``transform='none'``; ``dtype``: what it was encoded
+    from) together with which elements it carries: (values, bool mask), the mask True at every kept position,
+    also where the kept value itself is (or rounds to) zero. Averaging over the senders of each position
+    (DeMo's reduction) needs the mask: the values alone cannot tell a sent zero from an unsent entry.
+    Raises ValueError for other codecs, a buffer of the wrong size or a corrupt index."""
     if not codec.k or codec.transform != "none":
-        raise ValueError(f"codec {codec}: support() is defined for top-k/random-k codecs without a transform")
+        raise ValueError(f"codec {codec}: decode_with_support() is defined for top-k/random-k codecs without a "
+                         f"transform")
     expected = wire_bytes(codec, numel, dtype)
     if buf.dtype != torch.uint8 or buf.numel() != expected:
-        raise ValueError(f"codec {codec}: expected a uint8 encoding of {numel} elements, got {buf.dtype} with "
-                         f"{buf.numel()} bytes")
-    mask = torch.zeros(numel, dtype=torch.bool, device=buf.device)
+        raise ValueError(f"codec {codec}: expected a uint8 encoding of {expected} bytes for {numel} elements, got "
+                         f"{buf.dtype} with {buf.numel()} bytes")
+    work = torch.float64 if dtype == torch.float64 else torch.float32
     nfull, rest = _chunk_lengths(numel, codec.chunk, False)
-    for start, rows, width, pos in _kept_positions(codec, buf, nfull, rest):
-        mask[start:start + rows * width].view(rows, width).scatter_(1, pos, True)
-    return mask
+    out, mask = _scatter_kept(codec, buf, kept(codec, numel), nfull, rest, dtype, work, True)
+    return out.to(dtype), mask

@@ -31,9 +31,9 @@ Bytes per rank and step: ``(R - 1) * sum_p tiles_p * k_p * (index bytes + value 
 gradient; decoding costs O(R * n). With the defaults (chunk 64, top-32 of 4096) that is 32 * 6 / (4096 * 4)
 ~ 1.2% of the dense gradient per peer.
 
-Differences from the reference: the parameter's gradient is left as it was (the reference overwrites it
-with the sign); tensors of more than two dimensions are tiled as the matrix [shape[0], rest]; gradients may
-be clipped by their (model-parallel) norm first, which the trainer uses; a step whose gradients hold
+Differences from the reference: ``step`` consumes the gradients (clears ``.grad``, as the sharded optimizer
+does) instead of overwriting them with the sign; tensors of more than two dimensions are tiled as the matrix
+[shape[0], rest]; gradients may be clipped by their (model-parallel) norm first, which the trainer uses; a step whose gradients hold
 inf/NaN on any rank is skipped everywhere (no momentum change) and counted.
 
 Failure behaviour: ``compression_topk`` < 1, ``compression_chunk`` < 1, ``compression_decay`` outside
@@ -43,6 +43,7 @@ from another layout, DP size or codec raises ValueError naming the difference.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterable, Optional
 
 import torch
@@ -117,10 +118,7 @@ class DeMo(torch.optim.Optimizer):
 
     def _codec_for(self, p: torch.Tensor):
         """The top-k codec of ``p``'s coefficients: one chunk per tile, the kept values in ``value_codec``."""
-        tile = dct.tile_shape(p.shape, self.compression_chunk)
-        size = 1
-        for s in tile:
-            size *= s
+        size = math.prod(dct.tile_shape(p.shape, self.compression_chunk))
         k = min(self.compression_topk, size)
         return make_codec(self.value_codec, k=k, chunk=size, select="topk", transform="none")
 
@@ -145,10 +143,6 @@ class DeMo(torch.optim.Optimizer):
     def load_params_from_model(self) -> None:
         """Nothing to reload: DeMo steps the model's parameters themselves."""
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the parameters' gradients."""
-        super().zero_grad(set_to_none=set_to_none)
-
     # -- the step -------------------------------------------------------------------------------------
     def _grad_norm_and_finite(self) -> tuple[float, bool]:
         """This rank's gradient norm (over ``grad_norm_group``) and whether every rank's gradients are finite."""
@@ -168,7 +162,9 @@ class DeMo(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None) -> bool:
         """Steps 1-7 of the module docstring. Returns False (and changes nothing) when a rank's gradients hold
-        inf/NaN; every rank of the group and of ``grad_norm_group`` then skips alike."""
+        inf/NaN; every rank of the group and of ``grad_norm_group`` then skips alike. Either way the gradients
+        are consumed (``.grad`` cleared), as the sharded optimizer's step does, so the next backward starts
+        from zero."""
         if closure is not None:
             with torch.enable_grad():
                 closure()
@@ -176,16 +172,14 @@ class DeMo(torch.optim.Optimizer):
         if not finite:
             self.skipped_steps += 1
             self.last_grad_norm = None
+            self.zero_grad()
             return False
         self.last_grad_norm = norm
         clip = 1.0
         if self.max_grad_norm and norm > self.max_grad_norm:
             clip = self.max_grad_norm / (norm + 1e-6)
-        lrs, messages, sizes = [], [], []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.requires_grad:
-                    lrs.append((group["lr"], group["weight_decay"]))
+        lrs = [(g["lr"], g["weight_decay"]) for g in self.param_groups for p in g["params"] if p.requires_grad]
+        messages, sizes = [], []
         for p, codec, (lr, wd) in zip(self.params, self.codecs, lrs):
             delta = self.state[p]["delta"]
             if wd:
@@ -211,13 +205,14 @@ class DeMo(torch.optim.Optimizer):
             total = torch.zeros(n, dtype=dtype, device=p.device)
             count = torch.zeros(n, dtype=dtype, device=p.device)
             for j in range(self.world):  # rank order: the same sum on every rank
-                buf = slots[j, offset:offset + size]
-                total.add_(codec.decode_flat(buf, n, dtype))
-                count.add_(sparse.support(codec, buf, n, dtype).to(dtype))
+                values, sent = sparse.decode_with_support(codec, slots[j, offset:offset + size], n, dtype)
+                total.add_(values)
+                count.add_(sent.to(dtype))
             offset += size
             mean = total / count.clamp(min=1)
             update = dct.idct_tiles(mean, p.shape, self.compression_chunk).sign_()
             p.add_(update.to(p.dtype), alpha=-lr)
+        self.zero_grad()
         self.step_count += 1
         return True
 

@@ -17,6 +17,8 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import yaml
+
 from ..compression import make_codec
 from ..config import CommCompressionConfig, load_yaml
 
@@ -73,7 +75,8 @@ class PretrainConfig:
     optimizer: str = "adamw"
     """adamw: the sharded optimizer (gradients reduce-scattered over DP, megacomp.optimizer.DistributedOptimizer);
     demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
-    all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (try ~3e-4)."""
+    all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (6e-3 was best on the tiny
+    GPT: docs/convergence_demo_sweep)."""
     demo_topk: int = 32
     """DeMo: coefficients kept per DCT tile (compression_topk)."""
     demo_chunk: int = 64
@@ -414,8 +417,6 @@ def outer_config(cfg: PretrainConfig):
     lr = cfg.outer_lr if cfg.outer_lr is not None else (1.0 if mt_dao or sparse else 0.7)
     codec = cfg.outer_codec
     if isinstance(codec, str) and codec.strip().startswith("{"):  # a YAML mapping given on the command line
-        import yaml
-
         codec = yaml.safe_load(codec)
     if sparse and codec is None:
         codec = SPARSELOCO_CODEC

@@ -293,7 +293,6 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
-        self.optimizer.zero_grad()  # DeMo accumulates in .grad; the sharded optimizer has reset its buckets already
         batches = self._micro_batches()
         losses = self._forward_backward(batches)
         self._finalize_grads()
