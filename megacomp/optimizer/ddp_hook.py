@@ -17,6 +17,13 @@ Buckets below ``min_compress_numel`` elements (the channel's small-tensor rule),
 state's ``channel`` (megacomp.comm.Channel, built from these fields) owns the error feedback, one key
 per bucket.
 ``codec=None`` is bit-identical to DDP's default hook (divide by the world size, then all-reduce SUM).
+
+PowerSGD (``codec={"name": "powersgd", "rank": 4}`` or a ``PowerSGD``): the state's channel is a
+megacomp.comm.LowRankChannel; each bucket's parameters are read as matrices (views of the bucket buffer)
+and reduced with PowerSGD (error feedback and warm-start Q per parameter, keys ``ddp_bucket<i>/<j>``).
+That exchange runs in the hook's own thread, so it works on gloo with any number of buckets (torch's
+PowerSGD hook does not: its second all-reduce runs in a callback thread and races the next bucket's);
+it does not overlap the rest of backward.
 """
 import logging
 import threading
@@ -26,8 +33,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Channel, use_duplex
-from ..compression import CodecLike
+from ..comm import Channel, LowRankChannel, use_duplex
+from ..compression import CodecLike, is_low_rank
 
 log = logging.getLogger("megacomp")
 
@@ -37,7 +44,7 @@ class CompressedHookState:
     """Settings and error-feedback state of :func:`compressed_allreduce_hook`."""
 
     codec: CodecLike = None
-    """Codec of the gradient all-reduce (None: uncompressed)."""
+    """Codec of the gradient all-reduce (None: uncompressed), or PowerSGD settings (see the module docstring)."""
     error_feedback: Any = None
     """'ef', 'loco', an ErrorFeedbackConfig or an ErrorFeedback (one error per bucket)."""
     process_group: Optional[dist.ProcessGroup] = None
@@ -55,6 +62,15 @@ class CompressedHookState:
     """Iterations seen (counted on bucket 0)."""
 
     def __post_init__(self) -> None:
+        if is_low_rank(self.codec):
+            if self.error_feedback is not None:
+                raise ValueError("powersgd keeps its own error feedback (PowerSGD(error_feedback=True), the default); "
+                                 "leave the hook's error_feedback at None")
+            self.channel = LowRankChannel("dp_gradient", self.codec, group=self.process_group,
+                                          min_compress_numel=self.min_compress_numel)
+            self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
+            self.plain = self.channel.uncompressed()
+            return
         self.channel = Channel("dp_gradient", self.codec, group=self.process_group, error_feedback=self.error_feedback,
                                min_compress_numel=self.min_compress_numel)
         self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
@@ -62,8 +78,11 @@ class CompressedHookState:
 
     def state_dict(self) -> dict:
         """Iteration count, codec and error-feedback state (load with :meth:`load_state_dict`)."""
-        return {"iteration": self.iteration, "codec": self.codec.to_dict(),
-                "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
+        out = {"iteration": self.iteration, "codec": self.codec.to_dict(),
+               "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
+        if isinstance(self.channel, LowRankChannel):
+            out["low_rank"] = self.channel.state_dict(error_feedback=False)
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; raises ValueError when it was saved with another codec."""
@@ -72,6 +91,8 @@ class CompressedHookState:
         self.iteration = state["iteration"]
         if self.error_feedback is not None and state["error_feedback"] is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
+        if isinstance(self.channel, LowRankChannel):
+            self.channel.load_state_dict(state["low_rank"])
 
 
 def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futures.Future[torch.Tensor]:
@@ -82,6 +103,12 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     world = dist.get_world_size(state.process_group)
     lossy = state.channel.compresses(buf.numel()) and state.iteration > state.start_iter
     buf.div_(world)  # divide first, as DDP's default hook does (no fp16 overflow in the sum)
+    if lossy and isinstance(state.channel, LowRankChannel):
+        state.channel.all_reduce_coalesced(_param_views(bucket, buf), key=f"ddp_bucket{bucket.index()}",
+                                           validate=state.iteration == state.start_iter + 1)
+        fut = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
     if not lossy:
         work = state.plain.all_reduce(buf, validate=False, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
@@ -94,6 +121,19 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     else:
         _finish(work, buf, fut)
     return fut
+
+
+def _param_views(bucket, buf: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's gradient as a view of the bucket buffer (DDP lays them out back to back, in
+    ``bucket.parameters()`` order)."""
+    views, pos = [], 0
+    for p in bucket.parameters():
+        views.append(buf[pos:pos + p.numel()].view(p.shape))
+        pos += p.numel()
+    if pos != buf.numel():
+        raise RuntimeError(f"DDP bucket {bucket.index()} holds {buf.numel()} elements but its parameters {pos}; "
+                           f"this torch version lays buckets out differently, so powersgd cannot read its matrices")
+    return views
 
 
 def _finish(work, buf: torch.Tensor, fut: torch.futures.Future) -> None:

@@ -16,6 +16,9 @@ Traffic: gradients travel on a ``dp_gradient`` channel and parameters on a ``dp_
 (megacomp.comm.Channel), either passed in (``grad_channel``/``param_channel``, as the trainer does) or
 built here from ``grad_codec``/``param_codec``/``error_feedback``/``min_compress_numel``. The gradient
 channel owns the error-feedback state (one key per bucket), saved in this optimizer's state_dict.
+``grad_codec={"name": "powersgd", "rank": r}`` (or a megacomp.comm.LowRankChannel as ``grad_channel``)
+all-reduces each compressed bucket's matrices with PowerSGD instead of reduce-scattering it, then keeps this
+rank's shard; its residuals and warm-start Q matrices are saved in the state_dict too.
 
 Small-tensor rule (logged at construction): 1-D parameters (biases, norms) and buckets the channels would
 not compress (under their ``min_compress_numel``) are reduced uncompressed. With no codecs the result equals
@@ -38,9 +41,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..comm import Channel
+from ..comm import Channel, LowRankChannel
 from ..comm import all_gather_base
-from ..compression import CodecLike
+from ..compression import CodecLike, is_low_rank
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
 
@@ -129,12 +132,21 @@ class DistributedOptimizer:
             raise ValueError("DistributedOptimizer: pass either grad_channel or grad_codec/error_feedback, not both")
         if param_channel is not None and param_codec is not None:
             raise ValueError("DistributedOptimizer: pass either param_channel or param_codec, not both")
+        if grad_channel is None and is_low_rank(grad_codec):
+            if error_feedback is not None:
+                raise ValueError("DistributedOptimizer: powersgd keeps its own error feedback (PowerSGD(error_feedback="
+                                 "True), the default); leave error_feedback at None")
+            grad_channel = LowRankChannel("dp_gradient", grad_codec, group=process_group,
+                                          min_compress_numel=min_compress_numel)
         self.grad_channel = grad_channel if grad_channel is not None else Channel(
             "dp_gradient", grad_codec, group=process_group, error_feedback=error_feedback,
             min_compress_numel=min_compress_numel)
         self.param_channel = param_channel if param_channel is not None else Channel(
             "dp_parameter", param_codec, group=process_group, min_compress_numel=min_compress_numel)
         self._grad_plain, self._param_plain = self.grad_channel.uncompressed(), self.param_channel.uncompressed()
+        if isinstance(self.grad_channel, LowRankChannel) and hierarchy is not None:
+            raise ValueError("DistributedOptimizer: a powersgd gradient channel all-reduces whole matrices and does not "
+                             "combine with hierarchy; drop hierarchy or use a codec such as int4")
         if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
             raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
         self.grad_codec_warmup_steps = grad_codec_warmup_steps
@@ -254,6 +266,9 @@ class DistributedOptimizer:
         warm = self.step_count + self.skipped_steps < self.grad_codec_warmup_steps
         ch = self.grad_channel if b.compressed and not warm else self._grad_plain
         b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
+        if isinstance(ch, LowRankChannel):
+            self._launch_low_rank(b, ch)
+            return
         if self.hierarchy is not None:
             self._launch_hierarchical(b, ch)
             return
@@ -261,6 +276,14 @@ class DistributedOptimizer:
                                           key=f"dp_gradient/b{b.index}", validate=not self._validated)
         if b.work is None:  # a group of one rank: torch returns no handle
             b.work = comm.CompressedWork(lambda: None)
+
+    def _launch_low_rank(self, b: Bucket, ch: LowRankChannel) -> None:
+        """PowerSGD: all-reduce the bucket's matrices in low rank (in this thread, so it cannot race another
+        bucket's collective on gloo), then keep this rank's shard."""
+        views = [b.grad[o:o + p.numel()].view(p.shape) for p, o in zip(b.params, b.offsets)]
+        ch.all_reduce_coalesced(views, group=self.group, key=f"dp_gradient/b{b.index}", validate=not self._validated)
+        b.reduced.copy_(b.grad[slice(*b.shard_range(self.shard_index, self.world))])
+        b.work = comm.CompressedWork(lambda: None)
 
     def _launch_hierarchical(self, b: Bucket, ch: Channel) -> None:
         """Full precision inside a node (fast links), the codec across nodes (slow links): ZeRO++ qgZ/hpZ."""
@@ -414,6 +437,11 @@ class DistributedOptimizer:
         and template state dicts have the same keys whatever the group sizes or steps taken."""
         if self.ef is None:
             return
+        if isinstance(self.grad_channel, LowRankChannel):
+            for b in self.buckets:
+                if b.compressed:
+                    self.grad_channel.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params])
+            return
         n_local = dist.get_world_size(self.hierarchy[0]) if self.hierarchy is not None else 1
         for b in self.buckets:
             if b.compressed:  # the error lives on the input of the compressed (inter-node) reduce-scatter
@@ -433,6 +461,8 @@ class DistributedOptimizer:
             "step": self.step_count, "skipped": self.skipped_steps,
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
+        if isinstance(self.grad_channel, LowRankChannel):  # warm-start Q matrices (the residuals are above)
+            local["low_rank"] = self.grad_channel.state_dict(error_feedback=False)
         return {f"dp_rank_{self.rank}": local}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -458,6 +488,8 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(s["optimizer"])
         if self.ef is not None:
             self.ef.load_state_dict(s["error_feedback"])
+        if isinstance(self.grad_channel, LowRankChannel):
+            self.grad_channel.load_state_dict(s["low_rank"])
         self.step_count, self.skipped_steps = int(s["step"]), int(s["skipped"])
         if self.scaler is not None and s["loss_scaler"] is not None:
             self.scaler.load_state_dict(s["loss_scaler"])

@@ -1,0 +1,226 @@
+"""A PowerSGD traffic path: :class:`LowRankChannel`, the low-rank counterpart of :class:`Channel`.
+
+The algorithm (rank, warm start, orthonormalisation, error feedback, bounds) is stated in
+megacomp.compression.low_rank. This module runs its exchange over a process group, batched per call as
+torch's hook does: one call (a DDP bucket, a sharded-optimizer bucket) issues
+
+  1. one all-reduce of every compressed matrix's ``P`` factors, concatenated;
+  2. one all-reduce of every ``Q`` factor, concatenated;
+  3. one plain all-reduce of everything it does not compress (1-D tensors, matrices under the
+     compression rate), concatenated.
+
+All three are issued from the calling thread, in the same order on every rank, and the call returns
+when they are done. That is why it works on gloo with any number of buckets: torch's PowerSGD hook
+issues its second all-reduce from a future's callback on another thread, where it races the next
+bucket's collective (see ../shared/research/platform.md). The price is that the exchange does not
+overlap the rest of backward.
+
+Bytes, per rank and call: the factor all-reduces carry ``sum (n + m) r`` elements (fp32, or the
+``factor_codec``; counted by the all-reduce model of megacomp.comm.stats), the plain one the rest; the
+``uncompressed`` column counts the same all-reduce of the dense tensors. Reduction cost per rank: two
+matrix products per matrix (``n m r`` multiply-adds each), one QR of ``n x r``, and the same all-reduce
+algorithm as the dense path on a much smaller buffer.
+
+State (checkpointed by :meth:`state_dict`): the warm-start ``Q`` per matrix (identical on every rank),
+the error-feedback residual per matrix (per rank) and the generator of the initial ``Q`` matrices.
+Keys are ``<call key>/<index of the tensor in the call>``.
+
+Failure behaviour: non-float tensors raise TypeError; tensors whose sizes differ across ranks raise the
+plain all-reduce's ValueError when ``validate`` is on (the first call of a run); a key whose tensor changed
+shape raises ValueError naming it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from ..compression import ErrorFeedback
+from ..compression.codecs import FLOAT_DTYPES
+from ..compression.low_rank import PowerSGD, initial_q, make_low_rank, matrix_shape, orthonormalize
+from .channel import Channel
+from .common import op_name, split_sizes
+from .options import CommOptions
+from .stats import PROCESS_STATS, StatsTable
+
+log = logging.getLogger("megacomp")
+
+
+class LowRankChannel:
+    """A traffic path compressed with PowerSGD (see the module docstring).
+
+    Args:
+        name: the tag its traffic is counted under in ``comm.stats()``.
+        codec: a :class:`~megacomp.compression.low_rank.PowerSGD`, ``'powersgd'`` or a mapping.
+        group: the default process group of its calls.
+        min_compress_numel: calls whose tensors total fewer elements travel uncompressed (as a Channel's rule).
+        options: ``CommOptions`` of its collectives (default: from the environment).
+        stats: the wire-statistics table (default: the process's).
+    """
+
+    def __init__(self, name: str, codec: Any = "powersgd", *, group=None, min_compress_numel: int = 0,
+                 options: Optional[CommOptions] = None, stats: Optional[StatsTable] = None) -> None:
+        self.name = name
+        self.codec: PowerSGD = make_low_rank(codec)
+        if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
+            raise ValueError(f"megacomp channel {name!r}: min_compress_numel must be an int >= 0, "
+                             f"got {min_compress_numel!r}")
+        self.group, self.min_compress_numel = group, min_compress_numel
+        self.options = options if options is not None else CommOptions.from_env()
+        self.stats = stats if stats is not None else PROCESS_STATS
+        self.error_feedback: Optional[ErrorFeedback] = ErrorFeedback("ef") if self.codec.error_feedback else None
+        # the factor all-reduces run on a private table; each call records its total under this path's name,
+        # next to the dense tensors' uncompressed bytes
+        self._factor_stats = StatsTable()
+        self._factors = Channel(name, self.codec.factor_codec, group=group, options=self.options,
+                                stats=self._factor_stats)
+        self.q: dict[str, torch.Tensor] = {}
+        self.generator = torch.Generator()
+        self.generator.manual_seed(self.codec.init_seed)
+
+    def __repr__(self) -> str:
+        return f"LowRankChannel({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
+
+    # -- the Channel surface the optimizer and hook read -------------------------------------------------
+    lossy = True
+    """Always lossy (PowerSGD never sends the dense tensor)."""
+
+    def compresses(self, numel: int) -> bool:
+        """Whether a call of ``numel`` elements in total is compressed (``numel >= min_compress_numel``)."""
+        return numel >= self.min_compress_numel
+
+    def uncompressed(self) -> Channel:
+        """A plain channel with this path's name, group, options and stats table."""
+        return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats)
+
+    def set_validate(self, enabled: bool) -> None:
+        """Turn the cross-rank argument check of later calls on or off."""
+        from dataclasses import replace
+
+        self.options = replace(self.options, validate=bool(enabled))
+        self._factors.set_validate(enabled)
+
+    # -- the exchange --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def all_reduce_coalesced(self, tensors: Sequence[torch.Tensor], op=ReduceOp.SUM, group=None, *,
+                             key: Optional[str] = None, validate: Optional[bool] = None) -> None:
+        """Reduce every tensor of ``tensors`` in place over the group (SUM or AVG), PowerSGD on the matrices
+        worth compressing (``PowerSGD.rank_for``), plainly on the rest. Returns when done (see the module
+        docstring for the order of the collectives and why it is synchronous)."""
+        group = self.group if group is None else group
+        key = key or self.name
+        if op_name(op) not in ("SUM", "AVG"):
+            raise ValueError(f"megacomp.comm.LowRankChannel: PowerSGD supports ReduceOp SUM and AVG, got {op_name(op)}")
+        for t in tensors:
+            if t.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"powersgd compresses floating tensors (float32, bfloat16, float16, float64), got "
+                                f"{t.dtype}; reduce other dtypes with an uncompressed channel")
+        world = dist.get_world_size(group)
+        avg = op_name(op) == "AVG"
+        low = [i for i, t in enumerate(tensors) if self.codec.rank_for(t.shape)]
+        rest = [i for i in range(len(tensors)) if i not in set(low)]
+        before = self._factor_stats.snapshot().get(self.name)
+        if low:
+            self._low_rank([tensors[i] for i in low], [f"{key}/{i}" for i in low], group, world, avg, validate)
+        if rest:
+            self._plain([tensors[i] for i in rest], group, world, avg, validate)
+        after = self._factor_stats.snapshot()[self.name]
+        wire = after.wire_bytes - (before.wire_bytes if before else 0)
+        rank = dist.get_rank(group)
+        dense = sum(_all_reduce_bytes(t.numel(), t.element_size(), world, rank) for t in tensors)
+        self.stats.record(self.name, wire, dense)
+
+    def _low_rank(self, tensors, keys, group, world, avg, validate) -> None:
+        ef, device = self.error_feedback, tensors[0].device
+        hs, qs = [], []
+        for t, k in zip(tensors, keys):
+            n, m = matrix_shape(t.shape)
+            mat = t.reshape(n, m)
+            h = ef.compensate(k, mat) if ef is not None else mat.to(torch.float32)
+            hs.append(h.to(torch.float32))
+            qs.append(self._start_q(k, m, self.codec.rank_for(t.shape), device))
+        # step 2-3: P = H Q for every matrix, one all-reduce of them all
+        p_flat = torch.cat([(h @ q).reshape(-1) for h, q in zip(hs, qs)])
+        self._factors.all_reduce(p_flat, group=group, key=f"{self.name}/P", validate=validate)
+        p_hats, pos = [], 0
+        for h, q in zip(hs, qs):
+            n, r = h.shape[0], q.shape[1]
+            p_hats.append(orthonormalize(p_flat[pos:pos + n * r].view(n, r)))
+            pos += n * r
+        # step 4: Q_i = H_i^T P̂, one all-reduce
+        q_locals = [h.t() @ p for h, p in zip(hs, p_hats)]
+        q_flat = torch.cat([q.reshape(-1) for q in q_locals])
+        self._factors.all_reduce(q_flat, group=group, key=f"{self.name}/Q", validate=validate)
+        pos = 0
+        for t, k, h, p, q_local in zip(tensors, keys, hs, p_hats, q_locals):
+            m, r = q_local.shape
+            q_sum = q_flat[pos:pos + m * r].view(m, r)
+            pos += m * r
+            if ef is not None:  # step 6: rank i's own approximation P̂ Q_i^T
+                ef.update(k, h, p @ q_local.t())
+            out = p @ q_sum.t()
+            if avg:
+                out /= world
+            t.copy_(out.view(t.shape))
+            if self.codec.warm_start:
+                self.q[k] = q_sum.clone()
+
+    def _start_q(self, key: str, m: int, r: int, device) -> torch.Tensor:
+        q = self.q.get(key) if self.codec.warm_start else None
+        if q is not None and q.shape != (m, r):
+            raise ValueError(f"powersgd key {key!r} holds a Q of shape {tuple(q.shape)} but the tensor needs ({m}, {r}); "
+                             f"use a distinct key per tensor layout")
+        if q is None:  # drawn in call order, which is the same on every rank, so every rank starts alike
+            q = initial_q(m, r, self.generator, device)
+        return q
+
+    def _plain(self, tensors, group, world, avg, validate) -> None:
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        plain = Channel(self.name, None, group=group, options=self.options, stats=self._factor_stats)
+        plain.all_reduce(flat, group=group, validate=validate)
+        if avg:
+            flat /= world
+        pos = 0
+        for t in tensors:
+            t.copy_(flat[pos:pos + t.numel()].view(t.shape))
+            pos += t.numel()
+
+    # -- checkpointing -------------------------------------------------------------------------------
+    def init_keys(self, key: str, shapes: Sequence[torch.Size], device=None) -> None:
+        """Zero errors for the compressed tensors of a call (keys as the call makes them), so saved and
+        template state dicts have the same keys before the first step."""
+        if self.error_feedback is None:
+            return
+        for i, shape in enumerate(shapes):
+            if self.codec.rank_for(shape):
+                self.error_feedback.init_key(f"{key}/{i}", matrix_shape(shape))
+
+    def state_dict(self, error_feedback: bool = True) -> dict[str, Any]:
+        """Settings (for the compatibility check), warm-start Q per key, the initial-Q generator and (unless
+        ``error_feedback=False``: its owner saves it) the residuals."""
+        out = {"codec": self.codec.to_dict(), "q": {k: v.clone() for k, v in self.q.items()},
+               "generator": self.generator.get_state()}
+        if error_feedback:
+            out["error_feedback"] = self.error_feedback.state_dict() if self.error_feedback is not None else None
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises ValueError when it was saved with other PowerSGD settings."""
+        if state["codec"] != self.codec.to_dict():
+            raise ValueError(f"channel {self.name!r}: state saved with {state['codec']}, this channel uses "
+                             f"{self.codec.to_dict()}; resume with the same compression config")
+        self.q = {k: v.clone() for k, v in state["q"].items()}
+        self.generator.set_state(state["generator"])
+        if state.get("error_feedback") is not None and self.error_feedback is not None:
+            self.error_feedback.load_state_dict(state["error_feedback"])
+
+
+def _all_reduce_bytes(numel: int, itemsize: int, world: int, rank: int) -> int:
+    """Bytes rank ``rank`` sends in an all-reduce of ``numel`` elements, by megacomp.comm.stats's model."""
+    if world <= 1:
+        return 0
+    own = split_sizes(numel, world)[rank]
+    return (numel - own) * itemsize + (world - 1) * own * itemsize
