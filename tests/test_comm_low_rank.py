@@ -12,7 +12,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from megacomp.comm import LowRankChannel, StatsTable
 from megacomp.compression import PowerSGD, make_compressor, make_low_rank
-from megacomp.compression.low_rank import initial_q, matrix_shape
+from megacomp.compression.low_rank import initial_q, matrix_shape, q_seed
 
 EPS = torch.finfo(torch.float32).eps
 SHAPES = [(24, 8), (8, 24), (6, 4, 5), (40,), (16, 16)]
@@ -37,7 +37,7 @@ def _full_rank(rank, world):
 def test_full_rank_equals_the_uncompressed_sum():
     world = 3
     for out, exact in run_ranks(_full_rank, world):
-        for o, e, shape in zip(out, exact, SHAPES):
+        for i, (o, e, shape) in enumerate(zip(out, exact, SHAPES)):
             mat = matrix_shape(shape)
             if mat is None:  # 1-D: the plain all-reduce, bit for bit
                 assert torch.equal(o, e)
@@ -45,7 +45,7 @@ def test_full_rank_equals_the_uncompressed_sum():
             n, m = mat
             e2 = e.reshape(n, m).double()
             r = min(n, m)
-            q = initial_q(m, r, torch.Generator().manual_seed(0), "cpu").double()
+            q = initial_q(m, r, q_seed(0, f"dp_gradient/{i}"), "cpu").double()
             cond = torch.linalg.cond(e2 @ q).item()
             bound = 8 * (n + m) * EPS * max(cond, 1.0) * e2.norm().item()
             assert (o.double() - e.double()).norm().item() <= bound, shape
@@ -58,8 +58,8 @@ def _restatement(rank, world, steps, r):
     every rank's gradients (all-gathered), with the same initial Q."""
     ch = LowRankChannel("dp_gradient", PowerSGD(rank=r, min_compression_rate=0))
     shapes = [s for s in SHAPES if len(s) > 1]
-    q0 = torch.Generator().manual_seed(0)
-    ref_q = [initial_q(matrix_shape(s)[1], min(r, *matrix_shape(s)), q0, "cpu").double() for s in shapes]
+    ref_q = [initial_q(matrix_shape(s)[1], min(r, *matrix_shape(s)), q_seed(0, f"dp_gradient/{j}"), "cpu").double()
+             for j, s in enumerate(shapes)]
     ref_e = [[torch.zeros(matrix_shape(s), dtype=torch.float64) for s in shapes] for _ in range(world)]
     worst = 0.0
     for step in range(steps):

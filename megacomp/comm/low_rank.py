@@ -22,7 +22,7 @@ matrix products per matrix (``n m r`` multiply-adds each), one QR of ``n x r``, 
 algorithm as the dense path on a much smaller buffer.
 
 State (checkpointed by :meth:`state_dict`): the warm-start ``Q`` per matrix (identical on every rank),
-the error-feedback residual per matrix (per rank) and the generator of the initial ``Q`` matrices.
+the error-feedback residual per matrix (per rank) and how many start matrices each key has drawn.
 Keys are ``<call key>/<index of the tensor in the call>``.
 
 Failure behaviour: non-float tensors raise TypeError; tensors whose sizes differ across ranks raise the
@@ -40,7 +40,7 @@ from torch.distributed import ReduceOp
 
 from ..compression import ErrorFeedback
 from ..compression.codecs import FLOAT_DTYPES
-from ..compression.low_rank import PowerSGD, initial_q, make_low_rank, matrix_shape, orthonormalize
+from ..compression.low_rank import PowerSGD, initial_q, make_low_rank, matrix_shape, orthonormalize, q_seed
 from .channel import Channel
 from .common import op_name, split_sizes
 from .options import CommOptions
@@ -78,8 +78,7 @@ class LowRankChannel:
         self._factors = Channel(name, self.codec.factor_codec, group=group, options=self.options,
                                 stats=self._factor_stats)
         self.q: dict[str, torch.Tensor] = {}
-        self.generator = torch.Generator()
-        self.generator.manual_seed(self.codec.init_seed)
+        self.draws: dict[str, int] = {}  # start matrices drawn per key (warm_start=False: one per step)
 
     def __repr__(self) -> str:
         return f"LowRankChannel({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
@@ -173,8 +172,10 @@ class LowRankChannel:
         if q is not None and q.shape != (m, r):
             raise ValueError(f"powersgd key {key!r} holds a Q of shape {tuple(q.shape)} but the tensor needs ({m}, {r}); "
                              f"use a distinct key per tensor layout")
-        if q is None:  # drawn in call order, which is the same on every rank, so every rank starts alike
-            q = initial_q(m, r, self.generator, device)
+        if q is None:
+            draw = self.draws.get(key, 0)
+            self.draws[key] = draw + 1
+            q = initial_q(m, r, q_seed(self.codec.init_seed, key, draw), device)
         return q
 
     def _plain(self, tensors, group, world, avg, validate) -> None:
@@ -190,19 +191,24 @@ class LowRankChannel:
 
     # -- checkpointing -------------------------------------------------------------------------------
     def init_keys(self, key: str, shapes: Sequence[torch.Size], device=None) -> None:
-        """Zero errors for the compressed tensors of a call (keys as the call makes them), so saved and
-        template state dicts have the same keys before the first step."""
-        if self.error_feedback is None:
-            return
+        """Zero errors and the start Q of the compressed tensors of a call (keys as the call makes them; the
+        Q the first step would draw anyway), so saved and template state dicts (torch.distributed.checkpoint)
+        have the same keys and shapes before the first step."""
         for i, shape in enumerate(shapes):
-            if self.codec.rank_for(shape):
-                self.error_feedback.init_key(f"{key}/{i}", matrix_shape(shape))
+            r, k = self.codec.rank_for(shape), f"{key}/{i}"
+            if not r:
+                continue
+            if self.error_feedback is not None:
+                self.error_feedback.init_key(k, matrix_shape(shape))
+            if self.codec.warm_start and k not in self.q:
+                self.q[k] = self._start_q(k, matrix_shape(shape)[1], r, device or "cpu")
 
     def state_dict(self, error_feedback: bool = True) -> dict[str, Any]:
-        """Settings (for the compatibility check), warm-start Q per key, the initial-Q generator and (unless
+        """Settings (for the compatibility check), warm-start Q and start matrices drawn per key, and (unless
         ``error_feedback=False``: its owner saves it) the residuals."""
         out = {"codec": self.codec.to_dict(), "q": {k: v.clone() for k, v in self.q.items()},
-               "generator": self.generator.get_state()}
+               "draws": torch.tensor([self.draws.get(k, 0) for k in sorted(self.draws)], dtype=torch.int64),
+               "draw_keys": sorted(self.draws)}
         if error_feedback:
             out["error_feedback"] = self.error_feedback.state_dict() if self.error_feedback is not None else None
         return out
@@ -213,7 +219,7 @@ class LowRankChannel:
             raise ValueError(f"channel {self.name!r}: state saved with {state['codec']}, this channel uses "
                              f"{self.codec.to_dict()}; resume with the same compression config")
         self.q = {k: v.clone() for k, v in state["q"].items()}
-        self.generator.set_state(state["generator"])
+        self.draws = dict(zip(state["draw_keys"], (int(d) for d in state["draws"])))
         if state.get("error_feedback") is not None and self.error_feedback is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
 

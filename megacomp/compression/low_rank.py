@@ -4,8 +4,9 @@ A gradient tensor of shape ``(n, d1, d2, ...)`` is read as an ``n x m`` matrix `
 One step of rank ``r`` over N ranks (the exchange lives in megacomp.comm.low_rank):
 
   1. compensate: ``H_i = M_i + E_i`` (error feedback, ``E_i`` = what rank i's last approximation missed);
-  2. ``P_i = H_i Q``, with ``Q`` (``m x r``) the previous step's ``Q`` (warm start) or, on the first step,
-     a seeded Gaussian matrix (identical on every rank);
+  2. ``P_i = H_i Q``, with ``Q`` (``m x r``) the previous step's ``Q`` (warm start) or, on the first step
+     (every step without warm start), a Gaussian matrix seeded from the settings' seed, the tensor's key
+     and the draw number (identical on every rank);
   3. all-reduce ``P = sum_i P_i`` and orthonormalise its columns: ``P̂`` (reduced QR; Householder, so a
      rank-deficient ``P`` still gives orthonormal columns, where Gram-Schmidt would divide by ~0);
   4. ``Q_i = H_i^T P̂``, all-reduce ``Q = sum_i Q_i``;
@@ -31,6 +32,7 @@ error feedback drops that residual.
 """
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
@@ -52,7 +54,7 @@ class PowerSGD:
     error_feedback: bool = True
     """Keep each rank's residual ``E_i`` and add it to the next gradient (the paper's error feedback)."""
     warm_start: bool = True
-    """Start each step's power iteration from the previous step's ``Q`` (False: a fresh seeded matrix)."""
+    """Start each step's power iteration from the previous step's ``Q`` (False: a fresh seeded matrix per step)."""
     min_compression_rate: float = 2.0
     """Compress a matrix only when ``n m >= rate (n + m) r`` (torch's default 2); 0 compresses every matrix."""
     init_seed: int = 0
@@ -134,9 +136,16 @@ def orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(p, mode="reduced").Q
 
 
-def initial_q(m: int, r: int, generator: torch.Generator, device) -> torch.Tensor:
+def initial_q(m: int, r: int, seed: int, device) -> torch.Tensor:
     """A seeded ``m x r`` Gaussian start matrix (drawn on the CPU, so it is the same on every device)."""
-    return torch.randn(m, r, generator=generator, dtype=torch.float32).to(device)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, r, generator=g, dtype=torch.float32).to(device)
+
+
+def q_seed(init_seed: int, key: str, draw: int = 0) -> int:
+    """Seed of the ``draw``-th start matrix of ``key``: a pure function of the settings' seed and the key
+    (crc32), so every rank draws the same matrix whatever order it meets its keys in."""
+    return (init_seed * 1_000_003 + zlib.crc32(key.encode()) * 7919 + draw) % (1 << 63)
 
 
 def is_low_rank(spec: Any) -> bool:

@@ -20,7 +20,7 @@ per bucket.
 
 PowerSGD (``codec={"name": "powersgd", "rank": 4}`` or a ``PowerSGD``): the state's channel is a
 megacomp.comm.LowRankChannel; each bucket's parameters are read as matrices (views of the bucket buffer)
-and reduced with PowerSGD (error feedback and warm-start Q per parameter, keys ``ddp_bucket<i>/<j>``).
+and reduced with PowerSGD (error feedback and warm-start Q per parameter, keys ``ddp_bucket<i>:<numel>/<j>``).
 That exchange runs in the hook's own thread, so it works on gloo with any number of buckets (torch's
 PowerSGD hook does not: its second all-reduce runs in a callback thread and races the next bucket's);
 it does not overlap the rest of backward.
@@ -104,7 +104,7 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     lossy = state.channel.compresses(buf.numel()) and state.iteration > state.start_iter
     buf.div_(world)  # divide first, as DDP's default hook does (no fp16 overflow in the sum)
     if lossy and isinstance(state.channel, LowRankChannel):
-        state.channel.all_reduce_coalesced(_param_views(bucket, buf), key=f"ddp_bucket{bucket.index()}",
+        state.channel.all_reduce_coalesced(_param_views(bucket, buf), key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
                                            validate=state.iteration == state.start_iter + 1)
         fut = torch.futures.Future()
         fut.set_result(buf)
