@@ -10,9 +10,9 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .comm import Channel, CommOptions
-from .compression import (Codec, CodecLike, ErrorFeedbackConfig, check_error_feedback_codec, make_codec,
-                          make_error_feedback_config)
+from .comm import Channel, CommOptions, LowRankChannel
+from .compression import (Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec, make_codec,
+                          make_compressor, make_error_feedback_config)
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
 TRAFFIC_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",
@@ -52,7 +52,8 @@ class CommCompressionConfig:
     pp_gradient: Optional[CodecLike] = None
     """Activation gradients sent backward between pipeline stages."""
     dp_gradient: Optional[CodecLike] = None
-    """Data-parallel gradient reduce-scatter / all-reduce."""
+    """Data-parallel gradient reduce-scatter / all-reduce: a codec, or PowerSGD settings
+    (``{name: powersgd, rank: 4}``; megacomp.compression.low_rank), which bring their own error feedback."""
     dp_parameter: Optional[CodecLike] = None
     """Data-parallel parameter all-gather after the sharded optimizer step."""
     tp_backward_error_feedback: Optional[Any] = None
@@ -80,7 +81,8 @@ class CommCompressionConfig:
 
     def __post_init__(self) -> None:
         for name in TRAFFIC_PATHS:
-            setattr(self, name, make_codec(getattr(self, name)))
+            make = make_compressor if name == "dp_gradient" else make_codec
+            setattr(self, name, make(getattr(self, name)))
         env = CommOptions.from_env()
         if self.segment_numel is None:
             self.segment_numel = env.segment_numel
@@ -95,6 +97,9 @@ class CommCompressionConfig:
             raise ValueError(f"dp_gradient_warmup_steps must be an int >= 0, got {self.dp_gradient_warmup_steps!r}")
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
+        if isinstance(self.dp_gradient, PowerSGD) and self.dp_gradient_error_feedback is not None:
+            raise ValueError("dp_gradient powersgd keeps its own error feedback (its error_feedback field, on by "
+                             "default); drop dp_gradient_error_feedback")
         for path in _EF_PATHS:
             check_error_feedback_codec(getattr(self, path), getattr(self, path + "_error_feedback"),
                                        f"{path}_error_feedback (path {path})")
@@ -115,7 +120,11 @@ class CommCompressionConfig:
                     "pp_activation": None, "pp_gradient": None, "dp_gradient": dp, "dp_parameter": dp}
         made = {path: Channel(path, getattr(self, path), group=group_of[path],
                               error_feedback=getattr(self, path + "_error_feedback", None),
-                              min_compress_numel=self.min_compress_numel, options=opts) for path in TRAFFIC_PATHS}
+                              min_compress_numel=self.min_compress_numel, options=opts)
+                for path in TRAFFIC_PATHS if not isinstance(getattr(self, path), PowerSGD)}
+        if isinstance(self.dp_gradient, PowerSGD):
+            made["dp_gradient"] = LowRankChannel("dp_gradient", self.dp_gradient, group=dp,
+                                                 min_compress_numel=self.min_compress_numel, options=opts)
         return Channels(**made)
 
     def for_rank(self, rank: int) -> "CommCompressionConfig":
@@ -126,7 +135,7 @@ class CommCompressionConfig:
         out = replace(self)
         for name in TRAFFIC_PATHS:
             codec = getattr(self, name)
-            if codec.seed is not None:
+            if isinstance(codec, Codec) and codec.seed is not None:  # PowerSGD's seed must stay equal on every rank
                 setattr(out, name, make_codec(codec, seed=codec.seed + rank * 1000003))
         return out
 
@@ -149,6 +158,8 @@ class CommCompressionConfig:
             value = getattr(self, f.name)
             if isinstance(value, Codec):
                 value = None if value.is_identity else value.to_dict()
+            elif isinstance(value, PowerSGD):
+                value = value.to_dict()
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}
             out[f.name] = value
@@ -174,7 +185,7 @@ class Channels:
     pp_gradient: Channel
     """Activation gradients sent to the previous stage (error feedback per boundary and micro-batch slot)."""
     dp_gradient: Channel
-    """Data-parallel gradient reduce-scatter (error feedback per bucket)."""
+    """Data-parallel gradient reduce-scatter (error feedback per bucket); a LowRankChannel for PowerSGD."""
     dp_parameter: Channel
     """Data-parallel parameter all-gather."""
 
