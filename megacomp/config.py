@@ -10,8 +10,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .comm import Channel, CommOptions, LowRankChannel
-from .compression import (Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec, make_codec,
+from .comm import AccordionChannel, Channel, CommOptions, LowRankChannel
+from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec, make_codec,
                           make_compressor, make_error_feedback_config)
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
@@ -52,8 +52,10 @@ class CommCompressionConfig:
     pp_gradient: Optional[CodecLike] = None
     """Activation gradients sent backward between pipeline stages."""
     dp_gradient: Optional[CodecLike] = None
-    """Data-parallel gradient reduce-scatter / all-reduce: a codec, or PowerSGD settings
-    (``{name: powersgd, rank: 4}``; megacomp.compression.low_rank), which bring their own error feedback."""
+    """Data-parallel gradient reduce-scatter / all-reduce: a codec, PowerSGD settings
+    (``{name: powersgd, rank: 4}``; megacomp.compression.low_rank), which bring their own error feedback, or
+    Accordion settings (``{name: accordion, low: ..., high: ..., eta: 0.5, interval: 10}``) switching
+    between two such levels."""
     dp_parameter: Optional[CodecLike] = None
     """Data-parallel parameter all-gather after the sharded optimizer step."""
     tp_backward_error_feedback: Optional[Any] = None
@@ -97,7 +99,9 @@ class CommCompressionConfig:
             raise ValueError(f"dp_gradient_warmup_steps must be an int >= 0, got {self.dp_gradient_warmup_steps!r}")
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
-        if isinstance(self.dp_gradient, PowerSGD) and self.dp_gradient_error_feedback is not None:
+        low_rank = isinstance(self.dp_gradient, PowerSGD) or (isinstance(self.dp_gradient, Accordion)
+                                                               and self.dp_gradient.low_rank)
+        if low_rank and self.dp_gradient_error_feedback is not None:
             raise ValueError("dp_gradient powersgd keeps its own error feedback (its error_feedback field, on by "
                              "default); drop dp_gradient_error_feedback")
         for path in _EF_PATHS:
@@ -121,10 +125,14 @@ class CommCompressionConfig:
         made = {path: Channel(path, getattr(self, path), group=group_of[path],
                               error_feedback=getattr(self, path + "_error_feedback", None),
                               min_compress_numel=self.min_compress_numel, options=opts)
-                for path in TRAFFIC_PATHS if not isinstance(getattr(self, path), PowerSGD)}
+                for path in TRAFFIC_PATHS if isinstance(getattr(self, path), Codec)}
         if isinstance(self.dp_gradient, PowerSGD):
             made["dp_gradient"] = LowRankChannel("dp_gradient", self.dp_gradient, group=dp,
                                                  min_compress_numel=self.min_compress_numel, options=opts)
+        elif isinstance(self.dp_gradient, Accordion):
+            made["dp_gradient"] = AccordionChannel("dp_gradient", self.dp_gradient, group=dp,
+                                                   error_feedback=self.dp_gradient_error_feedback,
+                                                   min_compress_numel=self.min_compress_numel, options=opts)
         return Channels(**made)
 
     def for_rank(self, rank: int) -> "CommCompressionConfig":
@@ -158,7 +166,7 @@ class CommCompressionConfig:
             value = getattr(self, f.name)
             if isinstance(value, Codec):
                 value = None if value.is_identity else value.to_dict()
-            elif isinstance(value, PowerSGD):
+            elif isinstance(value, (PowerSGD, Accordion)):
                 value = value.to_dict()
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}

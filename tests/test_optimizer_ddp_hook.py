@@ -107,3 +107,19 @@ def test_powersgd_hook_on_gloo_with_several_buckets():
         assert tail(losses) < 0.5 * tail(losses[:20])
         assert ratio < 0.1  # rank 2 of the 256 x 256 and 256 x 16 matrices; biases and the 4 x 256 plain
         assert matrices == 2 and restored
+
+
+def _accordion_body(rank, world):
+    acc = {"name": "accordion", "low": {"name": "int8", "block_size": 128}, "high": {"name": "int2", "block_size": 128},
+           "eta": 0.5, "interval": 5}
+    state = CompressedHookState(codec=acc, error_feedback="ef", min_compress_numel=1000)
+    _, losses = train(rank, state, 60)
+    return losses, state.channel.switches, state.channel.low.error_feedback is state.channel.high.error_feedback
+
+
+def test_accordion_hook_switches_codecs_alike_on_every_rank():
+    results = run_ranks(_accordion_body, 3)
+    for losses, switches, shared in results:
+        assert shared and switches  # int8 while the gradient norm moves fast, int2 once it settles
+        assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
+    assert results[0][1] == results[1][1] == results[2][1]

@@ -359,3 +359,43 @@ def _powersgd_errors(rank, world):
 
 def test_powersgd_bad_settings_are_refused():
     assert all(run_ranks(_powersgd_errors, 2))
+
+
+def _accordion_body(rank, world):
+    import torch.distributed.checkpoint as dcp
+
+    acc = {"name": "accordion", "low": {"name": "powersgd", "rank": 2, "min_compression_rate": 0},
+           "high": {"name": "powersgd", "rank": 1, "min_compression_rate": 0}, "eta": 100.0, "interval": 2}  # calm after the first interval
+    kw = dict(grad_codec=acc, bucket_size=50, min_compress_numel=0, lr=1e-2)
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+    for step in range(5):
+        loss_fn(model, *batch(rank, step)).backward()
+        opt.step()
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder)
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=holder[0])
+    for step in range(5, 9):
+        loss_fn(model, *batch(rank, step)).backward()
+        opt.step()
+    fresh = make_model(seed=5)
+    fresh.load_state_dict(saved_model)
+    opt2 = DistributedOptimizer(fresh.parameters(), torch.optim.AdamW, check_replicated=False, **kw)
+    opt2.init_state()
+    template = {"optim": opt2.state_dict()}
+    dcp.load(template, checkpoint_id=holder[0])
+    opt2.load_state_dict(template["optim"])
+    for step in range(5, 9):
+        loss_fn(fresh, *batch(rank, step)).backward()
+        opt2.step()
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    return same, opt.grad_channel.switches
+
+
+def test_accordion_switches_powersgd_ranks_and_resumes_bit_for_bit():
+    results = run_ranks(_accordion_body, 2)
+    for same, switches in results:
+        assert same
+        assert [(s, level) for s, _, level, _ in switches][:1] == [(4, "high")]  # rank 1 after interval 2
+    assert results[0][1] == results[1][1]  # the same decisions on every rank

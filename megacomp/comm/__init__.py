@@ -4,6 +4,7 @@ Two ways in:
 - :class:`Channel`: one traffic path as one object (codec, error-feedback state, small-tensor threshold,
   ``CommOptions``, stats tag), built once and passed to whatever moves that traffic;
 - :class:`LowRankChannel`: the same for a PowerSGD path (low-rank factors instead of a codec);
+- :class:`AccordionChannel`: a path switched between two compression levels by Accordion's rule;
 - the free functions, with the names and arguments of torch.distributed plus keyword-only ``codec=``
   (and ``error_feedback=``, an ``ErrorFeedback`` you own); ``codec=None`` is bit-identical to torch.distributed.
 
@@ -15,6 +16,7 @@ from torch.distributed import ReduceOp
 from .common import CompressedWork, all_gather_base, comm_device
 from .channel import Channel
 from .low_rank import LowRankChannel
+from .accordion import AccordionChannel
 from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
                          reduce_scatter_tensor, send)
 from .options import CommOptions
@@ -22,7 +24,7 @@ from .stats import StatsTable, WireStats, reset_stats, stats
 from .transport import use_duplex
 
 __all__ = [
-    "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
+    "AccordionChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
     "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "recv",
     "reduce_scatter_tensor", "reset_stats", "send", "stats", "use_duplex",
 ]

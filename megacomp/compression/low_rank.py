@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .codecs import Codec, CodecLike, make_codec
+from .codecs import CodecLike, make_codec
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,11 @@ def make_low_rank(spec: Any, **options: Any) -> PowerSGD:
     return PowerSGD(**base)
 
 
-def make_compressor(spec: Any) -> "Codec | PowerSGD":
-    """A :class:`~megacomp.compression.Codec` or, for a PowerSGD spec, a :class:`PowerSGD` (the
-    dp_gradient path accepts either)."""
+def make_compressor(spec: Any):
+    """A :class:`~megacomp.compression.Codec`, or for a PowerSGD spec a :class:`PowerSGD`, or for an
+    Accordion spec a :class:`~megacomp.compression.accordion.Accordion` (the dp_gradient path accepts each)."""
+    from .accordion import is_accordion, make_accordion
+
+    if is_accordion(spec):
+        return make_accordion(spec)
     return make_low_rank(spec) if is_low_rank(spec) else make_codec(spec)

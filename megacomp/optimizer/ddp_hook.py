@@ -24,6 +24,10 @@ and reduced with PowerSGD (error feedback and warm-start Q per parameter, keys `
 That exchange runs in the hook's own thread, so it works on gloo with any number of buckets (torch's
 PowerSGD hook does not: its second all-reduce runs in a callback thread and races the next bucket's);
 it does not overlap the rest of backward.
+
+Accordion (``codec={"name": "accordion", "low": ..., "high": ...}``; megacomp.comm.AccordionChannel): each
+bucket is reduced with the level its regime picks, completed in the hook (the policy reads the reduced
+bucket), and the regimes are decided at the first bucket of every ``interval``-th iteration.
 """
 import logging
 import threading
@@ -33,8 +37,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Channel, LowRankChannel, use_duplex
-from ..compression import CodecLike, is_low_rank
+from ..comm import AccordionChannel, Channel, LowRankChannel, use_duplex
+from ..compression import CodecLike, is_accordion, is_low_rank
 
 log = logging.getLogger("megacomp")
 
@@ -62,6 +66,12 @@ class CompressedHookState:
     """Iterations seen (counted on bucket 0)."""
 
     def __post_init__(self) -> None:
+        if is_accordion(self.codec):
+            self.channel = AccordionChannel("dp_gradient", self.codec, group=self.process_group,
+                                            error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel)
+            self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
+            self.plain = self.channel.uncompressed()
+            return
         if is_low_rank(self.codec):
             if self.error_feedback is not None:
                 raise ValueError("powersgd keeps its own error feedback (PowerSGD(error_feedback=True), the default); "
@@ -80,7 +90,7 @@ class CompressedHookState:
         """Iteration count, codec and error-feedback state (load with :meth:`load_state_dict`)."""
         out = {"iteration": self.iteration, "codec": self.codec.to_dict(),
                "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
-        if isinstance(self.channel, LowRankChannel):
+        if isinstance(self.channel, (LowRankChannel, AccordionChannel)):
             out["low_rank"] = self.channel.state_dict(error_feedback=False)
         return out
 
@@ -91,7 +101,7 @@ class CompressedHookState:
         self.iteration = state["iteration"]
         if self.error_feedback is not None and state["error_feedback"] is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
-        if isinstance(self.channel, LowRankChannel):
+        if isinstance(self.channel, (LowRankChannel, AccordionChannel)):
             self.channel.load_state_dict(state["low_rank"])
 
 
@@ -100,22 +110,30 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     buf = bucket.buffer()
     if bucket.index() == 0:
         state.iteration += 1
+        if isinstance(state.channel, AccordionChannel) and state.iteration > state.start_iter + 1:
+            state.channel.end_step(state.process_group)  # the previous iteration is complete on every rank
     world = dist.get_world_size(state.process_group)
     lossy = state.channel.compresses(buf.numel()) and state.iteration > state.start_iter
     buf.div_(world)  # divide first, as DDP's default hook does (no fp16 overflow in the sum)
-    if lossy and isinstance(state.channel, LowRankChannel):
-        state.channel.all_reduce_coalesced(_param_views(bucket, buf), key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
-                                           validate=state.iteration == state.start_iter + 1)
-        fut = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+    key = f"ddp_bucket{bucket.index()}:{buf.numel()}"
+    validate = state.iteration == state.start_iter + 1
     if not lossy:
         work = state.plain.all_reduce(buf, validate=False, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    work = state.channel.all_reduce(buf, key=f"ddp_bucket{bucket.index()}:{buf.numel()}",
-                                    validate=state.iteration == state.start_iter + 1, async_op=True)
+    channel = state.channel.channel_for(key) if isinstance(state.channel, AccordionChannel) else state.channel
     fut = torch.futures.Future()
-    if state.overlap and (world == 2 or use_duplex(state.process_group, state.channel.options.duplex)):
+    if isinstance(channel, LowRankChannel):
+        channel.all_reduce_coalesced(_param_views(bucket, buf), key=key, validate=validate)
+        work = None
+    else:
+        work = channel.all_reduce(buf, key=key, validate=validate, async_op=True)
+    if isinstance(state.channel, AccordionChannel):  # the policy reads the reduced bucket: finish here
+        if work is not None:
+            work.wait()
+        state.channel.observe(key, buf, replicated=True)
+    if work is None or isinstance(state.channel, AccordionChannel):
+        fut.set_result(buf)
+    elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex)):
         threading.Thread(target=_finish, args=(work, buf, fut), daemon=True,
                          name=f"megacomp-ddp-bucket{bucket.index()}").start()
     else:

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from ..comm import Channel
 from ..compression import CodecLike, make_codec
 from ..compression import dct, sparse
-from .distributed_optimizer import _plain
+from .params import plain_data
 
 STATE_FORMAT = "megacomp.DeMo/1"
 
@@ -239,7 +239,7 @@ class DeMo(torch.optim.Optimizer):
         s = state[key]
         for name, mine in [("format", STATE_FORMAT), ("dp_size", self.world), ("layout", self._layout()),
                            ("value_codec", self.value_codec.to_dict())]:
-            if _plain(s.get(name)) != _plain(mine):
+            if plain_data(s.get(name)) != plain_data(mine):
                 raise ValueError(f"DeMo checkpoint {name} differs from this optimizer ({s.get(name)!r} vs {mine!r}); "
                                  f"resume with the same model, data-parallel size and DeMo settings")
         with torch.no_grad():

@@ -19,6 +19,8 @@ channel owns the error-feedback state (one key per bucket), saved in this optimi
 ``grad_codec={"name": "powersgd", "rank": r}`` (or a megacomp.comm.LowRankChannel as ``grad_channel``)
 all-reduces each compressed bucket's matrices with PowerSGD instead of reduce-scattering it, then keeps this
 rank's shard; its residuals and warm-start Q matrices are saved in the state_dict too.
+``grad_codec={"name": "accordion", ...}`` (megacomp.comm.AccordionChannel) picks each bucket's level per
+interval from the reduced gradients' norms (one small all-reduce per interval, in ``step()``).
 
 Small-tensor rule (logged at construction): 1-D parameters (biases, norms) and buckets the channels would
 not compress (under their ``min_compress_numel``) are reduced uncompressed. With no codecs the result equals
@@ -41,48 +43,15 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..comm import Channel, LowRankChannel
+from ..comm import AccordionChannel, Channel, LowRankChannel
 from ..comm import all_gather_base
-from ..compression import CodecLike, is_low_rank
+from ..compression import CodecLike, is_accordion, is_low_rank
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
+from .params import default_optimizer_class, param_groups_of, plain_data
 
 log = logging.getLogger("megacomp")
 STATE_FORMAT = "megacomp.DistributedOptimizer/1"
-
-
-def default_optimizer_class():
-    """apex FusedAdam (AdamW mode) when apex and CUDA are present, else torch.optim.AdamW."""
-    if torch.cuda.is_available():
-        try:
-            from apex.optimizers import FusedAdam  # type: ignore
-
-            return lambda params, **kw: FusedAdam(params, adam_w_mode=True, **kw)
-        except Exception:
-            pass
-    return torch.optim.AdamW
-
-
-def _param_groups(params) -> list[dict]:
-    params = list(params)
-    if not params:
-        raise ValueError("DistributedOptimizer got an empty parameter list")
-    groups = params if isinstance(params[0], dict) else [{"params": params}]
-    out, seen = [], set()
-    for g in groups:
-        ps = [p for p in g["params"] if p.requires_grad]
-        for p in ps:
-            if id(p) in seen:
-                raise ValueError("a parameter appears twice in DistributedOptimizer's parameters (tied weights must "
-                                 "be passed once)")
-            seen.add(id(p))
-        out.append({**g, "params": ps})
-    everything = [p for g in out for p in g["params"]]
-    devices, dtypes = {p.device for p in everything}, {p.dtype for p in everything}
-    if len(devices) > 1 or len(dtypes) > 1:
-        raise ValueError(f"parameters on devices {sorted(map(str, devices))} with dtypes {sorted(map(str, dtypes))} "
-                         f"cannot share one flat buffer; build one DistributedOptimizer per device/dtype")
-    return out
 
 
 class DistributedOptimizer:
@@ -127,11 +96,15 @@ class DistributedOptimizer:
             # after the intra-node reduce-scatter this rank holds chunk <local rank>; the inter-node one
             # splits that chunk over the nodes: this rank ends with sub-chunk <node> of it
             self.shard_index = dist.get_rank(intra) * n_nodes + dist.get_rank(inter)
-        groups = _param_groups(params)
+        groups = param_groups_of(params)
         if grad_channel is not None and (grad_codec is not None or error_feedback is not None):
             raise ValueError("DistributedOptimizer: pass either grad_channel or grad_codec/error_feedback, not both")
         if param_channel is not None and param_codec is not None:
             raise ValueError("DistributedOptimizer: pass either param_channel or param_codec, not both")
+        if grad_channel is None and is_accordion(grad_codec):
+            grad_channel = AccordionChannel("dp_gradient", grad_codec, group=process_group, error_feedback=error_feedback,
+                                            min_compress_numel=min_compress_numel)
+            error_feedback = None
         if grad_channel is None and is_low_rank(grad_codec):
             if error_feedback is not None:
                 raise ValueError("DistributedOptimizer: powersgd keeps its own error feedback (PowerSGD(error_feedback="
@@ -144,9 +117,9 @@ class DistributedOptimizer:
         self.param_channel = param_channel if param_channel is not None else Channel(
             "dp_parameter", param_codec, group=process_group, min_compress_numel=min_compress_numel)
         self._grad_plain, self._param_plain = self.grad_channel.uncompressed(), self.param_channel.uncompressed()
-        if isinstance(self.grad_channel, LowRankChannel) and hierarchy is not None:
-            raise ValueError("DistributedOptimizer: a powersgd gradient channel all-reduces whole matrices and does not "
-                             "combine with hierarchy; drop hierarchy or use a codec such as int4")
+        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)) and hierarchy is not None:
+            raise ValueError("DistributedOptimizer: a powersgd or accordion gradient channel does not combine with "
+                             "hierarchy; drop hierarchy or use a codec such as int4")
         if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
             raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
         self.grad_codec_warmup_steps = grad_codec_warmup_steps
@@ -265,6 +238,8 @@ class DistributedOptimizer:
         # counted in attempted steps (skipped ones too), so every rank switches on the same step
         warm = self.step_count + self.skipped_steps < self.grad_codec_warmup_steps
         ch = self.grad_channel if b.compressed and not warm else self._grad_plain
+        if isinstance(ch, AccordionChannel):
+            ch = ch.channel_for(f"dp_gradient/b{b.index}")
         b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
         if isinstance(ch, LowRankChannel):
             self._launch_low_rank(b, ch)
@@ -321,8 +296,15 @@ class DistributedOptimizer:
             start, end = b.shard_range(self.shard_index, self.world)
             if end > b.numel:  # padding carries no gradient (a sign codec would decode 0 as +scale)
                 shard[max(b.numel - start, 0):].zero_()
+            if self._accordion_active() and b.compressed:
+                self.grad_channel.observe(f"dp_gradient/b{b.index}", shard, replicated=False)
             shards.append(shard)
         return shards
+
+    def _accordion_active(self) -> bool:
+        """Accordion counts the steps its codecs run (not the uncompressed warm-up)."""
+        return (isinstance(self.grad_channel, AccordionChannel)
+                and self.step_count + self.skipped_steps >= self.grad_codec_warmup_steps)
 
     def _all_reduce_max(self, value: float) -> float:
         t = torch.tensor([value], dtype=torch.float64, device=self.buckets[0].grad.device)
@@ -344,6 +326,8 @@ class DistributedOptimizer:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
         shards = self._finish_reduction()
+        if self._accordion_active():  # decided on the reduced gradients, before clipping (every rank alike)
+            self.grad_channel.end_step(self.group)
         overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards)))
         if overflow:
             self.skipped_steps += 1
@@ -434,13 +418,20 @@ class DistributedOptimizer:
 
     def _init_ef_keys(self) -> None:
         """Zero errors for every compressed bucket that has none yet (same behaviour as no error), so saved
-        and template state dicts have the same keys whatever the group sizes or steps taken."""
-        if self.ef is None:
-            return
-        if isinstance(self.grad_channel, LowRankChannel):
+        and template state dicts have the same keys whatever the group sizes or steps taken (PowerSGD: also
+        the start Q matrices)."""
+        levels = [self.grad_channel]
+        if isinstance(self.grad_channel, AccordionChannel):
+            levels = [self.grad_channel.low, self.grad_channel.high]
             for b in self.buckets:
                 if b.compressed:
-                    self.grad_channel.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params])
+                    self.grad_channel.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, b.grad.device)
+        if isinstance(levels[0], LowRankChannel):
+            for b in self.buckets:
+                for ch in levels if b.compressed else ():
+                    ch.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params])
+            return
+        if self.ef is None:
             return
         n_local = dist.get_world_size(self.hierarchy[0]) if self.hierarchy is not None else 1
         for b in self.buckets:
@@ -461,7 +452,7 @@ class DistributedOptimizer:
             "step": self.step_count, "skipped": self.skipped_steps,
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
-        if isinstance(self.grad_channel, LowRankChannel):  # warm-start Q matrices (the residuals are above)
+        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)):  # Q matrices, regimes (residuals above)
             local["low_rank"] = self.grad_channel.state_dict(error_feedback=False)
         return {f"dp_rank_{self.rank}": local}
 
@@ -477,7 +468,7 @@ class DistributedOptimizer:
                   ("grad_codec", self.grad_codec.to_dict() if self.grad_codec else None),
                   ("param_codec", self.param_codec.to_dict() if self.param_codec else None)]
         for name, mine in checks:
-            if _plain(s.get(name)) != _plain(mine):
+            if plain_data(s.get(name)) != plain_data(mine):
                 raise ValueError(f"optimizer checkpoint {name} differs from this optimizer ({s.get(name)!r} vs "
                                  f"{mine!r}); resume with the same model, data-parallel size and codecs")
         if (s["error_feedback"] is None) != (self.ef is None):
@@ -488,18 +479,9 @@ class DistributedOptimizer:
         self.optimizer.load_state_dict(s["optimizer"])
         if self.ef is not None:
             self.ef.load_state_dict(s["error_feedback"])
-        if isinstance(self.grad_channel, LowRankChannel):
+        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)):
             self.grad_channel.load_state_dict(s["low_rank"])
         self.step_count, self.skipped_steps = int(s["step"]), int(s["skipped"])
         if self.scaler is not None and s["loss_scaler"] is not None:
             self.scaler.load_state_dict(s["loss_scaler"])
         self.sync_params()
-
-
-def _plain(x):
-    """Lists/tuples/dicts as plain nested lists/dicts, for comparing a loaded checkpoint with the live one."""
-    if isinstance(x, (list, tuple)):
-        return [_plain(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x

@@ -1,0 +1,179 @@
+"""An Accordion traffic path: two channels of one path (light and strong compression) and the policy that
+picks one per tensor and interval (the rule is in megacomp.compression.accordion).
+
+:class:`AccordionChannel` holds a ``low`` and a ``high`` channel (``Channel`` for codecs, ``LowRankChannel``
+for PowerSGD ranks) that share one error-feedback state, so a tensor's residual carries over a switch;
+PowerSGD keeps a warm-start Q per rank level, so each level resumes its own power iteration. Its owner
+
+  1. asks :meth:`channel_for` (key) which channel reduces a tensor this step;
+  2. reports the reduced gradient with :meth:`observe` (key, tensor, replicated): the whole tensor on every
+     rank (a DDP bucket: ``replicated=True``) or this rank's shard of it (the sharded optimizer);
+  3. calls :meth:`end_step` once per optimizer step, on every rank of the group. Every ``interval`` steps it
+     all-reduces the accumulated squared norms (one fp64 vector, shards summed, replicated tensors counted
+     once), so every rank takes the same decision, and logs every switch.
+
+Bytes are counted by the level channels under the path's name, as if there were one channel.
+
+Failure behaviour: settings are checked by Accordion; a key observed with two different lengths raises
+ValueError; loading a state saved with other settings raises ValueError.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..compression import ErrorFeedback, make_accordion
+from .channel import Channel
+from .low_rank import LowRankChannel
+from .options import CommOptions
+from .stats import StatsTable
+
+log = logging.getLogger("megacomp")
+
+
+class AccordionChannel:
+    """A path switched between two compression levels by Accordion (see the module docstring).
+
+    Args:
+        name: the tag its traffic is counted under.
+        codec: :class:`~megacomp.compression.Accordion` settings or their mapping.
+        group: the default process group (also the group :meth:`end_step` reduces the norms over).
+        error_feedback: for codec levels, the error feedback both levels share ('ef', 'loco', a config);
+            PowerSGD levels bring their own (one shared state). Must be None for PowerSGD levels.
+        min_compress_numel, options, stats: as :class:`Channel`.
+    """
+
+    def __init__(self, name: str, codec: Any, *, group=None, error_feedback: Any = None, min_compress_numel: int = 0,
+                 options: Optional[CommOptions] = None, stats: Optional[StatsTable] = None) -> None:
+        self.name, self.codec, self.group = name, make_accordion(codec), group
+        self.options = options if options is not None else CommOptions.from_env()
+        c = self.codec
+        if c.low_rank:
+            if error_feedback is not None:
+                raise ValueError("accordion with PowerSGD levels keeps PowerSGD's own error feedback; leave "
+                                 "error_feedback at None")
+            self.low = LowRankChannel(name, c.low, group=group, min_compress_numel=min_compress_numel,
+                                      options=self.options, stats=stats)
+            self.high = LowRankChannel(name, c.high, group=group, min_compress_numel=min_compress_numel,
+                                       options=self.options, stats=stats)
+            if (c.low.error_feedback, c.high.error_feedback) == (True, True):
+                self.high.error_feedback = self.low.error_feedback  # one residual per tensor, whatever the level
+            elif c.low.error_feedback != c.high.error_feedback:
+                raise ValueError("accordion: both PowerSGD levels must have error_feedback on, or both off")
+        else:
+            self.low = Channel(name, c.low, group=group, error_feedback=error_feedback,
+                               min_compress_numel=min_compress_numel, options=self.options, stats=stats)
+            self.high = Channel(name, c.high, group=group, error_feedback=self.low.error_feedback,
+                                min_compress_numel=min_compress_numel, options=self.options, stats=stats)
+        self.min_compress_numel = min_compress_numel
+        self.critical: dict[str, bool] = {}  # regime per key for the current interval (absent: critical)
+        self.previous: dict[str, float] = {}  # a_old per key (0: none yet)
+        self.sums: dict[str, torch.Tensor] = {}  # this interval's accumulated reduced gradient per key (fp64)
+        self.replicated: dict[str, bool] = {}
+        self.steps = 0
+        self.switches: list[tuple[int, str, str, float]] = []  # (step, key, level, change): a log, not state
+
+    def __repr__(self) -> str:
+        return f"AccordionChannel({self.name!r}, {self.codec})"
+
+    # -- the Channel surface -------------------------------------------------------------------------
+    lossy = True
+    """Both levels compress."""
+
+    @property
+    def error_feedback(self) -> Optional[ErrorFeedback]:
+        """The error-feedback state both levels share, or None."""
+        return self.low.error_feedback
+
+    def compresses(self, numel: int) -> bool:
+        """Whether a message of ``numel`` elements is compressed (the levels' small-tensor rule)."""
+        return self.low.compresses(numel)
+
+    def uncompressed(self) -> Channel:
+        """A plain channel with this path's name, group, options and stats table."""
+        return self.low.uncompressed()
+
+    def set_validate(self, enabled: bool) -> None:
+        """Turn the cross-rank argument check of both levels on or off."""
+        self.low.set_validate(enabled)
+        self.high.set_validate(enabled)
+
+    # -- the policy ----------------------------------------------------------------------------------
+    def channel_for(self, key: str):
+        """The level channel that reduces tensor ``key`` in this interval (``low`` while critical)."""
+        return self.low if self.critical.get(key, True) else self.high
+
+    @torch.no_grad()
+    def observe(self, key: str, reduced: torch.Tensor, replicated: bool) -> None:
+        """Add this step's reduced gradient of ``key`` (whole on every rank, or this rank's shard)."""
+        flat = reduced.detach().reshape(-1).to(torch.float64)
+        acc = self.sums.get(key)
+        if acc is None:
+            self.sums[key] = flat.clone()
+        elif acc.numel() != flat.numel():
+            raise ValueError(f"accordion key {key!r} was observed with {acc.numel()} and now {flat.numel()} elements; "
+                             f"use one key per tensor")
+        else:
+            acc += flat
+        self.replicated[key] = replicated
+
+    @torch.no_grad()
+    def end_step(self, group=None) -> None:
+        """Count one optimizer step; at the end of an interval decide every key's next regime (collective)."""
+        self.steps += 1
+        if self.steps % self.codec.interval:
+            return
+        group = self.group if group is None else group
+        keys = sorted(self.sums)
+        first = dist.get_rank(group) == 0
+        sq = torch.tensor([float(self.sums[k].square().sum()) if (first or not self.replicated[k]) else 0.0
+                           for k in keys], dtype=torch.float64)
+        if dist.get_world_size(group) > 1 and keys:
+            dist.all_reduce(sq, group=group)
+        for k, value in zip(keys, sq.sqrt().tolist()):
+            old = self.previous.get(k, 0.0)
+            change = abs(old - value) / old if old else float("inf")
+            critical = change >= self.codec.eta
+            if critical != self.critical.get(k, True):
+                level = "low" if critical else "high"
+                self.switches.append((self.steps, k, level, change))
+                log.info("megacomp accordion: %s %s switches to %s (%s) after step %d: accumulated gradient norm "
+                         "changed by %.3g (%s eta %g)", self.name, k, level, self.codec.low if critical else self.codec.high,
+                         self.steps, change, ">=" if critical else "<", self.codec.eta)
+            self.critical[k] = critical
+            self.previous[k] = value
+            self.sums[k].zero_()  # kept (zeroed), so a checkpoint template has the same keys at any step
+
+    # -- checkpointing -------------------------------------------------------------------------------
+    def init_key(self, key: str, numel: int, replicated: bool, device=None) -> None:
+        """The state ``key`` has before it is first observed (critical, no a_old, a zero sum), so saved and
+        template state dicts (torch.distributed.checkpoint) have the same keys at any step."""
+        if key not in self.sums:
+            self.sums[key] = torch.zeros(numel, dtype=torch.float64, device=device)
+            self.replicated[key] = replicated
+            self.critical.setdefault(key, True)
+            self.previous.setdefault(key, 0.0)
+
+    def state_dict(self, error_feedback: bool = True) -> dict[str, Any]:
+        """Settings, regimes, norms, the interval's partial sums, step count and both levels' states (the
+        shared residuals once, unless ``error_feedback=False``)."""
+        return {"codec": self.codec.to_dict(), "steps": self.steps, "critical": dict(self.critical),
+                "previous": dict(self.previous), "sums": {k: v.clone() for k, v in self.sums.items()},
+                "replicated": dict(self.replicated),
+                "low": self.low.state_dict(error_feedback=error_feedback),
+                "high": self.high.state_dict(error_feedback=False)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; raises ValueError for other settings."""
+        if state["codec"] != self.codec.to_dict():
+            raise ValueError(f"channel {self.name!r}: state saved with {state['codec']}, this channel uses "
+                             f"{self.codec.to_dict()}; resume with the same compression config")
+        self.steps = int(state["steps"])
+        self.critical, self.previous = dict(state["critical"]), dict(state["previous"])
+        self.sums = {k: v.clone() for k, v in state["sums"].items()}
+        self.replicated = dict(state["replicated"])
+        self.low.load_state_dict(state["low"])
+        self.high.load_state_dict(state["high"])
