@@ -28,6 +28,8 @@ iterations, then Adam's second moment frozen while the codec runs), with and wit
 ``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
 ``demo_sweep`` and ``structured``: issue #17's DeMo (learning rates and decays on one seed), then SparseLoCo,
 DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replicas, --seeds 1,2,3);
+``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, Accordion
+(rank 4 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
 int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
 MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
@@ -183,6 +185,23 @@ SUITES["structured"] = {"layout": [], "variants": {
 }}
 
 
+# issue #17: PowerSGD inside torch DDP, megacomp's hook (any number of buckets, error feedback with each rank's own
+# approximation, QR) side by side with torch's (one bucket: it races on gloo with more), ranks 4 and 1; Accordion
+# switching rank 4 (critical regimes) and rank 1; and megacomp's PowerSGD rank 4 on the sharded optimizer in
+# pretraining. Run by scripts/ddp_convergence.py (same model, data, schedule and AdamW as megacomp.pretrain).
+ACCORDION = ("{name: accordion, low: {name: powersgd, rank: 4}, high: {name: powersgd, rank: 1}, eta: 0.5, "
+             "interval: 15}")
+SUITES["powersgd"] = {"layout": [], "variants": {
+    "none": {"hook": "none"},
+    "torch PowerSGD r4 (1 bucket)": {"hook": "torch_powersgd:4"},
+    "megacomp PowerSGD r4+EF": {"hook": "megacomp:{name: powersgd, rank: 4}"},
+    "torch PowerSGD r1 (1 bucket)": {"hook": "torch_powersgd:1"},
+    "megacomp PowerSGD r1+EF": {"hook": "megacomp:{name: powersgd, rank: 1}"},
+    "Accordion r4/r1 (eta 0.5, every 15)": {"hook": "megacomp:" + ACCORDION},
+    "megacomp PowerSGD r4, sharded optimizer": {"dp_gradient": {"name": "powersgd", "rank": 4}},
+}}
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
@@ -196,6 +215,7 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     run_dir.mkdir(parents=True, exist_ok=True)
     compression, extra = dict(compression), []
     flags = compression.pop("args", [])  # further pretrain flags of the variant (e.g. the outer loop)
+    hook = compression.pop("hook", None)
     freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
     if freeze:  # variance frozen after, and compression from, the same step
         extra = [FREEZE_FLAG, str(max(1, int(freeze * args.iters)))]
@@ -209,10 +229,12 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     else:
         preset = run_dir / "compression.yaml"
         preset.write_text(yaml.safe_dump(compression))
-        cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), "-m", "megacomp.pretrain",
+        entry = ["-m", "megacomp.pretrain", "--compression", str(preset), "--log-interval", "1"]
+        if hook is not None:  # a torch-DDP run with that gradient hook (scripts/ddp_convergence.py)
+            entry = [str(Path(__file__).resolve().parent / "ddp_convergence.py"), "--hook", hook]
+        cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), *entry,
                "--config", args.config, "--train-iters", str(args.iters),
-               "--lr-warmup-iters", str(max(1, args.iters // 20)),
-               "--compression", str(preset), "--log-dir", str(run_dir), "--log-interval", "1",
+               "--lr-warmup-iters", str(max(1, args.iters // 20)), "--log-dir", str(run_dir),
                *extra, *(["--seed", str(seed)] if seed is not None else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.time()
