@@ -201,6 +201,23 @@ SUITES["powersgd"] = {"layout": [], "variants": {
     "megacomp PowerSGD r4, sharded optimizer": {"dp_gradient": {"name": "powersgd", "rank": 4}},
 }}
 
+# Accordion's threshold and interval on one seed (with eta 0.5 every 15 steps it leaves rank 4 after 30 steps)
+def accordion(eta: float, interval: int) -> dict:
+    """An Accordion hook variant over PowerSGD ranks 4 (critical) / 1."""
+    return {"hook": "megacomp:" + ACCORDION.replace("eta: 0.5", f"eta: {eta:g}").replace("interval: 15",
+                                                                                        f"interval: {interval}")}
+
+
+SUITES["accordion_sweep"] = {"layout": [], "variants": {
+    "none": {"hook": "none"},
+    "megacomp PowerSGD r4+EF": SUITES["powersgd"]["variants"]["megacomp PowerSGD r4+EF"],
+    "megacomp PowerSGD r1+EF": SUITES["powersgd"]["variants"]["megacomp PowerSGD r1+EF"],
+    "Accordion eta 0.2, every 15": accordion(0.2, 15),
+    "Accordion eta 0.1, every 15": accordion(0.1, 15),
+    "Accordion eta 0.2, every 5": accordion(0.2, 5),
+    "Accordion eta 0.05, every 30": accordion(0.05, 30),
+}}
+
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()

@@ -154,6 +154,10 @@ def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "al
 
 DDP_METHODS = ("no_communication", "ddp_fp32", "ddp_fp16_hook", "ddp_bf16_hook", "ddp_powersgd1", "ddp_powersgd4",
                "zero_redundancy", "megacomp_hook_int4_loco")
+# megacomp's PowerSGD hook (default buckets: it works on gloo with several) and Accordion over its ranks 4 / 1
+LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accordion")
+ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "high": {"name": "powersgd", "rank": 1},
+                  "eta": 0.5, "interval": 15}
 
 
 def _powersgd_bytes(model, rank: int, world: int) -> int:
@@ -219,6 +223,11 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         ddp.register_comm_hook(None, no_comm)
     elif method == "megacomp_hook_int4_loco":
         ddp.register_comm_hook(CompressedHookState(codec="int4", error_feedback="loco"), compressed_allreduce_hook)
+    elif method.startswith("megacomp_powersgd"):
+        rank = int(method[len("megacomp_powersgd"):])
+        ddp.register_comm_hook(CompressedHookState(codec={"name": "powersgd", "rank": rank}), compressed_allreduce_hook)
+    elif method == "megacomp_accordion":
+        ddp.register_comm_hook(CompressedHookState(codec=ACCORDION_HOOK), compressed_allreduce_hook)
     if method == "zero_redundancy":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:
@@ -253,24 +262,42 @@ def median_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> s
     return f"{fmt.format(statistics.median(xs) * scale)} ({fmt.format(min(xs) * scale)}-{fmt.format(max(xs) * scale)})"
 
 
+def _smooth(losses: list[float], window: int = 5) -> list[float]:
+    """Trailing mean over ``window`` iterations (one iteration's loss is one batch's: noisy)."""
+    return [statistics.mean(losses[max(0, i + 1 - window):i + 1]) for i in range(len(losses))]
+
+
+def _time_to(record: dict, target: Optional[float]) -> str:
+    """Seconds of training (the measured step times, summed) until the smoothed loss first reaches ``target``
+    (DDP fp32's smoothed final loss on the same link), or 'not reached' within the run."""
+    if target is None:
+        return "-"
+    elapsed = 0.0
+    for t, loss in zip(record["all_times_s"], _smooth(record["losses"])):
+        elapsed += t
+        if loss <= target:
+            return f"{elapsed:.1f}"
+    return "not reached"
+
+
 def ddp_table(records: list[dict]) -> list[str]:
     """The DP-step table of ``bench_ddp``'s records (in run order; hidden, layers, bucket_mb from the first)."""
     first = records[0]
     lines = [f"## DP training step: torch DDP, its comm hooks, ZeroRedundancyOptimizer and megacomp's hook (GPT "
              f"h={first['hidden']}, {first['layers']} layers, DP 2 across the link, {len(first['all_times_s'])} "
-             f"iterations, DDP buckets {first['bucket_mb']:g} MB; PowerSGD one bucket)", "",
+             f"iterations, DDP buckets {first['bucket_mb']:g} MB; torch's PowerSGD one bucket)", "",
              "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | wire MB/step/rank | "
-             f"loss at iteration {len(first['all_times_s'])} |", "|---|---|---|---|---|---|"]
-    base, rate = None, None
+             f"loss at iteration {len(first['all_times_s'])} | s to DDP fp32's final loss |", "|---|---|---|---|---|---|---|"]
+    base, rate, target = None, None, None
     for r in records:
         if r["rate"] != rate:
-            base, rate = None, r["rate"]
+            base, rate, target = None, r["rate"], None
         med = statistics.median(r["times_s"])
         if r["method"] == "ddp_fp32":
-            base = med
+            base, target = med, _smooth(r["losses"])[-1]
         speed = f"{base / med:.2f}x" if base else "-"
         lines.append(f"| {r['rate']} | {r['method']} | {median_spread(r['times_s'])} | {speed} | "
-                     f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} |")
+                     f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} | {_time_to(r, target)} |")
     return lines + [""]
 
 
@@ -409,7 +436,8 @@ def main() -> None:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2", help="train workload: what the two ranks split")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--compression", default="none,loco4,dp_int8")
-    p.add_argument("--methods", default=",".join(DDP_METHODS))
+    p.add_argument("--methods", default=",".join(DDP_METHODS),
+                   help="comma list of " + ",".join(DDP_METHODS + LOW_RANK_METHODS))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-mb", type=float, default=25.0,
