@@ -8,6 +8,8 @@ addresses only inside the namespaces it creates), one rank in each: the tiny GPT
 
     DDP fp32                  every step all-reduces (reduce-scatters and all-gathers) fp32 gradients
     LoCo int4                 the same with the loco4 preset (int4 + LoCo on the DP gradients)
+    PowerSGD r4+EF            the powersgd4 preset (rank-4 factors of every DP gradient matrix, error feedback)
+    DeMo, SparseLoCo, DCT-DiLoCo   issue #17's methods with scripts/convergence.py's settings
     DiLoCo H=50 (+ int4+EF)   2 replicas (one rank each), one pseudo-gradient exchange every 50 steps
     Streaming DiLoCo          4 fragments at staggered steps, each overlapped with 5 inner steps, int4+EF
 
@@ -16,8 +18,8 @@ methods pay their traffic in bursts, so a median would hide it), total training 
 the final loss (mean of the last 20 iterations), the time to DDP fp32's final loss at the same rate
 (the first iteration whose 20-iteration running mean reaches it; "not reached" when none does within the
 run), and the time to the highest final loss of the variants at that rate (a quality every variant reaches,
-so the times compare at equal loss). Same seed and data order for every variant. PowerSGD is not a megacomp pretraining option yet (issue
-#17); ``netns_bench.py ddp`` measures torch's PowerSGD hook on its own loop.
+so the times compare at equal loss). Same seed and data order for every variant. ``netns_bench.py ddp`` measures
+torch's PowerSGD hook and megacomp's on a torch-DDP loop.
 
 Output: a Markdown table on stdout and in ``--out`` (default results/netns): ``local_steps.md`` and the
 records it is drawn from, ``local_steps.json``; ``--from-results`` rewrites the Markdown without measuring.
@@ -43,10 +45,16 @@ INT4_EF = ["--outer-codec", "int4", "--outer-error-feedback", "ef"]
 VARIANTS = {
     "DDP fp32": ["--compression", "none"],
     "LoCo int4": ["--compression", "loco4"],
+    "PowerSGD r4+EF": ["--compression", "powersgd4"],
     "DiLoCo H=50": ["--compression", "none", "--outer-algorithm", "diloco", *TWO],
     "DiLoCo H=50 int4+EF outer": ["--compression", "none", "--outer-algorithm", "diloco", *TWO, *INT4_EF],
     "Streaming DiLoCo H=50 P=4 tau=5 int4+EF": ["--compression", "none", "--outer-algorithm", "streaming_diloco",
                                                  *TWO, "--outer-fragments", "4", "--outer-delay", "5", *INT4_EF],
+    # issue #17's structured methods, at convergence.py's settings
+    "DeMo lr 6e-3 top-32": ["--compression", "none", "--optimizer", "demo", "--lr", "6e-3", "--min-lr", "6e-4"],
+    "SparseLoCo H=50": ["--compression", "none", "--outer-algorithm", "sparseloco", *TWO],
+    "DCT-DiLoCo H=50": ["--compression", "none", "--outer-algorithm", "sparseloco", *TWO,
+                        "--outer-codec", "{name: bf16, transform: dct, chunk: 64, k: 4}"],
 }
 WINDOW = 20  # iterations of the running mean that decides the final loss and the time to target
 

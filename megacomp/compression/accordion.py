@@ -23,8 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .codecs import Codec, make_codec
-from .low_rank import PowerSGD, is_low_rank, make_low_rank
+from .codecs import Codec, build_from_spec, make_codec
+from .low_rank import PowerSGD, StructuredCompressor, is_low_rank, make_low_rank
 
 
 def _level(spec: Any) -> "Codec | PowerSGD":
@@ -32,7 +32,7 @@ def _level(spec: Any) -> "Codec | PowerSGD":
 
 
 @dataclass(frozen=True)
-class Accordion:
+class Accordion(StructuredCompressor):
     """Settings of the Accordion policy (see the module docstring)."""
 
     low: Any = None
@@ -68,16 +68,6 @@ class Accordion:
         object.__setattr__(self, "high", high)
 
     @property
-    def is_identity(self) -> bool:
-        """Never the identity."""
-        return False
-
-    @property
-    def structured(self) -> bool:
-        """Not a plain value format (DeMo and the like refuse it)."""
-        return True
-
-    @property
     def low_rank(self) -> bool:
         """Whether the levels are PowerSGD ranks."""
         return isinstance(self.low, PowerSGD)
@@ -99,11 +89,4 @@ def is_accordion(spec: Any) -> bool:
 
 def make_accordion(spec: Any) -> Accordion:
     """Build :class:`Accordion` from a mapping (YAML) or an Accordion; unknown fields raise ValueError."""
-    if isinstance(spec, Accordion):
-        return spec
-    data = dict(spec)
-    allowed = {f.name for f in fields(Accordion)}
-    unknown = set(data) - allowed
-    if unknown:
-        raise ValueError(f"unknown accordion option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-    return Accordion(**data)
+    return build_from_spec(Accordion, spec, {}, "accordion")

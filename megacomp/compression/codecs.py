@@ -341,21 +341,29 @@ def make_codec(codec: CodecLike = None, **options: Any) -> Codec:
     """
     if codec is None:
         codec = "none"
-    if isinstance(codec, Codec):
-        if not options:
-            return codec
-        base = codec.to_dict()
-    elif isinstance(codec, str):
-        base = {"name": codec}
-    elif isinstance(codec, Mapping):
-        base = dict(codec)
+    if isinstance(codec, Codec) and not options:
+        return codec
+    return build_from_spec(Codec, codec, options, "codec", "a codec mapping needs a 'name' (e.g. {name: int4, block_size: 128})")
+
+
+def build_from_spec(cls, spec: Any, options: Mapping[str, Any], what: str, missing_name: str = ""):
+    """``cls(**fields)`` from a name (``{"name": spec}``), a mapping (YAML), or an instance (its ``to_dict()``),
+    with ``options`` overriding fields: the one parser of codec-like settings (codecs, PowerSGD, Accordion).
+    Raises TypeError for another kind of spec and ValueError naming unknown fields (and the allowed ones)
+    or, with ``missing_name``, a mapping without a name."""
+    if isinstance(spec, cls):
+        base = spec.to_dict()
+    elif isinstance(spec, str):
+        base = {"name": spec}
+    elif isinstance(spec, Mapping):
+        base = dict(spec)
     else:
-        raise TypeError(f"a codec is a name, a mapping or a Codec, got {type(codec).__name__}")
+        raise TypeError(f"a {what} is a name, a mapping or a {cls.__name__}, got {type(spec).__name__}")
     base.update(options)
-    allowed = {f.name for f in fields(Codec) if f.init}
+    allowed = {f.name for f in fields(cls) if f.init}
     unknown = set(base) - allowed
     if unknown:
-        raise ValueError(f"unknown codec option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-    if "name" not in base:
-        raise ValueError("a codec mapping needs a 'name' (e.g. {name: int4, block_size: 128})")
-    return Codec(**base)
+        raise ValueError(f"unknown {what} option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    if missing_name and "name" not in base:
+        raise ValueError(missing_name)
+    return cls(**base)

@@ -38,11 +38,26 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .codecs import CodecLike, make_codec
+from .codecs import CodecLike, build_from_spec, make_codec
+
+
+class StructuredCompressor:
+    """What PowerSGD and Accordion settings answer where a path's ``Codec`` is asked: never the identity, and
+    not a plain element format (so DeMo and the element-wise collectives refuse them)."""
+
+    @property
+    def is_identity(self) -> bool:
+        """Never the identity (a lossy compressor)."""
+        return False
+
+    @property
+    def structured(self) -> bool:
+        """Compresses by structure (not element by element)."""
+        return True
 
 
 @dataclass(frozen=True)
-class PowerSGD:
+class PowerSGD(StructuredCompressor):
     """Settings of PowerSGD low-rank compression (YAML: ``{name: powersgd, rank: 4}``)."""
 
     name: str = "powersgd"
@@ -74,16 +89,6 @@ class PowerSGD:
         object.__setattr__(self, "factor_codec", codec)
 
     # -- the Codec-like surface channels and configs read ---------------------------------------------
-    @property
-    def is_identity(self) -> bool:
-        """Never the identity (a lossy compressor)."""
-        return False
-
-    @property
-    def structured(self) -> bool:
-        """Compresses by structure (not element by element)."""
-        return True
-
     def to_dict(self) -> dict[str, Any]:
         """Plain data for YAML and checkpoints (``make_low_rank`` rebuilds an equal value)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -160,20 +165,7 @@ def is_low_rank(spec: Any) -> bool:
 def make_low_rank(spec: Any, **options: Any) -> PowerSGD:
     """Build :class:`PowerSGD` from ``'powersgd'``, a mapping (YAML) or a PowerSGD; extra keyword options
     override fields. Raises ValueError naming unknown fields and the allowed ones."""
-    if isinstance(spec, PowerSGD):
-        base = spec.to_dict()
-    elif isinstance(spec, str):
-        base = {"name": spec}
-    elif isinstance(spec, Mapping):
-        base = dict(spec)
-    else:
-        raise TypeError(f"a PowerSGD spec is 'powersgd', a mapping or a PowerSGD, got {type(spec).__name__}")
-    base.update(options)
-    allowed = {f.name for f in fields(PowerSGD)}
-    unknown = set(base) - allowed
-    if unknown:
-        raise ValueError(f"unknown powersgd option(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
-    return PowerSGD(**base)
+    return build_from_spec(PowerSGD, spec, options, "powersgd")
 
 
 def make_compressor(spec: Any):
