@@ -143,6 +143,11 @@ class CommCompressionConfig:
         out = replace(self)
         for name in TRAFFIC_PATHS:
             codec = getattr(self, name)
+            if isinstance(codec, Accordion) and not codec.low_rank:  # its codec levels' seeds, as a plain codec's
+                levels = {w: getattr(codec, w) for w in ("low", "high")}
+                levels = {w: make_codec(c, seed=c.seed + rank * 1000003) if c.seed is not None else c
+                          for w, c in levels.items()}
+                setattr(out, name, replace(codec, **levels))
             if isinstance(codec, Codec) and codec.seed is not None:  # PowerSGD's seed must stay equal on every rank
                 setattr(out, name, make_codec(codec, seed=codec.seed + rank * 1000003))
         return out

@@ -80,3 +80,18 @@ def test_bad_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="rank must be an int >= 1"):
         Accordion(low={"name": "powersgd", "rank": 0}, high={"name": "powersgd", "rank": 1})
     assert make_accordion(make_accordion(LEVELS).to_dict()) == make_accordion(LEVELS)
+
+
+def _skipped(rank, world):
+    ch = AccordionChannel("dp_gradient", {**LEVELS, "interval": 1}, error_feedback="ef")
+    ch.observe("b", torch.full((4,), 2.0), replicated=True)
+    ch.end_step()
+    ch.observe("b", torch.tensor([float("inf"), 0.0, 0.0, 0.0]), replicated=True)
+    ch.discard_step()  # the optimizer skipped this step: its inf must not reach the norms
+    ch.end_step()
+    return ch.previous["b"], ch.critical["b"]
+
+
+def test_a_skipped_step_does_not_reach_the_norms():
+    for previous, critical in run_ranks(_skipped, 2):
+        assert previous == 0.0 and critical  # the discarded interval reads as no gradient: a change of 100%

@@ -1,5 +1,6 @@
 """The DDP communication hook (megacomp.optimizer.ddp_hook): with codec=None it is bit-identical to plain
 DDP; with int4 + LoCo it trains like plain DDP on a small regression task."""
+import pytest
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -80,13 +81,15 @@ def _powersgd_body(rank, world):
 
     plain, _ = train(rank, None, 4)
     # full rank on every matrix: equals plain DDP up to fp32 round-off (tests/test_comm_low_rank.py bounds it)
-    full = CompressedHookState(codec=PowerSGD(rank=256, min_compression_rate=0, error_feedback=False),
-                               min_compress_numel=0, start_iter=0)
+    full = CompressedHookState(codec=PowerSGD(rank=256, min_compression_rate=0, error_feedback=False,
+                                              warm_start=False), min_compress_numel=0, start_iter=0)
     exact, _ = train(rank, full, 4)
     comm.reset_stats()
     low = CompressedHookState(codec={"name": "powersgd", "rank": 2}, min_compress_numel=0)
     _, losses = train(rank, low, 150)
     stats = comm.stats()["dp_gradient"]
+    with pytest.raises(ValueError, match="start_iter must be >= 2"):
+        CompressedHookState(codec={"name": "powersgd", "rank": 2}, start_iter=1)
     again = CompressedHookState(codec={"name": "powersgd", "rank": 2}, min_compress_numel=0)
     again.load_state_dict(low.state_dict())
     restored = (again.iteration == low.iteration and again.channel.q.keys() == low.channel.q.keys()

@@ -8,7 +8,8 @@ PowerSGD keeps a warm-start Q per rank level, so each level resumes its own powe
   1. asks :meth:`channel_for` (key) which channel reduces a tensor this step;
   2. reports the reduced gradient with :meth:`observe` (key, tensor, replicated): the whole tensor on every
      rank (a DDP bucket: ``replicated=True``) or this rank's shard of it (the sharded optimizer);
-  3. calls :meth:`end_step` once per optimizer step, on every rank of the group. Every ``interval`` steps it
+  3. calls :meth:`end_step` once per step it took (skipped steps call :meth:`discard_step` first: their
+     inf/NaN gradients must not enter the norms), on every rank of the group. Every ``interval`` steps it
      all-reduces the accumulated squared norms (one fp64 vector, shards summed, replicated tensors counted
      once), so every rank takes the same decision, and logs every switch.
 
@@ -120,6 +121,12 @@ class AccordionChannel:
             acc += flat
         self.replicated[key] = replicated
 
+    def discard_step(self) -> None:
+        """Forget this interval's sums after a step whose gradients were not finite (the optimizer skipped
+        it): an inf/NaN norm would decide nothing sensible, and would poison the next comparison."""
+        for acc in self.sums.values():
+            acc.zero_()
+
     @torch.no_grad()
     def end_step(self, group=None) -> None:
         """Count one optimizer step; at the end of an interval decide every key's next regime (collective)."""
@@ -129,13 +136,14 @@ class AccordionChannel:
         group = self.group if group is None else group
         keys = sorted(self.sums)
         first = dist.get_rank(group) == 0
+        device = self.sums[keys[0]].device if keys else "cpu"  # NCCL groups reduce device tensors only
         sq = torch.tensor([float(self.sums[k].square().sum()) if (first or not self.replicated[k]) else 0.0
-                           for k in keys], dtype=torch.float64)
+                           for k in keys], dtype=torch.float64, device=device)
         if dist.get_world_size(group) > 1 and keys:
             dist.all_reduce(sq, group=group)
-        for k, value in zip(keys, sq.sqrt().tolist()):
+        for k, value in zip(keys, sq.sqrt().cpu().tolist()):
             old = self.previous.get(k, 0.0)
-            change = abs(old - value) / old if old else float("inf")
+            change = abs(old - value) / old if old > 0 else float("inf")
             critical = change >= self.codec.eta
             if critical != self.critical.get(k, True):
                 level = "low" if critical else "high"

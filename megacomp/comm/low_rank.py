@@ -56,7 +56,8 @@ class LowRankChannel:
         name: the tag its traffic is counted under in ``comm.stats()``.
         codec: a :class:`~megacomp.compression.low_rank.PowerSGD`, ``'powersgd'`` or a mapping.
         group: the default process group of its calls.
-        min_compress_numel: calls whose tensors total fewer elements travel uncompressed (as a Channel's rule).
+        min_compress_numel: the small-tensor rule its owners apply with :meth:`compresses` (a hook or optimizer
+            sends smaller calls through :meth:`uncompressed`; ``all_reduce_coalesced`` itself always compresses).
         options: ``CommOptions`` of its collectives (default: from the environment).
         stats: the wire-statistics table (default: the process's).
     """
@@ -117,6 +118,8 @@ class LowRankChannel:
             if t.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"powersgd compresses floating tensors (float32, bfloat16, float16, float64), got "
                                 f"{t.dtype}; reduce other dtypes with an uncompressed channel")
+        if not tensors:
+            return
         world = dist.get_world_size(group)
         avg = op_name(op) == "AVG"
         low = [i for i, t in enumerate(tensors) if self.codec.rank_for(t.shape)]
@@ -165,13 +168,18 @@ class LowRankChannel:
                 out /= world
             t.copy_(out.view(t.shape))
             if self.codec.warm_start:
-                self.q[k] = q_sum.clone()
+                if bool(torch.isfinite(q_sum).all()):
+                    self.q[k] = q_sum.clone()
+                else:  # an inf/NaN gradient (every rank sees the same all-reduced Q): start afresh next step
+                    self.q.pop(k, None)
 
     def _start_q(self, key: str, m: int, r: int, device) -> torch.Tensor:
         q = self.q.get(key) if self.codec.warm_start else None
         if q is not None and q.shape != (m, r):
             raise ValueError(f"powersgd key {key!r} holds a Q of shape {tuple(q.shape)} but the tensor needs ({m}, {r}); "
                              f"use a distinct key per tensor layout")
+        if q is not None and q.device != torch.device(device):
+            q = self.q[key] = q.to(device)  # loaded (or created by init_keys) on another device
         if q is None:
             draw = self.draws.get(key, 0)
             self.draws[key] = draw + 1
@@ -179,7 +187,8 @@ class LowRankChannel:
         return q
 
     def _plain(self, tensors, group, world, avg, validate) -> None:
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        work = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+        flat = torch.cat([t.reshape(-1).to(work) for t in tensors])
         plain = Channel(self.name, None, group=group, options=self.options, stats=self._factor_stats)
         plain.all_reduce(flat, group=group, validate=validate)
         if avg:
@@ -198,6 +207,7 @@ class LowRankChannel:
             r, k = self.codec.rank_for(shape), f"{key}/{i}"
             if not r:
                 continue
+            self.draws.setdefault(k, 0)
             if self.error_feedback is not None:
                 self.error_feedback.init_key(k, matrix_shape(shape))
             if self.codec.warm_start and k not in self.q:
@@ -208,7 +218,7 @@ class LowRankChannel:
         ``error_feedback=False``: its owner saves it) the residuals."""
         out = {"codec": self.codec.to_dict(), "q": {k: v.clone() for k, v in self.q.items()},
                "draws": torch.tensor([self.draws.get(k, 0) for k in sorted(self.draws)], dtype=torch.int64),
-               "draw_keys": sorted(self.draws)}
+               "draw_keys": sorted(self.draws), "factors": self._factors.state_dict(error_feedback=False)}
         if error_feedback:
             out["error_feedback"] = self.error_feedback.state_dict() if self.error_feedback is not None else None
         return out
@@ -220,6 +230,7 @@ class LowRankChannel:
                              f"{self.codec.to_dict()}; resume with the same compression config")
         self.q = {k: v.clone() for k, v in state["q"].items()}
         self.draws = dict(zip(state["draw_keys"], (int(d) for d in state["draws"])))
+        self._factors.load_state_dict(state["factors"])  # a seeded stochastic factor codec's stream
         if state.get("error_feedback") is not None and self.error_feedback is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
 

@@ -108,7 +108,7 @@ class ErrorFeedback:
             e = self._store_codec.decode_flat(data, data_numel(shape)).view(shape)
         else:
             e = stored if stored.dtype in (torch.float32, torch.float64) else stored.float()
-        return e.to(like.dtype) if like is not None else e
+        return e.to(device=like.device, dtype=like.dtype) if like is not None else e  # (a template loaded on CPU)
 
     def _store(self, key: str, e: torch.Tensor) -> None:
         if self._store_codec is not None:
@@ -123,7 +123,7 @@ class ErrorFeedback:
         """Return ``h = g + e`` (a new tensor in g's dtype, or fp32 for half inputs)."""
         e = self.error(key)
         work_dtype = g.dtype if g.dtype == torch.float64 else torch.float32
-        h = g.to(work_dtype).clone() if e is None else g.to(work_dtype) + self.check_shape(key, e, g).to(work_dtype)
+        h = g.to(work_dtype).clone() if e is None else g.to(work_dtype) + self.check_shape(key, e, g).to(g.device, work_dtype)
         return h
 
     def check_shape(self, key: str, e: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,10 @@ One step of rank ``r`` over N ranks (the exchange lives in megacomp.comm.low_ran
      delivered plus the new errors then equals the sum of the ``H_i`` exactly, so the errors telescope:
      ``sum_t delivered_t + sum_i E_i,T = sum_t sum_i M_i,t``.
 
+With a lossy ``factor_codec`` the decoded ``Q`` sum replaces the exact one in step 5, and its quantisation error
+is not fed back (the residual uses the exact ``Q_i``): the telescoping and projection statements below then
+hold only up to the factor codec's error.
+
 Wire: ``(n + m) r`` factor elements per matrix instead of ``n m`` (each all-reduced, in fp32 or in the
 ``factor_codec``). A matrix is compressed only when ``n m >= min_compression_rate (n + m) r``; 1-D tensors
 and matrices below that rate are all-reduced uncompressed, as one flat buffer per call.
@@ -27,8 +31,8 @@ sum up to fp32 round-off of the products and the QR.
 
 Failure behaviour: ``rank <= 0``, a negative compression rate or an unknown field raise ValueError when the
 settings are built; non-float tensors raise TypeError at the call. Non-finite inputs make ``P`` non-finite
-on every rank, so every rank delivers inf/NaN (the optimizer's overflow check then skips the step) and the
-error feedback drops that residual.
+on every rank, so every rank delivers inf/NaN (the optimizer's overflow check then skips the step), the
+error feedback drops that residual and the non-finite ``Q`` is not kept (the next step draws a fresh start).
 """
 from __future__ import annotations
 

@@ -27,7 +27,8 @@ it does not overlap the rest of backward.
 
 Accordion (``codec={"name": "accordion", "low": ..., "high": ...}``; megacomp.comm.AccordionChannel): each
 bucket is reduced with the level its regime picks, completed in the hook (the policy reads the reduced
-bucket), and the regimes are decided at the first bucket of every ``interval``-th iteration.
+bucket), and the regimes are decided at the first bucket of every ``interval``-th compressed iteration (the
+hook cannot see an optimizer's skipped steps; a GradScaler's inf bucket then enters that interval's norms).
 """
 import logging
 import threading
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import AccordionChannel, Channel, LowRankChannel, use_duplex
-from ..compression import CodecLike, is_accordion, is_low_rank
+from ..compression import CodecLike, is_accordion, is_low_rank, make_low_rank
 
 log = logging.getLogger("megacomp")
 
@@ -66,6 +67,12 @@ class CompressedHookState:
     """Iterations seen (counted on bucket 0)."""
 
     def __post_init__(self) -> None:
+        stateful = is_accordion(self.codec) or (is_low_rank(self.codec) and (make_low_rank(self.codec).error_feedback
+                                                                              or make_low_rank(self.codec).warm_start))
+        if stateful and self.start_iter < 2:
+            raise ValueError(f"powersgd/accordion keep state per bucket and parameter (residual, Q), and DDP rebuilds its "
+                             f"buckets after iteration 1: start_iter must be >= 2, got {self.start_iter} (or turn off "
+                             f"error_feedback and warm_start)")
         if is_accordion(self.codec):
             self.channel = AccordionChannel("dp_gradient", self.codec, group=self.process_group,
                                             error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel)

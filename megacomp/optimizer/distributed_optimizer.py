@@ -326,9 +326,11 @@ class DistributedOptimizer:
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
         shards = self._finish_reduction()
-        if self._accordion_active():  # decided on the reduced gradients, before clipping (every rank alike)
-            self.grad_channel.end_step(self.group)
         overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards)))
+        if self._accordion_active():  # decided on the reduced gradients, before clipping (every rank alike)
+            if overflow:
+                self.grad_channel.discard_step()
+            self.grad_channel.end_step(self.group)
         if overflow:
             self.skipped_steps += 1
             if self.ef is not None:  # residuals of a discarded gradient must not leak into later steps
@@ -429,7 +431,7 @@ class DistributedOptimizer:
         if isinstance(levels[0], LowRankChannel):
             for b in self.buckets:
                 for ch in levels if b.compressed else ():
-                    ch.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params])
+                    ch.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params], b.grad.device)
             return
         if self.ef is None:
             return
