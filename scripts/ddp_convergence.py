@@ -39,26 +39,17 @@ def _torch_powersgd_counting(rank: int):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from megacomp.comm.stats import PROCESS_STATS
+    from netns_bench import _powersgd_bytes  # this script's directory is on sys.path
 
     state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
                                         use_error_feedback=True, warm_start=True)
 
     def hook(st, bucket):
         world = dist.get_world_size()
-        dense = wire = 0
+        dense = int(4 * sum(p.numel() for p in bucket.parameters()) * 2 * (world - 1) / world)
         compressing = st.iter >= st.start_powerSGD_iter  # read before the hook advances it
-        for p in bucket.parameters():
-            n = p.numel()
-            dense += n
-            if compressing and p.dim() > 1:
-                rows, cols = p.shape[0], n // p.shape[0]
-                r = min(rows, cols, rank)
-                # torch's _should_compress: (rows + cols) r * min_compression_rate < rows * cols
-                wire += (rows + cols) * r if (rows + cols) * r * st.min_compression_rate < rows * cols else n
-            else:
-                wire += n
-        model = 4 * 2 * (world - 1) / world  # fp32 all-reduce: 2 (N-1)/N of the buffer per rank
-        PROCESS_STATS.record("dp_gradient", int(wire * model), int(dense * model))
+        # netns_bench's count of torch's PowerSGD factors (its min_compression_rate rule), for this bucket
+        PROCESS_STATS.record("dp_gradient", _powersgd_bytes(bucket, rank, world) if compressing else dense, dense)
         return powerSGD_hook.powerSGD_hook(st, bucket)
 
     return state, hook

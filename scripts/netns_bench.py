@@ -262,22 +262,36 @@ def median_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> s
     return f"{fmt.format(statistics.median(xs) * scale)} ({fmt.format(min(xs) * scale)}-{fmt.format(max(xs) * scale)})"
 
 
-def _smooth(losses: list[float], window: int = 5) -> list[float]:
-    """Trailing mean over ``window`` iterations (one iteration's loss is one batch's: noisy)."""
-    return [statistics.mean(losses[max(0, i + 1 - window):i + 1]) for i in range(len(losses))]
+def running_mean(xs: list[float], n: int) -> list[float]:
+    """Mean of the last ``n`` values at each position (fewer at the start): one iteration's loss is one
+    batch's, too noisy to compare."""
+    out, acc = [], 0.0
+    for i, x in enumerate(xs):
+        acc += x - (xs[i - n] if i >= n else 0.0)
+        out.append(acc / min(i + 1, n))
+    return out
 
 
-def _time_to(record: dict, target: Optional[float]) -> str:
-    """Seconds of training (the measured step times, summed) until the smoothed loss first reaches ``target``
-    (DDP fp32's smoothed final loss on the same link), or 'not reached' within the run."""
-    if target is None:
-        return "-"
+def time_to(losses: list[float], times: list[float], target: float, window: int) -> Optional[float]:
+    """Seconds (the measured iteration times, summed) until the ``window``-iteration running mean of the loss
+    first reaches ``target`` (None: never within the run)."""
     elapsed = 0.0
-    for t, loss in zip(record["all_times_s"], _smooth(record["losses"])):
+    for loss, t in zip(running_mean(losses, window), times):
         elapsed += t
         if loss <= target:
-            return f"{elapsed:.1f}"
-    return "not reached"
+            return elapsed
+    return None
+
+
+TIME_TO_WINDOW = 5  # iterations of the running mean in the DP-step table's time to DDP fp32's loss
+
+
+def _seconds_to(record: dict, target: Optional[float]) -> str:
+    """The DP-step table's cell: :func:`time_to` DDP fp32's smoothed final loss on the same link."""
+    if target is None:
+        return "-"
+    t = time_to(record["losses"], record["all_times_s"], target, TIME_TO_WINDOW)
+    return "not reached" if t is None else f"{t:.1f}"
 
 
 def ddp_table(records: list[dict]) -> list[str]:
@@ -294,10 +308,10 @@ def ddp_table(records: list[dict]) -> list[str]:
             base, rate, target = None, r["rate"], None
         med = statistics.median(r["times_s"])
         if r["method"] == "ddp_fp32":
-            base, target = med, _smooth(r["losses"])[-1]
+            base, target = med, running_mean(r["losses"], TIME_TO_WINDOW)[-1]
         speed = f"{base / med:.2f}x" if base else "-"
         lines.append(f"| {r['rate']} | {r['method']} | {median_spread(r['times_s'])} | {speed} | "
-                     f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} | {_time_to(r, target)} |")
+                     f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} | {_seconds_to(r, target)} |")
     return lines + [""]
 
 

@@ -59,23 +59,9 @@ VARIANTS = {
 WINDOW = 20  # iterations of the running mean that decides the final loss and the time to target
 
 
-def running_mean(xs: list[float], n: int) -> list[float]:
-    """Mean of the last ``n`` values at each position (fewer at the start)."""
-    out, acc = [], 0.0
-    for i, x in enumerate(xs):
-        acc += x - (xs[i - n] if i >= n else 0.0)
-        out.append(acc / min(i + 1, n))
-    return out
-
-
 def time_to(losses: list[float], times: list[float], target: float):
     """Seconds until the running mean of the loss first reaches ``target`` (None: never)."""
-    elapsed = 0.0
-    for loss, t in zip(running_mean(losses, WINDOW), times):
-        elapsed += t
-        if loss <= target:
-            return elapsed
-    return None
+    return nb.time_to(losses, times, target, WINDOW)
 
 
 def table(records: list[dict]) -> list[str]:
@@ -88,10 +74,10 @@ def table(records: list[dict]) -> list[str]:
     for rate in dict.fromkeys(r["rate"] for r in records):
         rows = [r for r in records if r["rate"] == rate]
         base = next((r for r in rows if r["variant"] == "DDP fp32"), None)
-        target = running_mean(base["losses"], WINDOW)[-1] if base else None
-        common = max(running_mean(r["losses"], WINDOW)[-1] for r in rows)
+        target = nb.running_mean(base["losses"], WINDOW)[-1] if base else None
+        common = max(nb.running_mean(r["losses"], WINDOW)[-1] for r in rows)
         for r in rows:
-            final = running_mean(r["losses"], WINDOW)[-1]
+            final = nb.running_mean(r["losses"], WINDOW)[-1]
             reach = time_to(r["losses"], r["times_s"], target) if target is not None else None
             reach_s = "n/a" if target is None else (f"{reach:.1f} s" if reach is not None else "not reached")
             total = sum(r["times_s"])

@@ -281,6 +281,43 @@ def test_grad_codec_warmup_steps_are_uncompressed():
         run_ranks(_warmup_body, 1, "int4", -1)
 
 
+def _resumes_bit_for_bit(rank, kw, before, after, ways=("state_dict", "dcp")):
+    """Train ``before`` steps with ``DistributedOptimizer(**kw)``, save (state_dict and
+    torch.distributed.checkpoint), train ``after`` more; then for each of ``ways`` a fresh optimizer loaded
+    from the save trains the same ``after`` steps. Returns (one bool per way: same parameters, the optimizer)."""
+    import torch.distributed.checkpoint as dcp
+
+    def train(model, opt, steps):
+        for step in steps:
+            loss_fn(model, *batch(rank, step)).backward()
+            opt.step()
+
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+    train(model, opt, range(before))
+    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
+    saved = opt.state_dict()
+    holder = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(holder)
+    dcp.save({"optim": saved}, checkpoint_id=holder[0])
+    train(model, opt, range(before, before + after))
+    same = []
+    for way in ways:
+        fresh = make_model(seed=5)  # a different init: everything must come from the save
+        fresh.load_state_dict(saved_model)
+        opt2 = DistributedOptimizer(fresh.parameters(), torch.optim.AdamW, check_replicated=False, **kw)
+        if way == "dcp":
+            opt2.init_state()
+            template = {"optim": opt2.state_dict()}
+            dcp.load(template, checkpoint_id=holder[0])
+            opt2.load_state_dict(template["optim"])
+        else:
+            opt2.load_state_dict(saved)
+        train(fresh, opt2, range(before, before + after))
+        same.append(all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters())))
+    return same, opt
+
+
 def _powersgd_body(rank, world):
     from megacomp.compression import PowerSGD
 
@@ -294,41 +331,9 @@ def _powersgd_body(rank, world):
             assert opt.step()
         out[name] = [p.detach().clone() for p in model.parameters()]
     # rank 1 with error feedback and warm start: resume from state_dict and from torch.distributed.checkpoint
-    import torch.distributed.checkpoint as dcp
-
     kw = dict(grad_codec={"name": "powersgd", "rank": 1, "min_compression_rate": 0}, bucket_size=50,
               min_compress_numel=0, lr=1e-2)
-    model = make_model()
-    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
-    for step in range(3):
-        loss_fn(model, *batch(rank, step)).backward()
-        opt.step()
-    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    saved = opt.state_dict()
-    ckpt = out["ckpt"] = tempfile.mkdtemp() if rank == 0 else None
-    holder = [ckpt]
-    dist.broadcast_object_list(holder)
-    dcp.save({"optim": saved}, checkpoint_id=holder[0])
-    for step in range(3, 6):
-        loss_fn(model, *batch(rank, step)).backward()
-        opt.step()
-    full = [p.detach().clone() for p in model.parameters()]
-    same = []
-    for via_dcp in (False, True):
-        fresh = make_model(seed=5)
-        fresh.load_state_dict(saved_model)
-        opt2 = DistributedOptimizer(fresh.parameters(), torch.optim.AdamW, check_replicated=False, **kw)
-        if via_dcp:
-            opt2.init_state()
-            template = {"optim": opt2.state_dict()}
-            dcp.load(template, checkpoint_id=holder[0])
-            opt2.load_state_dict(template["optim"])
-        else:
-            opt2.load_state_dict(saved)
-        for step in range(3, 6):
-            loss_fn(fresh, *batch(rank, step)).backward()
-            opt2.step()
-        same.append(all(torch.equal(a, b) for a, b in zip(full, fresh.parameters())))
+    same, opt = _resumes_bit_for_bit(rank, kw, 3, 3)
     out["resumed"] = same
     out["q_keys"] = len(opt.grad_channel.q)
     return out
@@ -362,35 +367,12 @@ def test_powersgd_bad_settings_are_refused():
 
 
 def _accordion_body(rank, world):
-    import torch.distributed.checkpoint as dcp
-
+    # eta 100: every interval after the first is calm, so the bucket switches to rank 1 after step 4
     acc = {"name": "accordion", "low": {"name": "powersgd", "rank": 2, "min_compression_rate": 0},
-           "high": {"name": "powersgd", "rank": 1, "min_compression_rate": 0}, "eta": 100.0, "interval": 2}  # calm after the first interval
+           "high": {"name": "powersgd", "rank": 1, "min_compression_rate": 0}, "eta": 100.0, "interval": 2}
     kw = dict(grad_codec=acc, bucket_size=50, min_compress_numel=0, lr=1e-2)
-    model = make_model()
-    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
-    for step in range(5):
-        loss_fn(model, *batch(rank, step)).backward()
-        opt.step()
-    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    holder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(holder)
-    dcp.save({"optim": opt.state_dict()}, checkpoint_id=holder[0])
-    for step in range(5, 9):
-        loss_fn(model, *batch(rank, step)).backward()
-        opt.step()
-    fresh = make_model(seed=5)
-    fresh.load_state_dict(saved_model)
-    opt2 = DistributedOptimizer(fresh.parameters(), torch.optim.AdamW, check_replicated=False, **kw)
-    opt2.init_state()
-    template = {"optim": opt2.state_dict()}
-    dcp.load(template, checkpoint_id=holder[0])
-    opt2.load_state_dict(template["optim"])
-    for step in range(5, 9):
-        loss_fn(fresh, *batch(rank, step)).backward()
-        opt2.step()
-    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
-    return same, opt.grad_channel.switches
+    same, opt = _resumes_bit_for_bit(rank, kw, 5, 4, ways=("dcp",))
+    return same[0], opt.grad_channel.switches
 
 
 def test_accordion_switches_powersgd_ranks_and_resumes_bit_for_bit():
@@ -402,33 +384,9 @@ def test_accordion_switches_powersgd_ranks_and_resumes_bit_for_bit():
 
 
 def _cold_start_dcp_body(rank, world):
-    import torch.distributed.checkpoint as dcp
-
     kw = dict(grad_codec={"name": "powersgd", "rank": 1, "min_compression_rate": 0, "warm_start": False},
               bucket_size=50, min_compress_numel=0, lr=1e-2)
-    model = make_model()
-    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, **kw)
-    for step in range(2):
-        loss_fn(model, *batch(rank, step)).backward()
-        opt.step()
-    saved_model = {k: v.clone() for k, v in model.state_dict().items()}
-    holder = [tempfile.mkdtemp() if rank == 0 else None]
-    dist.broadcast_object_list(holder)
-    dcp.save({"optim": opt.state_dict()}, checkpoint_id=holder[0])
-    for step in range(2, 4):
-        loss_fn(model, *batch(rank, step)).backward()
-        opt.step()
-    fresh = make_model(seed=5)
-    fresh.load_state_dict(saved_model)
-    opt2 = DistributedOptimizer(fresh.parameters(), torch.optim.AdamW, check_replicated=False, **kw)
-    opt2.init_state()
-    template = {"optim": opt2.state_dict()}
-    dcp.load(template, checkpoint_id=holder[0])
-    opt2.load_state_dict(template["optim"])
-    for step in range(2, 4):
-        loss_fn(fresh, *batch(rank, step)).backward()
-        opt2.step()
-    return all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    return _resumes_bit_for_bit(rank, kw, 2, 2, ways=("dcp",))[0][0]
 
 
 def test_powersgd_without_warm_start_resumes_through_dcp():

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ..compression.ef_encoder import chunk_encoder
 from . import common as _common
-from .common import (CompressedWork, all_gather_base, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
+from .common import (CompressedWork, all_gather_base, all_reduce_bytes, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
                       reduce_scatter_base, split_sizes)
 from .transport import all_gather_bytes, all_to_all_bytes, next_tags, pipeline_segments, use_duplex
 
@@ -210,13 +210,11 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
                                                "codec": codec_code(codec), "op": op_code(op)},
                          nonfinite=has_nonfinite(tensor) if check_finite else None, tag=_shown(tag, "all_reduce"),
                          device=tensor.device)
-    sizes = split_sizes(n, world)
     rank = dist.get_rank(group)
     label = tag or "all_reduce"
-    raw = tensor.element_size()
-    uncompressed = (n - sizes[rank]) * raw + (world - 1) * sizes[rank] * raw
+    uncompressed = all_reduce_bytes(n, tensor.element_size(), world, rank)
     if codec.is_identity or world == 1:
-        ch.stats.record(label, uncompressed if world > 1 else 0, uncompressed if world > 1 else 0)
+        ch.stats.record(label, uncompressed, uncompressed)
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     ef = ch.error_feedback

@@ -29,6 +29,15 @@ def split_sizes(numel: int, parts: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(parts)]
 
 
+def all_reduce_bytes(numel: int, itemsize: int, world: int, rank: int) -> int:
+    """Bytes rank ``rank`` sends in an uncompressed all-reduce of ``numel`` elements (megacomp.comm.stats's
+    model: every chunk but its own, then its own shard to the ``world - 1`` others); 0 for one rank."""
+    if world <= 1:
+        return 0
+    own = split_sizes(numel, world)[rank]
+    return (numel - own) * itemsize + (world - 1) * own * itemsize
+
+
 def offsets(sizes: Sequence[int]) -> list[int]:
     """Start of each chunk of ``sizes`` laid end to end (exclusive prefix sums)."""
     out, acc = [], 0

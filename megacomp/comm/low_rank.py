@@ -32,6 +32,7 @@ shape raises ValueError naming it.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -42,7 +43,7 @@ from ..compression import ErrorFeedback
 from ..compression.codecs import FLOAT_DTYPES
 from ..compression.low_rank import PowerSGD, initial_q, make_low_rank, matrix_shape, orthonormalize, q_seed
 from .channel import Channel
-from .common import op_name, split_sizes
+from .common import all_reduce_bytes, op_name
 from .options import CommOptions
 from .stats import PROCESS_STATS, StatsTable
 
@@ -78,6 +79,7 @@ class LowRankChannel:
         self._factor_stats = StatsTable()
         self._factors = Channel(name, self.codec.factor_codec, group=group, options=self.options,
                                 stats=self._factor_stats)
+        self._rest = Channel(name, None, group=group, options=self.options, stats=self._factor_stats)
         self.q: dict[str, torch.Tensor] = {}
         self.draws: dict[str, int] = {}  # start matrices drawn per key (warm_start=False: one per step)
 
@@ -98,10 +100,9 @@ class LowRankChannel:
 
     def set_validate(self, enabled: bool) -> None:
         """Turn the cross-rank argument check of later calls on or off."""
-        from dataclasses import replace
-
         self.options = replace(self.options, validate=bool(enabled))
         self._factors.set_validate(enabled)
+        self._rest.set_validate(enabled)
 
     # -- the exchange --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -123,16 +124,15 @@ class LowRankChannel:
         world = dist.get_world_size(group)
         avg = op_name(op) == "AVG"
         low = [i for i, t in enumerate(tensors) if self.codec.rank_for(t.shape)]
-        rest = [i for i in range(len(tensors)) if i not in set(low)]
-        before = self._factor_stats.snapshot().get(self.name)
+        rest = [i for i, t in enumerate(tensors) if not self.codec.rank_for(t.shape)]
+        self._factor_stats.reset()  # this call's factor and rest bytes only
         if low:
             self._low_rank([tensors[i] for i in low], [f"{key}/{i}" for i in low], group, world, avg, validate)
         if rest:
             self._plain([tensors[i] for i in rest], group, world, avg, validate)
-        after = self._factor_stats.snapshot()[self.name]
-        wire = after.wire_bytes - (before.wire_bytes if before else 0)
+        wire = self._factor_stats.snapshot()[self.name].wire_bytes
         rank = dist.get_rank(group)
-        dense = sum(_all_reduce_bytes(t.numel(), t.element_size(), world, rank) for t in tensors)
+        dense = sum(all_reduce_bytes(t.numel(), t.element_size(), world, rank) for t in tensors)
         self.stats.record(self.name, wire, dense)
 
     def _low_rank(self, tensors, keys, group, world, avg, validate) -> None:
@@ -189,8 +189,7 @@ class LowRankChannel:
     def _plain(self, tensors, group, world, avg, validate) -> None:
         work = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
         flat = torch.cat([t.reshape(-1).to(work) for t in tensors])
-        plain = Channel(self.name, None, group=group, options=self.options, stats=self._factor_stats)
-        plain.all_reduce(flat, group=group, validate=validate)
+        self._rest.all_reduce(flat, group=group, validate=validate)
         if avg:
             flat /= world
         pos = 0
@@ -234,10 +233,3 @@ class LowRankChannel:
         if state.get("error_feedback") is not None and self.error_feedback is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
 
-
-def _all_reduce_bytes(numel: int, itemsize: int, world: int, rank: int) -> int:
-    """Bytes rank ``rank`` sends in an all-reduce of ``numel`` elements, by megacomp.comm.stats's model."""
-    if world <= 1:
-        return 0
-    own = split_sizes(numel, world)[rank]
-    return (numel - own) * itemsize + (world - 1) * own * itemsize

@@ -43,6 +43,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from .codecs import CodecLike, build_from_spec, make_codec
+from .error_feedback import data_numel
 
 
 class StructuredCompressor:
@@ -118,23 +119,16 @@ class PowerSGD(StructuredCompressor):
         """Elements all-reduced for a tensor of ``shape``: ``(n + m) r`` when compressed, else its numel."""
         r = self.rank_for(shape)
         if not r:
-            return _numel(shape)
+            return data_numel(shape)
         n, m = matrix_shape(shape)
         return (n + m) * r
 
 
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
-
-
 def matrix_shape(shape) -> Optional[tuple[int, int]]:
     """``(shape[0], product of the rest)`` for tensors of 2+ dimensions and nonzero size, else None."""
-    if len(shape) < 2 or _numel(shape) == 0:
+    if len(shape) < 2 or data_numel(shape) == 0:
         return None
-    return int(shape[0]), _numel(shape) // int(shape[0])
+    return int(shape[0]), data_numel(shape) // int(shape[0])
 
 
 def orthonormalize(p: torch.Tensor) -> torch.Tensor:

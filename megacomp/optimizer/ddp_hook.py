@@ -67,8 +67,8 @@ class CompressedHookState:
     """Iterations seen (counted on bucket 0)."""
 
     def __post_init__(self) -> None:
-        stateful = is_accordion(self.codec) or (is_low_rank(self.codec) and (make_low_rank(self.codec).error_feedback
-                                                                              or make_low_rank(self.codec).warm_start))
+        low_rank = make_low_rank(self.codec) if is_low_rank(self.codec) else None
+        stateful = is_accordion(self.codec) or (low_rank is not None and (low_rank.error_feedback or low_rank.warm_start))
         if stateful and self.start_iter < 2:
             raise ValueError(f"powersgd/accordion keep state per bucket and parameter (residual, Q), and DDP rebuilds its "
                              f"buckets after iteration 1: start_iter must be >= 2, got {self.start_iter} (or turn off "
