@@ -15,6 +15,7 @@ from torch.distributed import ReduceOp
 
 from .common import CompressedWork, all_gather_base, comm_device
 from .channel import Channel
+from .collectives import server_numel
 from .low_rank import LowRankChannel
 from .accordion import AccordionChannel
 from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
@@ -26,5 +27,5 @@ from .transport import use_duplex
 __all__ = [
     "AccordionChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
     "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "recv",
-    "reduce_scatter_tensor", "reset_stats", "send", "stats", "use_duplex",
+    "reduce_scatter_tensor", "reset_stats", "send", "server_numel", "stats", "use_duplex",
 ]

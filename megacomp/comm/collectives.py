@@ -182,6 +182,12 @@ def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
     return finish, wire
 
 
+def server_numel(numel: int, world: int, rank: int, ch) -> int:
+    """Length of the server error (key ``.../server``) that ``ch.all_reduce`` keeps on ``rank`` for a tensor of
+    ``numel`` elements over ``world`` > 2 ranks: this rank's chunk of every pipeline segment."""
+    return sum(split_sizes(length, world)[rank] for length in pipeline_segments(numel, ch.options.segment_numel))
+
+
 def _shown(tag: Optional[str], default: str) -> str:
     """The tag named in validation errors: only one the caller chose."""
     return "" if not tag or tag == default else tag

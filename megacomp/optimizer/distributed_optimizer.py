@@ -70,6 +70,8 @@ class DistributedOptimizer:
     full-precision warm-up, e.g. with FrozenVarianceAdamW); error feedback starts with the codec.
     ``grad_channel`` / ``param_channel``: channels to use instead of building them from the codec
     arguments (then leave grad_codec/param_codec/error_feedback at None).
+    ``shard=False``: every rank keeps the whole fp32 master and optimizer state (DDP + optimizer): gradients
+    are all-reduced instead of reduce-scattered and there is no parameter all-gather (no ``param_codec``).
 
     Raises:
         ValueError: error feedback without a lossy gradient codec; both a channel and codec arguments;
@@ -82,11 +84,16 @@ class DistributedOptimizer:
                  grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
                  grad_codec_warmup_steps: int = 0, grad_channel: Optional[Channel] = None,
-                 param_channel: Optional[Channel] = None, **defaults: Any) -> None:
+                 param_channel: Optional[Channel] = None, shard: bool = True, **defaults: Any) -> None:
         self.group = process_group
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.hierarchy = hierarchy
-        self.shard_index = self.rank
+        self.sharded = bool(shard)
+        self.shard_index = self.rank if shard else 0
+        self.parts = self.world if shard else 1  # shards of each bucket: one per rank, or one whole copy
+        if not shard and (hierarchy is not None or param_codec is not None or param_channel is not None):
+            raise ValueError("DistributedOptimizer(shard=False) keeps whole parameters on every rank: it has no "
+                             "parameter all-gather (drop param_codec/param_channel) and no hierarchy")
         if hierarchy is not None:
             intra, inter = hierarchy
             n_local, n_nodes = dist.get_world_size(intra), dist.get_world_size(inter)
@@ -117,14 +124,14 @@ class DistributedOptimizer:
         self.param_channel = param_channel if param_channel is not None else Channel(
             "dp_parameter", param_codec, group=process_group, min_compress_numel=min_compress_numel)
         self._grad_plain, self._param_plain = self.grad_channel.uncompressed(), self.param_channel.uncompressed()
-        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)) and hierarchy is not None:
+        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)) and (hierarchy is not None or not shard):
             raise ValueError("DistributedOptimizer: a powersgd or accordion gradient channel does not combine with "
-                             "hierarchy; drop hierarchy or use a codec such as int4")
+                             "hierarchy or shard=False; drop those or use a codec such as int4")
         if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
             raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
         self.grad_codec_warmup_steps = grad_codec_warmup_steps
         self.max_grad_norm, self.grad_norm_group, self.scaler = max_grad_norm, grad_norm_group, loss_scaler
-        lossy = [ch for ch in (self.grad_channel, self.param_channel) if ch.lossy]
+        lossy = [ch for ch in (self.grad_channel, self.param_channel, *self._more_channels()) if ch.lossy]
         self.buckets: list[Bucket] = build_buckets([g["params"] for g in groups], self.world, bucket_size,
                                                    lambda n: any(ch.compresses(n) for ch in lossy),
                                                    frozenset(id(p) for p in deferred_params))
@@ -134,7 +141,7 @@ class DistributedOptimizer:
             b.grad = torch.zeros(b.padded, dtype=torch.float32, device=device)
         if check_replicated:
             self._check_replicated()
-        self.masters = [nn.Parameter(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.world))].clone())
+        self.masters = [nn.Parameter(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.parts))].clone())
                         for b in self.buckets]
         inner_groups = []
         for gi, g in enumerate(groups):
@@ -163,6 +170,10 @@ class DistributedOptimizer:
         return self.grad_channel.error_feedback
 
     # -- set-up helpers -------------------------------------------------------------------------------
+    def _more_channels(self) -> tuple:
+        """Further channels whose codecs mark buckets compressed (a subclass's momentum channel)."""
+        return ()
+
     def _describe_policy(self) -> None:
         if self.grad_codec is None and self.param_codec is None:
             return
@@ -189,7 +200,7 @@ class DistributedOptimizer:
             w = torch.zeros(b.padded, dtype=torch.float64, device=b.grad.device)
             for p, o in zip(b.params, b.offsets):
                 w[o:o + p.numel()] = float(weight_fn(p))
-            out.append(w[slice(*b.shard_range(self.shard_index, self.world))])
+            out.append(w[slice(*b.shard_range(self.shard_index, self.parts))])
         return out
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
@@ -240,6 +251,11 @@ class DistributedOptimizer:
         ch = self.grad_channel if b.compressed and not warm else self._grad_plain
         if isinstance(ch, AccordionChannel):
             ch = ch.channel_for(f"dp_gradient/b{b.index}")
+        if not self.sharded:  # every rank reduces (and later updates) the whole bucket
+            b.reduced = b.grad
+            b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_gradient/b{b.index}",
+                                   validate=not self._validated) or comm.CompressedWork(lambda: None)
+            return
         b.reduced = torch.empty(b.padded // self.world, dtype=torch.float32, device=b.grad.device)
         if isinstance(ch, LowRankChannel):
             self._launch_low_rank(b, ch)
@@ -257,7 +273,7 @@ class DistributedOptimizer:
         bucket's collective on gloo), then keep this rank's shard."""
         views = [b.grad[o:o + p.numel()].view(p.shape) for p, o in zip(b.params, b.offsets)]
         ch.all_reduce_coalesced(views, group=self.group, key=f"dp_gradient/b{b.index}", validate=not self._validated)
-        b.reduced.copy_(b.grad[slice(*b.shard_range(self.shard_index, self.world))])
+        b.reduced.copy_(b.grad[slice(*b.shard_range(self.shard_index, self.parts))])
         b.work = comm.CompressedWork(lambda: None)
 
     def _launch_hierarchical(self, b: Bucket, ch: Channel) -> None:
@@ -293,7 +309,7 @@ class DistributedOptimizer:
             b.work.wait()
             b.work = None
             shard = b.reduced.mul_(1.0 / self.world)
-            start, end = b.shard_range(self.shard_index, self.world)
+            start, end = b.shard_range(self.shard_index, self.parts)
             if end > b.numel:  # padding carries no gradient (a sign codec would decode 0 as +scale)
                 shard[max(b.numel - start, 0):].zero_()
             if self._accordion_active() and b.compressed:
@@ -364,11 +380,16 @@ class DistributedOptimizer:
         """Set this rank's fp32 master shards from the model parameters, after something other than this
         optimizer changed them (an outer step of megacomp.outer); the inner optimizer state is kept."""
         for b, m in zip(self.buckets, self.masters):
-            m.copy_(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.world))])
+            m.copy_(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.parts))])
 
     def sync_params(self) -> None:
         """All-gather the master shards into the model parameters (``param_codec`` on compressed buckets)."""
         for b, m in zip(self.buckets, self.masters):
+            if not self.sharded:  # the master is the whole bucket
+                with torch.no_grad():
+                    for p, o in zip(b.params, b.offsets):
+                        p.copy_(m[o:o + p.numel()].view_as(p))
+                continue
             dtype = b.params[0].dtype
             full = torch.empty(b.padded, dtype=dtype, device=m.device)
             ch = self.param_channel if b.compressed else self._param_plain
@@ -439,16 +460,19 @@ class DistributedOptimizer:
         for b in self.buckets:
             if b.compressed:  # the error lives on the input of the compressed (inter-node) reduce-scatter
                 self.ef.init_key(f"dp_gradient/b{b.index}/worker", (b.padded // n_local,))
+                if not self.sharded and self.world > 2:  # the all-reduce's server error on this rank's chunk
+                    self.ef.init_key(f"dp_gradient/b{b.index}/server",
+                                     (comm.server_numel(b.padded, self.world, self.rank, self.grad_channel),))
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard, under a key naming the DP rank (so torch.distributed.checkpoint keeps every
         rank's shard): masters, inner optimizer state, error feedback, counters, loss scale, codecs, layout."""
         self._init_ef_keys()
         local = {
-            "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(),
+            "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(), "sharded": self.sharded,
             "grad_codec": self.grad_codec.to_dict() if self.grad_codec else None,
             "param_codec": self.param_codec.to_dict() if self.param_codec else None,
-            "masters": [m.detach().clone() for m in self.masters],
+            "masters": [m.detach().clone() for m in self.masters], "rule": type(self.optimizer).__name__,
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),  # torch returns live references
             "error_feedback": self.ef.state_dict() if self.ef is not None else None,
             "step": self.step_count, "skipped": self.skipped_steps,
@@ -466,6 +490,9 @@ class DistributedOptimizer:
             raise ValueError(f"optimizer state has no shard for data-parallel rank {self.rank} (keys: {sorted(state)}); "
                              f"it was saved with another data-parallel size")
         s = state[key]
+        if s.get("rule", type(self.optimizer).__name__) != type(self.optimizer).__name__:
+            raise ValueError(f"optimizer checkpoint was saved by {s['rule']}, this optimizer steps with "
+                             f"{type(self.optimizer).__name__}; resume with the same optimizer")
         checks = [("format", STATE_FORMAT), ("dp_size", self.world), ("layout", self._layout()),
                   ("grad_codec", self.grad_codec.to_dict() if self.grad_codec else None),
                   ("param_codec", self.param_codec.to_dict() if self.param_codec else None)]
@@ -473,6 +500,9 @@ class DistributedOptimizer:
             if plain_data(s.get(name)) != plain_data(mine):
                 raise ValueError(f"optimizer checkpoint {name} differs from this optimizer ({s.get(name)!r} vs "
                                  f"{mine!r}); resume with the same model, data-parallel size and codecs")
+        if bool(s.get("sharded", True)) != self.sharded:
+            raise ValueError(f"optimizer checkpoint was saved with shard={s.get('sharded', True)}, this optimizer has "
+                             f"shard={self.sharded}; resume with the same setting")
         if (s["error_feedback"] is None) != (self.ef is None):
             raise ValueError("optimizer checkpoint and this optimizer disagree on error feedback; use the same setting")
         with torch.no_grad():

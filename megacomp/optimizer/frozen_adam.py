@@ -29,6 +29,7 @@ import torch
 class FrozenVarianceAdamW(torch.optim.Optimizer):
     """AdamW with ``exp_avg_sq`` frozen after ``freeze_step`` steps (None = never: plain AdamW).
 
+    ``bias_correction=False`` drops Adam's bias corrections (the steps DeepSpeed's OnebitAdam takes).
     ``freeze_step``: steps of variance warm-up (1-bit Adam uses 15-25% of training; it should cover the
     learning-rate warm-up). The state (``step``, ``exp_avg``, ``exp_avg_sq``) has AdamW's names and shapes,
     so checkpoints and sharded loading work as for AdamW.
@@ -39,7 +40,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, freeze_step: Optional[int] = None) -> None:
+                 weight_decay: float = 1e-2, freeze_step: Optional[int] = None, bias_correction: bool = True) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -47,7 +48,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         if freeze_step is not None and (not isinstance(freeze_step, int) or freeze_step < 1):
             raise ValueError(f"freeze_step must be an int >= 1 (or None for never), got {freeze_step!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      freeze_step=freeze_step))
+                                      freeze_step=freeze_step, bias_correction=bool(bias_correction)))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -91,8 +92,9 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         if freeze is None or t <= freeze:
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
         t_v = t if freeze is None else min(t, freeze)
-        bias_correction1 = 1 - beta1 ** t
-        bias_correction2 = 1 - beta2 ** t_v
+        bc = group.get("bias_correction", True)  # False: DeepSpeed's 1-bit Adam steps (no bias correction)
+        bias_correction1 = 1 - beta1 ** t if bc else 1.0
+        bias_correction2 = 1 - beta2 ** t_v if bc else 1.0
         denom = (v.sqrt() / math.sqrt(bias_correction2)).add_(eps)
         self._apply(p, g, state, group, t, bias_correction1, denom)
 

@@ -1,0 +1,356 @@
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB on the (optionally sharded) data-parallel optimizer.
+
+:class:`OneBitOptimizer` is a :class:`megacomp.optimizer.DistributedOptimizer` (buckets, fp32 masters, loss
+scaling, overflow skipping, checkpoints) whose data-parallel exchange follows a schedule
+(megacomp.optimizer.onebit.schedule) and whose inner optimizer is one of megacomp.optimizer.onebit.rules.
+Per step ``t``, by action:
+
+  ``grad`` (warm-up; 0/1 Adam's variance updates): the full-precision gradient reduction of the base class
+      (reduce-scatter when sharded, all-reduce when not), started in backward; clipping by the global norm.
+  ``grad_1bit`` (0/1 Adam): the gradient all-reduced through the momentum channel (1-bit, worker and server
+      error feedback), started in backward.
+  ``momentum`` (1-bit Adam / LAMB after ``freeze_step``): in ``step()``: every rank forms its local momentum
+      ``x = b1 M + (1-b1) g_local`` from the last exchanged momentum ``M`` (identical on every rank; LAMB scales
+      each parameter's slice by its momentum scale first), all-reduces ``x`` through the momentum channel
+      (compressed buckets) or in fp32 (the rest), and the rule updates its masters with the average ``M``.
+  ``local`` (0/1 Adam after ``var_freeze_step``): no exchange; at the schedule's synchronisation steps the
+      accumulated update goes through the momentum channel (:class:`~.rules.ZeroOneAdamRule`).
+
+Sharded (``shard=True``): masters, variance and LAMB's fresh variance are this rank's shard; the full
+exchanged momentum ``M`` is kept on every rank (it is the next step's starting point; built at the switch by
+one fp32 all-gather of the warm-up momentum shards, and again after loading a checkpoint, as it equals the
+all-gather of the saved momentum shards) and the updated shard is all-gathered into the parameters with the
+parameter codec. Bytes per compressed step, n elements, N ranks, 1-bit codec with one scale per chunk:
+about ``2 n (N-1)/N / 8`` for the momentum all-reduce (N = 2: each rank sends n/8) plus the parameter
+all-gather, ``n (N-1)/N`` times its element size (4 in fp32, 1 with int8 blocks): unsharded (``shard=False``)
+has no all-gather and so the largest saving (about 32x over an fp32 all-reduce). 0/1 Adam needs
+``shard=False``: its local steps update every parameter on every rank.
+
+Gradient clipping (``max_grad_norm``): in ``grad`` and ``grad_1bit`` steps by the norm of the averaged
+gradient (over the data- and model-parallel groups); in ``momentum`` and ``local`` steps the average
+gradient is never formed, so each rank clips its own local gradient by its norm over the model-parallel
+group before it enters the momentum (``last_grad_norm`` is then this rank's). Overflow (inf/NaN in any
+rank's gradient) is detected by an all-reduce of one flag over both groups on every step, skips the step on
+every rank, and resets the momentum channel's error feedback.
+
+Traffic: the momentum channel's messages are counted under ``dp_momentum`` (0/1 Adam's 1-bit gradients under
+``dp_gradient_1bit``), full-precision gradients under ``reduce_scatter``/``all_reduce``; ``rounds`` counts the
+steps that sent a model-sized message (checkpointed).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+
+from ... import comm
+from ...comm import Channel
+from ...compression import make_codec
+from ..distributed_optimizer import DistributedOptimizer
+from .rules import OneBitAdamRule, OneBitLambRule, ZeroOneAdamRule
+from .schedule import FreezeSchedule, ZeroOneSchedule
+
+DEFAULT_MOMENTUM_CODEC = {"name": "sign", "block_size": 0}
+"""1-bit Adam's wire format: signs with one mean-magnitude scale per encoded chunk (DeepSpeed uses the RMS)."""
+
+
+def momentum_channel(codec: Any, error_feedback: bool, group, min_compress_numel: int, what: str) -> Channel:
+    """The ``dp_momentum`` channel of a 1-bit optimizer. Raises ValueError for a structured codec, or error
+    feedback with a lossless codec (compression off needs ``error_feedback=False``)."""
+    c = make_codec(codec)
+    if c.structured:
+        raise ValueError(f"{what}: momentum_codec {c} selects or transforms entries; the 1-bit family needs a value "
+                         f"codec (sign, int2, int4, int8, fp8_*, bf16)")
+    if c.is_identity and error_feedback:
+        raise ValueError(f"{what}: momentum_codec {c.name!r} is lossless, but its error feedback needs a lossy codec "
+                         f"(sign, int2, int4...); for compression off pass momentum_error_feedback=False")
+    return Channel("dp_momentum", c, group=group, error_feedback="ef" if error_feedback else None,
+                   min_compress_numel=min_compress_numel)
+
+
+class OneBitOptimizer(DistributedOptimizer):
+    """A DistributedOptimizer driven by a 1-bit schedule (module docstring). Build it through
+    :func:`OneBitAdam`, :func:`ZeroOneAdam` or :func:`OneBitLamb`.
+
+    Raises:
+        ValueError: 0/1 Adam with ``shard=True``; bad codecs (see :func:`momentum_channel`); the base class's.
+    """
+
+    def __init__(self, params: Iterable, rule_class, rule_kwargs: dict, schedule, process_group=None, *,
+                 momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
+                 shard: bool = True, min_compress_numel: int = 65536, grad_norm_weight=None, **base: Any) -> None:
+        if rule_class is ZeroOneAdamRule and shard:
+            raise ValueError("0/1 Adam takes local steps that update every parameter on every rank, so its masters "
+                             "cannot be sharded; pass shard=False (pretraining: --no-shard-optimizer)")
+        self.schedule, self.rounds, self._full_m = schedule, 0, {}
+        self.momentum_channel = momentum_channel(momentum_codec, momentum_error_feedback, process_group,
+                                                 min_compress_numel, rule_class.__name__.replace("Rule", ""))
+        self._momentum_plain = self.momentum_channel.uncompressed()
+        self._rule_class, self._rule_kwargs = rule_class, rule_kwargs
+        super().__init__(params, self._make_rule, process_group, shard=shard, min_compress_numel=min_compress_numel,
+                         grad_norm_weight=grad_norm_weight, **base)
+        self._local_weights = self._full_weights(grad_norm_weight)
+
+    def _more_channels(self) -> tuple:
+        return (self.momentum_channel,)
+
+    # -- construction -------------------------------------------------------------------------------
+    def _ordered_buckets(self):
+        """Buckets in the order of the rule's masters (param group by param group)."""
+        return [b for gi in range(1 + max(b.group for b in self.buckets)) for b in self.buckets if b.group == gi]
+
+    def _make_rule(self, inner_groups, **kw):
+        if self._rule_class is OneBitLambRule:
+            segments, j = [], 0
+            for b in self._ordered_buckets():
+                start, end = b.shard_range(self.shard_index, self.parts)
+                seg = []
+                for p, o in zip(b.params, b.offsets):
+                    lo, hi = max(o, start), min(o + p.numel(), end)
+                    seg.append((j, max(lo - start, 0), max(hi - start, 0)))
+                    j += 1
+                segments.append([s for s in seg if s[2] > s[1]])
+            kw.update(segments=segments, num_params=j, norm_group=self.group, reduce_norms=self.sharded and self.world > 1)
+        return self._rule_class(inner_groups, **{**self._rule_kwargs, **kw})
+
+    def _full_weights(self, weight_fn) -> list:
+        out = []
+        for b in self.buckets:
+            if weight_fn is None or all(weight_fn(p) == 1.0 for p in b.params):
+                out.append(None)
+                continue
+            w = torch.zeros(b.padded, dtype=torch.float64, device=b.grad.device)
+            for p, o in zip(b.params, b.offsets):
+                w[o:o + p.numel()] = float(weight_fn(p))
+            out.append(w)
+        return out
+
+    # -- the schedule -------------------------------------------------------------------------------
+    def _action(self) -> str:
+        return self.schedule.action(self.step_count + 1)
+
+    def _launch(self, b) -> None:
+        action = self._action()
+        if action == "grad":
+            return super()._launch(b)
+        if action == "grad_1bit":  # 0/1 Adam, unsharded: the 1-bit average gradient, started in backward
+            ch = self.momentum_channel if b.compressed else self._momentum_plain
+            b.reduced = b.grad
+            b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_momentum/b{b.index}",
+                                   tag="dp_gradient_1bit", validate=not self._validated) or comm.CompressedWork(lambda: None)
+            return None
+        b.work, b.reduced = comm.CompressedWork(lambda: None), None  # momentum / local: in step()
+        return None
+
+    def step(self, closure=None) -> bool:
+        """One step of the schedule's action (module docstring). Returns False when the step was skipped."""
+        t = self.step_count + 1
+        action = self.schedule.action(t)
+        self.optimizer.action = action
+        if action in ("grad", "grad_1bit"):
+            stepped = super().step(closure)
+        else:
+            stepped = self._deferred_step(action, t)
+        if not stepped and self.momentum_channel.error_feedback is not None:
+            self.momentum_channel.error_feedback.reset()
+        if stepped:
+            self.rounds += int(self.schedule.communicates(t))
+            self.schedule.advance(t)
+        return stepped
+
+    def _deferred_step(self, action: str, t: int) -> bool:
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+            b.work.wait()
+            b.work = None
+        overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(b.grad).all()) for b in self.buckets)))
+        if overflow:
+            self.skipped_steps += 1
+            if self.scaler is not None:
+                self.scaler.update(True)
+            self._reset()
+            return False
+        if self.max_grad_norm is not None:
+            self._clip_local()
+        if action == "momentum":
+            self._exchange_momentum()
+        else:
+            self._local(t)
+        self.sync_params()
+        if self.scaler is not None:
+            self.scaler.update(False)
+        self._reset()
+        self.step_count += 1
+        self._validated = True
+        return True
+
+    def _clip_local(self) -> None:
+        """Clip this rank's local gradient by its norm over the model-parallel group (no DP reduction)."""
+        sq = torch.stack([(b.grad.double().square() * w if w is not None else b.grad.double().square()).sum()
+                          for b, w in zip(self.buckets, self._local_weights)]).sum().reshape(1)
+        if self.grad_norm_group is not None:
+            dist.all_reduce(sq, group=self.grad_norm_group)
+        self.last_grad_norm = sq.sqrt().item()
+        coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
+        if coef < 1.0:
+            for b in self.buckets:
+                b.grad.mul_(coef)
+
+    def _masters_of(self):
+        return dict(zip((b.index for b in self.buckets), self.masters))
+
+    def _full_momentum(self, b) -> torch.Tensor:
+        """The last exchanged momentum of bucket ``b`` (unscaled), whole, identical on every rank."""
+        m = self.optimizer.state[self._masters_of()[b.index]]["exp_avg"]
+        if not self.sharded:
+            return m
+        if b.index not in self._full_m:  # the switch (or a resume): all-gather the momentum shards once, fp32
+            full = torch.empty(b.padded, dtype=torch.float32, device=m.device)
+            self._momentum_plain.all_gather_into_tensor(full, m.contiguous(), group=self.group,
+                                                        tag="dp_momentum_gather")
+            self._full_m[b.index] = full
+        return self._full_m[b.index]
+
+    def _scales(self, b) -> Optional[list]:
+        """1-bit LAMB: each parameter's momentum scale, fixed at the first compressed step."""
+        if not isinstance(self.optimizer, OneBitLambRule):
+            return None
+        first = self.optimizer.state[self.masters[0]]
+        if not float(first["scaled"]):
+            scales = self.optimizer.momentum_scales()
+            for m in self.masters:
+                self.optimizer.state[m]["scaling_coeff"].copy_(scales)
+                self.optimizer.state[m]["scaled"].fill_(1.0)
+        scales = first["scaling_coeff"]
+        j0 = sum(len(x.params) for x in self._ordered_buckets()[:self._ordered_buckets().index(b)])
+        return [float(scales[j0 + i]) for i in range(len(b.params))]
+
+    def _exchange_momentum(self) -> None:
+        masters = self._masters_of()
+        for b in self.buckets:
+            beta1 = self.optimizer.param_groups[b.group]["betas"][0]
+            x, m_prev, scales = b.grad, self._full_momentum(b), self._scales(b)
+            x.mul_(1 - beta1).add_(m_prev, alpha=beta1)  # this rank's b1 M + (1-b1) g_local
+            if scales is not None:
+                for (p, o), s in zip(zip(b.params, b.offsets), scales):
+                    x[o:o + p.numel()].mul_(s)
+            ch = self.momentum_channel if b.compressed else self._momentum_plain
+            ch.all_reduce(x, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",
+                          validate=not self._validated)
+            x.mul_(1.0 / self.world)
+            x[b.numel:].zero_()  # padding carries nothing (a sign codec decodes 0 as +scale)
+            if scales is not None:
+                for (p, o), s in zip(zip(b.params, b.offsets), scales):
+                    x[o:o + p.numel()].div_(s)
+            masters[b.index].grad = x[slice(*b.shard_range(self.shard_index, self.parts))]
+        self.optimizer.step()
+        if self.sharded:
+            for b in self.buckets:
+                self._full_m[b.index].copy_(b.grad)
+
+    def _local(self, t: int) -> None:
+        """0/1 Adam after the variance freeze: a local step, and a synchronisation when the schedule says."""
+        masters = self._masters_of()
+        if t == self.schedule.var_freeze_step + 1 and self.momentum_channel.error_feedback is not None:
+            self.momentum_channel.error_feedback.reset()  # the 1-bit gradients' residuals do not carry over (DeepSpeed)
+        for b in self.buckets:
+            masters[b.index].grad = b.grad
+        self.optimizer.step()
+        if not self.schedule.syncs(t):
+            return
+        for b in self.buckets:
+            m = masters[b.index]
+            w = self.optimizer.sync_buffer(m)
+            ch = self.momentum_channel if b.compressed else self._momentum_plain
+            ch.all_reduce(w, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",
+                          validate=not self._validated)
+            w.mul_(1.0 / self.world)
+            w[b.numel:].zero_()
+            self.optimizer.finish_sync(m, w)
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def init_state(self) -> None:
+        """Every rule state and error-feedback key, zero (the template of torch.distributed.checkpoint.load)."""
+        self.optimizer.init_state()
+        self._init_momentum_keys()
+
+    def _init_momentum_keys(self) -> None:
+        ef = self.momentum_channel.error_feedback
+        if ef is None:
+            return
+        for b in self.buckets:
+            if b.compressed:
+                ef.init_key(f"dp_momentum/b{b.index}/worker", (b.padded,))
+                if self.world > 2:
+                    ef.init_key(f"dp_momentum/b{b.index}/server",
+                                (comm.server_numel(b.padded, self.world, self.rank, self.momentum_channel),))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The base class's shard plus the schedule position, the rounds and the momentum channel (errors)."""
+        self._init_momentum_keys()
+        out = super().state_dict()
+        out[f"dp_rank_{self.rank}"]["onebit"] = {
+            "schedule": self.schedule.state_dict(), "rounds": self.rounds,
+            "momentum_channel": self.momentum_channel.state_dict()}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. Raises ValueError for a checkpoint of another optimizer or schedule."""
+        s = state.get(f"dp_rank_{self.rank}", {})
+        if "onebit" not in s:
+            raise ValueError(f"optimizer checkpoint has no 1-bit optimizer state (saved by {s.get('rule', 'another')} "
+                             f"optimizer); resume with the optimizer that wrote it")
+        super().load_state_dict(state)
+        o = s["onebit"]
+        self.schedule.load_state_dict(o["schedule"])
+        self.rounds = int(o["rounds"])
+        self.momentum_channel.load_state_dict(o["momentum_channel"])
+        self._full_m = {}  # rebuilt from the loaded momentum shards at the next compressed step
+
+
+def OneBitAdam(params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True, betas=(0.9, 0.999),
+               eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0, *, process_group=None,
+               momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True, shard: bool = True,
+               **kwargs: Any) -> OneBitOptimizer:
+    """1-bit Adam with DeepSpeed's hyperparameter names and defaults (``max_grad_norm=0``: no clipping).
+    Further keyword arguments go to :class:`OneBitOptimizer` / DistributedOptimizer (param_codec, loss_scaler,
+    grad_norm_group, bucket_size, ...). Raises ValueError for ``freeze_step < 1`` and bad hyperparameters."""
+    from .rules import _check_freeze
+    _check_freeze(freeze_step)
+    return OneBitOptimizer(params, OneBitAdamRule, dict(freeze_step=freeze_step, bias_correction=bias_correction),
+                           FreezeSchedule(freeze_step), process_group, momentum_codec=momentum_codec,
+                           momentum_error_feedback=momentum_error_feedback, shard=shard,
+                           max_grad_norm=max_grad_norm or None, lr=lr, betas=tuple(betas), eps=eps,
+                           weight_decay=weight_decay, **kwargs)
+
+
+def ZeroOneAdam(params, lr: float = 1e-3, bias_correction: bool = True, betas=(0.9, 0.999), eps: float = 1e-8,
+                weight_decay: float = 0.0, max_grad_norm: float = 0.0, var_freeze_step: int = 100000,
+                var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16, *,
+                process_group=None, momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
+                shard: bool = False, **kwargs: Any) -> OneBitOptimizer:
+    """0/1 Adam with DeepSpeed's names and defaults; unsharded (``shard=True`` raises ValueError)."""
+    return OneBitOptimizer(params, ZeroOneAdamRule, dict(bias_correction=bias_correction),
+                           ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper),
+                           process_group, momentum_codec=momentum_codec, momentum_error_feedback=momentum_error_feedback,
+                           shard=shard, max_grad_norm=max_grad_norm or None, lr=lr, betas=tuple(betas), eps=eps,
+                           weight_decay=weight_decay, **kwargs)
+
+
+def OneBitLamb(params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True, betas=(0.9, 0.999),
+               eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
+               min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
+               factor_threshold: float = 0.1, *, process_group=None, momentum_codec: Any = DEFAULT_MOMENTUM_CODEC,
+               momentum_error_feedback: bool = True, shard: bool = True, **kwargs: Any) -> OneBitOptimizer:
+    """1-bit LAMB with DeepSpeed's names and defaults. Per-layer norms are over each rank's local slice of a
+    tensor-parallel parameter (its own layer, as Megatron's per-rank optimizer sees it)."""
+    from .rules import _check_freeze
+    _check_freeze(freeze_step)
+    rule = dict(freeze_step=freeze_step, bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
+                coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+    return OneBitOptimizer(params, OneBitLambRule, rule, FreezeSchedule(freeze_step), process_group,
+                           momentum_codec=momentum_codec, momentum_error_feedback=momentum_error_feedback, shard=shard,
+                           max_grad_norm=max_grad_norm or None, lr=lr, betas=tuple(betas), eps=eps,
+                           weight_decay=weight_decay, **kwargs)

@@ -1,0 +1,383 @@
+"""1-bit Adam, 0/1 Adam and 1-bit LAMB (megacomp.optimizer.onebit) on real gloo groups.
+
+Gradients are chosen, not computed: each rank's loss is ``sum(p * c)`` so ``p.grad == c`` exactly, with ``c``
+a multiple of 1/16 in [-1/2, 1/2]; sums of such numbers are exact in fp32 in any order, so the averaged
+gradient is the same bits on every rank and in the single-process reference.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megacomp.optimizer import DistributedOptimizer, OneBitAdam, OneBitLamb, ZeroOneAdam
+
+SHAPES = [(6, 5), (5,), (4, 7)]
+OFF = dict(momentum_codec=None, momentum_error_feedback=False)
+
+
+def _params(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES]
+
+
+def _grads(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(-8, 9, s, generator=g).float() / 16 for s in SHAPES]
+
+
+def _backward(params, rank: int, step: int) -> None:
+    sum((p * c).sum() for p, c in zip(params, _grads(rank, step))).backward()
+
+
+def _run(opt, params, rank: int, steps: range):
+    for t in steps:
+        _backward(params, rank, t)
+        assert opt.step()
+
+
+# -- compression off, freeze never reached: torch.optim.AdamW bit for bit ------------------------------------
+def _adamw_case(rank, world, which, shard):
+    params = _params()
+    kw = dict(lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6, bucket_size=20, min_compress_numel=0)
+    if which == "onebit_adam":
+        opt = OneBitAdam(params, freeze_step=100, shard=shard, **OFF, **kw)
+    else:
+        opt = ZeroOneAdam(params, var_freeze_step=100, var_update_scaler=100, **OFF, **kw)
+    ref = [torch.nn.Parameter(p.detach().clone()) for p in _params()]
+    ref_opt = torch.optim.AdamW(ref, lr=0.05, weight_decay=0.1, betas=(0.8, 0.9), eps=1e-6, foreach=False)
+    for t in range(6):
+        _backward(params, rank, t)
+        assert opt.step()
+        sums = [sum(_grads(r, t)[i] for r in range(world)) for i in range(len(SHAPES))]
+        for p, s in zip(ref, sums):
+            p.grad = s.mul_(1.0 / world)
+        ref_opt.step()
+        for a, b in zip(params, ref):
+            assert torch.equal(a, b), (which, t)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("which,shard", [("onebit_adam", True), ("onebit_adam", False), ("zero_one_adam", False)])
+def test_compression_off_is_adamw_bit_for_bit(world, which, shard):
+    assert all(run_ranks(_adamw_case, world, which, shard))
+
+
+# -- fp64 scalar restatements of each rule, compression off, different gradients per rank ------------------
+def _ulp_bound(steps: int, *scales: float) -> float:
+    """fp32 round-off of ``steps`` steps of about 16 roundings each (2^-24 relative) on values this large."""
+    return steps * 16 * 2.0 ** -24 * sum(scales)
+
+
+def _adam_reference(world, steps, freeze, lr, b1, b2, eps, wd):
+    p = [x.double().clone() for x in _params()]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    ratio = 0.0
+    for t in range(1, steps + 1):
+        gs = [[c.double() for c in _grads(r, t - 1)] for r in range(world)]
+        for i in range(len(p)):
+            gbar = sum(g[i] for g in gs) / world
+            if t <= freeze:
+                m[i] = b1 * m[i] + (1 - b1) * gbar
+                v[i] = b2 * v[i] + (1 - b2) * gbar ** 2
+            else:  # the average of every rank's local momentum
+                m[i] = sum(b1 * m[i] + (1 - b1) * g[i] for g in gs) / world
+            r = (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** min(t, freeze))).sqrt() + eps)
+            ratio = max(ratio, float(r.abs().max()))
+            p[i] = p[i] * (1 - lr * wd) - lr * r
+    return p, ratio
+
+
+def _onebit_adam_case(rank, world, shard):
+    params = _params()
+    opt = OneBitAdam(params, lr=0.05, freeze_step=3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, shard=shard,
+                     bucket_size=20, min_compress_numel=0, **OFF)
+    _run(opt, params, rank, range(8))
+    ref, ratio = _adam_reference(world, 8, 3, 0.05, 0.8, 0.9, 1e-6, 0.1)
+    tol = _ulp_bound(8, max(float(x.abs().max()) for x in ref), 0.05 * ratio)
+    for a, b in zip(params, ref):
+        assert (a.double() - b).abs().max() <= tol
+    return True
+
+
+@pytest.mark.parametrize("world,shard", [(2, True), (3, False)])
+def test_onebit_adam_matches_fp64_restatement(world, shard):
+    assert all(run_ranks(_onebit_adam_case, world, shard))
+
+
+def _zero_one_reference(rank, world, steps, sched, lr, b1, b2, eps, wd):
+    """0/1 Adam (rules.ZeroOneAdamRule's equations) for every rank in fp64; returns rank ``rank``'s params."""
+    var_freeze, var_scaler, local_scaler, clipper = sched
+    P = [[x.double().clone() for x in _params()] for _ in range(world)]
+    M = [[torch.zeros_like(x) for x in P[0]] for _ in range(world)]
+    v = [torch.zeros_like(x) for x in P[0]]
+    A = [[x.clone() for x in P[0]] for _ in range(world)]
+    n_v, lrs, var_iv, var_c, loc_iv, loc_c = 0, 0.0, 1, 0, 1, 0
+    kinds = []
+    for t in range(1, steps + 1):
+        gs = [[c.double() for c in _grads(r, t - 1)] for r in range(world)]
+        if t <= var_freeze:
+            kind = "grad" if t % var_iv == 0 else "grad_1bit"
+        else:
+            kind = "sync" if t % loc_iv == 0 else "local"
+        kinds.append(kind)
+        if kind == "grad":
+            n_v += 1
+        for r in range(world):
+            for i in range(len(v)):
+                g = sum(x[i] for x in gs) / world if kind in ("grad", "grad_1bit") else gs[r][i]
+                if kind in ("local", "sync") and lrs == 0.0:
+                    A[r][i] = P[r][i].clone()
+                M[r][i] = b1 * M[r][i] + (1 - b1) * g
+                if kind == "grad" and r == 0:
+                    v[i] = b2 * v[i] + (1 - b2) * g ** 2
+        for r in range(world):
+            for i in range(len(v)):
+                denom = (v[i] / (1 - b2 ** n_v)).sqrt() + eps
+                P[r][i] = P[r][i] * (1 - lr * wd) - lr * (M[r][i] / (1 - b1 ** t)) / denom
+        if kind in ("local", "sync"):
+            lrs += lr
+        if kind == "sync":
+            for i in range(len(v)):
+                denom = (v[i] / (1 - b2 ** n_v)).sqrt() + eps
+                w = sum((A[r][i] - P[r][i]) * denom for r in range(world)) / world
+                for r in range(world):
+                    M[r][i] = (1 - b1 ** t) * w / lrs
+                    P[r][i] = A[r][i] - w / denom
+            lrs = 0.0
+        if t <= var_freeze:
+            if t % var_iv == 0:
+                var_c += 1
+                if var_c == var_scaler:
+                    var_c, var_iv = 0, var_iv * 2
+        else:
+            loc_c += 1
+            if loc_c == local_scaler:
+                loc_c, loc_iv = 0, min(clipper, loc_iv * 2)
+    return P[rank], kinds
+
+
+def _zero_one_case(rank, world):
+    params = _params()
+    sched = (7, 2, 2, 4)
+    opt = ZeroOneAdam(params, lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, var_freeze_step=7,
+                      var_update_scaler=2, local_step_scaler=2, local_step_clipper=4, bucket_size=20,
+                      min_compress_numel=0, **OFF)
+    _run(opt, params, rank, range(20))
+    ref, kinds = _zero_one_reference(rank, world, 20, sched, 0.05, 0.8, 0.9, 1e-6, 0.1)
+    # every kind of step and boundary was crossed: variance interval doubling, freeze, growing sync interval
+    assert {"grad", "grad_1bit", "local", "sync"} <= set(kinds)
+    assert opt.rounds == sum(k != "local" for k in kinds) < 20
+    tol = _ulp_bound(20, max(float(x.abs().max()) for x in ref), 0.05 * 10)
+    for a, b in zip(params, ref):
+        assert (a.double() - b).abs().max() <= tol
+    return [p.detach().clone() for p in params]
+
+
+def test_zero_one_adam_matches_fp64_restatement():
+    out = run_ranks(_zero_one_case, 2)
+    assert all(torch.equal(a, b) for a, b in zip(*out))  # the last step synchronised: same bits on both ranks
+
+
+def _lamb_reference(world, steps, freeze, lr, b1, b2, eps, wd, cfg):
+    max_c, min_c, cb, fmax, fmin, thr = cfg
+    p = [x.double().clone() for x in _params()]
+    n = len(p)
+    m, v, vf = [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p]
+    frozen, last = [0.0] * n, [1.0] * n
+    for t in range(1, steps + 1):
+        gs = [[c.double() for c in _grads(r, t - 1)] for r in range(world)]
+        for i in range(n):
+            gbar = sum(g[i] for g in gs) / world
+            if t <= freeze:
+                m[i] = b1 * m[i] + (1 - b1) * gbar
+                v[i] = b2 * v[i] + (1 - b2) * gbar ** 2
+                if t == freeze:
+                    vf[i] = v[i].clone()
+                denom = (v[i] / (1 - b2 ** t)).sqrt() + eps
+                r = (m[i] / (1 - b1 ** t)) / denom
+                u = r + wd * p[i]
+                wn, un = float(p[i].detach().norm()), float(u.detach().norm())
+                c = min(max(wn / un, min_c), max_c) if wn > 0 and un > 0 else 1.0
+                if c != 1.0:
+                    frozen[i] = cb * frozen[i] + (1 - cb) * c
+            else:
+                new_m = sum(b1 * m[i] + (1 - b1) * g[i] for g in gs) / world
+                g_rec = (new_m - b1 * m[i]) / (1 - b1)
+                vf[i] = b2 * vf[i] + (1 - b2) * g_rec ** 2
+                m[i] = new_m
+                denom = (v[i] / (1 - b2 ** freeze)).sqrt() + eps
+                r = (m[i] / (1 - b1 ** t)) / denom
+                u = r + wd * p[i]
+                f = float((denom / ((vf[i] / (1 - b2 ** t)).sqrt() + eps)).max())
+                q = min(1.0, float(r.norm()) / float(u.norm()))
+                f = f * q + (1 - q)
+                f = min(max(f, fmin), fmax)
+                f = min(max(f, last[i] * (1 - thr)), last[i] * (1 + thr))
+                last[i] = f
+                c = frozen[i] * f
+            p[i] = p[i] - lr * c * u
+    return p
+
+
+def _lamb_case(rank, world, shard):
+    params = _params()
+    cfg = (10.0, 0.01, 0.9, 4.0, 0.5, 0.1)
+    opt = OneBitLamb(params, lr=0.05, freeze_step=3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, shard=shard,
+                     bucket_size=20, min_compress_numel=0, **OFF)
+    _run(opt, params, rank, range(7))
+    ref = _lamb_reference(world, 7, 3, 0.05, 0.8, 0.9, 1e-6, 0.1, cfg)
+    # a trust ratio is at most max_coeff: each step moves p by at most lr * max_coeff * |u| with |u| <~ 1/(1-b1)
+    tol = _ulp_bound(7, max(float(x.abs().max()) for x in ref), 0.05 * 10 * 5) * 4
+    for a, b in zip(params, ref):
+        assert (a.double() - b).abs().max() <= tol
+    return True
+
+
+@pytest.mark.parametrize("world,shard", [(2, True), (3, True), (2, False)])
+def test_onebit_lamb_matches_fp64_restatement(world, shard):
+    assert all(run_ranks(_lamb_case, world, shard))
+
+
+# -- compressed: the exchange keeps the codec's promise and every rank the same bits ----------------------
+def _sign_exchange_case(rank, world):
+    params = _params()
+    opt = OneBitAdam(params, lr=0.05, freeze_step=2, betas=(0.8, 0.9), eps=1e-6, shard=False, bucket_size=20,
+                     min_compress_numel=0)
+    _run(opt, params, rank, range(2))
+    masters = {b.index: m for b, m in zip(opt.buckets, opt.masters)}
+    before = {i: opt.optimizer.state[m]["exp_avg"].clone() for i, m in masters.items()}
+    _run(opt, params, rank, range(2, 3))  # the first 1-bit momentum exchange (errors start at zero)
+    ef = opt.momentum_channel.error_feedback
+    out = []
+    for b in opt.buckets:
+        if not b.compressed:
+            continue
+        g = torch.zeros(b.padded)
+        for c, p in zip(_grads(rank, 2), params):
+            for q, o in zip(b.params, b.offsets):
+                if q is p:
+                    g[o:o + p.numel()] = c.reshape(-1)
+        x = before[b.index] * 0.8 + 0.2 * g
+        x[b.numel:] = 0
+        e = ef.error(f"dp_momentum/b{b.index}/worker").reshape(-1)
+        # the sign codec's promise per chunk: |x - decode(encode(x))| <= max |x| of the chunk (one scale per chunk)
+        assert float(e.abs().max()) <= float(x.abs().max()) * (1 + 2 ** -20)
+        out.append((b.index, x, e, opt.optimizer.state[masters[b.index]]["exp_avg"].clone()))
+    return out
+
+
+def test_sign_exchange_is_mean_of_decoded_local_momenta():
+    per_rank = run_ranks(_sign_exchange_case, 2)
+    for items in zip(*per_rank):
+        (_, x0, e0, m0), (_, x1, e1, m1) = items
+        assert torch.equal(m0, m1)  # every rank decoded the same bytes
+        decoded_mean = ((x0 - e0) + (x1 - e1)) / 2  # decode = x - new error, exactly what was sent
+        scale = max(float(x0.abs().max()), float(x1.abs().max()))
+        n = x0.numel()
+        assert (m0 - decoded_mean)[:n - (x0 == 0).sum()].abs().max() <= 4 * 2 ** -24 * scale
+
+
+# -- checkpoints: bit-identical resume mid-schedule -------------------------------------------------------
+def _make(which, params, world):
+    kw = dict(lr=0.05, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, bucket_size=20, min_compress_numel=0)
+    if which == "onebit_adam":
+        return OneBitAdam(params, freeze_step=2, shard=True, **kw)
+    if which == "zero_one_adam":
+        return ZeroOneAdam(params, var_freeze_step=3, var_update_scaler=1, local_step_scaler=1, local_step_clipper=4,
+                           **kw)
+    return OneBitLamb(params, freeze_step=2, shard=True, **kw)
+
+
+def _resume_case(rank, world, which):
+    params = _params()
+    opt = _make(which, params, world)
+    _run(opt, params, rank, range(5))
+    saved = opt.state_dict()
+    _run(opt, params, rank, range(5, 9))
+    want = [p.detach().clone() for p in params]
+    fresh = _params(seed=7)
+    opt2 = _make(which, fresh, world)
+    opt2.init_state()
+    template = opt2.state_dict()  # the same keys (torch.distributed.checkpoint's template)
+    assert _keys(template) == _keys(saved)
+    opt2.load_state_dict(saved)
+    _run(opt2, fresh, rank, range(5, 9))
+    assert all(torch.equal(a, b) for a, b in zip(want, fresh))
+    assert opt2.rounds == opt.rounds
+    return True
+
+
+def _keys(d, prefix=""):
+    out = set()
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out |= _keys(v, f"{prefix}/{k}")
+    elif isinstance(d, (list, tuple)) and d and isinstance(d[0], (dict, torch.Tensor)):
+        for i, v in enumerate(d):
+            out |= _keys(v, f"{prefix}/{i}")
+    else:
+        out.add(prefix)
+    return out
+
+
+@pytest.mark.parametrize("which,world", [("onebit_adam", 3), ("zero_one_adam", 2), ("onebit_lamb", 2)])
+def test_resume_is_bit_identical(which, world):
+    assert all(run_ranks(_resume_case, world, which))
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+def _bad_case(rank, world):
+    params = _params()
+    with pytest.raises(ValueError, match="freeze_step must be an int >= 1"):
+        OneBitAdam(params, freeze_step=0)
+    with pytest.raises(ValueError, match="freeze_step must be an int >= 1"):
+        OneBitLamb(params, freeze_step=0)
+    with pytest.raises(ValueError, match="lossless"):
+        OneBitAdam(params, freeze_step=2, momentum_codec=None)
+    with pytest.raises(ValueError, match="value codec"):
+        OneBitAdam(params, freeze_step=2, momentum_codec={"name": "none", "k": 4})
+    with pytest.raises(ValueError, match="cannot be sharded"):
+        ZeroOneAdam(params, shard=True)
+    with pytest.raises(ValueError, match="var_update_scaler must be an int >= 1"):
+        ZeroOneAdam(params, var_update_scaler=0)
+    adamw = DistributedOptimizer(params, torch.optim.AdamW, min_compress_numel=0, lr=0.01)
+    onebit = OneBitAdam(_params(), freeze_step=2, min_compress_numel=0)
+    with pytest.raises(ValueError, match="no 1-bit optimizer state"):
+        onebit.load_state_dict(adamw.state_dict())
+    lamb = OneBitLamb(_params(), freeze_step=2, min_compress_numel=0)
+    with pytest.raises(ValueError, match="saved by OneBitAdamRule"):
+        lamb.load_state_dict(onebit.state_dict())
+    with pytest.raises(ValueError, match="saved by OneBitAdamRule"):
+        DistributedOptimizer(_params(), torch.optim.AdamW, min_compress_numel=0, lr=0.01).load_state_dict(
+            onebit.state_dict())
+    return True
+
+
+def test_bad_input_names_the_problem():
+    assert all(run_ranks(_bad_case, 2))
+
+
+def _overflow_case(rank, world):
+    params = _params()
+    opt = OneBitAdam(params, lr=0.05, freeze_step=1, shard=True, bucket_size=20, min_compress_numel=0)
+    _run(opt, params, rank, range(3))
+    before = [p.detach().clone() for p in params]
+    _backward(params, rank, 3)
+    if rank == 1:  # one rank's gradient overflows: every rank skips, nothing moves
+        for b in opt.buckets:
+            b.grad[0] = math.inf
+    assert not opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params)) and opt.skipped_steps == 1
+    _run(opt, params, rank, range(4, 5))
+    return [p.detach().clone() for p in params]
+
+
+def test_overflow_on_one_rank_skips_everywhere():
+    out = run_ranks(_overflow_case, 2)
+    assert all(torch.equal(a, b) for a, b in zip(*out))
