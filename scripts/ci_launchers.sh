@@ -5,7 +5,8 @@
 #   bash scripts/ci_launchers.sh torchrun mpirun     # a subset
 #
 #   torchrun  scripts/pretrain_gpt.sh (torchrun --standalone --nproc-per-node 4 -m megacomp.pretrain ...):
-#             TP 2 x DP 2 with tp_fp8, TP 2 x PP 2 with all, and DiLoCo over 2 replicas of TP 2 (int4 outer)
+#             TP 2 x DP 2 with tp_fp8, TP 2 x PP 2 with all, DiLoCo over 2 replicas of TP 2 (int4 outer), and
+#             1-bit Adam on TP 2 x PP 2 x DP 2 (8 ranks)
 #   slurm     scripts/slurm_up.sh (installs Slurm when missing), sbatch --wait scripts/pretrain_gpt.sbatch
 #             (4 tasks, PP 2 x DP 2, all), check its output; then a long job with SAVE=LOAD is sent SIGUSR1
 #             (scancel --signal=USR1, as the script's --signal=USR1@120 would be before the time limit): it
@@ -143,6 +144,12 @@ stage_torchrun() {
   launch torchrun_diloco_2xtp2 torchrun "2 replicas x TP2" tp_fp8 tp_forward,tp_backward,outer \
     TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --outer-algorithm diloco --num-replicas 2 \
     --outer-steps 2 --outer-codec int4 --outer-error-feedback ef
+  # 1-bit Adam on TP 2 x PP 2 x DP 2 (8 ranks): 3 full-precision steps, then the momentum as signs with worker
+  # and server error feedback (traffic kind 'dp_momentum'); masters sharded over DP; hidden 128 so that each
+  # rank's matrix bucket is over the 65536-element small-message threshold
+  launch torchrun_onebit_tp2_pp2_dp2 torchrun "TP2xPP2xDP2" none dp_momentum \
+    TP=2 PP=2 NPROC=8 bash scripts/pretrain_gpt.sh --log-interval 1 --optimizer onebit_adam --freeze-step 3 \
+    --hidden-size 128
 }
 
 # ---- (b) Slurm ---------------------------------------------------------------------------------------

@@ -201,3 +201,50 @@ def test_accordion_over_powersgd_ranks_resumes_bit_identically(base, tmp_path):
     first = losses(run_ranks(_train_body, 2, replace(cfg, exit_interval=3))[0])
     rest = losses(run_ranks(_train_body, 2, replace(cfg, load=str(tmp_path / "c")))[0])
     assert first + rest == full
+
+
+def test_onebit_optimizers_with_compression_off_are_adamw_in_pretraining(base):
+    """1-bit Adam with an uncompressed momentum path whose freeze step is never reached steps exactly as
+    --optimizer adamw (TP2 x DP2), sharded and not (each against adamw with the same --shard-optimizer: an
+    all-reduce sums in another order than a reduce-scatter)."""
+    cfg = replace(base, train_iters=3, tensor_model_parallel_size=2)
+    adamw = losses(run_ranks(_train_body, 4, cfg)[0])
+    off = dict(optimizer="onebit_adam", freeze_step=100, momentum_codec="none", momentum_error_feedback=False)
+    assert losses(run_ranks(_train_body, 4, replace(cfg, **off))[0]) == adamw
+    whole = losses(run_ranks(_train_body, 4, replace(cfg, shard_optimizer=False))[0])  # all-reduce, not RS + AG
+    assert losses(run_ranks(_train_body, 4, replace(cfg, **off, shard_optimizer=False))[0]) == whole
+
+
+@pytest.mark.parametrize("layout,optimizer,extra", [
+    ((2, 1), "onebit_adam", {"freeze_step": 2}),
+    ((1, 2), "onebit_lamb", {"freeze_step": 2}),
+    ((1, 1), "zero_one_adam", {"var_freeze_step": 2, "var_update_scaler": 1, "local_step_scaler": 1,
+                               "local_step_clipper": 2, "shard_optimizer": False}),
+])
+def test_onebit_optimizers_resume_bit_identically_across_the_switch(base, tmp_path, layout, optimizer, extra):
+    """Each 1-bit optimizer under TP or PP with DP 2 (4 ranks; DP 4 for 0/1 Adam): the momentum travels 1-bit
+    after the warm-up, and a resume after the switch (worker/server errors, frozen variance, LAMB coefficients,
+    the local-step schedule) gives the uninterrupted run's losses."""
+    tp, pp = layout
+    comp = {"min_compress_numel": 0}
+    cfg = replace(base, train_iters=6, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                  compression=comp, optimizer=optimizer, save=str(tmp_path / "c"), **extra)
+    full = run_ranks(_train_body, 4, replace(cfg, save=None))[0]
+    first = losses(run_ranks(_train_body, 4, replace(cfg, exit_interval=4))[0])
+    rest = losses(run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "c")))[0])
+    assert first + rest == losses(full)
+    wire, dense = full[-1][3]["dp_momentum"]
+    assert 0 < wire < 0.1 * dense  # signs and one scale per chunk: about 1/32 of fp32
+
+
+def test_onebit_optimizer_bad_configuration_errors(base):
+    with pytest.raises(ValueError, match="no-shard-optimizer"):
+        check(replace(base, optimizer="zero_one_adam"))
+    with pytest.raises(ValueError, match="freeze_step must be an int >= 1"):
+        check(replace(base, optimizer="onebit_adam", freeze_step=0))
+    with pytest.raises(ValueError, match="lossless"):
+        check(replace(base, optimizer="onebit_lamb", momentum_codec="none"))
+    with pytest.raises(ValueError, match="does not combine with --outer-algorithm"):
+        check(replace(base, optimizer="onebit_adam", outer_algorithm="diloco", num_replicas=2))
+    with pytest.raises(AssertionError, match="dp_gradient must be none"):
+        run_ranks(_train_body, 1, replace(base, optimizer="onebit_adam", compression="loco4"))

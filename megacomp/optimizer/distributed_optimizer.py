@@ -45,7 +45,7 @@ from torch import nn
 from .. import comm
 from ..comm import AccordionChannel, Channel, LowRankChannel
 from ..comm import all_gather_base
-from ..compression import CodecLike, is_accordion, is_low_rank
+from ..compression import CodecLike, is_accordion, is_low_rank, make_codec
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
 from .params import default_optimizer_class, param_groups_of, plain_data
@@ -91,9 +91,10 @@ class DistributedOptimizer:
         self.sharded = bool(shard)
         self.shard_index = self.rank if shard else 0
         self.parts = self.world if shard else 1  # shards of each bucket: one per rank, or one whole copy
-        if not shard and (hierarchy is not None or param_codec is not None or param_channel is not None):
+        if not shard and (hierarchy is not None or not make_codec(param_codec).is_identity
+                          or (param_channel is not None and param_channel.lossy)):
             raise ValueError("DistributedOptimizer(shard=False) keeps whole parameters on every rank: it has no "
-                             "parameter all-gather (drop param_codec/param_channel) and no hierarchy")
+                             "parameter all-gather (drop the parameter codec, dp_parameter) and no hierarchy")
         if hierarchy is not None:
             intra, inter = hierarchy
             n_local, n_nodes = dist.get_world_size(intra), dist.get_world_size(inter)

@@ -76,7 +76,39 @@ class PretrainConfig:
     """adamw: the sharded optimizer (gradients reduce-scattered over DP, megacomp.optimizer.DistributedOptimizer);
     demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
     all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (6e-3 was best on the tiny
-    GPT: docs/convergence_demo_sweep)."""
+    GPT: docs/convergence_demo_sweep); onebit_adam, zero_one_adam, onebit_lamb: the 1-bit family
+    (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path)."""
+    freeze_step: int = 100000
+    """1-bit Adam / 1-bit LAMB: full-precision warm-up steps before the momentum goes 1-bit (DeepSpeed's default)."""
+    var_freeze_step: int = 100000
+    """0/1 Adam: last step that may update the variance; local steps follow."""
+    var_update_scaler: int = 16
+    """0/1 Adam: variance updates between doublings of the variance-update interval."""
+    local_step_scaler: int = 32678
+    """0/1 Adam: local steps between doublings of the synchronisation interval."""
+    local_step_clipper: int = 16
+    """0/1 Adam: largest synchronisation interval."""
+    max_coeff: float = 10.0
+    """1-bit LAMB: upper clamp of the per-layer trust ratio."""
+    min_coeff: float = 0.01
+    """1-bit LAMB: lower clamp of the per-layer trust ratio."""
+    coeff_beta: float = 0.9
+    """1-bit LAMB: EMA factor of the frozen trust ratio recorded during the warm-up."""
+    factor_max: float = 4.0
+    """1-bit LAMB: upper bound of the per-step factor after the freeze."""
+    factor_min: float = 0.5
+    """1-bit LAMB: lower bound of the per-step factor after the freeze."""
+    factor_threshold: float = 0.1
+    """1-bit LAMB: largest relative change of the factor from one step to the next."""
+    momentum_codec: Any = None
+    """1-bit family: codec of the momentum exchange (a name or mapping, also '{name: int4, block_size: 0}' on the
+    command line). Default: {name: sign, block_size: 0}, signs with one scale per chunk; 'none' = uncompressed
+    (then also --no-momentum-error-feedback)."""
+    momentum_error_feedback: bool = True
+    """1-bit family: worker and server error feedback on the momentum exchange (needs a lossy codec)."""
+    shard_optimizer: bool = True
+    """Shard the fp32 masters and optimizer state over DP (ZeRO-1) and all-gather parameters; --no-shard-optimizer
+    keeps everything whole on every rank (all-reduce, no all-gather); 0/1 Adam needs it off."""
     demo_topk: int = 32
     """DeMo: coefficients kept per DCT tile (compression_topk)."""
     demo_chunk: int = 64
@@ -324,6 +356,16 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         if cfg.demo_topk < 1 or cfg.demo_chunk < 1 or not 0 <= cfg.demo_decay < 1:
             raise ValueError(f"DeMo needs demo_topk >= 1, demo_chunk >= 1 and demo_decay in [0, 1), got "
                              f"{cfg.demo_topk}, {cfg.demo_chunk} and {cfg.demo_decay}")
+    if cfg.optimizer in ONEBIT_OPTIMIZERS:
+        if cfg.outer_algorithm != "none" or cfg.adam_freeze_variance_step:
+            raise ValueError(f"optimizer {cfg.optimizer} replaces the data-parallel exchange and freezes its own variance; "
+                             f"it does not combine with --outer-algorithm or --adam-freeze-variance-step")
+        if cfg.optimizer == "zero_one_adam" and cfg.shard_optimizer:
+            raise ValueError("optimizer zero_one_adam takes local steps on every parameter of every rank; add "
+                             "--no-shard-optimizer (shard_optimizer: false)")
+        onebit_kwargs(cfg)  # raises on bad values
+    elif cfg.optimizer == "demo" and not cfg.shard_optimizer:
+        raise ValueError("optimizer demo keeps no sharded state; drop --no-shard-optimizer")
     if cfg.outer_algorithm not in OUTER_ALGORITHMS:
         raise ValueError(f"outer_algorithm must be one of {', '.join(OUTER_ALGORITHMS)}, got {cfg.outer_algorithm!r}")
     if cfg.outer_algorithm in ("diloco", "mt_dao") and (cfg.outer_fragments != 1 or cfg.outer_delay or cfg.outer_mixing):
@@ -380,7 +422,36 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
 OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
 SPARSELOCO_CODEC = make_codec("int2", k=64, chunk=4096)
 """SparseLoCo's default outer codec: top-64 of every 4096 (1.6% density, inside the paper's 1-3%), 2-bit values."""
-OPTIMIZERS = ("adamw", "demo")
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+OPTIMIZERS = ("adamw", "demo") + ONEBIT_OPTIMIZERS
+
+
+def onebit_kwargs(cfg: PretrainConfig) -> dict:
+    """The keyword arguments of megacomp.optimizer.OneBitAdam / ZeroOneAdam / OneBitLamb taken from the config
+    (hyperparameters and the momentum path; lr, betas, weight decay and clipping are passed by the trainer).
+    Raises ValueError for values the optimizer rejects (it is built once on a throwaway parameter)."""
+    from ..optimizer.onebit import DEFAULT_MOMENTUM_CODEC
+    from ..optimizer.onebit.optimizer import check_momentum_codec
+    from ..optimizer.onebit.rules import _check_freeze
+    from ..optimizer.onebit.schedule import ZeroOneSchedule
+
+    codec = cfg.momentum_codec
+    if isinstance(codec, str) and codec.strip().startswith("{"):
+        codec = yaml.safe_load(codec)
+    out = {"momentum_codec": DEFAULT_MOMENTUM_CODEC if codec is None else codec,
+           "momentum_error_feedback": cfg.momentum_error_feedback, "shard": cfg.shard_optimizer}
+    if cfg.optimizer == "zero_one_adam":
+        ZeroOneSchedule(cfg.var_freeze_step, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper)
+        out.update(var_freeze_step=cfg.var_freeze_step, var_update_scaler=cfg.var_update_scaler,
+                   local_step_scaler=cfg.local_step_scaler, local_step_clipper=cfg.local_step_clipper)
+    else:
+        _check_freeze(cfg.freeze_step)
+        out["freeze_step"] = cfg.freeze_step
+    if cfg.optimizer == "onebit_lamb":
+        out.update(max_coeff=cfg.max_coeff, min_coeff=cfg.min_coeff, coeff_beta=cfg.coeff_beta,
+                   factor_max=cfg.factor_max, factor_min=cfg.factor_min, factor_threshold=cfg.factor_threshold)
+    check_momentum_codec(out["momentum_codec"], cfg.momentum_error_feedback, cfg.optimizer)  # before any group exists
+    return out
 
 
 def mt_dao_optimizer_kwargs(cfg: PretrainConfig) -> dict:

@@ -29,11 +29,12 @@ from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
 from ..models.gpt import GPTConfig, GPTModel, split_layers
-from ..optimizer import DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW
+from ..optimizer import (DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW, OneBitAdam, OneBitLamb,
+                         OneBitOptimizer, ZeroOneAdam)
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..outer.mt_dao import average_optimizer_state
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
-from .arguments import PretrainConfig, check, mt_dao_optimizer_kwargs, outer_config
+from .arguments import ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config
 from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics import MetricsLogger, gather_traffic
@@ -116,6 +117,8 @@ class Trainer:
                 print(f"  outer loop: {outer_summary(self.outer.config, cfg.num_replicas, g.dp_size, cfg.outer_algorithm)}", flush=True)
             if isinstance(self.optimizer, DeMo):
                 print(f"  optimizer: {demo_summary(self.optimizer)}", flush=True)
+            if isinstance(self.optimizer, OneBitOptimizer):
+                print(f"  optimizer: {onebit_summary(self.optimizer, cfg)}", flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -148,18 +151,36 @@ class Trainer:
         norm_group = g.mp if g.tp_size * g.pp_size > 1 else None
         if cfg.optimizer == "demo":
             return self._build_demo(groups, norm_group, norm_weight)
+        deferred = ([tied] if tied is not None else []) + self._sp_params()
+        if cfg.optimizer in ONEBIT_OPTIMIZERS:
+            return self._build_onebit(groups, norm_group, norm_weight, deferred)
         optimizer_class = torch.optim.AdamW
         if cfg.outer_algorithm == "mt_dao":
             optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(cfg))
         if cfg.adam_freeze_variance_step:
             optimizer_class = functools.partial(FrozenVarianceAdamW, freeze_step=cfg.adam_freeze_variance_step)
-        deferred = ([tied] if tied is not None else []) + self._sp_params()
         return DistributedOptimizer(
             groups, optimizer_class, self.replicas.inner if self.replicas is not None else g.dp,
             grad_channel=self.channels.dp_gradient, param_channel=self.channels.dp_parameter,
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
-            grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2))
+            grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            shard=cfg.shard_optimizer)
+
+    def _build_onebit(self, groups, norm_group, norm_weight, deferred):
+        """1-bit Adam / 0/1 Adam / 1-bit LAMB over the DP group (each model-parallel rank's own); the momentum
+        path is the optimizer's, so the compression config's dp_gradient must be uncompressed."""
+        cfg, c, ch = self.cfg, self.compression, self.channels.dp_gradient
+        if ch.lossy or ch.error_feedback is not None or c.dp_gradient_warmup_steps:
+            raise ValueError(f"optimizer {cfg.optimizer} exchanges momentum (set its codec with --momentum-codec) and "
+                             f"reduces warm-up gradients in full precision: the compression config's dp_gradient must "
+                             f"be none without error feedback or warm-up (got {ch!r}, warm-up {c.dp_gradient_warmup_steps})")
+        build = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}[cfg.optimizer]
+        pc = self.channels.dp_parameter
+        return build(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), max_grad_norm=cfg.clip_grad,
+                     process_group=self.groups.dp, param_channel=pc,
+                     grad_norm_group=norm_group, grad_norm_weight=norm_weight, deferred_params=deferred,
+                     min_compress_numel=c.min_compress_numel, **onebit_kwargs(cfg))
 
     def _build_demo(self, groups, norm_group, norm_weight) -> DeMo:
         """DeMo on the dp_gradient channel (its codec, if any, is the format of the kept values); there is no
@@ -318,7 +339,8 @@ class Trainer:
                 "wire_bytes": wire, "inner_wire_bytes": wire - outer, "outer_wire_bytes": outer,
                 "wire_bytes_per_token": wire / tokens,
                 "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
-                "grad_norm": self.optimizer.last_grad_norm if stepped else None, "skipped": not stepped}
+                "grad_norm": self.optimizer.last_grad_norm if stepped else None, "skipped": not stepped,
+                "dp_rounds": getattr(self.optimizer, "rounds", None)}
 
     def train(self) -> list[dict]:
         """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal), logging and checkpointing;
@@ -412,6 +434,16 @@ def outer_summary(oc, replicas: int, dp: int, algorithm: str = "") -> str:
     nesterov = " (Nesterov)" if oc.nesterov and oc.outer_momentum else ""
     return (f"{'Streaming ' if stream else ''}DiLoCo{stream} over {per}, outer SGD lr {oc.outer_lr:g} momentum "
             f"{oc.outer_momentum:g}{nesterov}, {codec}")
+
+
+def onebit_summary(opt: OneBitOptimizer, cfg: PretrainConfig) -> str:
+    """One line saying what a 1-bit optimizer sends and when (the banner's)."""
+    ch = opt.momentum_channel
+    ef = " + worker/server error feedback" if ch.error_feedback is not None else ""
+    when = (f"variance updates until step {cfg.var_freeze_step}, then local steps synchronised every 1..{cfg.local_step_clipper}"
+            if cfg.optimizer == "zero_one_adam" else f"full-precision gradients for {cfg.freeze_step} steps, then momentum")
+    shard = "masters sharded over DP, parameters all-gathered" if opt.sharded else "masters whole on every rank, no all-gather"
+    return f"{cfg.optimizer}: {when} over dp_momentum with {ch.codec}{ef}; {shard}"
 
 
 def demo_summary(opt: DeMo) -> str:

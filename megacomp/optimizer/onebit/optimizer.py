@@ -55,9 +55,9 @@ DEFAULT_MOMENTUM_CODEC = {"name": "sign", "block_size": 0}
 """1-bit Adam's wire format: signs with one mean-magnitude scale per encoded chunk (DeepSpeed uses the RMS)."""
 
 
-def momentum_channel(codec: Any, error_feedback: bool, group, min_compress_numel: int, what: str) -> Channel:
-    """The ``dp_momentum`` channel of a 1-bit optimizer. Raises ValueError for a structured codec, or error
-    feedback with a lossless codec (compression off needs ``error_feedback=False``)."""
+def check_momentum_codec(codec: Any, error_feedback: bool, what: str):
+    """The momentum codec as a Codec. Raises ValueError for a structured codec, or error feedback with a lossless
+    codec (compression off needs ``error_feedback=False``)."""
     c = make_codec(codec)
     if c.structured:
         raise ValueError(f"{what}: momentum_codec {c} selects or transforms entries; the 1-bit family needs a value "
@@ -65,6 +65,12 @@ def momentum_channel(codec: Any, error_feedback: bool, group, min_compress_numel
     if c.is_identity and error_feedback:
         raise ValueError(f"{what}: momentum_codec {c.name!r} is lossless, but its error feedback needs a lossy codec "
                          f"(sign, int2, int4...); for compression off pass momentum_error_feedback=False")
+    return c
+
+
+def momentum_channel(codec: Any, error_feedback: bool, group, min_compress_numel: int, what: str) -> Channel:
+    """The ``dp_momentum`` channel of a 1-bit optimizer; raises as :func:`check_momentum_codec`."""
+    c = check_momentum_codec(codec, error_feedback, what)
     return Channel("dp_momentum", c, group=group, error_feedback="ef" if error_feedback else None,
                    min_compress_numel=min_compress_numel)
 
