@@ -26,6 +26,8 @@ with classic EF, and int2 with classic EF;
 ``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
 ``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
+``onebit``: issue #15's 1-bit Adam, 0/1 Adam and 1-bit LAMB, each against its own uncompressed optimizer, with
+the DP bytes over the run and after the warm-up and the rounds of communication (--seeds 1,2,3, --iters 600);
 ``demo_sweep`` and ``structured``: issue #17's DeMo (learning rates and decays on one seed), then SparseLoCo,
 DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replicas, --seeds 1,2,3);
 ``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, Accordion
@@ -40,6 +42,7 @@ training quality.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -219,6 +222,30 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
 }}
 
 
+# issue #15: the 1-bit family on DP 4, each against its own uncompressed optimizer (the `baseline` key): 1-bit
+# Adam and 0/1 Adam against AdamW, 1-bit LAMB against LAMB (1-bit LAMB with the freeze never reached and the
+# momentum uncompressed). Warm-up / variance freeze at 20% of the run (the paper's 15-25%); 0/1 Adam's
+# intervals scaled to the run length (DeepSpeed's example: var_freeze 1000, scalers 16 and 1000, clipper 16).
+# Unsharded (--no-shard-optimizer), so the DP bytes are the momentum's; one sharded 1-bit Adam row shows the
+# fp32 parameter all-gather that sharding adds.
+def onebit(optimizer: str, *more: str, baseline: str = "none") -> dict:
+    """A 1-bit-family variant: the pretrain flags and the variant it is compared with."""
+    return {"args": ["--optimizer", optimizer, *more], "baseline": baseline, "freeze_flags": optimizer}
+
+
+SUITES["onebit"] = {"layout": [], "variants": {
+    "none": {},
+    "1-bit Adam (freeze 20%)": onebit("onebit_adam", "--freeze-step", "@0.2", "--no-shard-optimizer"),
+    "1-bit Adam, sharded": onebit("onebit_adam", "--freeze-step", "@0.2"),
+    "0/1 Adam (var freeze 20%)": onebit("zero_one_adam", "--var-freeze-step", "@0.2", "--var-update-scaler", "16",
+                                        "--local-step-scaler", "@0.1", "--local-step-clipper", "16",
+                                        "--no-shard-optimizer"),
+    "LAMB": onebit("onebit_lamb", "--freeze-step", "100000000", "--momentum-codec", "none",
+                   "--no-momentum-error-feedback", "--no-shard-optimizer"),
+    "1-bit LAMB (freeze 20%)": onebit("onebit_lamb", "--freeze-step", "@0.2", "--no-shard-optimizer", baseline="LAMB"),
+}}
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
@@ -232,6 +259,10 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     run_dir.mkdir(parents=True, exist_ok=True)
     compression, extra = dict(compression), []
     flags = compression.pop("args", [])  # further pretrain flags of the variant (e.g. the outer loop)
+    # "@f": that fraction of the run's iterations (a freeze step that scales with --iters)
+    flags = [str(max(1, int(float(f[1:]) * args.iters))) if f.startswith("@") else f for f in flags]
+    baseline = compression.pop("baseline", None)
+    compression.pop("freeze_flags", None)
     hook = compression.pop("hook", None)
     freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
     if freeze:  # variance frozen after, and compression from, the same step
@@ -262,8 +293,16 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
             raise SystemExit(f"{suite}/{name} failed ({proc.returncode}); see {run_dir / 'stdout.txt'}")
         print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s",
               flush=True)
-    return pm.compact_run(pm.read_run(done), suite=suite, variant=name, seed=seed, compression=compression,
-                          args=extra)
+    records = pm.read_run(done)
+    labels = {"baseline": baseline, "rounds": _rounds(done)} if baseline is not None or suite == "onebit" else {}
+    return pm.compact_run(records, suite=suite, variant=name, seed=seed, compression=compression, args=extra, **labels)
+
+
+def _rounds(metrics: Path) -> Optional[int]:
+    """The optimizer's rounds of data-parallel communication at the end of the run (1-bit family), else the
+    iterations (every step of AdamW reduces gradients)."""
+    last = json.loads(metrics.read_text().splitlines()[-1])
+    return last.get("dp_rounds") if last.get("dp_rounds") is not None else last.get("iteration")
 
 
 def frozen(run: dict) -> bool:
@@ -313,6 +352,42 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
         lines.append(f"| {name} | {statistics.mean(vals):.4f} ± {sd:.4f} | {statistics.mean(rel):+.2f}% ± {rsd:.2f}% | "
                      f"{', '.join(f'{x:+.2f}%' for x in rel)} | {w / 1e6:.3f} / {u / 1e6:.3f} | {total / 1e6:.2f} | "
                      f"{fewer} |")
+    return lines + [""]
+
+
+def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dict[str, dict]) -> list[str]:
+    """Per variant over seeds: final loss, its paired gap to the variant's own baseline, the DP bytes over every
+    iteration of the run (warm-ups included) and per iteration after the warm-up (the last iteration), each
+    against AdamW's ('none'), and the rounds of communication."""
+    tail = max(1, len(runs["none"][0]) // 10)
+    final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
+
+    def dp(recs):
+        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_"))
+
+    def dp_last(recs):  # per iteration over the second half of the run (after every warm-up of the suite)
+        return dp(recs[len(recs) // 2:]) / max(1, len(recs) - len(recs) // 2)
+
+    lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(final['none'])} seeds", "",
+             "Each variant is compared, seed by seed, with its own uncompressed optimizer (column `baseline`). DP bytes "
+             "count every data-parallel message of every iteration (warm-up, switch and all-gathers included), "
+             "all ranks; `after warm-up` is the mean per iteration over the second half of the run.", "",
+             "| variant | baseline | final loss, mean ± std | vs baseline, paired mean ± std | per seed | "
+             "DP MB over the run | x fewer than AdamW | DP MB/iter after warm-up | x fewer than AdamW | rounds / iterations |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    base_total, base_last = dp(runs["none"][0]), dp_last(runs["none"][0])
+    iters = len(runs["none"][0])
+    for name, vals in final.items():
+        ref = meta[name].get("baseline") or "none"
+        rel = [100 * (v - b) / b for v, b in zip(vals, final[ref])]
+        sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0
+        total, last = dp(runs[name][0]), dp_last(runs[name][0])
+        rounds = meta[name].get("rounds")
+        lines.append(f"| {name} | {ref if name != ref else '-'} | {statistics.mean(vals):.4f} ± {sd:.4f} | "
+                     f"{statistics.mean(rel):+.2f}% ± {rsd:.2f}% | {', '.join(f'{x:+.2f}%' for x in rel)} | "
+                     f"{total / 1e6:.2f} | {base_total / total:.1f}x | {last / 1e6:.4f} | {(base_last / last) if last else float('inf'):.1f}x | "
+                     f"{rounds if rounds is not None else '-'} / {iters} |")
     return lines + [""]
 
 
@@ -374,7 +449,10 @@ def report(results: dict, out: Path, command: str) -> list[str]:
                 per_seed.setdefault(run["variant"], []).append(pm.expand_run(run))
                 if frozen(run):
                     frozen_names.add(run["variant"])
-        if any(run["seed"] is not None for run in results["runs"] if run["suite"] == suite):
+        meta = {run["variant"]: run for run in results["runs"] if run["suite"] == suite}
+        if any("baseline" in run for run in meta.values()):
+            lines += summarise_baselines(suite, per_seed, meta)
+        elif any(run["seed"] is not None for run in results["runs"] if run["suite"] == suite):
             lines += summarise_seeds(suite, per_seed, frozen_names)
         else:
             lines += summarise(suite, {name: recs[0] for name, recs in per_seed.items()})

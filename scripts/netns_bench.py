@@ -156,6 +156,10 @@ DDP_METHODS = ("no_communication", "ddp_fp32", "ddp_fp16_hook", "ddp_bf16_hook",
                "zero_redundancy", "megacomp_hook_int4_loco")
 # megacomp's PowerSGD hook (default buckets: it works on gloo with several) and Accordion over its ranks 4 / 1
 LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accordion")
+# the 1-bit family (megacomp.optimizer.onebit, unsharded: no DDP wrapper, the optimizer exchanges gradients
+# during the warm-up, the first 20% of the iterations, then 1-bit momentum); wire bytes are the mean per
+# iteration after the warm-up, measured
+ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_onebit_lamb")
 ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "high": {"name": "powersgd", "rank": 1},
                   "eta": 0.5, "interval": 15}
 
@@ -199,7 +203,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
     params = sum(p.numel() for p in model.parameters())
     one_bucket = method.startswith("ddp_powersgd")  # torch's PowerSGD hook breaks with several buckets on gloo
-    ddp = DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
+    freeze = max(1, iters // 5)
+    ddp = model if method in ONEBIT_METHODS else DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
     wire = {"ddp_fp32": 4, "zero_redundancy": 4, "ddp_fp16_hook": 2, "ddp_bf16_hook": 2}.get(method, 0) * params
     wire = int(wire * 2 * (world - 1) / world)  # ring all-reduce
     if method == "zero_redundancy":
@@ -228,7 +233,15 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         ddp.register_comm_hook(CompressedHookState(codec={"name": "powersgd", "rank": rank}), compressed_allreduce_hook)
     elif method == "megacomp_accordion":
         ddp.register_comm_hook(CompressedHookState(codec=ACCORDION_HOOK), compressed_allreduce_hook)
-    if method == "zero_redundancy":
+    if method in ONEBIT_METHODS:
+        from megacomp.optimizer import OneBitAdam, OneBitLamb, ZeroOneAdam
+        for p in model.parameters():  # what DDP's constructor does: every rank starts from rank 0's weights
+            dist.broadcast(p.data, 0)
+        kw = dict(lr=1e-3, shard=False, bucket_size=int(bucket_mb * (1 << 20) / 4))
+        opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_adam" else
+               OneBitLamb(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_lamb" else
+               ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10), **kw))
+    elif method == "zero_redundancy":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -236,12 +249,13 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     times, losses = [], []
     for it in range(iters):
         ids, labels = get_batch(data, next(sampler))
-        if it == iters - 1:
+        if it == (freeze if method in ONEBIT_METHODS else iters - 1):
             comm.reset_stats()
         dist.barrier()
         t0 = time.perf_counter()
         loss = ddp(ids, labels)
-        opt.zero_grad()
+        if method not in ONEBIT_METHODS:
+            opt.zero_grad()
         loss.backward()
         opt.step()
         dt = torch.tensor([time.perf_counter() - t0])
@@ -250,7 +264,9 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         dist.all_reduce(l)
         times.append(dt.item())
         losses.append(l.item() / world)
-    if method.startswith("megacomp"):
+    if method in ONEBIT_METHODS:  # measured: mean per iteration after the warm-up, every dp_* kind
+        wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_")) // (iters - freeze)
+    elif method.startswith("megacomp"):
         wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({"times": times, "losses": losses, "params": params, "wire": wire}))
@@ -451,7 +467,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--compression", default="none,loco4,dp_int8")
     p.add_argument("--methods", default=",".join(DDP_METHODS),
-                   help="comma list of " + ",".join(DDP_METHODS + LOW_RANK_METHODS))
+                   help="comma list of " + ",".join(DDP_METHODS + LOW_RANK_METHODS + ONEBIT_METHODS))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-mb", type=float, default=25.0,

@@ -51,7 +51,7 @@ from ..distributed_optimizer import DistributedOptimizer
 from .rules import OneBitAdamRule, OneBitLambRule, ZeroOneAdamRule
 from .schedule import FreezeSchedule, ZeroOneSchedule
 
-DEFAULT_MOMENTUM_CODEC = {"name": "sign", "block_size": 0}
+DEFAULT_MOMENTUM_CODEC = make_codec("sign", block_size=0)
 """1-bit Adam's wire format: signs with one mean-magnitude scale per encoded chunk (DeepSpeed uses the RMS)."""
 
 

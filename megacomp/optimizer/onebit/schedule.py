@@ -27,9 +27,11 @@ class FreezeSchedule:
         return True
 
     def state_dict(self) -> dict:
+        """The settings and counters as plain ints (checkpointed with the optimizer)."""
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Check the saved setting. Raises ValueError when it differs from this schedule's."""
         if int(state["freeze_step"]) != self.freeze_step:
             raise ValueError(f"1-bit optimizer checkpoint has freeze_step {state['freeze_step']}, this optimizer "
                              f"{self.freeze_step}; resume with the same value")
@@ -99,9 +101,11 @@ class ZeroOneSchedule:
             self.local_interval = min(self.local_step_clipper, self.local_interval * 2)
 
     def state_dict(self) -> dict:
+        """The settings and counters as plain ints (checkpointed with the optimizer)."""
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the counters. Raises ValueError when a saved setting differs from this schedule's."""
         for name in ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"):
             if int(state[name]) != getattr(self, name):
                 raise ValueError(f"0/1 Adam checkpoint has {name}={state[name]}, this optimizer {getattr(self, name)}; "
