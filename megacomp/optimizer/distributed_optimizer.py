@@ -190,9 +190,10 @@ class DistributedOptimizer:
             flat[o:o + p.numel()] = p.detach().reshape(-1).float()
         return flat
 
-    def _build_norm_weights(self, weight_fn) -> list[Optional[torch.Tensor]]:
-        """Per-shard element weights of the squared gradient norm (None = all ones): a parameter held by
-        several ranks of the norm group (TP-replicated norms, a tied embedding's two copies) gets 1/copies."""
+    def _build_norm_weights(self, weight_fn, whole: bool = False) -> list[Optional[torch.Tensor]]:
+        """Per-shard (``whole``: per-bucket) element weights of the squared gradient norm (None = all ones): a
+        parameter held by several ranks of the norm group (TP-replicated norms, a tied embedding's two copies)
+        gets 1/copies."""
         out = []
         for b in self.buckets:
             if weight_fn is None or all(weight_fn(p) == 1.0 for p in b.params):
@@ -201,7 +202,7 @@ class DistributedOptimizer:
             w = torch.zeros(b.padded, dtype=torch.float64, device=b.grad.device)
             for p, o in zip(b.params, b.offsets):
                 w[o:o + p.numel()] = float(weight_fn(p))
-            out.append(w[slice(*b.shard_range(self.shard_index, self.parts))])
+            out.append(w if whole else w[slice(*b.shard_range(self.shard_index, self.parts))])
         return out
 
     def main_grad(self, param: nn.Parameter) -> torch.Tensor:
@@ -368,6 +369,10 @@ class DistributedOptimizer:
         for m, s in zip(self.masters, shards):
             m.grad = s
         self.optimizer.step()
+        return self._finish_step()
+
+    def _finish_step(self) -> bool:
+        """After the inner step: parameters into the model, loss scale, buffers cleared, the step counted."""
         self.sync_params()
         if self.scaler is not None:
             self.scaler.update(False)

@@ -96,7 +96,7 @@ class OneBitOptimizer(DistributedOptimizer):
         self._rule_class, self._rule_kwargs = rule_class, rule_kwargs
         super().__init__(params, self._make_rule, process_group, shard=shard, min_compress_numel=min_compress_numel,
                          grad_norm_weight=grad_norm_weight, **base)
-        self._local_weights = self._full_weights(grad_norm_weight)
+        self._local_weights = self._build_norm_weights(grad_norm_weight, whole=True)  # local-gradient clipping
 
     def _more_channels(self) -> tuple:
         return (self.momentum_channel,)
@@ -119,18 +119,6 @@ class OneBitOptimizer(DistributedOptimizer):
                 segments.append([s for s in seg if s[2] > s[1]])
             kw.update(segments=segments, num_params=j, norm_group=self.group, reduce_norms=self.sharded and self.world > 1)
         return self._rule_class(inner_groups, **{**self._rule_kwargs, **kw})
-
-    def _full_weights(self, weight_fn) -> list:
-        out = []
-        for b in self.buckets:
-            if weight_fn is None or all(weight_fn(p) == 1.0 for p in b.params):
-                out.append(None)
-                continue
-            w = torch.zeros(b.padded, dtype=torch.float64, device=b.grad.device)
-            for p, o in zip(b.params, b.offsets):
-                w[o:o + p.numel()] = float(weight_fn(p))
-            out.append(w)
-        return out
 
     # -- the schedule -------------------------------------------------------------------------------
     def _action(self) -> str:
@@ -184,13 +172,7 @@ class OneBitOptimizer(DistributedOptimizer):
             self._exchange_momentum()
         else:
             self._local(t)
-        self.sync_params()
-        if self.scaler is not None:
-            self.scaler.update(False)
-        self._reset()
-        self.step_count += 1
-        self._validated = True
-        return True
+        return self._finish_step()
 
     def _clip_local(self) -> None:
         """Clip this rank's local gradient by its norm over the model-parallel group (no DP reduction)."""
