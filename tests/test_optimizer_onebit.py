@@ -118,7 +118,7 @@ def _zero_one_reference(rank, world, steps, sched, lr, b1, b2, eps, wd):
     v = [torch.zeros_like(x) for x in P[0]]
     A = [[x.clone() for x in P[0]] for _ in range(world)]
     n_v, lrs, var_iv, var_c, loc_iv, loc_c = 0, 0.0, 1, 0, 1, 0
-    kinds = []
+    kinds, step_max = [], 0.0
     for t in range(1, steps + 1):
         gs = [[c.double() for c in _grads(r, t - 1)] for r in range(world)]
         if t <= var_freeze:
@@ -139,7 +139,9 @@ def _zero_one_reference(rank, world, steps, sched, lr, b1, b2, eps, wd):
         for r in range(world):
             for i in range(len(v)):
                 denom = (v[i] / (1 - b2 ** n_v)).sqrt() + eps
-                P[r][i] = P[r][i] * (1 - lr * wd) - lr * (M[r][i] / (1 - b1 ** t)) / denom
+                d = lr * (M[r][i] / (1 - b1 ** t)) / denom
+                step_max = max(step_max, float(d.abs().max()))
+                P[r][i] = P[r][i] * (1 - lr * wd) - d
         if kind in ("local", "sync"):
             lrs += lr
         if kind == "sync":
@@ -159,7 +161,7 @@ def _zero_one_reference(rank, world, steps, sched, lr, b1, b2, eps, wd):
             loc_c += 1
             if loc_c == local_scaler:
                 loc_c, loc_iv = 0, min(clipper, loc_iv * 2)
-    return P[rank], kinds
+    return P[rank], kinds, step_max
 
 
 def _zero_one_case(rank, world):
@@ -169,11 +171,11 @@ def _zero_one_case(rank, world):
                       var_update_scaler=2, local_step_scaler=2, local_step_clipper=4, bucket_size=20,
                       min_compress_numel=0, **OFF)
     _run(opt, params, rank, range(20))
-    ref, kinds = _zero_one_reference(rank, world, 20, sched, 0.05, 0.8, 0.9, 1e-6, 0.1)
+    ref, kinds, step_max = _zero_one_reference(rank, world, 20, sched, 0.05, 0.8, 0.9, 1e-6, 0.1)
     # every kind of step and boundary was crossed: variance interval doubling, freeze, growing sync interval
     assert {"grad", "grad_1bit", "local", "sync"} <= set(kinds)
     assert opt.rounds == sum(k != "local" for k in kinds) < 20
-    tol = _ulp_bound(20, max(float(x.abs().max()) for x in ref), 0.05 * 10)
+    tol = _ulp_bound(20, max(float(x.abs().max()) for x in ref), step_max)
     for a, b in zip(params, ref):
         assert (a.double() - b).abs().max() <= tol
     return [p.detach().clone() for p in params]
@@ -190,6 +192,7 @@ def _lamb_reference(world, steps, freeze, lr, b1, b2, eps, wd, cfg):
     n = len(p)
     m, v, vf = [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p], [torch.zeros_like(x) for x in p]
     frozen, last = [0.0] * n, [1.0] * n
+    step_max = 0.0  # the largest |lr c u| of any element: the scale of each step's round-off
     for t in range(1, steps + 1):
         gs = [[c.double() for c in _grads(r, t - 1)] for r in range(world)]
         for i in range(n):
@@ -221,8 +224,9 @@ def _lamb_reference(world, steps, freeze, lr, b1, b2, eps, wd, cfg):
                 f = min(max(f, last[i] * (1 - thr)), last[i] * (1 + thr))
                 last[i] = f
                 c = frozen[i] * f
+            step_max = max(step_max, float((lr * c * u).abs().max()))
             p[i] = p[i] - lr * c * u
-    return p
+    return p, step_max
 
 
 def _lamb_case(rank, world, shard):
@@ -231,9 +235,8 @@ def _lamb_case(rank, world, shard):
     opt = OneBitLamb(params, lr=0.05, freeze_step=3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, shard=shard,
                      bucket_size=20, min_compress_numel=0, **OFF)
     _run(opt, params, rank, range(7))
-    ref = _lamb_reference(world, 7, 3, 0.05, 0.8, 0.9, 1e-6, 0.1, cfg)
-    # a trust ratio is at most max_coeff: each step moves p by at most lr * max_coeff * |u| with |u| <~ 1/(1-b1)
-    tol = _ulp_bound(7, max(float(x.abs().max()) for x in ref), 0.05 * 10 * 5) * 4
+    ref, step_max = _lamb_reference(world, 7, 3, 0.05, 0.8, 0.9, 1e-6, 0.1, cfg)
+    tol = _ulp_bound(7, max(float(x.abs().max()) for x in ref), step_max)
     for a, b in zip(params, ref):
         assert (a.double() - b).abs().max() <= tol
     return True
@@ -268,19 +271,20 @@ def _sign_exchange_case(rank, world):
         e = ef.error(f"dp_momentum/b{b.index}/worker").reshape(-1)
         # the sign codec's promise per chunk: |x - decode(encode(x))| <= max |x| of the chunk (one scale per chunk)
         assert float(e.abs().max()) <= float(x.abs().max()) * (1 + 2 ** -20)
-        out.append((b.index, x, e, opt.optimizer.state[masters[b.index]]["exp_avg"].clone()))
+        out.append((b.numel, x, e, opt.optimizer.state[masters[b.index]]["exp_avg"].clone()))
     return out
 
 
 def test_sign_exchange_is_mean_of_decoded_local_momenta():
     per_rank = run_ranks(_sign_exchange_case, 2)
     for items in zip(*per_rank):
-        (_, x0, e0, m0), (_, x1, e1, m1) = items
+        (n, x0, e0, m0), (_, x1, e1, m1) = items
         assert torch.equal(m0, m1)  # every rank decoded the same bytes
         decoded_mean = ((x0 - e0) + (x1 - e1)) / 2  # decode = x - new error, exactly what was sent
         scale = max(float(x0.abs().max()), float(x1.abs().max()))
-        n = x0.numel()
-        assert (m0 - decoded_mean)[:n - (x0 == 0).sum()].abs().max() <= 4 * 2 ** -24 * scale
+        # fp32 round-off: x formed in another operation order here (1 ulp), x - e, the sum and the halving
+        assert (m0 - decoded_mean)[:n].abs().max() <= 4 * 2 ** -24 * scale
+        assert not m0[n:].any()  # padding carries nothing
 
 
 # -- checkpoints: bit-identical resume mid-schedule -------------------------------------------------------
