@@ -385,3 +385,22 @@ def _overflow_case(rank, world):
 def test_overflow_on_one_rank_skips_everywhere():
     out = run_ranks(_overflow_case, 2)
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def _shard_case(rank, world, shard, which):
+    params = _params()
+    cls = OneBitAdam if which == "onebit_adam" else OneBitLamb
+    opt = cls(params, lr=0.05, freeze_step=2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, shard=shard,
+              bucket_size=20, min_compress_numel=0)
+    _run(opt, params, rank, range(8))
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("which", ["onebit_adam", "onebit_lamb"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_equals_unsharded_bit_for_bit_with_the_sign_codec(which, world):
+    """The same 1-bit exchange whatever the sharding (exact gradient sums): sharding changes where the update is
+    computed (and adds the parameter all-gather), never the numbers."""
+    sharded = run_ranks(_shard_case, world, True, which)[0]
+    whole = run_ranks(_shard_case, world, False, which)[0]
+    assert all(torch.equal(a, b) for a, b in zip(sharded, whole))
