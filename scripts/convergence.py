@@ -251,9 +251,15 @@ SUITES["onebit"] = {"layout": [], "variants": {
     "0/1 Adam (var freeze 20%)": onebit("zero_one_adam", "--var-freeze-step", "@0.2", "--var-update-scaler", "16",
                                         "--local-step-scaler", "@0.1", "--local-step-clipper", "16",
                                         "--no-shard-optimizer"),
+    "0/1 Adam, clipper 4 (from onebit_sweep)": onebit(
+        "zero_one_adam", "--var-freeze-step", "@0.2", "--var-update-scaler", "16", "--local-step-scaler", "@0.1",
+        "--local-step-clipper", "4", "--no-shard-optimizer"),
     "LAMB (lr 1e-2)": onebit("onebit_lamb", "--freeze-step", "100000000", *OFF, "--no-shard-optimizer", *LAMB_LR),
     "1-bit LAMB (freeze 20%, lr 1e-2)": onebit("onebit_lamb", "--freeze-step", "@0.2", "--no-shard-optimizer",
                                                *LAMB_LR, baseline="LAMB (lr 1e-2)"),
+    "1-bit LAMB, factor_max 2 (from onebit_sweep)": onebit(
+        "onebit_lamb", "--freeze-step", "@0.2", "--factor-max", "2", "--no-shard-optimizer", *LAMB_LR,
+        baseline="LAMB (lr 1e-2)"),
     "1-bit LAMB, compression off (lr 1e-2)": onebit("onebit_lamb", "--freeze-step", "@0.2", *OFF,
                                                     "--no-shard-optimizer", *LAMB_LR, baseline="LAMB (lr 1e-2)"),
 }}
@@ -323,7 +329,7 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
         print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s",
               flush=True)
     records = pm.read_run(done)
-    labels = {"baseline": baseline, "rounds": _rounds(done)} if baseline is not None or suite == "onebit" else {}
+    labels = {"baseline": baseline, "rounds": _rounds(done)} if baseline is not None or suite.startswith("onebit") else {}
     return pm.compact_run(records, suite=suite, variant=name, seed=seed, compression=compression, args=extra, **labels)
 
 
@@ -420,7 +426,8 @@ def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dic
     return lines + [""]
 
 
-def plot(suite: str, runs: dict[str, list[dict]], out: Path, frozen_names: set[str]) -> None:
+def plot(suite: str, runs: dict[str, list[dict]], out: Path, frozen_names: set[str],
+         baselines: Optional[dict] = None) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -438,7 +445,8 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path, frozen_names: set[s
         for name, recs in runs.items():
             raw = [r["loss"] for r in recs]
             if kind == "gap":  # against the same optimizer's uncompressed run, iteration by iteration
-                ref = "none, frozen v" if name in frozen_names and "none, frozen v" in runs else "none"
+                ref = (baselines or {}).get(name) or (
+                    "none, frozen v" if name in frozen_names and "none, frozen v" in runs else "none")
                 if name == ref or name == "none":
                     continue
                 raw = [100 * (a["loss"] - b["loss"]) / b["loss"] for a, b in zip(recs, runs[ref])]
@@ -487,7 +495,8 @@ def report(results: dict, out: Path, command: str) -> list[str]:
             lines += summarise(suite, {name: recs[0] for name, recs in per_seed.items()})
         lines += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)",
                   f"![{suite} gap]({suite}_gap.png)", ""]
-        plot(suite, {name: recs[0] for name, recs in per_seed.items()}, out, frozen_names)  # the first seed
+        plot(suite, {name: recs[0] for name, recs in per_seed.items()}, out, frozen_names,  # the first seed
+             {name: run.get("baseline") for name, run in meta.items()})
     return lines
 
 

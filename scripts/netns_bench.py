@@ -239,7 +239,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
             dist.broadcast(p.data, 0)
         kw = dict(lr=1e-3, shard=False, bucket_size=int(bucket_mb * (1 << 20) / 4))
         opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_adam" else
-               OneBitLamb(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_lamb" else
+               # LAMB's step is relative to the weight norm: lr 1e-2 (docs/convergence_onebit)
+               OneBitLamb(model.parameters(), freeze_step=freeze, **{**kw, "lr": 1e-2}) if method == "megacomp_onebit_lamb" else
                ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10), **kw))
     elif method == "zero_redundancy":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
