@@ -42,7 +42,6 @@ training quality.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -239,7 +238,7 @@ OFF = ("--momentum-codec", "none", "--no-momentum-error-feedback")
 
 def onebit(optimizer: str, *more: str, baseline: str = "none") -> dict:
     """A 1-bit-family variant: the pretrain flags and the variant it is compared with."""
-    return {"args": ["--optimizer", optimizer, *more], "baseline": baseline, "freeze_flags": optimizer}
+    return {"args": ["--optimizer", optimizer, *more], "baseline": baseline}
 
 
 SUITES["onebit"] = {"layout": [], "variants": {
@@ -297,7 +296,6 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     # "@f": that fraction of the run's iterations (a freeze step that scales with --iters)
     flags = [str(max(1, int(float(f[1:]) * args.iters))) if f.startswith("@") else f for f in flags]
     baseline = compression.pop("baseline", None)
-    compression.pop("freeze_flags", None)
     hook = compression.pop("hook", None)
     freeze, warmup = compression.pop("freeze", 0.0), compression.pop("warmup", 0.0)
     if freeze:  # variance frozen after, and compression from, the same step
@@ -329,14 +327,13 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
         print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s",
               flush=True)
     records = pm.read_run(done)
-    labels = {"baseline": baseline, "rounds": _rounds(done)} if baseline is not None or suite.startswith("onebit") else {}
+    labels = {"baseline": baseline, "rounds": _rounds(records[-1])} if baseline is not None or suite.startswith("onebit") else {}
     return pm.compact_run(records, suite=suite, variant=name, seed=seed, compression=compression, args=extra, **labels)
 
 
-def _rounds(metrics: Path) -> Optional[int]:
-    """The optimizer's rounds of data-parallel communication at the end of the run (1-bit family), else the
-    iterations (every step of AdamW reduces gradients)."""
-    last = json.loads(metrics.read_text().splitlines()[-1])
+def _rounds(last: dict) -> Optional[int]:
+    """The optimizer's rounds of data-parallel communication at the end of the run (1-bit family; ``last``: the
+    last record), else the iterations (every step of AdamW reduces gradients)."""
     return last.get("dp_rounds") if last.get("dp_rounds") is not None else last.get("iteration")
 
 

@@ -350,16 +350,7 @@ class DistributedOptimizer:
                 self.grad_channel.discard_step()
             self.grad_channel.end_step(self.group)
         if overflow:
-            self.skipped_steps += 1
-            if self.ef is not None:  # residuals of a discarded gradient must not leak into later steps
-                self.ef.reset()
-            if self.scaler is not None:
-                self.scaler.update(True)
-            log.debug("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
-                        self.step_count, self.skipped_steps,
-                        f"; loss scale now {self.scaler.scale:g}" if self.scaler is not None else "")
-            self._reset()
-            return False
+            return self._skip_step()
         if self.max_grad_norm is not None:
             self.last_grad_norm = self._global_norm(shards)
             coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
@@ -370,6 +361,20 @@ class DistributedOptimizer:
             m.grad = s
         self.optimizer.step()
         return self._finish_step()
+
+    def _skip_step(self) -> bool:
+        """An overflow step on every rank: count it, drop the residuals of the discarded gradient (they must not
+        leak into later steps), back off the loss scale, clear the buffers. Returns False."""
+        self.skipped_steps += 1
+        if self.ef is not None:
+            self.ef.reset()
+        if self.scaler is not None:
+            self.scaler.update(True)
+        log.debug("megacomp DistributedOptimizer: inf/NaN gradients, step %d skipped (%d so far)%s",
+                  self.step_count, self.skipped_steps,
+                  f"; loss scale now {self.scaler.scale:g}" if self.scaler is not None else "")
+        self._reset()
+        return False
 
     def _finish_step(self) -> bool:
         """After the inner step: parameters into the model, loss scale, buffers cleared, the step counted."""

@@ -97,6 +97,7 @@ class OneBitOptimizer(DistributedOptimizer):
         super().__init__(params, self._make_rule, process_group, shard=shard, min_compress_numel=min_compress_numel,
                          grad_norm_weight=grad_norm_weight, **base)
         self._local_weights = self._build_norm_weights(grad_norm_weight, whole=True)  # local-gradient clipping
+        self._master = {b.index: m for b, m in zip(self.buckets, self.masters)}
 
     def _more_channels(self) -> tuple:
         return (self.momentum_channel,)
@@ -107,15 +108,16 @@ class OneBitOptimizer(DistributedOptimizer):
         return [b for gi in range(1 + max(b.group for b in self.buckets)) for b in self.buckets if b.group == gi]
 
     def _make_rule(self, inner_groups, **kw):
+        # LAMB's per-parameter vectors: the index of each bucket's first parameter, in the rule's master order
+        self._first_param, j = {}, 0
+        for b in self._ordered_buckets():
+            self._first_param[b.index], j = j, j + len(b.params)
         if self._rule_class is OneBitLambRule:
-            segments, j = [], 0
+            segments = []
             for b in self._ordered_buckets():
                 start, end = b.shard_range(self.shard_index, self.parts)
-                seg = []
-                for p, o in zip(b.params, b.offsets):
-                    lo, hi = max(o, start), min(o + p.numel(), end)
-                    seg.append((j, max(lo - start, 0), max(hi - start, 0)))
-                    j += 1
+                seg = [(self._first_param[b.index] + i, max(o, start) - start, min(o + p.numel(), end) - start)
+                       for i, (p, o) in enumerate(zip(b.params, b.offsets))]
                 segments.append([s for s in seg if s[2] > s[1]])
             kw.update(segments=segments, num_params=j, norm_group=self.group, reduce_norms=self.sharded and self.world > 1)
         return self._rule_class(inner_groups, **{**self._rule_kwargs, **kw})
@@ -146,12 +148,16 @@ class OneBitOptimizer(DistributedOptimizer):
             stepped = super().step(closure)
         else:
             stepped = self._deferred_step(action, t)
-        if not stepped and self.momentum_channel.error_feedback is not None:
-            self.momentum_channel.error_feedback.reset()
         if stepped:
             self.rounds += int(self.schedule.communicates(t))
             self.schedule.advance(t)
         return stepped
+
+    def _skip_step(self) -> bool:
+        """The base class's skip, and the momentum residuals dropped too."""
+        if self.momentum_channel.error_feedback is not None:
+            self.momentum_channel.error_feedback.reset()
+        return super()._skip_step()
 
     def _deferred_step(self, action: str, t: int) -> bool:
         for b in self.buckets:
@@ -161,11 +167,7 @@ class OneBitOptimizer(DistributedOptimizer):
             b.work = None
         overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(b.grad).all()) for b in self.buckets)))
         if overflow:
-            self.skipped_steps += 1
-            if self.scaler is not None:
-                self.scaler.update(True)
-            self._reset()
-            return False
+            return self._skip_step()
         if self.max_grad_norm is not None:
             self._clip_local()
         if action == "momentum":
@@ -186,12 +188,9 @@ class OneBitOptimizer(DistributedOptimizer):
             for b in self.buckets:
                 b.grad.mul_(coef)
 
-    def _masters_of(self):
-        return dict(zip((b.index for b in self.buckets), self.masters))
-
     def _full_momentum(self, b) -> torch.Tensor:
         """The last exchanged momentum of bucket ``b`` (unscaled), whole, identical on every rank."""
-        m = self.optimizer.state[self._masters_of()[b.index]]["exp_avg"]
+        m = self.optimizer.state[self._master[b.index]]["exp_avg"]
         if not self.sharded:
             return m
         if b.index not in self._full_m:  # the switch (or a resume): all-gather the momentum shards once, fp32
@@ -211,12 +210,10 @@ class OneBitOptimizer(DistributedOptimizer):
             for m in self.masters:
                 self.optimizer.state[m]["scaling_coeff"].copy_(scales)
                 self.optimizer.state[m]["scaled"].fill_(1.0)
-        scales = first["scaling_coeff"]
-        j0 = sum(len(x.params) for x in self._ordered_buckets()[:self._ordered_buckets().index(b)])
-        return [float(scales[j0 + i]) for i in range(len(b.params))]
+        j0 = self._first_param[b.index]
+        return first["scaling_coeff"][j0:j0 + len(b.params)].tolist()
 
     def _exchange_momentum(self) -> None:
-        masters = self._masters_of()
         for b in self.buckets:
             beta1 = self.optimizer.param_groups[b.group]["betas"][0]
             x, m_prev, scales = b.grad, self._full_momentum(b), self._scales(b)
@@ -232,7 +229,7 @@ class OneBitOptimizer(DistributedOptimizer):
             if scales is not None:
                 for (p, o), s in zip(zip(b.params, b.offsets), scales):
                     x[o:o + p.numel()].div_(s)
-            masters[b.index].grad = x[slice(*b.shard_range(self.shard_index, self.parts))]
+            self._master[b.index].grad = x[slice(*b.shard_range(self.shard_index, self.parts))]
         self.optimizer.step()
         if self.sharded:
             for b in self.buckets:
@@ -240,16 +237,15 @@ class OneBitOptimizer(DistributedOptimizer):
 
     def _local(self, t: int) -> None:
         """0/1 Adam after the variance freeze: a local step, and a synchronisation when the schedule says."""
-        masters = self._masters_of()
         if t == self.schedule.var_freeze_step + 1 and self.momentum_channel.error_feedback is not None:
             self.momentum_channel.error_feedback.reset()  # the 1-bit gradients' residuals do not carry over (DeepSpeed)
         for b in self.buckets:
-            masters[b.index].grad = b.grad
+            self._master[b.index].grad = b.grad
         self.optimizer.step()
         if not self.schedule.syncs(t):
             return
         for b in self.buckets:
-            m = masters[b.index]
+            m = self._master[b.index]
             w = self.optimizer.sync_buffer(m)
             ch = self.momentum_channel if b.compressed else self._momentum_plain
             ch.all_reduce(w, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",

@@ -25,9 +25,6 @@ import torch.distributed as dist
 
 from ..frozen_adam import FrozenVarianceAdamW
 
-ACTIONS = ("grad", "grad_1bit", "momentum", "local")
-
-
 class OneBitAdamRule(FrozenVarianceAdamW):
     """1-bit Adam (Tang et al., 2021): AdamW for ``freeze_step`` steps, then the variance is frozen and the
     exchanged momentum replaces the local one.
