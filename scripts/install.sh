@@ -21,4 +21,10 @@ echo "install.sh: installing megacomp in editable mode${extra:+ with the test re
 if [ "${1:-}" = "test" ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "triton==3.9.0"
 fi
+# megatron-core for the megatron integration's tests and example: --no-deps, because its requirements
+# (torch, numpy, packaging) are already here and pip must not swap the installed torch; an installed
+# megatron-core is kept (the integration checks its version and says what it supports)
+if [ "${1:-}" = "test" ] && ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet --no-deps "megatron-core==0.16.1"
+fi
 echo "install.sh: done. The C++ codec kernels build on first use (about a minute, once; it says so)."
