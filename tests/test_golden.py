@@ -28,7 +28,10 @@ and each Trainer builds its channels afresh. (At the recording commit the stream
 codec spec, so the seeded configuration uses seeds found nowhere else and runs once per spawn.)
 
 The numbers depend on the machine and the libraries (torch's CPU kernels, the Python standard library
-that is the corpus, sentencepiece): the fixture records that environment, and elsewhere these tests skip.
+that is the corpus, sentencepiece) and on the CPU model (torch's kernels choose code paths by it: an AMD
+family 25 model 17 with AVX512 gives other bits than the machine of the first recording): each fixture
+records its environment, one file per CPU model (``golden-<cpu>.json``; ``golden.json`` is the first
+recording, made before the CPU was part of the environment), and where no file matches these tests skip.
 They do not depend on the codec backend: the compiled CPU kernels and ``MEGACOMP_KERNELS=reference`` give
 the same bits.
 
@@ -36,7 +39,7 @@ Re-record (only at a commit whose numbers are the reference, i.e. before a chang
 
     MEGACOMP_RECORD_GOLDEN=1 python -m pytest tests/test_golden.py
 
-rewrites tests/golden/golden.json (each test its own section).
+rewrites this environment's file (each test its own section; a new CPU model gets a new file).
 """
 import hashlib
 import json
@@ -58,7 +61,7 @@ from megacomp.optimizer import CompressedHookState, DistributedOptimizer
 from megacomp.training import PretrainConfig, Trainer
 
 HERE = Path(__file__).resolve().parent
-FIXTURE = HERE / "golden" / "golden.json"
+FIXTURE_DIR = HERE / "golden"  # golden.json (first recording) and golden-<cpu>.json, one file per environment
 PRESETS = HERE.parent / "configs" / "compression"
 RECORD = os.environ.get("MEGACOMP_RECORD_GOLDEN") == "1"
 MIN_NUMEL = 256  # below every matrix and activation of the tiny model, above its 1-D parameters
@@ -72,13 +75,43 @@ LAYOUTS = {  # name: (tensor_model_parallel_size, pipeline_model_parallel_size, 
 
 
 # -- fixture file -----------------------------------------------------------------------------------
+def cpu_model() -> str:
+    """The CPU's vendor, family and model (/proc/cpuinfo): torch's CPU kernels pick code paths by it, so two
+    machines with the same ``cpu_capability`` (AVX512 on an AMD family 25 and on another CPU) give other bits."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return platform.processor() or "unknown"
+    return f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def environment() -> dict:
     import numpy
     import sentencepiece
 
     return {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
             "sentencepiece": sentencepiece.__version__, "machine": platform.machine(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_model()}
+
+
+def fixture_path() -> Path:
+    """The fixture recorded in this environment: ``golden-<cpu>.json`` whose environment equals this one, else
+    ``golden.json`` (the first recording, whose environment did not name the CPU) when everything else
+    matches; for a new recording, ``golden-<cpu>.json``."""
+    env = environment()
+    legacy = None
+    for path in sorted(FIXTURE_DIR.glob("golden*.json")):
+        recorded = json.loads(path.read_text()).get("environment", {})
+        if recorded == env:
+            return path
+        if "cpu" not in recorded and recorded == {k: v for k, v in env.items() if k != "cpu"}:
+            legacy = path
+    if legacy is not None and not RECORD:
+        return legacy
+    return FIXTURE_DIR / ("golden-" + "".join(c if c.isalnum() else "-" for c in env["cpu"]).lower() + ".json")
 
 
 def _commit() -> str:
@@ -119,18 +152,19 @@ def _diff(want, got, path: str = "") -> list[str]:
 def check_golden(section: str, got: dict) -> None:
     """Record ``got`` under ``section`` (MEGACOMP_RECORD_GOLDEN=1), else compare it with the fixture, exactly."""
     got = json.loads(json.dumps(got))  # the fixture's own types (tuples -> lists)
-    data = json.loads(FIXTURE.read_text()) if FIXTURE.exists() else {}
+    fixture = fixture_path()
+    data = json.loads(fixture.read_text()) if fixture.exists() else {}
     if RECORD:
         if data.get("environment", environment()) != environment():
             data = {}  # values from another environment cannot be mixed with these
         data["environment"] = environment()
         data["recorded_at"] = _commit()
         data[section] = got
-        FIXTURE.parent.mkdir(exist_ok=True)
-        FIXTURE.write_text(_dump(data) + "\n")
+        fixture.parent.mkdir(exist_ok=True)
+        fixture.write_text(_dump(data) + "\n")
         return
     if section not in data:
-        pytest.fail(f"{FIXTURE} has no section {section!r}: record it at the reference commit "
+        pytest.fail(f"{fixture} has no section {section!r}: record it at the reference commit "
                     f"(MEGACOMP_RECORD_GOLDEN=1 python -m pytest {Path(__file__).name})")
     problems = _diff(data[section], got, section)
     assert not problems, f"{len(problems)} difference(s) from the golden values:\n" + "\n".join(problems[:25])
@@ -138,10 +172,11 @@ def check_golden(section: str, got: dict) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def same_environment():
-    if RECORD or not FIXTURE.exists():
+    fixture = fixture_path()
+    if RECORD or not fixture.exists():
         return
-    recorded = json.loads(FIXTURE.read_text()).get("environment")
-    if recorded != environment():
+    recorded = json.loads(fixture.read_text()).get("environment")
+    if {k: v for k, v in recorded.items() if k != "cpu"} != {k: v for k, v in environment().items() if k != "cpu"}:
         pytest.skip(f"golden values were recorded in {recorded}, this is {environment()}: bit-exact values differ "
                     f"across machines and libraries; re-record at the reference commit to use them here")
 
