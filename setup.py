@@ -16,7 +16,7 @@ setup(
     + ["megacomp.kernels", "megacomp.kernels.cpu", "megacomp.kernels.triton"],
     package_dir={"megacomp.kernels": "kernels"},  # kernels/ lives at the top level, installed as megacomp.kernels
     package_data={"megacomp.kernels": ["cpu/*.cpp", "cpu/*.h"]},
-    install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece"],
+    install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece", "einops>=0.7"],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6", "matplotlib"],
         "plot": ["matplotlib"],

@@ -1,6 +1,8 @@
 """A transformer block built from the TP layers matches a single-device block written with nn.Linear and
 F.scaled_dot_product_attention (TP 2 and 4, with and without sequence parallelism, inside a TP x DP grid),
 forward and backward (megacomp.models.transformer)."""
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +85,42 @@ def _block_body(rank, world, tp, sp):
                          ids=["tp2", "tp2-sp", "tp4-sp", "tp2xdp2-sp"])
 def test_block_matches_single_device(world, tp, sp):
     assert all(run_ranks(_block_body, world, tp, sp))
+
+
+# -- the optional apex path (apex cannot be installed here: the guard is tested with stand-in modules) ----------
+def test_apex_guard_falls_back_when_apex_is_missing_or_unrelated(monkeypatch):
+    import types
+
+    from megacomp.models import transformer as tr
+
+    monkeypatch.setitem(sys.modules, "apex", None)  # not installed: import raises ImportError
+    assert tr.apex_layer_norm_class() is None
+    unrelated = types.ModuleType("apex")  # PyPI's unrelated "apex": a module without apex.normalization
+    monkeypatch.setitem(sys.modules, "apex", unrelated)
+    monkeypatch.delitem(sys.modules, "apex.normalization", raising=False)
+    assert tr.apex_layer_norm_class() is None
+    ln = tr.layer_norm(8, 1e-5, False, torch.bfloat16)
+    assert type(ln) is torch.nn.LayerNorm and ln.weight.dtype == torch.bfloat16
+
+
+def test_apex_layer_norm_gets_the_model_dtype(monkeypatch):
+    """apex's FusedLayerNorm takes no dtype and makes fp32 parameters: layer_norm casts them to the model's."""
+    import types
+
+    from megacomp.models import transformer as tr
+
+    class FusedLayerNorm(torch.nn.LayerNorm):  # apex's constructor signature: no dtype argument
+        def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True):
+            super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine)
+
+    apex, norm = types.ModuleType("apex"), types.ModuleType("apex.normalization")
+    norm.FusedLayerNorm = FusedLayerNorm
+    apex.normalization = norm
+    monkeypatch.setitem(sys.modules, "apex", apex)
+    monkeypatch.setitem(sys.modules, "apex.normalization", norm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ln = tr.layer_norm(8, 1e-5, True, torch.bfloat16)
+    assert type(ln) is FusedLayerNorm and {p.dtype for p in ln.parameters()} == {torch.bfloat16}
+    assert all(p.sequence_parallel for p in ln.parameters())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # apex without CUDA: torch's LayerNorm
+    assert type(tr.layer_norm(8, 1e-5, False, torch.float32)) is torch.nn.LayerNorm

@@ -19,15 +19,21 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 from torch import nn
 
 from ..config import ModelParallelConfig
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear, init_method_normal, scaled_init_method_normal
 
-try:  # optional: NVIDIA apex is not on PyPI and needs a CUDA build of torch
-    from apex.normalization import FusedLayerNorm as _ApexLayerNorm  # type: ignore
-except Exception:  # ImportError, or a broken/unrelated "apex" package
-    _ApexLayerNorm = None
+
+def apex_layer_norm_class():
+    """apex's ``FusedLayerNorm``, or None when apex is absent, broken, or the unrelated PyPI package named
+    ``apex`` (NVIDIA apex is not on PyPI and needs a CUDA build of torch; it stays optional)."""
+    try:
+        from apex.normalization import FusedLayerNorm  # type: ignore
+    except Exception:  # ImportError, or an "apex" whose import fails in any other way
+        return None
+    return FusedLayerNorm
 
 
 @dataclass
@@ -60,12 +66,14 @@ class TransformerConfig:
 
 
 def layer_norm(hidden: int, eps: float, sequence_parallel: bool, dtype: torch.dtype) -> nn.Module:
-    """A LayerNorm over ``hidden`` features: apex's FusedLayerNorm when apex imports and CUDA is available
-    (created in its default dtype), else ``nn.LayerNorm`` in ``dtype``. Its parameters get
-    ``sequence_parallel`` set, so that allreduce_sequence_parallel_gradients sums their gradients over TP
-    when sequence parallelism is on."""
-    if _ApexLayerNorm is not None and torch.cuda.is_available():
-        ln = _ApexLayerNorm(hidden, eps=eps)
+    """A LayerNorm over ``hidden`` features in ``dtype``: apex's FusedLayerNorm when apex imports and CUDA is
+    available, else ``nn.LayerNorm``. apex's constructor takes no dtype and makes fp32 parameters, so they
+    are cast to ``dtype`` here (with bf16 params otherwise the sharded optimizer, which needs one dtype per
+    model, refuses them). Its parameters get ``sequence_parallel`` set, so that
+    allreduce_sequence_parallel_gradients sums their gradients over TP when sequence parallelism is on."""
+    apex_ln = apex_layer_norm_class()
+    if apex_ln is not None and torch.cuda.is_available():
+        ln = apex_ln(hidden, eps=eps).to(dtype=dtype)
     else:
         ln = nn.LayerNorm(hidden, eps=eps, dtype=dtype)
     for p in ln.parameters():
@@ -113,11 +121,10 @@ class ParallelAttention(nn.Module):
             ValueError: the input's last dim is not ``hidden_size`` (from ColumnParallelLinear).
         """
         qkv, _ = self.qkv(x)                                   # [s, b, 3 h / tp]
-        s, b = qkv.shape[0], qkv.shape[1]
-        qkv = qkv.view(s, b, self.heads_per_rank, 3, self.head_dim)
-        q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
+        # each head's q, k, v are adjacent in the fused projection (Megatron's layout): views, no copies
+        q, k, v = rearrange(qkv, "s b (h three d) -> three b h s d", three=3, d=self.head_dim)
         ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, self.heads_per_rank * self.head_dim)
+        ctx = rearrange(ctx, "b h s d -> s b (h d)")
         out, _ = self.proj(ctx)
         return out
 
