@@ -30,6 +30,8 @@ iterations, then Adam's second moment frozen while the codec runs), with and wit
 the DP bytes over the run and after the warm-up and the rounds of communication (--seeds 1,2,3, --iters 600);
 ``demo_sweep`` and ``structured``: issue #17's DeMo (learning rates and decays on one seed), then SparseLoCo,
 DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replicas, --seeds 1,2,3);
+``fsdp``: issue #19's FSDP2 with megacomp's reduce-scatter / all-gather (LoCo int4 gradients, int8 parameters)
+against stock FSDP2, paired by seed.
 ``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, Accordion
 (rank 4 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
@@ -218,6 +220,19 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
     "Accordion eta 0.1, every 15": accordion(0.1, 15),
     "Accordion eta 0.2, every 5": accordion(0.2, 5),
     "Accordion eta 0.05, every 30": accordion(0.05, 30),
+}}
+
+
+# issue #19: PyTorch FSDP2 (fully_shard on every transformer layer and the model) with megacomp's codecs as its
+# custom reduce-scatter / all-gather (megacomp.integrations.fsdp), against stock FSDP2 ("none"). The "off" row
+# runs megacomp's collectives with identity codecs: bit-identical to stock (its loss must equal it), and it counts
+# the uncompressed bytes stock FSDP2 sends. Run by scripts/ddp_convergence.py.
+FSDP_LOSSY = "dp_gradient: {name: int4}, dp_gradient_error_feedback: loco, min_compress_numel: 4096"
+SUITES["fsdp"] = {"layout": [], "variants": {
+    "none": {"hook": "fsdp2:none"},
+    "megacomp FSDP2, compression off": {"hook": "fsdp2:{}"},
+    "LoCo int4 gradients": {"hook": "fsdp2:{" + FSDP_LOSSY + "}"},
+    "LoCo int4 gradients + int8 parameters": {"hook": "fsdp2:{" + FSDP_LOSSY + ", dp_parameter: int8}"},
 }}
 
 

@@ -1,4 +1,4 @@
-"""One rank of a torch-DDP pretraining run with a chosen gradient communication hook (run under torchrun).
+"""One rank of a torch-DDP or FSDP2 pretraining run with a chosen gradient communication (run under torchrun).
 
     torchrun --standalone --nproc-per-node 4 scripts/ddp_convergence.py --config configs/gpt_tiny.yaml \
         --train-iters 500 --log-dir runs/x --hook torch_powersgd:4
@@ -13,6 +13,10 @@ data-parallel gradients go through torch DDP and ``--hook``:
                        one bucket (with several it races on gloo: ../shared/research/platform.md)
   megacomp:SPEC        megacomp's hook (megacomp.optimizer.ddp_hook) with the YAML codec SPEC, e.g.
                        ``'{name: powersgd, rank: 4}'`` or an Accordion mapping; DDP's default buckets
+  fsdp2:none           no DDP: stock FSDP2 (``fully_shard`` on every transformer layer and on the model)
+  fsdp2:SPEC           the same FSDP2 with megacomp.integrations.fsdp.FSDPCompression built from the YAML
+                       mapping SPEC (a CommCompressionConfig: dp_gradient, dp_gradient_error_feedback,
+                       dp_parameter, min_compress_numel), e.g. ``'{dp_gradient: int4, dp_parameter: int8}'``
 
 It writes ``metrics.jsonl`` (iteration, loss, wire_bytes, uncompressed_bytes, traffic) in the format of
 megacomp.training.metrics, so scripts/convergence.py and scripts/plot_metrics.py read it like a pretraining
@@ -81,7 +85,22 @@ def main() -> None:
                     ffn_hidden_size=cfg.ffn_hidden_size, num_layers=cfg.num_layers, vocab_size=vocab,
                     max_seq_length=cfg.seq_length, seed=cfg.seed)
     model = GPTModel(gpt, ModelParallelConfig(process_groups=groups))
-    if known.hook.startswith("torch_powersgd:"):
+    fsdp = known.hook.startswith("fsdp2:")
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        from megacomp.integrations.fsdp import FSDPCompression
+
+        for block in model.layers:
+            fully_shard(block)
+        ddp = fully_shard(model)
+        spec = known.hook[len("fsdp2:"):]
+        if spec != "none":
+            comp = FSDPCompression(yaml.safe_load(spec)).apply(model)
+            if rank == 0:
+                print(comp, flush=True)
+        hook_state = None
+    elif known.hook.startswith("torch_powersgd:"):
         ddp = DDP(model, bucket_cap_mb=1024)
         ddp.register_comm_hook(*_torch_powersgd_counting(int(known.hook.split(":")[1])))
         hook_state = None
@@ -104,7 +123,9 @@ def main() -> None:
         losses = []
         for k in range(micro):
             ids, labels = get_batch(data, next(batches))
-            ctx = ddp.no_sync() if k < micro - 1 else torch.enable_grad()
+            if fsdp:  # FSDP2 accumulates unsharded gradients until the last micro-batch
+                ddp.set_requires_gradient_sync(k == micro - 1)
+            ctx = ddp.no_sync() if k < micro - 1 and not fsdp else torch.enable_grad()
             with ctx:
                 loss = ddp(ids, labels)
                 (loss / micro).backward()
