@@ -61,24 +61,24 @@ SUPPORTED_MEGATRON = (0, 16)
 """The megatron-core release (major, minor) this integration is written and tested for (CI pins 0.16.1)."""
 
 _TP_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter")
-_MAPPINGS = {  # name -> the parameter names megatron-core 0.16 gives it (checked at install)
-    "copy_to_tensor_model_parallel_region": ("input_", "group"),
-    "reduce_from_tensor_model_parallel_region": ("input_", "group"),
-    "scatter_to_tensor_model_parallel_region": ("input_", "group"),
-    "gather_from_tensor_model_parallel_region": ("input_", "group"),
-    "scatter_to_sequence_parallel_region": ("input_", "group"),
-    "gather_from_sequence_parallel_region": ("input_", "tensor_parallel_output_grad", "group",
-                                             "output_split_sizes", "use_global_buffer"),
-    "reduce_scatter_to_sequence_parallel_region": ("input_", "group", "input_split_sizes", "use_global_buffer"),
-}
-_LINEARS = {
-    "linear_with_grad_accumulation_and_async_allreduce": (
+_MAPPINGS = (  # (name, the parameter names megatron-core 0.16 gives it), checked at install
+    ("copy_to_tensor_model_parallel_region", ("input_", "group")),
+    ("reduce_from_tensor_model_parallel_region", ("input_", "group")),
+    ("scatter_to_tensor_model_parallel_region", ("input_", "group")),
+    ("gather_from_tensor_model_parallel_region", ("input_", "group")),
+    ("scatter_to_sequence_parallel_region", ("input_", "group")),
+    ("gather_from_sequence_parallel_region", ("input_", "tensor_parallel_output_grad", "group",
+                                              "output_split_sizes", "use_global_buffer")),
+    ("reduce_scatter_to_sequence_parallel_region", ("input_", "group", "input_split_sizes", "use_global_buffer")),
+)
+_LINEARS = (
+    ("linear_with_grad_accumulation_and_async_allreduce", (
         "input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-        "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group"),
-    "linear_with_frozen_weight": (
+        "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce", "tp_group")),
+    ("linear_with_frozen_weight", (
         "input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad", "sequence_parallel",
-        "tp_group", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce"),
-}
+        "tp_group", "grad_output_buffer", "wgrad_deferral_limit", "async_grad_allreduce")),
+)
 _MARK = "_megacomp_installed"  # set on megatron.core.tensor_parallel.mappings while installed
 
 
@@ -177,10 +177,10 @@ class MegatronCompression:
             raise RuntimeError(f"megacomp's megatron integration is already installed ({current!r}); call "
                                f"uninstall() on it first (one installation at a time)")
         originals = {}
-        for name, expected in _MAPPINGS.items():
+        for name, expected in _MAPPINGS:
             _check_signature(getattr(mappings, name), expected, f"tensor_parallel.mappings.{name}")
             originals[name] = getattr(mappings, name)
-        for name, expected in _LINEARS.items():
+        for name, expected in _LINEARS:
             _check_signature(getattr(layers, name), expected, f"tensor_parallel.layers.{name}")
             originals[name] = getattr(layers, name)
         self._originals = originals

@@ -67,6 +67,7 @@ class CompressedLinear(torch.autograd.Function):
     @_FWD
     def forward(ctx, input, weight, bias, allreduce_dgrad, sequence_parallel, grad_output_buffer,
                 wgrad_deferral_limit, tp_group, paths, ef_key):
+        """``X W^T + b``, X all-gathered along the sequence dim first under sequence parallelism."""
         ctx.save_for_backward(input, weight)
         ctx.use_bias = bias is not None
         ctx.allreduce_dgrad, ctx.sequence_parallel = allreduce_dgrad, sequence_parallel
@@ -81,6 +82,7 @@ class CompressedLinear(torch.autograd.Function):
     @staticmethod
     @_BWD
     def backward(ctx, grad_output):
+        """dX (its collective started first), then dW on 2-D views and db; waits for dX's collective last."""
         input, weight = ctx.saved_tensors
         buffer, limit = ctx.grad_output_buffer, ctx.wgrad_deferral_limit
         wgrad_compute = True
@@ -110,6 +112,7 @@ class CompressedFrozenLinear(torch.autograd.Function):
     @staticmethod
     @_FWD
     def forward(ctx, input, weight, bias, allreduce_dgrad, tp_group, paths, ef_key):
+        """``X W^T + b``; only the weight is saved (no weight gradient)."""
         ctx.save_for_backward(weight)
         ctx.allreduce_dgrad, ctx.tp_group, ctx.paths, ctx.ef_key = allreduce_dgrad, tp_group, paths, ef_key
         output = torch.matmul(input, weight.t())
@@ -120,6 +123,7 @@ class CompressedFrozenLinear(torch.autograd.Function):
     @staticmethod
     @_BWD
     def backward(ctx, grad_output):
+        """dX = dY W, all-reduced over TP when ``allreduce_dgrad``."""
         (weight,) = ctx.saved_tensors
         grad_input = grad_output.matmul(weight)
         if ctx.allreduce_dgrad:
