@@ -36,6 +36,12 @@ _FWD = torch.amp.custom_fwd(device_type="cuda")  # what megatron-core applies: a
 _BWD = torch.amp.custom_bwd(device_type="cuda")
 
 
+def _affine(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """megatron-core's forward arithmetic: ``matmul(x, W^T)``, then ``+ b`` (not fused into addmm)."""
+    out = torch.matmul(x, weight.t())
+    return out + bias if bias is not None else out
+
+
 def _two_d(grad_output: torch.Tensor, total_input: torch.Tensor):
     """megatron-core's ``prepare_input_tensors_for_wgrad_compute``: contiguous, [s, b, h] -> [s*b, h]."""
     grad_output, total_input = grad_output.contiguous(), total_input.contiguous()
@@ -74,10 +80,7 @@ class CompressedLinear(torch.autograd.Function):
         ctx.grad_output_buffer, ctx.wgrad_deferral_limit = grad_output_buffer, wgrad_deferral_limit
         ctx.tp_group, ctx.paths, ctx.ef_key = tp_group, paths, ef_key
         total_input = _gather(input, tp_group, 0, paths.sp_all_gather, "sp_all_gather") if sequence_parallel else input
-        output = torch.matmul(total_input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        return _affine(total_input, weight, bias)
 
     @staticmethod
     @_BWD
@@ -115,10 +118,7 @@ class CompressedFrozenLinear(torch.autograd.Function):
         """``X W^T + b``; only the weight is saved (no weight gradient)."""
         ctx.save_for_backward(weight)
         ctx.allreduce_dgrad, ctx.tp_group, ctx.paths, ctx.ef_key = allreduce_dgrad, tp_group, paths, ef_key
-        output = torch.matmul(input, weight.t())
-        if bias is not None:
-            output = output + bias
-        return output
+        return _affine(input, weight, bias)
 
     @staticmethod
     @_BWD
