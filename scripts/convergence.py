@@ -228,7 +228,7 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
 # runs megacomp's collectives with identity codecs: bit-identical to stock (its loss must equal it), and it counts
 # the uncompressed bytes stock FSDP2 sends. Run by scripts/ddp_convergence.py.
 FSDP_LOSSY = "dp_gradient: {name: int4}, dp_gradient_error_feedback: loco, min_compress_numel: 4096"
-SUITES["fsdp"] = {"layout": [], "variants": {
+SUITES["fsdp"] = {"layout": [], "bytes_reference": "megacomp FSDP2, compression off", "variants": {
     "none": {"hook": "fsdp2:none"},
     "megacomp FSDP2, compression off": {"hook": "fsdp2:{}"},
     "LoCo int4 gradients": {"hook": "fsdp2:{" + FSDP_LOSSY + "}"},
@@ -376,22 +376,26 @@ def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
 
 def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names: set[str]) -> list[str]:
     """Final loss per variant as mean and standard deviation over seeds, and its difference to 'none'
-    per seed (same seed = same initialisation and data order, so the paired difference has less noise)."""
+    per seed (same seed = same initialisation and data order, so the paired difference has less noise). Bytes are
+    compared with the suite's ``bytes_reference`` variant (default 'none'; FSDP's stock run is not counted)."""
+    bytes_ref = SUITES.get(suite, {}).get("bytes_reference", "none")
     tail = max(1, len(runs["none"][0]) // 10)
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
     lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(final['none'])} seeds", "",
              "Each variant is compared with the uncompressed run of the same optimizer (`none` for AdamW, "
              "`none, frozen v` for the frozen-variance variants), seed by seed.", "",
-             "| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | dp_gradient MB/iter "
-             "(wire / fp32) | DP + outer MB over the run (wire) | x fewer than none |", "|---|---|---|---|---|---|---|"]
+             f"| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | DP MB/iter, last "
+             f"iteration (wire / uncompressed) | DP + outer MB over the run (wire) | x fewer than {bytes_ref} |",
+             "|---|---|---|---|---|---|---|"]
     def dp_bytes(recs):  # every iteration of the run, warm-ups included: the data-parallel and outer traffic
         return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k == "outer")
-    base_bytes = dp_bytes(runs["none"][0])
+    base_bytes = dp_bytes(runs[bytes_ref][0])
     for name, vals in final.items():
         ref = "none, frozen v" if name in frozen_names and "none, frozen v" in final else "none"
         base = final[ref] if name != ref else final["none"]
         rel = [100 * (v - b) / b for v, b in zip(vals, base)]
-        w, u = runs[name][0][-1]["traffic"].get("dp_gradient", [0, 0])
+        last = [wu for k, wu in runs[name][0][-1]["traffic"].items() if k.startswith("dp_")]
+        w, u = sum(x for x, _ in last), sum(y for _, y in last)
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0
         total = dp_bytes(runs[name][0])
