@@ -142,6 +142,18 @@ def test_guard_state_of_an_older_checkpoint_loads_as_fresh():
         guard.observe(5, 30.0, True, 1e-3)
 
 
+def test_an_exploding_loss_stops_even_when_its_gradients_overflowed_too():
+    """lr 1e6 gives a finite loss of ~1e12 together with inf gradients: the loss rule decides, not the skip
+    counter (which would tolerate it for max_skipped_steps more iterations)."""
+    guard = DivergenceGuard()
+    assert guard.observe(1, 6.2, True, 1e6) is None
+    with pytest.raises(TrainingDiverged, match="iteration 2: loss 4.3e\\+12 is more than"):
+        guard.observe(2, 4.3e12, False, 1e6)
+    tolerant = DivergenceGuard(loss_divergence_factor=0.0)  # the loss rule off: a skipped step, tolerated
+    tolerant.observe(1, 6.2, True, 1e6)
+    assert "step skipped (inf/NaN gradients)" in tolerant.observe(2, 4.3e12, False, 1e6)
+
+
 def test_skipped_steps_are_tolerated_up_to_the_limit(corpus):
     """Inf/NaN gradients skip the step; more than max_skipped_steps in a row stop the run, on every rank."""
     files, cache = corpus

@@ -8,8 +8,9 @@ Per iteration:
   1. a skipped optimizer step (inf/NaN gradients) or a non-finite loss counts as a bad step; up to
      ``max_skipped_steps`` consecutive bad steps are tolerated (fp16 loss scaling skips a few by design),
      one more stops the run;
-  2. a finite loss above ``loss_divergence_factor`` times the lowest loss so far stops the run at once:
-     that step was already applied, so the weights are no longer worth keeping.
+  2. a finite loss above ``loss_divergence_factor`` times the lowest loss so far stops the run at once,
+     whether or not this step's gradients overflowed too: the weights that gave it are no longer worth
+     keeping (checked first, so an exploding loss is never counted as a tolerated skip).
 A stop raises :class:`TrainingDiverged` with a one-line reason; the trainer writes no checkpoint after it,
 and moves aside the one written right before it (its weights gave the diverging loss). The state
 (lowest loss, bad steps in a row) is saved in checkpoints, so a resumed run keeps the same verdicts.
@@ -58,6 +59,14 @@ class DivergenceGuard:
             TrainingDiverged: too many consecutive bad steps, or an exploding loss (the message names the
                 iteration, the values and what to change)."""
         finite = math.isfinite(loss)
+        # an exploding loss stops the run even when this step's gradients overflowed too: the loss was computed
+        # with the weights of the previous step, so skipping this step cannot save them
+        if finite and self.loss_divergence_factor and self.best_loss < math.inf \
+                and loss > self.loss_divergence_factor * self.best_loss:
+            raise TrainingDiverged(
+                f"training diverged at iteration {iteration}: loss {loss:.4g} is more than "
+                f"--loss-divergence-factor {self.loss_divergence_factor:g} x the lowest loss so far "
+                f"({self.best_loss:.4g}); lower --lr (now {lr:.3g}), then resume from the last checkpoint")
         if not stepped or not finite:
             self.consecutive += 1
             self.skipped_total += 1
@@ -70,11 +79,6 @@ class DivergenceGuard:
             return (f"iteration {iteration}: step skipped ({why}), {self.consecutive} in a row "
                     f"(stop after {self.max_skipped_steps})")
         self.consecutive = 0
-        if self.loss_divergence_factor and self.best_loss < math.inf and loss > self.loss_divergence_factor * self.best_loss:
-            raise TrainingDiverged(
-                f"training diverged at iteration {iteration}: loss {loss:.4g} is more than "
-                f"--loss-divergence-factor {self.loss_divergence_factor:g} x the lowest loss so far "
-                f"({self.best_loss:.4g}); lower --lr (now {lr:.3g}), then resume from the last checkpoint")
         self.best_loss = min(self.best_loss, loss)
         return None
 
