@@ -45,7 +45,7 @@ ValueError naming the unit), and ``ReduceOp.PREMUL_SUM`` (``set_gradient_divide_
 from __future__ import annotations
 
 import io
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -191,10 +191,3 @@ class FSDPCompression:
         return (f"FSDPCompression(dp_gradient={self.channels.dp_gradient.codec}, "
                 f"dp_parameter={self.channels.dp_parameter.codec}, units={len(self.units)})")
 
-
-def wire_summary(stats: Optional[dict] = None) -> dict[str, tuple[int, int]]:
-    """(wire bytes, uncompressed bytes) of the FSDP paths from ``comm.stats()`` (or ``stats``)."""
-    from ..comm import stats as comm_stats
-
-    table = comm_stats() if stats is None else stats
-    return {p: (table[p].wire_bytes, table[p].uncompressed_bytes) for p in _DP_PATHS if p in table}

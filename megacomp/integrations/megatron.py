@@ -222,8 +222,9 @@ class MegatronCompression:
 
     # -- checkpointing -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This rank's TP channel state (tp_backward error feedback, stochastic streams) and the key counter."""
-        return {"channels": {p: getattr(self.channels, p).state_dict() for p in _TP_PATHS}, "count": self._count}
+        """This rank's TP channel state (tp_backward error feedback, stochastic streams). The error-feedback keys
+        are not saved: :meth:`register` names them, or a resumed run hands them out again in forward order."""
+        return {"channels": {p: getattr(self.channels, p).state_dict() for p in _TP_PATHS}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict` (ValueError when a codec differs from the one saved)."""
@@ -287,10 +288,12 @@ class MegatronCompression:
                                                            wgrad_deferral_limit=None, async_grad_allreduce=None,
                                                            tp_group=None):
         name = "linear_with_grad_accumulation_and_async_allreduce"
-        special = ("gradient_accumulation_fusion" if gradient_accumulation_fusion else
-                   "Megatron-FSDP" if hasattr(weight, "__fsdp_param__") else None)
+        special = (("gradient_accumulation_fusion", "turn gradient_accumulation_fusion off in the config")
+                   if gradient_accumulation_fusion else
+                   ("Megatron-FSDP parameters", "use FSDP2 with megacomp.integrations.fsdp for sharded data parallelism")
+                   if hasattr(weight, "__fsdp_param__") else None)
         if special is not None:
-            self._unsupported(name, special, "turn gradient_accumulation_fusion off (config)")
+            self._unsupported(name, *special)
             return self._originals[name](input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
                                          sequence_parallel, grad_output_buffer, wgrad_deferral_limit,
                                          async_grad_allreduce, tp_group)
