@@ -1,0 +1,253 @@
+"""LOMO and AdaLomo: the parameter update fused into backward, so full gradients are never all stored.
+
+    opt = AdaLomo(model, lr=1e-3, dp_group=dp, channel=Channel("dp_gradient", "int4", error_feedback="loco"))
+    for batch in data:
+        loss = model(batch)
+        if opt.clip_grad_norm:          # LOMO's clipping by the global norm takes a first backward pass
+            opt.grad_norm(loss)
+        opt.fused_backward(loss, lr)    # each parameter is reduced, updated and its gradient freed in backward
+
+Algorithm (Lv et al., LOMO arXiv 2306.09782 and AdaLomo arXiv 2310.10195; the reference implementation's
+order of operations, OpenLMLab/LOMO ``lomo_optim``). Per parameter p, in its post-accumulate-grad hook:
+
+  1. data-parallel average: ``g = sum_r g_r / world`` through the ``dp_gradient`` channel (codec, error
+     feedback keyed by the parameter's name), started asynchronously; the previous parameter's reduction is
+     finished (decoded, applied, its buffer freed) in the same hook, so one reduction is in flight while
+     autograd computes the next gradients and at most two gradients exist at any time;
+  2. ``g`` in fp32; ``clip_grad_value``: clamp to [-v, v]; ``clip_grad_norm``: multiply by
+     ``min(1, clip_grad_norm / (||g_all|| + 1e-6))``, the norm of all averaged gradients computed by
+     :meth:`grad_norm` in a first backward pass (LOMO's two-pass clipping; that pass reduces with the codec but
+     without error feedback, so the residuals advance once per step);
+  3. LOMO: ``p <- p (1 - lr wd) - lr g`` (in fp32, written back in p's dtype).
+     AdaLomo (``t`` = step number from 1, ``beta2_t = 1 - t^decay_rate``):
+       matrices: ``r <- beta2_t r + (1 - beta2_t) mean_cols(g^2 + eps1)``,
+                 ``c <- beta2_t c + (1 - beta2_t) mean_rows(g^2 + eps1)``,
+                 ``u = g / sqrt((r / mean(r)) c^T)`` (Adafactor's factored second moment);
+       vectors:  ``v <- beta2_t v + (1 - beta2_t)(g^2 + eps1)``, ``u = g / sqrt(v)``;
+       grouped update normalisation ``u <- u / max(1, RMS(u) / clip_threshold)``;
+       ``lr_p = lr * max(eps2, RMS(p))``, ``p <- p (1 - lr_p wd) - lr_p u``.
+
+With an identity channel the update equals the single-process update on the averaged gradient (tested bit
+for bit at DP 1, 2 and 3 with gradients whose sums are exact); a lossy channel adds the codec's error to
+``g`` (megacomp.comm.collectives) before step 2.
+
+Failure behaviour: ValueError for a non-positive ``clip_grad_norm`` or a tensor-parallel sharded parameter
+(not supported yet: its norms and AdaLomo's row / column statistics would need the TP group); RuntimeError when :meth:`fused_backward` is called with ``clip_grad_norm`` set
+but without :meth:`grad_norm` first (the reference's rule). A non-finite gradient norm raises
+FloatingPointError in :meth:`grad_norm` (the step would write NaNs into every parameter).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..comm import Channel
+
+
+class Lomo:
+    """LOMO (see the module docstring): SGD fused into backward.
+
+    Args:
+        model: the module whose trainable parameters are updated (hooks are registered on them).
+        lr: learning rate (``fused_backward`` may override it per step).
+        weight_decay: decoupled weight decay (``p *= 1 - lr * wd``).
+        clip_grad_norm: clip by the global norm of the averaged gradients (two backward passes), or None.
+        clip_grad_value: clamp each averaged gradient element to [-v, v], or None.
+        dp_group: the data-parallel group (None: the default group; a one-rank group reduces nothing).
+        channel: the ``dp_gradient`` channel (codec, error feedback, small-tensor rule); None: uncompressed.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, *, weight_decay: float = 0.0,
+                 clip_grad_norm: Optional[float] = None, clip_grad_value: Optional[float] = None,
+                 dp_group=None, channel: Optional[Channel] = None) -> None:
+        if clip_grad_norm is not None and clip_grad_norm <= 0:
+            raise ValueError(f"clip_grad_norm must be > 0 (or None for no norm clipping), got {clip_grad_norm}")
+        self.model, self.lr, self.weight_decay = model, lr, weight_decay
+        self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
+        self.dp_group = dp_group
+        self.world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
+        self.channel = channel if channel is not None else Channel("dp_gradient", None, group=dp_group)
+        # the norm pass: the same codec, no error feedback (the residuals advance once per step, in the update pass)
+        self._norm_channel = Channel(self.channel.name, self.channel.codec, group=dp_group,
+                                     options=self.channel.options, stats=self.channel.stats,
+                                     min_compress_numel=self.channel.min_compress_numel)
+        sharded = {id(p) for m in model.modules() if getattr(m, "tp_size", 1) > 1  # megacomp's TP layers say it
+                   for p in m.parameters(recurse=False) if getattr(p, "tensor_model_parallel", False)}
+        self.params: dict[str, nn.Parameter] = {}
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) in sharded:
+                raise ValueError(f"{type(self).__name__}: parameter {name!r} is tensor-parallel sharded; LOMO / "
+                                 f"AdaLomo support data parallelism with replicated parameters for now (TP norms "
+                                 f"and AdaLomo's factored statistics need the TP group); use TP size 1")
+            self.params[name] = p
+            p.register_post_accumulate_grad_hook(self._make_hook(name))
+        self.names = {id(p): n for n, p in self.params.items()}
+        self.step_num = 0
+        self.clip_coef: Optional[torch.Tensor] = None
+        self._gather_norm = False
+        self._sq_norms: list[torch.Tensor] = []
+        self._pending: Optional[tuple] = None
+
+    # -- the per-parameter hook --------------------------------------------------------------------
+    def _make_hook(self, name: str):
+        def hook(p: torch.Tensor) -> None:
+            self._on_grad(name, p)
+        return hook
+
+    def _on_grad(self, name: str, p: nn.Parameter) -> None:
+        grad, p.grad = p.grad, None  # the gradient leaves the parameter now: autograd keeps no reference
+        with torch.no_grad():
+            buf = grad.contiguous()
+            channel = self._norm_channel if self._gather_norm else self.channel
+            handle = None
+            if self.world > 1:
+                handle = channel.all_reduce(buf, group=self.dp_group, async_op=True, key=name, tag="dp_gradient")
+            previous, self._pending = self._pending, (name, p, buf, handle)
+            if previous is not None:
+                self._finish(*previous)
+
+    def _flush(self) -> None:
+        if self._pending is not None:
+            previous, self._pending = self._pending, None
+            self._finish(*previous)
+
+    def _finish(self, name: str, p: nn.Parameter, buf: torch.Tensor, handle) -> None:
+        with torch.no_grad():
+            if handle is not None:
+                handle.wait()
+            g = buf.to(torch.float32)
+            if self.world > 1:
+                g.div_(self.world)  # SUM then divide: the same bits as the single-process mean of exact sums
+            del buf
+            if self._gather_norm:
+                self._sq_norms.append(torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2)
+                return
+            if self.clip_grad_value is not None and self.clip_grad_value > 0:
+                g.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
+            if self.clip_grad_norm is not None and self.clip_coef is not None:
+                g.mul_(self.clip_coef)
+            self._update(name, p, g)
+
+    def _update(self, name: str, p: nn.Parameter, g: torch.Tensor) -> None:
+        p32 = p.detach().to(torch.float32)
+        if self.weight_decay:
+            p32.mul_(1.0 - self.lr * self.weight_decay)
+        p32.add_(g, alpha=-self.lr)
+        p.detach().copy_(p32)
+
+    # -- the passes --------------------------------------------------------------------------------
+    def grad_norm(self, loss: torch.Tensor) -> float:
+        """First pass of clipping by norm: backward (graph kept), the averaged gradients' global norm, and
+        ``clip_coef = min(1, clip_grad_norm / (norm + 1e-6))``; no parameter changes. Returns the norm.
+
+        Raises:
+            FloatingPointError: the norm is inf/NaN (lower the learning rate; nothing was updated)."""
+        self._gather_norm, self._sq_norms = True, []
+        try:
+            loss.backward(retain_graph=True)
+            self._flush()
+        finally:
+            self._gather_norm = False
+        total = torch.stack(self._sq_norms).sum().sqrt() if self._sq_norms else torch.zeros(())
+        self._sq_norms = []
+        if not torch.isfinite(total):
+            raise FloatingPointError(f"{type(self).__name__}: the gradient norm is {total.item()}; no parameter was "
+                                     f"updated; lower the learning rate or enable loss scaling")
+        self.clip_coef = torch.clamp(float(self.clip_grad_norm or 0.0) / (total + 1e-6), max=1.0)
+        return total.item()
+
+    def fused_backward(self, loss: torch.Tensor, lr: Optional[float] = None) -> None:
+        """Backward with the fused update of every trainable parameter (its gradient freed on the way).
+
+        Raises:
+            RuntimeError: ``clip_grad_norm`` is set and :meth:`grad_norm` was not called for this loss."""
+        if self.clip_grad_norm is not None and self.clip_coef is None:
+            raise RuntimeError(f"{type(self).__name__}: clip_grad_norm is set, call grad_norm(loss) before "
+                               f"fused_backward(loss) (clipping by norm needs the norm first)")
+        if lr is not None:
+            self.lr = lr
+        self.step_num += 1
+        loss.backward()
+        self._flush()
+        self.clip_coef = None
+
+    # -- checkpointing ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Step counter, learning rate and the DP channel (error feedback, stochastic stream)."""
+        return {"step_num": self.step_num, "lr": self.lr, "channel": self.channel.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (ValueError when the channel's codec differs)."""
+        self.step_num, self.lr = int(state["step_num"]), float(state["lr"])
+        self.channel.load_state_dict(state["channel"])
+
+
+class AdaLomo(Lomo):
+    """AdaLomo (see the module docstring): LOMO with a factored second moment and grouped update normalisation.
+
+    Args:
+        eps: (eps1 added to g^2, eps2 the floor of RMS(p) in the relative step), as the reference (1e-30, 1e-3).
+        clip_threshold: the RMS an update is normalised down to (1.0).
+        decay_rate: ``beta2_t = 1 - t^decay_rate`` (-0.8).
+        Other arguments as :class:`Lomo`.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 1e-3, *, eps=(1e-30, 1e-3), clip_threshold: float = 1.0,
+                 decay_rate: float = -0.8, **kwargs) -> None:
+        super().__init__(model, lr, **kwargs)
+        self.eps, self.clip_threshold, self.decay_rate = tuple(eps), clip_threshold, decay_rate
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        for name, p in self.params.items():
+            if p.dim() > 1:
+                self.state[name] = {"row": torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device),
+                                    "col": torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32,
+                                                       device=p.device)}
+            else:
+                self.state[name] = {"v": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
+
+    @staticmethod
+    def _rms(t: torch.Tensor) -> torch.Tensor:
+        return t.norm(2) / math.sqrt(t.numel())
+
+    def _update(self, name: str, p: nn.Parameter, g: torch.Tensor) -> None:
+        st = self.state[name]
+        beta2t = 1.0 - math.pow(self.step_num, self.decay_rate)
+        sq = g * g + self.eps[0]
+        if p.dim() > 1:
+            st["row"].mul_(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
+            st["col"].mul_(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
+            r = (st["row"] / st["row"].mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+            update = (r * st["col"].unsqueeze(-2).rsqrt()).mul_(g)
+        else:
+            st["v"].mul_(beta2t).add_(sq, alpha=1.0 - beta2t)
+            update = st["v"].rsqrt().mul_(g)
+        update.div_((self._rms(update) / self.clip_threshold).clamp(min=1.0))
+        p32 = p.detach().to(torch.float32)
+        lr = self.lr * max(self.eps[1], self._rms(p32).item())
+        if self.weight_decay:
+            p32.mul_(1.0 - lr * self.weight_decay)
+        p32.add_(update, alpha=-lr)
+        p.detach().copy_(p32)
+
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`Lomo.state_dict` plus the second-moment statistics per parameter name."""
+        return {**super().state_dict(), "moments": {n: {k: v.clone() for k, v in s.items()} for n, s in self.state.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. ValueError when the parameters or their shapes differ."""
+        if set(state["moments"]) != set(self.state):
+            raise ValueError(f"AdaLomo: saved for parameters {sorted(state['moments'])}, this model has "
+                             f"{sorted(self.state)}")
+        for n, s in state["moments"].items():
+            for k, v in s.items():
+                if v.shape != self.state[n][k].shape:
+                    raise ValueError(f"AdaLomo: {n}.{k} saved with shape {tuple(v.shape)}, now "
+                                     f"{tuple(self.state[n][k].shape)}")
+                self.state[n][k].copy_(v)
+        super().load_state_dict(state)

@@ -1,0 +1,242 @@
+"""LOMO and AdaLomo (megacomp.optimizer.lomo) on real gloo groups.
+
+Gradients are chosen, not computed: each rank's loss is ``sum(p * c)`` so ``p.grad == c`` exactly, with ``c`` a
+multiple of 1/16 in [-1/2, 1/2]; sums of such numbers are exact in fp32 in any order, so the DP sum is the same
+bits on every rank and in the single-process run that sees the summed gradient (then both divide by the world).
+
+- Compression off: parameters bit-identical at DP 1, 2 and 3 to the single-process run (clipping by value and
+  by norm, weight decay), and within fp32 round-off of fp64 restatements (SGD with the same clipping; the
+  AdaLomo equations).
+- Compressed: LOMO's step within lr x the codec's all-reduce bound / world; error feedback keyed per
+  parameter; AdaLomo resumes bit for bit from its state_dict.
+- Memory: no gradient is left on a parameter after fused_backward.
+- Bad input: clip_grad_norm <= 0, a missing grad_norm pass, TP-sharded parameters, a non-finite norm.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from codec_bounds import all_reduce_bound
+from distributed import run_ranks
+from megacomp.comm import Channel
+from megacomp.compression import make_codec
+from megacomp.optimizer import AdaLomo, Lomo
+
+SHAPES = [(6, 5), (5,), (4, 7)]
+STEPS = 4
+
+
+class Params(nn.Module):
+    """Three parameters; ``loss(c) = sum_i sum(p_i * c_i)`` so that ``p_i.grad == c_i``."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(s, generator=g)) for s in SHAPES])
+
+    def loss(self, cs):
+        return sum((p * c).sum() for p, c in zip(self.ps, cs))
+
+
+def _grads(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return [torch.randint(-8, 9, s, generator=g).float() / 16 for s in SHAPES]
+
+
+def _summed(world: int, step: int):
+    """The single-process gradient: the DP ranks' gradients summed (exact), before the division by world."""
+    per_rank = [_grads(r, step) for r in range(world)]
+    return [sum(gs[i] for gs in per_rank) for i in range(len(SHAPES))]
+
+
+KINDS = {
+    "lomo": (Lomo, dict(lr=0.05, weight_decay=0.1, clip_grad_value=0.4)),
+    "lomo_norm": (Lomo, dict(lr=0.05, clip_grad_norm=0.5)),
+    "adalomo": (AdaLomo, dict(lr=0.05, weight_decay=0.1)),
+    "adalomo_norm": (AdaLomo, dict(lr=0.05, clip_grad_norm=0.5, clip_grad_value=0.3)),
+}
+
+
+def _train(opt, model, cs_of_step):
+    for step in range(STEPS):
+        cs = cs_of_step(step)
+        if opt.clip_grad_norm:
+            opt.grad_norm(model.loss(cs))
+        opt.fused_backward(model.loss(cs))
+        assert all(p.grad is None for p in model.parameters())  # every gradient was freed in backward
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _dp_body(rank, world, kind):
+    cls, kw = KINDS[kind]
+    model = Params()
+    return _train(cls(model, **kw), model, lambda step: _grads(rank, step))
+
+
+def _single(kind, world):
+    """The same optimizer in one process on the DP-summed gradient, divided by the world as the DP path does."""
+    cls, kw = KINDS[kind]
+    model = Params()
+    opt = cls(model, **kw)
+    opt.world = 1
+    return _train(opt, model, lambda step: [g / world for g in _summed(world, step)])
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_compression_off_is_bit_identical_to_the_single_process_run(kind, world):
+    want = _single(kind, world)
+    for got in run_ranks(_dp_body, world, kind):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+# -- fp64 restatements (written from the papers' equations, not from the module) -----------------
+def _sgd64(p, gs, lr, wd, clip_value, clip_norm):
+    p = [x.detach().double() for x in p]
+    for g in gs:
+        g = [x.double() for x in g]
+        if clip_value:
+            g = [x.clamp(-clip_value, clip_value) for x in g]
+        if clip_norm:
+            norm = math.sqrt(sum(float((x * x).sum()) for x in g))
+            g = [x * min(1.0, clip_norm / (norm + 1e-6)) for x in g]
+        p = [x * (1 - lr * wd) - lr * y for x, y in zip(p, g)]
+    return p
+
+
+def _adalomo64(p, gs, lr, wd, clip_norm=None, eps1=1e-30, eps2=1e-3, d=1.0, decay=-0.8):
+    p = [x.detach().double() for x in p]
+    state = [None] * len(p)
+    for t, g in enumerate(gs, start=1):
+        g = [x.double() for x in g]
+        if clip_norm:
+            norm = math.sqrt(sum(float((x * x).sum()) for x in g))
+            g = [x * min(1.0, clip_norm / (norm + 1e-6)) for x in g]
+        beta = 1 - t ** decay
+        out = []
+        for i, (x, y) in enumerate(zip(p, g)):
+            sq = y * y + eps1
+            if x.dim() == 2:
+                r, c = state[i] if state[i] is not None else (torch.zeros(x.shape[0], dtype=torch.float64),
+                                                               torch.zeros(x.shape[1], dtype=torch.float64))
+                r, c = beta * r + (1 - beta) * sq.mean(1), beta * c + (1 - beta) * sq.mean(0)
+                state[i] = (r, c)
+                u = y / torch.sqrt(torch.outer(r / r.mean(), c))
+            else:
+                v = state[i] if state[i] is not None else torch.zeros_like(x)
+                v = beta * v + (1 - beta) * sq
+                state[i] = v
+                u = y / torch.sqrt(v)
+            rms = lambda z: float(z.norm()) / math.sqrt(z.numel())  # noqa: E731
+            u = u / max(1.0, rms(u) / d)
+            lr_p = lr * max(eps2, rms(x))
+            out.append(x * (1 - lr_p * wd) - lr_p * u)
+        p = out
+    return p
+
+
+def _fp32_bound(p64, lr_scale, n_max):
+    """fp32 round-off of STEPS steps: each element passes through at most ~32 rounded operations per step on
+    values no larger than |p| + lr_scale * sqrt(n) (an update normalised to RMS <= 1 has |u| <= sqrt(n))."""
+    return [STEPS * 32 * 2.0 ** -24 * (x.abs() + lr_scale * math.sqrt(n_max)) for x in p64]
+
+
+def test_lomo_matches_sgd_with_the_same_clipping_in_fp64():
+    for kind in ("lomo", "lomo_norm"):
+        _, kw = KINDS[kind]
+        got = _single(kind, 1)
+        want = _sgd64(Params().ps, [_grads(0, s) for s in range(STEPS)], kw["lr"], kw.get("weight_decay", 0.0),
+                      kw.get("clip_grad_value"), kw.get("clip_grad_norm"))
+        for a, b, bound in zip(got, want, _fp32_bound(want, kw["lr"], 35)):
+            assert ((a.double() - b).abs() <= bound).all(), kind
+
+
+def test_adalomo_matches_the_paper_equations_in_fp64():
+    for kind in ("adalomo",):
+        _, kw = KINDS[kind]
+        got = _single(kind, 1)
+        want = _adalomo64(Params().ps, [_grads(0, s) for s in range(STEPS)], kw["lr"], kw["weight_decay"])
+        scale = kw["lr"] * max(float(x.abs().max()) for x in want)
+        for a, b, bound in zip(got, want, _fp32_bound(want, scale, 35)):
+            assert ((a.double() - b).abs() <= bound).all(), (a - b).abs().max()
+
+
+# -- compressed ------------------------------------------------------------------------------------
+def _lossy_body(rank, world, spec):
+    import torch.distributed as dist
+
+    model = Params()
+    before = [p.detach().clone() for p in model.parameters()]
+    ch = Channel("dp_gradient", spec, error_feedback="ef", min_compress_numel=0)
+    opt = Lomo(model, lr=0.05, channel=ch)
+    opt.fused_backward(model.loss(_grads(rank, 0)))
+    codec = make_codec(spec)
+    ok = []
+    for i, (b, p) in enumerate(zip(before, model.parameters())):
+        partials = [_grads(r, 0)[i] for r in range(world)]
+        exact = sum(x.double() for x in partials) / world
+        moved = (b.double() - p.detach().double()) / 0.05
+        bound = all_reduce_bound(codec, partials) / world + 64 * 2.0 ** -24 * (b.double().abs() / 0.05 + 1)
+        ok.append(bool(((moved - exact).abs() <= bound).all()))
+    keys = sorted(ch.error_feedback.keys())
+    same = [torch.empty_like(model.ps[0]) for _ in range(world)]
+    dist.all_gather(same, model.ps[0].detach())
+    return all(ok), keys, all(torch.equal(same[0], x) for x in same)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_compressed_lomo_step_is_within_the_codec_bound(world):
+    for ok, keys, replicated in run_ranks(_lossy_body, world, {"name": "int4", "block_size": 8}):
+        assert ok and replicated  # every rank applies the same decoded average
+        assert {k.split("/")[0] for k in keys} == {"ps.0", "ps.1", "ps.2"}  # one error per parameter
+
+
+def _resume_body(rank, world):
+    def build():
+        model = Params()
+        ch = Channel("dp_gradient", {"name": "int8", "block_size": 8}, error_feedback="loco", min_compress_numel=0)
+        return model, AdaLomo(model, lr=0.05, channel=ch, clip_grad_norm=1.0)
+
+    def run(model, opt, steps):
+        for s in steps:
+            opt.grad_norm(model.loss(_grads(rank, s)))
+            opt.fused_backward(model.loss(_grads(rank, s)))
+
+    model, opt = build()
+    run(model, opt, range(3))
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict())
+    run(model, opt, range(3, 5))
+    straight = [p.detach().clone() for p in model.parameters()]
+    model, opt = build()
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    run(model, opt, range(3, 5))
+    return all(torch.equal(a, p.detach()) for a, p in zip(straight, model.parameters()))
+
+
+def test_adalomo_resumes_bit_for_bit_with_error_feedback():
+    assert all(run_ranks(_resume_body, 2))
+
+
+def test_bad_input_is_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="clip_grad_norm must be > 0"):
+        Lomo(Params(), clip_grad_norm=0.0)
+    model = Params()
+    opt = AdaLomo(model, clip_grad_norm=1.0)
+    with pytest.raises(RuntimeError, match="call grad_norm"):
+        opt.fused_backward(model.loss(_grads(0, 0)))
+    model = Params()
+    opt = Lomo(model, clip_grad_norm=1.0)
+    with pytest.raises(FloatingPointError, match="gradient norm is inf"):
+        opt.grad_norm(model.loss([torch.full(s, float("inf")) for s in SHAPES]))
+    assert torch.equal(model.ps[0], Params().ps[0])  # nothing was updated
+    sharded = Params()
+    sharded.ps.tp_size = 2  # what megacomp's TP layers record on the module that owns the shards
+    for p in sharded.parameters():
+        p.tensor_model_parallel = True
+    with pytest.raises(ValueError, match="tensor-parallel sharded"):
+        AdaLomo(sharded)
