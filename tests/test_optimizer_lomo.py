@@ -238,5 +238,58 @@ def test_bad_input_is_refused_with_a_clear_error():
     sharded.ps.tp_size = 2  # what megacomp's TP layers record on the module that owns the shards
     for p in sharded.parameters():
         p.tensor_model_parallel = True
-    with pytest.raises(ValueError, match="tensor-parallel sharded"):
+    with pytest.raises(ValueError, match="sharded over 2 tensor-parallel ranks; pass tp_group"):
         AdaLomo(sharded)
+
+
+# -- tensor parallelism ------------------------------------------------------------------------------
+H, F, S, B = 8, 16, 4, 2
+
+
+def _tp_body(rank, world, tp, kind):
+    import torch.distributed as dist
+
+    from megacomp import parallel_state
+    from megacomp.config import ModelParallelConfig
+    from megacomp.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    groups = parallel_state.initialize_model_parallel(tp)
+    cfg = ModelParallelConfig(tensor_model_parallel_size=tp, process_groups=groups)
+    torch.manual_seed(0)  # every rank draws the same full weights and keeps its shard
+    model = nn.ModuleDict(dict(col=ColumnParallelLinear(H, F, config=cfg), row=RowParallelLinear(F, H, config=cfg)))
+    cls, kw = KINDS[kind]
+    opt = cls(model, tp_group=groups.tp, dp_group=groups.dp, **kw)
+    dp_rank = dist.get_rank(groups.dp)
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * step + dp_rank)  # each DP rank its own batch, TP ranks alike
+        x, w = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+
+        def loss():
+            return (model["row"](torch.nn.functional.gelu(model["col"](x)[0]))[0] * w).sum()
+        if opt.clip_grad_norm:
+            opt.grad_norm(loss())
+        opt.fused_backward(loss())
+    full = {}
+    for name, p in model.named_parameters():
+        if name in opt.sharded:
+            parts = [torch.empty_like(p) for _ in range(tp)]
+            dist.all_gather(parts, p.detach().contiguous(), group=groups.tp)
+            full[name] = torch.cat(parts, dim=opt.sharded[name])
+        else:
+            full[name] = p.detach().clone()
+    parallel_state.destroy_model_parallel()
+    return full, sorted(opt.sharded)
+
+
+@pytest.mark.parametrize("kind", ["lomo_norm", "adalomo", "adalomo_norm"])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tensor_parallel_update_matches_tp1(kind, dp):
+    """TP 2 against TP 1 on the same global batch: the same update up to fp32 summation order (the row layer's
+    partial outputs and the whole-parameter statistics are summed in another order): the bound is STEPS x 64
+    ulps of |p| + lr (each step's update is at most lr x max(eps2, RMS(p)) x sqrt(n) per element)."""
+    ref, _ = run_ranks(_tp_body, dp, 1, kind)[0]
+    for got, sharded in run_ranks(_tp_body, 2 * dp, 2, kind):
+        assert sharded == ["col.bias", "col.weight", "row.weight"]
+        for name, want in ref.items():
+            bound = STEPS * 64 * 2.0 ** -24 * (want.abs() + KINDS[kind][1]["lr"] * math.sqrt(want.numel()))
+            assert ((got[name] - want).abs() <= bound).all(), (name, (got[name] - want).abs().max())

@@ -31,8 +31,13 @@ With an identity channel the update equals the single-process update on the aver
 for bit at DP 1, 2 and 3 with gradients whose sums are exact); a lossy channel adds the codec's error to
 ``g`` (megacomp.comm.collectives) before step 2.
 
-Failure behaviour: ValueError for a non-positive ``clip_grad_norm`` or a tensor-parallel sharded parameter
-(not supported yet: its norms and AdaLomo's row / column statistics would need the TP group); RuntimeError when :meth:`fused_backward` is called with ``clip_grad_norm`` set
+Tensor parallelism (megacomp's TP layers, ``tp_group``): the global norm counts each sharded parameter's
+squares summed over TP and each replicated one once; AdaLomo's row / column means, the mean of the row
+statistics, RMS(u) and RMS(p) of a sharded parameter are taken over the whole parameter (small TP
+all-reduces inside the hook), so the update does not depend on the TP size beyond fp32 summation order.
+
+Failure behaviour: ValueError for a non-positive ``clip_grad_norm``, a sharded parameter without its
+``tp_group``, or a sequence-parallel layer; RuntimeError when :meth:`fused_backward` is called with ``clip_grad_norm`` set
 but without :meth:`grad_norm` first (the reference's rule). A non-finite gradient norm raises
 FloatingPointError in :meth:`grad_norm` (the step would write NaNs into every parameter).
 """
@@ -58,12 +63,16 @@ class Lomo:
         clip_grad_norm: clip by the global norm of the averaged gradients (two backward passes), or None.
         clip_grad_value: clamp each averaged gradient element to [-v, v], or None.
         dp_group: the data-parallel group (None: the default group; a one-rank group reduces nothing).
+        tp_group: the tensor-parallel group of a model built from megacomp's TP layers (needed when their TP
+            size is > 1: norms, RMS values and AdaLomo's factored statistics of sharded parameters are taken
+            over the whole parameter). Sequence parallelism is not supported (its replicated gradients are
+            partial sums until the trainer all-reduces them, after the hooks have run).
         channel: the ``dp_gradient`` channel (codec, error feedback, small-tensor rule); None: uncompressed.
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, *, weight_decay: float = 0.0,
                  clip_grad_norm: Optional[float] = None, clip_grad_value: Optional[float] = None,
-                 dp_group=None, channel: Optional[Channel] = None) -> None:
+                 dp_group=None, tp_group=None, channel: Optional[Channel] = None) -> None:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm must be > 0 (or None for no norm clipping), got {clip_grad_norm}")
         self.model, self.lr, self.weight_decay = model, lr, weight_decay
@@ -75,16 +84,26 @@ class Lomo:
         self._norm_channel = Channel(self.channel.name, self.channel.codec, group=dp_group,
                                      options=self.channel.options, stats=self.channel.stats,
                                      min_compress_numel=self.channel.min_compress_numel)
-        sharded = {id(p) for m in model.modules() if getattr(m, "tp_size", 1) > 1  # megacomp's TP layers say it
-                   for p in m.parameters(recurse=False) if getattr(p, "tensor_model_parallel", False)}
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.sharded: dict[str, int] = {}  # name -> partition dim, for TP-sharded parameters
+        self.full_numel: dict[str, int] = {}
+        owners = {id(p): m for m in model.modules() for p in m.parameters(recurse=False)}
         self.params: dict[str, nn.Parameter] = {}
         for name, p in model.named_parameters():
             if not p.requires_grad:
                 continue
-            if id(p) in sharded:
-                raise ValueError(f"{type(self).__name__}: parameter {name!r} is tensor-parallel sharded; LOMO / "
-                                 f"AdaLomo support data parallelism with replicated parameters for now (TP norms "
-                                 f"and AdaLomo's factored statistics need the TP group); use TP size 1")
+            owner = owners.get(id(p))
+            if getattr(owner, "sp", False) or getattr(getattr(owner, "config", None), "sequence_parallel", False):
+                raise ValueError(f"{type(self).__name__}: {name!r} is in a sequence-parallel layer; LOMO / AdaLomo "
+                                 f"update inside backward, before sequence-parallel gradients are summed over TP; "
+                                 f"turn sequence parallelism off")
+            if getattr(p, "tensor_model_parallel", False) and getattr(owner, "tp_size", 1) > 1:
+                if self.tp_size != owner.tp_size:
+                    raise ValueError(f"{type(self).__name__}: {name!r} is sharded over {owner.tp_size} tensor-parallel "
+                                     f"ranks; pass tp_group (its group), got a group of {self.tp_size}")
+                self.sharded[name] = int(p.partition_dim)
+            self.full_numel[name] = p.numel() * (self.tp_size if name in self.sharded else 1)
             self.params[name] = p
             p.register_post_accumulate_grad_hook(self._make_hook(name))
         self.names = {id(p): n for n, p in self.params.items()}
@@ -92,6 +111,7 @@ class Lomo:
         self.clip_coef: Optional[torch.Tensor] = None
         self._gather_norm = False
         self._sq_norms: list[torch.Tensor] = []
+        self._sq_sharded: list[torch.Tensor] = []
         self._pending: Optional[tuple] = None
 
     # -- the per-parameter hook --------------------------------------------------------------------
@@ -126,7 +146,8 @@ class Lomo:
                 g.div_(self.world)  # SUM then divide: the same bits as the single-process mean of exact sums
             del buf
             if self._gather_norm:
-                self._sq_norms.append(torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2)
+                sq = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2
+                (self._sq_sharded if name in self.sharded else self._sq_norms).append(sq)
                 return
             if self.clip_grad_value is not None and self.clip_grad_value > 0:
                 g.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
@@ -141,6 +162,20 @@ class Lomo:
         p32.add_(g, alpha=-self.lr)
         p.detach().copy_(p32)
 
+    # -- whole-parameter reductions of TP-sharded parameters -------------------------------------------
+    def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group (in place on a copy); the caller decides that the tensor is a partial."""
+        t = t.clone()
+        dist.all_reduce(t, group=self.tp_group)
+        return t
+
+    def _rms(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """RMS of the whole parameter ``name`` (its shards' squares summed over TP when sharded)."""
+        sq = (t * t).sum()
+        if name in self.sharded:
+            sq = self._tp_sum(sq)
+        return (sq / self.full_numel[name]).sqrt()
+
     # -- the passes --------------------------------------------------------------------------------
     def grad_norm(self, loss: torch.Tensor) -> float:
         """First pass of clipping by norm: backward (graph kept), the averaged gradients' global norm, and
@@ -148,14 +183,19 @@ class Lomo:
 
         Raises:
             FloatingPointError: the norm is inf/NaN (lower the learning rate; nothing was updated)."""
-        self._gather_norm, self._sq_norms = True, []
+        self._gather_norm, self._sq_norms, self._sq_sharded = True, [], []
         try:
             loss.backward(retain_graph=True)
             self._flush()
         finally:
             self._gather_norm = False
-        total = torch.stack(self._sq_norms).sum().sqrt() if self._sq_norms else torch.zeros(())
-        self._sq_norms = []
+        total = torch.stack(self._sq_norms).sum() if self._sq_norms else torch.zeros(())
+        if self.tp_size > 1:  # sharded parameters' squares summed over TP, replicated ones counted once
+            part = torch.stack(self._sq_sharded).sum() if self._sq_sharded else torch.zeros(())
+            dist.all_reduce(part, group=self.tp_group)
+            total = total + part
+        total = total.sqrt()
+        self._sq_norms, self._sq_sharded = [], []
         if not torch.isfinite(total):
             raise FloatingPointError(f"{type(self).__name__}: the gradient norm is {total.item()}; no parameter was "
                                      f"updated; lower the learning rate or enable loss scaling")
@@ -211,25 +251,33 @@ class AdaLomo(Lomo):
             else:
                 self.state[name] = {"v": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
 
-    @staticmethod
-    def _rms(t: torch.Tensor) -> torch.Tensor:
-        return t.norm(2) / math.sqrt(t.numel())
+    def _mean(self, name: str, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Mean of ``t`` over ``dim`` of the whole parameter: a TP sum of the partial sums when ``dim`` is the
+        partition dim (rows of a column-parallel weight, columns of a row-parallel one), else local."""
+        if self.sharded.get(name) == dim % t.dim():
+            return self._tp_sum(t.sum(dim=dim)) / (t.shape[dim] * self.tp_size)
+        return t.mean(dim=dim)
 
     def _update(self, name: str, p: nn.Parameter, g: torch.Tensor) -> None:
         st = self.state[name]
         beta2t = 1.0 - math.pow(self.step_num, self.decay_rate)
         sq = g * g + self.eps[0]
         if p.dim() > 1:
-            st["row"].mul_(beta2t).add_(sq.mean(dim=-1), alpha=1.0 - beta2t)
-            st["col"].mul_(beta2t).add_(sq.mean(dim=-2), alpha=1.0 - beta2t)
-            r = (st["row"] / st["row"].mean(dim=-1, keepdim=True)).rsqrt().unsqueeze(-1)
+            st["row"].mul_(beta2t).add_(self._mean(name, sq, -1), alpha=1.0 - beta2t)
+            st["col"].mul_(beta2t).add_(self._mean(name, sq, -2), alpha=1.0 - beta2t)
+            row = st["row"]
+            if self.sharded.get(name) == 0:  # the rows are sharded: their mean is over every rank's rows
+                row_mean = self._tp_sum(row.sum(dim=-1, keepdim=True)) / (row.shape[-1] * self.tp_size)
+            else:
+                row_mean = row.mean(dim=-1, keepdim=True)
+            r = (row / row_mean).rsqrt().unsqueeze(-1)
             update = (r * st["col"].unsqueeze(-2).rsqrt()).mul_(g)
         else:
             st["v"].mul_(beta2t).add_(sq, alpha=1.0 - beta2t)
             update = st["v"].rsqrt().mul_(g)
-        update.div_((self._rms(update) / self.clip_threshold).clamp(min=1.0))
+        update.div_((self._rms(name, update) / self.clip_threshold).clamp(min=1.0))
         p32 = p.detach().to(torch.float32)
-        lr = self.lr * max(self.eps[1], self._rms(p32).item())
+        lr = self.lr * max(self.eps[1], self._rms(name, p32).item())
         if self.weight_decay:
             p32.mul_(1.0 - lr * self.weight_decay)
         p32.add_(update, alpha=-lr)
