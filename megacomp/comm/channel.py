@@ -121,6 +121,12 @@ class Channel:
         of this path that a policy keeps uncompressed, e.g. the optimizer's 1-D parameter buckets)."""
         return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats)
 
+    def without_error_feedback(self) -> "Channel":
+        """A sibling channel with the same codec, group, small-tensor rule, options and stats table but no error
+        feedback (for traffic of this path that has no stable per-tensor key, or must not advance the residuals)."""
+        return Channel(self.name, self.codec, group=self.group, options=self.options, stats=self.stats,
+                       min_compress_numel=self.min_compress_numel)
+
     # -- collectives ---------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
                    key: Optional[str] = None, check_finite: bool = False, tag: Optional[str] = None,

@@ -60,15 +60,19 @@ from ..config import TRAFFIC_PATHS, CommCompressionConfig
 _DP_PATHS = ("dp_gradient", "dp_parameter")
 
 
-class CompressedReduceScatter(ReduceScatter):
-    """FSDP2's gradient reduce-scatter on a megacomp channel; error feedback under key ``key``."""
-
-    def __init__(self, channel: Channel, key: str) -> None:
-        self.channel, self.key = channel, key
+class _PlainAlloc:
+    """FSDP's ``Comm.allocate`` as its default: a plain temporary buffer per call."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A plain temporary buffer (as FSDP's default)."""
         return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CompressedReduceScatter(_PlainAlloc, ReduceScatter):
+    """FSDP2's gradient reduce-scatter on a megacomp channel; error feedback under key ``key``."""
+
+    def __init__(self, channel: Channel, key: str) -> None:
+        self.channel, self.key = channel, key
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op, async_op: bool = False):
@@ -76,15 +80,11 @@ class CompressedReduceScatter(ReduceScatter):
                                                   key=self.key, tag="dp_gradient")
 
 
-class CompressedAllGather(AllGather):
+class CompressedAllGather(_PlainAlloc, AllGather):
     """FSDP2's parameter all-gather on a megacomp channel (no error feedback: nothing is summed)."""
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A plain temporary buffer (as FSDP's default)."""
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False):

@@ -53,7 +53,6 @@ from typing import Any, Mapping, Optional, Union
 import torch.distributed as dist
 
 from ..config import TRAFFIC_PATHS, Channels, CommCompressionConfig
-from ..comm import Channel
 from ..tensor_parallel import mappings as mc
 from .megatron_linear import CompressedFrozenLinear, CompressedLinear
 
@@ -134,10 +133,8 @@ class MegatronCompression:
             config = config.for_rank(dist.get_rank()) if dist.is_initialized() else config
             channels = config.build_channels()
         self.channels = channels
-        back = channels.tp_backward
         # the mapping functions' backward collectives have no per-call key: codec only, no error feedback
-        self._plain_backward = Channel(back.name, back.codec, group=back.group, options=back.options,
-                                       stats=back.stats, min_compress_numel=back.min_compress_numel)
+        self._plain_backward = channels.tp_backward.without_error_feedback()
         self._keys: dict[int, tuple] = {}  # id(weight) -> (weakref to it, key); ids are checked against the ref
         self._count = 0
         self._saved: list = []  # (module, name, original) replaced by install
@@ -250,17 +247,17 @@ class MegatronCompression:
     def _scatter_to_sequence_parallel_region(self, input_, group=None):
         return mc.scatter_to_sequence_parallel_region(input_, self._g(group), backward_codec=self._plain_backward)
 
-    def _uneven(self, what: str, paths) -> bool:
+    def _refuse_lossy_uneven(self, what: str, paths) -> None:
         lossy = [c.name for c in paths if c.lossy]
         if lossy:
             raise ValueError(f"megatron integration: {what} with uneven splits (MoE token dispatch) is not "
                              f"compressed by megacomp; set {sorted(set(lossy))} to none")
-        return True
 
     def _gather_from_sequence_parallel_region(self, input_, tensor_parallel_output_grad=True, group=None,
                                               output_split_sizes=None, use_global_buffer=False):
-        if output_split_sizes is not None and self._uneven("gather_from_sequence_parallel_region",
-                                                           (self.channels.sp_all_gather, self._plain_backward)):
+        if output_split_sizes is not None:
+            self._refuse_lossy_uneven("gather_from_sequence_parallel_region",
+                                      (self.channels.sp_all_gather, self._plain_backward))
             return self._originals["gather_from_sequence_parallel_region"](
                 input_, tensor_parallel_output_grad, group, output_split_sizes, use_global_buffer)
         return mc.gather_from_sequence_parallel_region(input_, self._g(group), tensor_parallel_output_grad,
@@ -269,8 +266,9 @@ class MegatronCompression:
 
     def _reduce_scatter_to_sequence_parallel_region(self, input_, group=None, input_split_sizes=None,
                                                     use_global_buffer=False):
-        if input_split_sizes is not None and self._uneven("reduce_scatter_to_sequence_parallel_region",
-                                                          (self.channels.sp_reduce_scatter, self._plain_backward)):
+        if input_split_sizes is not None:
+            self._refuse_lossy_uneven("reduce_scatter_to_sequence_parallel_region",
+                                      (self.channels.sp_reduce_scatter, self._plain_backward))
             return self._originals["reduce_scatter_to_sequence_parallel_region"](
                 input_, group, input_split_sizes, use_global_buffer)
         return mc.reduce_scatter_to_sequence_parallel_region(input_, self._g(group), codec=self.channels.sp_reduce_scatter,

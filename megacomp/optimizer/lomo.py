@@ -81,9 +81,7 @@ class Lomo:
         self.world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
         self.channel = channel if channel is not None else Channel("dp_gradient", None, group=dp_group)
         # the norm pass: the same codec, no error feedback (the residuals advance once per step, in the update pass)
-        self._norm_channel = Channel(self.channel.name, self.channel.codec, group=dp_group,
-                                     options=self.channel.options, stats=self.channel.stats,
-                                     min_compress_numel=self.channel.min_compress_numel)
+        self._norm_channel = self.channel.without_error_feedback()
         self.tp_group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         self.sharded: dict[str, int] = {}  # name -> partition dim, for TP-sharded parameters
@@ -265,12 +263,8 @@ class AdaLomo(Lomo):
         if p.dim() > 1:
             st["row"].mul_(beta2t).add_(self._mean(name, sq, -1), alpha=1.0 - beta2t)
             st["col"].mul_(beta2t).add_(self._mean(name, sq, -2), alpha=1.0 - beta2t)
-            row = st["row"]
-            if self.sharded.get(name) == 0:  # the rows are sharded: their mean is over every rank's rows
-                row_mean = self._tp_sum(row.sum(dim=-1, keepdim=True)) / (row.shape[-1] * self.tp_size)
-            else:
-                row_mean = row.mean(dim=-1, keepdim=True)
-            r = (row / row_mean).rsqrt().unsqueeze(-1)
+            row = st["row"]  # its mean is over every rank's rows when the rows are sharded
+            r = (row / self._mean(name, row, -1).unsqueeze(-1)).rsqrt().unsqueeze(-1)
             update = (r * st["col"].unsqueeze(-2).rsqrt()).mul_(g)
         else:
             st["v"].mul_(beta2t).add_(sq, alpha=1.0 - beta2t)
