@@ -24,7 +24,7 @@ from codec_bounds import all_reduce_bound
 from distributed import run_ranks
 from megacomp.comm import Channel
 from megacomp.compression import make_codec
-from megacomp.optimizer import AdaLomo, Lomo
+from megacomp.optimizer import AdaLomo, DynamicLossScaler, Lomo
 
 SHAPES = [(6, 5), (5,), (4, 7)]
 STEPS = 4
@@ -230,16 +230,126 @@ def test_bad_input_is_refused_with_a_clear_error():
     with pytest.raises(RuntimeError, match="call grad_norm"):
         opt.fused_backward(model.loss(_grads(0, 0)))
     model = Params()
-    opt = Lomo(model, clip_grad_norm=1.0)
-    with pytest.raises(FloatingPointError, match="gradient norm is inf"):
-        opt.grad_norm(model.loss([torch.full(s, float("inf")) for s in SHAPES]))
-    assert torch.equal(model.ps[0], Params().ps[0])  # nothing was updated
+    opt = Lomo(model, loss_scaler=DynamicLossScaler())  # the overflow check needs the first pass too
+    with pytest.raises(RuntimeError, match="loss scaling is set, call grad_norm"):
+        opt.fused_backward(model.loss(_grads(0, 0)))
     sharded = Params()
     sharded.ps.tp_size = 2  # what megacomp's TP layers record on the module that owns the shards
     for p in sharded.parameters():
         p.tensor_model_parallel = True
     with pytest.raises(ValueError, match="sharded over 2 tensor-parallel ranks; pass tp_group"):
         AdaLomo(sharded)
+
+
+# -- overflow, non-finite gradients, fp16 with loss scaling, bf16 ----------------------------------
+def _overflow_body(rank, world):
+    """Rank 1's gradient is inf at step 1: the averaged gradient is inf on every rank, the norm pass says so,
+    both ranks skip the step (nothing changes), and the next step goes on as usual."""
+    model = Params()
+    opt = Lomo(model, lr=0.05, clip_grad_norm=10.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    cs = _grads(rank, 1)
+    if rank == 1:
+        cs[2][0, 0] = float("inf")
+    norm = opt.grad_norm(model.loss(cs))
+    stepped = opt.fused_backward(model.loss(cs))
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    opt.grad_norm(model.loss(_grads(rank, 2)))
+    return norm, stepped, unchanged, opt.skipped_steps, opt.fused_backward(model.loss(_grads(rank, 2))), opt.step_num
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    for norm, stepped, unchanged, skipped, next_step, steps in run_ranks(_overflow_body, 2):
+        assert not math.isfinite(norm) and not stepped and unchanged and skipped == 1
+        assert next_step and steps == 1
+
+
+def test_without_a_norm_pass_a_non_finite_gradient_is_reported_after_the_pass():
+    model = Params()
+    opt = Lomo(model, lr=0.05)
+    cs = _grads(0, 0)
+    cs[1][3] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"1 parameter\(s\) \(ps.1\) is inf/NaN and was applied"):
+        opt.fused_backward(model.loss(cs))
+    assert torch.isnan(model.ps[1][3]) and torch.isfinite(model.ps[0]).all()  # the others were updated normally
+
+
+def _fp16_body(rank, world, scale):
+    model = Params().half()
+    opt = Lomo(model, lr=0.0625, clip_grad_norm=0.5, loss_scaler=DynamicLossScaler(scale=scale, growth_interval=3))
+    out = []
+    for step in range(STEPS):
+        cs = [c.half() for c in _grads(rank, step)]
+        opt.grad_norm(model.loss(cs))
+        out.append((opt.fused_backward(model.loss(cs)), opt.scaler.scale))
+    return [p.detach().clone() for p in model.parameters()], out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fp16_with_loss_scaling_is_bit_identical_to_the_single_process_run(world):
+    """Gradients k/16 scaled by 2^10 and summed over 2 ranks are exact in fp16, the scale and the world are
+    powers of two: unscaling is exact, so DP equals the single process on the summed gradient bit for bit, and
+    the scale grows every 3 clean steps."""
+    model = Params().half()
+    opt = Lomo(model, lr=0.0625, clip_grad_norm=0.5, loss_scaler=DynamicLossScaler(scale=2.0 ** 10, growth_interval=3))
+    for step in range(STEPS):
+        cs = [(g / world).half() for g in _summed(world, step)]
+        opt.grad_norm(model.loss(cs))
+        opt.fused_backward(model.loss(cs))
+    for got, trace in run_ranks(_fp16_body, world, 2.0 ** 10):
+        assert all(torch.equal(a, b) for a, b in zip(got, model.parameters()))
+        assert trace == [(True, 1024.0), (True, 1024.0), (True, 2048.0), (True, 2048.0)]
+
+
+def test_fp16_overflow_skips_steps_and_backs_off_the_scale():
+    """|g| <= 1/2 per rank, summed over 2 ranks <= 1 before scaling: at 2^17 and 2^16 a scaled gradient of 1/2
+    or its DP sum reaches 65536 > fp16's largest finite 65504; the scale halves until the step is clean."""
+    (got, trace), _ = run_ranks(_fp16_body, 2, 2.0 ** 17)
+    steps = [s for s, _ in trace]
+    assert steps[0] is False and all(t[1] < 2.0 ** 17 for t in trace)
+    first = steps.index(True)
+    assert all(steps[first:]) and trace[first - 1][1] == trace[first][1]  # the scale stops falling once clean
+    assert all(math.isfinite(float(p.float().abs().max())) for p in got)
+
+
+def test_bf16_parameters_follow_sgd_rounded_to_bf16_each_step():
+    """LOMO keeps no fp32 master: each step computes in fp32 and rounds to bf16; the fp64 restatement rounded
+    to bf16 after every step differs by at most one bf16 ulp per step (the two roundings of a double-rounded
+    value)."""
+    model = Params().to(torch.bfloat16)
+    opt = Lomo(model, lr=0.05, weight_decay=0.1)
+    want = [p.detach().double() for p in Params().ps]
+    for step in range(STEPS):
+        cs = [c.to(torch.bfloat16) for c in _grads(0, step)]
+        opt.fused_backward(model.loss(cs))
+        want = [(w.to(torch.bfloat16).double() * (1 - 0.05 * 0.1) - 0.05 * c.double()).to(torch.bfloat16).double()
+                for w, c in zip(want, cs)]
+    for p, w in zip(model.parameters(), want):
+        assert p.dtype == torch.bfloat16
+        ulp = 2.0 ** (torch.floor(torch.log2(w.abs().clamp(min=2.0 ** -126))) - 7)
+        assert ((p.double() - w).abs() <= STEPS * ulp).all()
+
+
+def _template_body(rank, world):
+    def build():
+        model = Params()
+        ch = Channel("dp_gradient", {"name": "int4", "block_size": 8}, error_feedback="loco", min_compress_numel=0)
+        return model, AdaLomo(model, lr=0.05, channel=ch)
+
+    model, trained = build()
+    trained.fused_backward(model.loss(_grads(rank, 0)))
+    _, fresh = build()
+    fresh.init_state()
+
+    def shapes(opt):
+        return {k: tuple(v.shape) for k, v in opt.state_dict()["channel"]["error_feedback"]["errors"].items()}
+    return shapes(trained), shapes(fresh)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_init_state_gives_a_template_with_the_trained_keys(world):
+    for trained, fresh in run_ranks(_template_body, world):
+        assert trained == fresh and len(trained) == 3 * (1 if world == 2 else 2)  # worker (+ server) per parameter
 
 
 # -- tensor parallelism ------------------------------------------------------------------------------

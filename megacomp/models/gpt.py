@@ -39,6 +39,9 @@ class GPTConfig(TransformerConfig):
     """Context length (size of the position table)."""
     seed: int = 1234
     """Seed of the parallelism-invariant initialisation."""
+    cross_entropy_inplace_backward: bool = True
+    """The loss's backward writes its gradient into the saved softmax (no second logits-sized tensor); False
+    keeps the graph valid for a second backward, as LOMO's norm pass (``grad_norm``) needs."""
 
 
 class _Seeded:
@@ -129,7 +132,8 @@ class GPTModel(nn.Module):
         logits = self.logits(x)
         if labels is None:
             return logits
-        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group)
+        losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group,
+                                              inplace_backward=self.cfg.cross_entropy_inplace_backward)
         return losses.mean()
 
 

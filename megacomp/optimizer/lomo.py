@@ -36,10 +36,25 @@ squares summed over TP and each replicated one once; AdaLomo's row / column mean
 statistics, RMS(u) and RMS(p) of a sharded parameter are taken over the whole parameter (small TP
 all-reduces inside the hook), so the update does not depend on the TP size beyond fp32 summation order.
 
+Precision: parameters may be fp32, bf16 or fp16; gradients travel in the parameter's dtype (as the reference's
+ZeRO-3 path all-reduces ``p.grad``), every update is computed in fp32 and written back in the parameter's dtype
+(no fp32 master: that is LOMO's memory saving). fp16 takes a ``loss_scaler`` (megacomp.optimizer.DynamicLossScaler):
+both passes backpropagate ``loss * scale`` and the averaged gradient is divided by the scale before clipping.
+
+Overflow and non-finite gradients: an update applied inside backward cannot be undone, so the check must come
+before the first update. The norm pass (:meth:`grad_norm`) is that check: when its global norm is inf/NaN
+(every DP and TP rank agrees: the norm is taken of DP-averaged gradients and its flag is reduced over TP), the
+step is skipped, :meth:`fused_backward` returns False without running backward, ``skipped_steps`` counts it and
+the loss scale backs off. With a loss scaler the norm pass is therefore required even without
+``clip_grad_norm`` (the reference instead forces ``clip_grad_norm = 1.0`` for fp16; here clipping stays what
+you asked for). Without a norm pass, a non-finite averaged gradient is noticed during the update pass, after
+some parameters were updated: :meth:`fused_backward` finishes the pass on every rank (so the collectives stay
+matched) and raises FloatingPointError naming the parameters; the model then holds non-finite values.
+
 Failure behaviour: ValueError for a non-positive ``clip_grad_norm``, a sharded parameter without its
-``tp_group``, or a sequence-parallel layer; RuntimeError when :meth:`fused_backward` is called with ``clip_grad_norm`` set
-but without :meth:`grad_norm` first (the reference's rule). A non-finite gradient norm raises
-FloatingPointError in :meth:`grad_norm` (the step would write NaNs into every parameter).
+``tp_group``, or a sequence-parallel layer; RuntimeError when :meth:`fused_backward` is called with
+``clip_grad_norm`` or a loss scaler set but without :meth:`grad_norm` first (the reference's rule);
+FloatingPointError as above.
 """
 from __future__ import annotations
 
@@ -50,7 +65,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import comm
 from ..comm import Channel
+from .loss_scaler import DynamicLossScaler
 
 
 class Lomo:
@@ -68,11 +85,13 @@ class Lomo:
             over the whole parameter). Sequence parallelism is not supported (its replicated gradients are
             partial sums until the trainer all-reduces them, after the hooks have run).
         channel: the ``dp_gradient`` channel (codec, error feedback, small-tensor rule); None: uncompressed.
+        loss_scaler: dynamic loss scaling for fp16 parameters (see the module docstring), or None.
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, *, weight_decay: float = 0.0,
                  clip_grad_norm: Optional[float] = None, clip_grad_value: Optional[float] = None,
-                 dp_group=None, tp_group=None, channel: Optional[Channel] = None) -> None:
+                 dp_group=None, tp_group=None, channel: Optional[Channel] = None,
+                 loss_scaler: Optional[DynamicLossScaler] = None) -> None:
         if clip_grad_norm is not None and clip_grad_norm <= 0:
             raise ValueError(f"clip_grad_norm must be > 0 (or None for no norm clipping), got {clip_grad_norm}")
         self.model, self.lr, self.weight_decay = model, lr, weight_decay
@@ -105,8 +124,14 @@ class Lomo:
             self.params[name] = p
             p.register_post_accumulate_grad_hook(self._make_hook(name))
         self.names = {id(p): n for n, p in self.params.items()}
+        self.scaler = loss_scaler
         self.step_num = 0
+        self.skipped_steps = 0
+        self.last_grad_norm: Optional[float] = None
         self.clip_coef: Optional[torch.Tensor] = None
+        self._checked = False  # grad_norm ran for the coming fused_backward
+        self._overflow = False  # ... and found an inf/NaN norm: that step is skipped
+        self._bad: list[tuple[str, torch.Tensor]] = []  # update pass without a check: non-finite flags per parameter
         self._gather_norm = False
         self._sq_norms: list[torch.Tensor] = []
         self._sq_sharded: list[torch.Tensor] = []
@@ -142,7 +167,11 @@ class Lomo:
             g = buf.to(torch.float32)
             if self.world > 1:
                 g.div_(self.world)  # SUM then divide: the same bits as the single-process mean of exact sums
+            if self.scaler is not None:
+                g.div_(self.scaler.scale)
             del buf
+            if not self._gather_norm and not self._checked:  # no norm pass: flag it here (no host sync per tensor)
+                self._bad.append((name, ~torch.isfinite(g).all()))
             if self._gather_norm:
                 sq = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2
                 (self._sq_sharded if name in self.sharded else self._sq_norms).append(sq)
@@ -175,15 +204,22 @@ class Lomo:
         return (sq / self.full_numel[name]).sqrt()
 
     # -- the passes --------------------------------------------------------------------------------
-    def grad_norm(self, loss: torch.Tensor) -> float:
-        """First pass of clipping by norm: backward (graph kept), the averaged gradients' global norm, and
-        ``clip_coef = min(1, clip_grad_norm / (norm + 1e-6))``; no parameter changes. Returns the norm.
+    @property
+    def needs_norm_pass(self) -> bool:
+        """Whether every step must call :meth:`grad_norm` before :meth:`fused_backward` (norm clipping, or the
+        overflow check of loss scaling)."""
+        return self.clip_grad_norm is not None or self.scaler is not None
 
-        Raises:
-            FloatingPointError: the norm is inf/NaN (lower the learning rate; nothing was updated)."""
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler is not None else loss
+
+    def grad_norm(self, loss: torch.Tensor) -> float:
+        """First pass: backward (graph kept), the averaged gradients' global norm and, with ``clip_grad_norm``,
+        ``clip_coef = min(1, clip_grad_norm / (norm + 1e-6))``; no parameter changes. Returns the norm; an
+        inf/NaN norm (an overflow) marks the step to be skipped by :meth:`fused_backward` and is returned as is."""
         self._gather_norm, self._sq_norms, self._sq_sharded = True, [], []
         try:
-            loss.backward(retain_graph=True)
+            self._scaled(loss).backward(retain_graph=True)
             self._flush()
         finally:
             self._gather_norm = False
@@ -194,35 +230,95 @@ class Lomo:
             total = total + part
         total = total.sqrt()
         self._sq_norms, self._sq_sharded = [], []
-        if not torch.isfinite(total):
-            raise FloatingPointError(f"{type(self).__name__}: the gradient norm is {total.item()}; no parameter was "
-                                     f"updated; lower the learning rate or enable loss scaling")
-        self.clip_coef = torch.clamp(float(self.clip_grad_norm or 0.0) / (total + 1e-6), max=1.0)
+        bad = (~torch.isfinite(total)).to(torch.float32).reshape(1)
+        if self.tp_size > 1:  # replicated parameters' squares are local: every TP rank must reach the same verdict
+            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.tp_group)
+        self._checked, self._overflow = True, bool(bad.item())
+        self.last_grad_norm = total.item()
+        self.clip_coef = None
+        if not self._overflow and self.clip_grad_norm is not None:
+            self.clip_coef = torch.clamp(float(self.clip_grad_norm) / (total + 1e-6), max=1.0)
         return total.item()
 
-    def fused_backward(self, loss: torch.Tensor, lr: Optional[float] = None) -> None:
-        """Backward with the fused update of every trainable parameter (its gradient freed on the way).
+    def fused_backward(self, loss: torch.Tensor, lr: Optional[float] = None) -> bool:
+        """Backward with the fused update of every trainable parameter (its gradient freed on the way). Returns
+        False, without running backward, when :meth:`grad_norm` found an overflow (the step is skipped and the
+        loss scale backs off), else True.
 
         Raises:
-            RuntimeError: ``clip_grad_norm`` is set and :meth:`grad_norm` was not called for this loss."""
-        if self.clip_grad_norm is not None and self.clip_coef is None:
-            raise RuntimeError(f"{type(self).__name__}: clip_grad_norm is set, call grad_norm(loss) before "
-                               f"fused_backward(loss) (clipping by norm needs the norm first)")
+            RuntimeError: ``clip_grad_norm`` or a loss scaler is set and :meth:`grad_norm` was not called for
+                this loss.
+            FloatingPointError: no norm pass ran and an averaged gradient was inf/NaN (see the module docstring)."""
+        if self.needs_norm_pass and not self._checked:
+            raise RuntimeError(f"{type(self).__name__}: {'clip_grad_norm' if self.clip_grad_norm else 'loss scaling'} "
+                               f"is set, call grad_norm(loss) before fused_backward(loss) (the norm and the overflow "
+                               f"check come first)")
         if lr is not None:
             self.lr = lr
+        if self._overflow:
+            self._checked = self._overflow = False
+            self.skipped_steps += 1
+            self.last_grad_norm = None
+            if self.scaler is not None:
+                self.scaler.update(True)
+            return False
         self.step_num += 1
-        loss.backward()
-        self._flush()
-        self.clip_coef = None
+        try:
+            self._scaled(loss).backward()
+            self._flush()
+        finally:
+            self.clip_coef, self._checked = None, False
+            bad, self._bad = self._bad, []
+        if self.scaler is not None:
+            self.scaler.update(False)
+        if bad:
+            flags = torch.stack([b for _, b in bad]).to(torch.float32)
+            if self.tp_size > 1:
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.tp_group)
+            names = [n for (n, _), f in zip(bad, flags.tolist()) if f]
+            if names:
+                raise FloatingPointError(
+                    f"{type(self).__name__}: step {self.step_num}: the averaged gradient of {len(names)} parameter(s) "
+                    f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is inf/NaN and was applied (updates "
+                    f"happen inside backward); resume from the last checkpoint with a lower learning rate, and set "
+                    f"clip_grad_norm so the first pass catches it before any parameter changes")
+        return True
 
     # -- checkpointing ------------------------------------------------------------------------------
+    def init_state(self) -> None:
+        """Create a zero error-feedback residual for every parameter the channel compresses (the same behaviour
+        as none), so a fresh optimizer's :meth:`state_dict` has the keys of a trained one and can serve as the
+        template of torch.distributed.checkpoint.load."""
+        ef = self.channel.error_feedback
+        if ef is None or self.world == 1:
+            return
+        rank = dist.get_rank(self.dp_group)
+        for name, p in self.params.items():
+            n = p.numel()
+            if self.channel.codec_for(n).is_identity:
+                continue
+            ef.init_key(f"{name}/worker", (n,))
+            if self.world > 2:
+                ef.init_key(f"{name}/server", (comm.server_numel(n, self.world, rank, self.channel),))
+
     def state_dict(self) -> dict[str, Any]:
-        """Step counter, learning rate and the DP channel (error feedback, stochastic stream)."""
-        return {"step_num": self.step_num, "lr": self.lr, "channel": self.channel.state_dict()}
+        """Step and skip counters, learning rate, loss scale and the DP channel (error feedback, stochastic
+        stream)."""
+        return {"step_num": self.step_num, "lr": self.lr, "skipped_steps": self.skipped_steps,
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "channel": self.channel.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (ValueError when the channel's codec differs)."""
+        """Restore :meth:`state_dict` (ValueError when the channel's codec differs, or when loss scaling was on
+        when saved and is off now or the reverse)."""
+        if (state.get("loss_scaler") is None) != (self.scaler is None):
+            raise ValueError(f"{type(self).__name__}: the checkpoint was saved {'with' if self.scaler is None else 'without'}"
+                             f" loss scaling and this optimizer has {'none' if self.scaler is None else 'one'}; resume "
+                             f"with the same parameter dtype")
         self.step_num, self.lr = int(state["step_num"]), float(state["lr"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["loss_scaler"])
         self.channel.load_state_dict(state["channel"])
 
 

@@ -4,7 +4,9 @@ Algorithm (per token, fp32): global max of the logits (all-reduce MAX) -> shift;
 SUM of [target logit, sum of exp, sum of logits] (each rank contributes its vocabulary slice) ->
 ``loss = log(sum_exp) - target_logit``; with label smoothing ``eps`` (as torch.nn.functional.cross_entropy
 defines it) ``loss = (1 - eps) * loss + eps * (log(sum_exp) - mean_logit)``. Backward is local:
-``softmax - (1 - eps) * onehot - eps / V``. The all-reduces carry 1-3 floats per token and stay
+``softmax - (1 - eps) * onehot - eps / V``, written into the saved softmax (Megatron's memory saving: no
+second logits-sized tensor) unless ``inplace_backward=False``, which keeps the graph valid for a second
+backward (``retain_graph=True``, as LOMO's norm pass needs). The all-reduces carry 1-3 floats per token and stay
 uncompressed (a codec cannot save anything there). Targets outside ``[0, V)`` raise ValueError.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .. import comm
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, label_smoothing, group):
+    def forward(ctx, logits, target, label_smoothing, group, inplace_backward):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         per_rank = logits.shape[-1]
         vocab = per_rank * world
@@ -44,28 +46,31 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sum_logits / vocab)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
         ctx.label_smoothing, ctx.vocab, ctx.dtype = label_smoothing, vocab, logits.dtype
+        ctx.inplace_backward = inplace_backward
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local, outside = ctx.saved_tensors
         eps = ctx.label_smoothing
-        g = softmax
+        g = softmax if ctx.inplace_backward else softmax.clone()
         hit = (~outside).to(g.dtype) * (1.0 - eps)
         g.scatter_add_(-1, local.unsqueeze(-1), -hit.unsqueeze(-1))
         if eps:
             g -= eps / ctx.vocab
         g.mul_(grad.unsqueeze(-1))
-        return g.to(ctx.dtype), None, None, None
+        return g.to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0, *, tp_group=None) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, *, tp_group=None,
+                                 inplace_backward: bool = True) -> torch.Tensor:
     """Per-token loss from logits split over the TP group along the last (vocabulary) dim.
 
     ``vocab_parallel_logits``: ``[..., V / tp]`` (rank r holds vocabulary entries ``r*V/tp ...``);
     ``target``: ``[...]`` global ids. Returns ``[...]`` fp32 losses (reduce them yourself).
-    ``tp_group=None`` means the parallel_state façade's TP group. Steps: see the module docstring. The two
+    ``tp_group=None`` means the parallel_state façade's TP group; ``inplace_backward=False`` lets the graph be
+    backpropagated twice (see the module docstring). Steps: see the module docstring. The two
     all-reduces are uncompressed, so the loss equals the gathered-logits cross entropy up to fp32 round-off.
 
     Raises:
@@ -79,4 +84,5 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
         from .. import parallel_state
 
         tp_group = parallel_state.get_tensor_model_parallel_group()
-    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group)
+    return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, target, label_smoothing, tp_group,
+                                            inplace_backward)

@@ -17,10 +17,10 @@ from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import yaml
 
-from ..compression import make_codec
 from ..config import CommCompressionConfig, load_yaml
+from .optimizer_args import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, OPTIMIZERS, OUTER_ALGORITHMS,  # noqa: F401 (re-exported)
+                             SPARSELOCO_CODEC, lomo_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -77,7 +77,10 @@ class PretrainConfig:
     demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
     all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (6e-3 was best on the tiny
     GPT: docs/convergence_demo_sweep); onebit_adam, zero_one_adam, onebit_lamb: the 1-bit family
-    (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path)."""
+    (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path);
+    lomo, adalomo: LOMO / AdaLomo (megacomp.optimizer.lomo): each parameter is all-reduced over DP (the
+    dp_gradient path), updated and its gradient freed inside backward, so no gradient buffer, fp32 master or
+    (LOMO) optimizer state exists; one micro-batch per iteration, no pipeline or sequence parallelism."""
     freeze_step: int = 100000
     """1-bit Adam / 1-bit LAMB: full-precision warm-up steps before the momentum goes 1-bit (DeepSpeed's default)."""
     var_freeze_step: int = 100000
@@ -121,7 +124,12 @@ class PretrainConfig:
     """Seed of the initialisation and the data order. Stochastic-rounding codecs without their own seed
     draw from torch's generator, whose state the checkpoints save."""
     params_dtype: str = "float32"
-    """float32 or bfloat16 model parameters (masters stay fp32)."""
+    """float32 or bfloat16 model parameters (masters stay fp32); with lomo / adalomo also float16 (dynamic loss
+    scaling; no masters: parameters are updated in their own dtype, the update computed in fp32)."""
+    initial_loss_scale: float = 65536.0
+    """float16 parameters: the starting dynamic loss scale (halved after an overflow step, which is skipped)."""
+    loss_scale_window: int = 1000
+    """float16 parameters: clean steps in a row before the loss scale doubles."""
     # data
     data_path: Optional[list] = None
     """Corpus files or directories (default: the Python standard library's sources)."""
@@ -388,10 +396,25 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                              f"NoLoCo's gossip groups must split the replicas evenly")
     elif cfg.num_replicas != 1:
         raise ValueError(f"num_replicas {cfg.num_replicas} needs an outer algorithm (--outer-algorithm diloco)")
-    if cfg.params_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"params_dtype must be float32 or bfloat16, got {cfg.params_dtype!r}")
+    if cfg.params_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {cfg.params_dtype!r}")
+    if cfg.params_dtype == "float16" and cfg.optimizer not in LOMO_OPTIMIZERS:
+        raise ValueError(f"params_dtype float16 (with dynamic loss scaling) is supported by --optimizer lomo / adalomo; "
+                         f"optimizer {cfg.optimizer} keeps fp32 masters of bfloat16 parameters: use bfloat16")
+    if cfg.initial_loss_scale <= 0 or cfg.loss_scale_window < 1:
+        raise ValueError(f"initial_loss_scale must be > 0 and loss_scale_window >= 1, got {cfg.initial_loss_scale} and "
+                         f"{cfg.loss_scale_window}")
+    if cfg.optimizer in LOMO_OPTIMIZERS:
+        _check_lomo(cfg)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+    if world_size is not None and cfg.optimizer in LOMO_OPTIMIZERS:
+        dp = world_size // (cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size) or 1
+        if cfg.global_batch_size != cfg.micro_batch_size * dp:
+            raise ValueError(f"optimizer {cfg.optimizer} updates the parameters inside backward, so an iteration is one "
+                             f"micro-batch per data-parallel rank: set global_batch_size = micro_batch_size "
+                             f"({cfg.micro_batch_size}) x DP ({dp}) = {cfg.micro_batch_size * dp} (got "
+                             f"{cfg.global_batch_size}), or raise micro_batch_size")
     if world_size is None:
         return
     mp = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
@@ -419,80 +442,19 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"sequence_parallel needs seq_length ({cfg.seq_length}) divisible by the TP size")
 
 
-OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
-SPARSELOCO_CODEC = make_codec("int2", k=64, chunk=4096)
-"""SparseLoCo's default outer codec: top-64 of every 4096 (1.6% density, inside the paper's 1-3%), 2-bit values."""
-ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
-OPTIMIZERS = ("adamw", "demo") + ONEBIT_OPTIMIZERS
 
-
-def onebit_kwargs(cfg: PretrainConfig) -> dict:
-    """The keyword arguments of megacomp.optimizer.OneBitAdam / ZeroOneAdam / OneBitLamb taken from the config
-    (hyperparameters and the momentum path; lr, betas, weight decay and clipping are passed by the trainer).
-    Raises ValueError for values the optimizer rejects (it is built once on a throwaway parameter)."""
-    from ..optimizer.onebit import DEFAULT_MOMENTUM_CODEC
-    from ..optimizer.onebit.optimizer import check_momentum_codec
-    from ..optimizer.onebit.rules import _check_freeze
-    from ..optimizer.onebit.schedule import ZeroOneSchedule
-
-    codec = cfg.momentum_codec
-    if isinstance(codec, str) and codec.strip().startswith("{"):
-        codec = yaml.safe_load(codec)
-    out = {"momentum_codec": DEFAULT_MOMENTUM_CODEC if codec is None else codec,
-           "momentum_error_feedback": cfg.momentum_error_feedback, "shard": cfg.shard_optimizer}
-    if cfg.optimizer == "zero_one_adam":
-        ZeroOneSchedule(cfg.var_freeze_step, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper)
-        out.update(var_freeze_step=cfg.var_freeze_step, var_update_scaler=cfg.var_update_scaler,
-                   local_step_scaler=cfg.local_step_scaler, local_step_clipper=cfg.local_step_clipper)
-    else:
-        _check_freeze(cfg.freeze_step)
-        out["freeze_step"] = cfg.freeze_step
-    if cfg.optimizer == "onebit_lamb":
-        out.update(max_coeff=cfg.max_coeff, min_coeff=cfg.min_coeff, coeff_beta=cfg.coeff_beta,
-                   factor_max=cfg.factor_max, factor_min=cfg.factor_min, factor_threshold=cfg.factor_threshold)
-    check_momentum_codec(out["momentum_codec"], cfg.momentum_error_feedback, cfg.optimizer)  # before any group exists
-    return out
-
-
-def mt_dao_optimizer_kwargs(cfg: PretrainConfig) -> dict:
-    """``slow_betas`` and ``slow_weights`` of megacomp.optimizer.MultiTimescaleAdamW from the comma lists.
-
-    Raises:
-        ValueError: a list that does not parse, lists of different lengths, betas outside [0, 1), weights < 0
-            or summing to more than 1."""
-    out = {}
-    for field, key in (("mt_dao_slow_betas", "slow_betas"), ("mt_dao_slow_weights", "slow_weights")):
-        text = str(getattr(cfg, field))
-        try:
-            out[key] = tuple(float(x) for x in text.split(",") if x.strip())
-        except ValueError:
-            raise ValueError(f"{field} must be a comma list of numbers, got {text!r}") from None
-    betas, weights = out["slow_betas"], out["slow_weights"]
-    if len(betas) != len(weights) or not all(0 <= b < 1 for b in betas) or any(w < 0 for w in weights) \
-            or sum(weights) > 1:
-        raise ValueError(f"mt_dao_slow_betas {betas} and mt_dao_slow_weights {weights}: one weight per beta, betas in "
-                         f"[0, 1), weights >= 0 summing to at most 1")
-    return out
-
-
-def outer_config(cfg: PretrainConfig):
-    """The megacomp.outer.DiLoCoConfig of a run (DiLoCo is Streaming DiLoCo with one fragment, no delay, no
-    mixing; MT-DAO is its parameter averaging, outer lr 1 and no momentum, plus megacomp.outer.mt_dao's state
-    averaging). Raises ValueError for bad values (see DiLoCoConfig)."""
-    from ..outer import DiLoCoConfig
-
-    noloco, mt_dao = cfg.outer_algorithm == "noloco", cfg.outer_algorithm == "mt_dao"
-    sparse = cfg.outer_algorithm == "sparseloco"
-    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (
-        0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else 0.9)
-    lr = cfg.outer_lr if cfg.outer_lr is not None else (1.0 if mt_dao or sparse else 0.7)
-    codec = cfg.outer_codec
-    if isinstance(codec, str) and codec.strip().startswith("{"):  # a YAML mapping given on the command line
-        codec = yaml.safe_load(codec)
-    if sparse and codec is None:
-        codec = SPARSELOCO_CODEC
-    algorithm = "noloco" if noloco else "sparseloco" if sparse else "diloco"
-    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=lr, outer_momentum=momentum,
-                        algorithm=algorithm, group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
-                        codec=codec, error_feedback=cfg.outer_error_feedback,
-                        fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)
+def _check_lomo(cfg: PretrainConfig) -> None:
+    """What LOMO / AdaLomo cannot do in pretraining (each ValueError names the fix)."""
+    name = cfg.optimizer
+    if cfg.pipeline_model_parallel_size != 1:
+        raise ValueError(f"optimizer {name} updates each parameter inside its backward: 1F1B's later micro-batches "
+                         f"would run on updated weights; set pipeline_model_parallel_size 1")
+    if cfg.sequence_parallel:
+        raise ValueError(f"optimizer {name} updates inside backward, before sequence-parallel gradients are summed "
+                         f"over TP; turn sequence_parallel off")
+    if cfg.outer_algorithm != "none" or cfg.adam_freeze_variance_step:
+        raise ValueError(f"optimizer {name} has no Adam state to freeze nor inner steps to hand to an outer loop; drop "
+                         f"--outer-algorithm / --adam-freeze-variance-step")
+    if not cfg.shard_optimizer:
+        raise ValueError(f"optimizer {name} keeps no sharded state (every DP rank updates every parameter); drop "
+                         f"--no-shard-optimizer")

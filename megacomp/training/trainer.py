@@ -34,8 +34,10 @@ from ..optimizer import (DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiT
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..outer.mt_dao import average_optimizer_state
 from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
-from .arguments import ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config
+from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs, onebit_kwargs,
+                        outer_config)
 from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
+from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics import MetricsLogger, gather_traffic
 from .report import RunTotals, banner
@@ -72,7 +74,8 @@ class Trainer:
         vocab = -(-self.tokenizer.vocab_size // multiple) * multiple  # pad so the vocabulary splits over TP
         self.gpt = GPTConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
                              ffn_hidden_size=cfg.ffn_hidden_size, num_layers=cfg.num_layers, vocab_size=vocab,
-                             max_seq_length=cfg.seq_length, seed=cfg.seed)
+                             max_seq_length=cfg.seq_length, seed=cfg.seed,
+                             cross_entropy_inplace_backward=cfg.optimizer not in LOMO_OPTIMIZERS)  # LOMO: 2 passes
         mpc = ModelParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   sequence_parallel=cfg.sequence_parallel, params_dtype=cfg.params_dtype,
                                   compression=self.compression, channels=self.channels, process_groups=g)
@@ -119,6 +122,8 @@ class Trainer:
                 print(f"  optimizer: {demo_summary(self.optimizer)}", flush=True)
             if isinstance(self.optimizer, OneBitOptimizer):
                 print(f"  optimizer: {onebit_summary(self.optimizer, cfg)}", flush=True)
+            if isinstance(self.optimizer, FusedStep):
+                print(f"  optimizer: {lomo_summary(self.optimizer, cfg)}", flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -137,6 +142,8 @@ class Trainer:
 
     def _build_optimizer(self) -> DistributedOptimizer:
         cfg, g, c = self.cfg, self.groups, self.compression
+        if cfg.optimizer in LOMO_OPTIMIZERS:
+            return build_fused(cfg.optimizer, self.model, g, self.channels, c, cfg)
         params = list(self.model.parameters())
         decay = [p for p in params if p.dim() > 1]
         no_decay = [p for p in params if p.dim() <= 1]
@@ -259,6 +266,8 @@ class Trainer:
 
     def _forward_backward(self, batches) -> list[float]:
         m, M = self.model, self.num_microbatches
+        if isinstance(self.optimizer, FusedStep):  # LOMO / AdaLomo: the update happens inside backward
+            return self.optimizer.forward_backward(m, batches)
         if self.communicator is None:
             losses = []
             for k, (ids, labels) in enumerate(batches):

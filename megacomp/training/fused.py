@@ -1,0 +1,140 @@
+"""LOMO / AdaLomo in the pretraining loop: the optimizer that updates inside backward, behind the interface the
+trainer gives every optimizer (``param_groups`` for the learning rate, ``step()``, ``last_grad_norm``,
+checkpoint state).
+
+Per iteration (one micro-batch per DP rank: an update inside backward leaves no gradient to accumulate):
+  1. forward: ``loss = model(ids, labels)``;
+  2. when clipping by norm or under fp16 loss scaling, the first backward pass (:meth:`Lomo.grad_norm`): the
+     DP-averaged gradients' global norm over TP, and the overflow verdict (an overflow skips the step on every
+     rank, the loss scale backs off);
+  3. :meth:`Lomo.fused_backward`: each parameter's gradient is all-reduced over DP on the ``dp_gradient``
+     channel (codec, error feedback per parameter name) while backward goes on, then clipped, applied and freed.
+``step()`` only reports whether step 3 happened. There is no fp32 master, no gradient buffer and no
+parameter all-gather (every DP rank applies the same averaged gradient), so the ``dp_parameter`` path must be
+uncompressed and unused.
+
+Failure behaviour: ValueError when the compression config asks for what LOMO cannot do (a ``dp_parameter``
+codec, a low-rank or Accordion ``dp_gradient``, full-precision warm-up steps); TrainingDiverged when an update
+pass without a norm pass met a non-finite gradient (already applied: the run stops without saving).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..comm import Channel
+from ..optimizer import AdaLomo, DynamicLossScaler, Lomo
+from .guard import TrainingDiverged
+
+
+class FusedStep:
+    """A :class:`~megacomp.optimizer.Lomo` (or AdaLomo) driven by the trainer (see the module docstring).
+
+    Args:
+        opt: the fused optimizer, built on the model.
+        dp_rank: this rank's data-parallel rank (the checkpoint entry is per DP rank: error feedback differs).
+    """
+
+    def __init__(self, opt: Lomo, dp_rank: int) -> None:
+        self.opt, self.dp_rank = opt, dp_rank
+        self.param_groups = [{"lr": opt.lr}]  # the trainer writes each iteration's learning rate here
+        self._stepped = False
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last norm pass (None without one, or after a skipped step)."""
+        return self.opt.last_grad_norm
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for an inf/NaN gradient norm (fp16 overflows included)."""
+        return self.opt.skipped_steps
+
+    def no_sync(self):
+        """Nothing to defer (one micro-batch per iteration); here so the trainer's interface is complete."""
+        return contextlib.nullcontext()
+
+    def forward_backward(self, model, batches: list) -> list[float]:
+        """Steps 1-3 of the module docstring on the iteration's single micro-batch; returns its loss."""
+        if len(batches) != 1:
+            raise ValueError(f"{type(self.opt).__name__} takes one micro-batch per iteration, got {len(batches)}; set "
+                             f"global_batch_size = micro_batch_size x DP")
+        ids, labels = batches[0]
+        loss = model(ids, labels)
+        lr = self.param_groups[0]["lr"]
+        if self.opt.needs_norm_pass:
+            self.opt.grad_norm(loss)
+        try:
+            self._stepped = self.opt.fused_backward(loss, lr)
+        except FloatingPointError as e:
+            raise TrainingDiverged(str(e)) from e
+        return [loss.item()]
+
+    def step(self) -> bool:
+        """Whether this iteration's update happened (it was applied inside backward)."""
+        return self._stepped
+
+    def init_state(self) -> None:
+        """Zero error-feedback residuals for every compressed parameter (a checkpoint-load template)."""
+        self.opt.init_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This DP rank's optimizer state under a key naming the rank (so torch.distributed.checkpoint keeps every
+        rank's error feedback; AdaLomo's moments are equal on every DP rank)."""
+        return {f"dp_rank_{self.dp_rank}": {"rule": type(self.opt).__name__, **self.opt.state_dict()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. ValueError when the checkpoint holds no entry for this DP rank (another DP
+        size) or was written by another optimizer."""
+        key = f"dp_rank_{self.dp_rank}"
+        if key not in state:
+            raise ValueError(f"optimizer state has no entry for data-parallel rank {self.dp_rank} (keys: "
+                             f"{sorted(state)}); it was saved with another data-parallel size")
+        s = state[key]
+        if s.get("rule") != type(self.opt).__name__:
+            raise ValueError(f"optimizer checkpoint was saved by {s.get('rule')}, this run uses "
+                             f"{type(self.opt).__name__}; resume with the same --optimizer")
+        self.opt.load_state_dict({k: v for k, v in s.items() if k != "rule"})
+
+
+def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedStep:
+    """LOMO (``name == 'lomo'``) or AdaLomo over the DP group on the ``dp_gradient`` channel, with fp16 loss
+    scaling when the parameters are fp16. Raises ValueError for compression settings LOMO cannot honour."""
+    from .optimizer_args import lomo_kwargs
+
+    ch: Channel = channels.dp_gradient
+    if type(ch) is not Channel:
+        raise ValueError(f"optimizer {name} all-reduces each parameter's gradient on its own inside backward: the "
+                         f"dp_gradient path must be a codec (e.g. int4 + LoCo), not {type(ch).__name__} (PowerSGD / "
+                         f"Accordion batch whole buckets)")
+    if compression.dp_gradient_warmup_steps:
+        raise ValueError(f"optimizer {name} has no full-precision warm-up path; drop dp_gradient_warmup_steps "
+                         f"(got {compression.dp_gradient_warmup_steps})")
+    if not channels.dp_parameter.codec.is_identity:
+        raise ValueError(f"optimizer {name} sends no parameters (every DP rank applies the same averaged gradient), "
+                         f"but the compression config sets dp_parameter {channels.dp_parameter.codec}; drop it")
+    scaler = None
+    if cfg.params_dtype == "float16":
+        scaler = DynamicLossScaler(scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window)
+    cls = AdaLomo if name == "adalomo" else Lomo
+    opt = cls(model, lr=cfg.lr, dp_group=groups.dp, tp_group=groups.tp if groups.tp_size > 1 else None,
+              channel=ch, loss_scaler=scaler, **lomo_kwargs(cfg))
+    return FusedStep(opt, dist.get_rank(groups.dp))
+
+
+def lomo_summary(step: FusedStep, cfg) -> str:
+    """One line saying what LOMO / AdaLomo does and sends (the banner's)."""
+    opt = step.opt
+    ch = opt.channel
+    ef = " + error feedback" if ch.error_feedback is not None else ""
+    clip = (f"clipping by the global norm {opt.clip_grad_norm:g} (two backward passes)" if opt.clip_grad_norm
+            else "no clipping" + (" (a first backward pass checks for fp16 overflow)" if opt.scaler else ""))
+    scale = f", fp16 loss scale from {opt.scaler.scale:g}" if opt.scaler is not None else ""
+    biggest = max(p.numel() * p.element_size() for p in opt.params.values())
+    return (f"{cfg.optimizer}: each parameter all-reduced over DP (dp_gradient, {ch.codec}{ef}) and updated inside "
+            f"backward, its gradient freed: at most two gradients alive (largest {biggest / 1e6:.2f} MB), no fp32 "
+            f"masters; {clip}{scale}")
+
+

@@ -1,0 +1,100 @@
+"""Optimizer and outer-loop settings of a pretraining run, turned into the keyword arguments of the classes
+that take them (megacomp.optimizer, megacomp.outer); each function raises ValueError naming the fix for a
+value the class would reject, so :func:`megacomp.training.arguments.check` fails before any group exists."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import yaml
+
+from ..compression import make_codec
+
+if TYPE_CHECKING:
+    from .arguments import PretrainConfig
+
+OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
+SPARSELOCO_CODEC = make_codec("int2", k=64, chunk=4096)
+"""SparseLoCo's default outer codec: top-64 of every 4096 (1.6% density, inside the paper's 1-3%), 2-bit values."""
+ONEBIT_OPTIMIZERS = ("onebit_adam", "zero_one_adam", "onebit_lamb")
+LOMO_OPTIMIZERS = ("lomo", "adalomo")
+OPTIMIZERS = ("adamw", "demo") + ONEBIT_OPTIMIZERS + LOMO_OPTIMIZERS
+
+
+def lomo_kwargs(cfg: PretrainConfig) -> dict:
+    """The keyword arguments of megacomp.optimizer.Lomo / AdaLomo taken from the config (the groups, channel and
+    loss scaler are passed by the trainer): weight decay, LOMO's clipping by the global norm (``clip_grad``; 0 =
+    off, which also drops the first backward pass unless fp16 needs it for the overflow check) and, for
+    AdaLomo, the reference's eps / clip_threshold / decay_rate (its defaults; not configurable)."""
+    return {"weight_decay": cfg.weight_decay, "clip_grad_norm": cfg.clip_grad or None}
+
+
+def onebit_kwargs(cfg: PretrainConfig) -> dict:
+    """The keyword arguments of megacomp.optimizer.OneBitAdam / ZeroOneAdam / OneBitLamb taken from the config
+    (hyperparameters and the momentum path; lr, betas, weight decay and clipping are passed by the trainer).
+    Raises ValueError for values the optimizer rejects (it is built once on a throwaway parameter)."""
+    from ..optimizer.onebit import DEFAULT_MOMENTUM_CODEC
+    from ..optimizer.onebit.optimizer import check_momentum_codec
+    from ..optimizer.onebit.rules import _check_freeze
+    from ..optimizer.onebit.schedule import ZeroOneSchedule
+
+    codec = cfg.momentum_codec
+    if isinstance(codec, str) and codec.strip().startswith("{"):
+        codec = yaml.safe_load(codec)
+    out = {"momentum_codec": DEFAULT_MOMENTUM_CODEC if codec is None else codec,
+           "momentum_error_feedback": cfg.momentum_error_feedback, "shard": cfg.shard_optimizer}
+    if cfg.optimizer == "zero_one_adam":
+        ZeroOneSchedule(cfg.var_freeze_step, cfg.var_update_scaler, cfg.local_step_scaler, cfg.local_step_clipper)
+        out.update(var_freeze_step=cfg.var_freeze_step, var_update_scaler=cfg.var_update_scaler,
+                   local_step_scaler=cfg.local_step_scaler, local_step_clipper=cfg.local_step_clipper)
+    else:
+        _check_freeze(cfg.freeze_step)
+        out["freeze_step"] = cfg.freeze_step
+    if cfg.optimizer == "onebit_lamb":
+        out.update(max_coeff=cfg.max_coeff, min_coeff=cfg.min_coeff, coeff_beta=cfg.coeff_beta,
+                   factor_max=cfg.factor_max, factor_min=cfg.factor_min, factor_threshold=cfg.factor_threshold)
+    check_momentum_codec(out["momentum_codec"], cfg.momentum_error_feedback, cfg.optimizer)  # before any group exists
+    return out
+
+
+def mt_dao_optimizer_kwargs(cfg: PretrainConfig) -> dict:
+    """``slow_betas`` and ``slow_weights`` of megacomp.optimizer.MultiTimescaleAdamW from the comma lists.
+
+    Raises:
+        ValueError: a list that does not parse, lists of different lengths, betas outside [0, 1), weights < 0
+            or summing to more than 1."""
+    out = {}
+    for field, key in (("mt_dao_slow_betas", "slow_betas"), ("mt_dao_slow_weights", "slow_weights")):
+        text = str(getattr(cfg, field))
+        try:
+            out[key] = tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"{field} must be a comma list of numbers, got {text!r}") from None
+    betas, weights = out["slow_betas"], out["slow_weights"]
+    if len(betas) != len(weights) or not all(0 <= b < 1 for b in betas) or any(w < 0 for w in weights) \
+            or sum(weights) > 1:
+        raise ValueError(f"mt_dao_slow_betas {betas} and mt_dao_slow_weights {weights}: one weight per beta, betas in "
+                         f"[0, 1), weights >= 0 summing to at most 1")
+    return out
+
+
+def outer_config(cfg: PretrainConfig):
+    """The megacomp.outer.DiLoCoConfig of a run (DiLoCo is Streaming DiLoCo with one fragment, no delay, no
+    mixing; MT-DAO is its parameter averaging, outer lr 1 and no momentum, plus megacomp.outer.mt_dao's state
+    averaging). Raises ValueError for bad values (see DiLoCoConfig)."""
+    from ..outer import DiLoCoConfig
+
+    noloco, mt_dao = cfg.outer_algorithm == "noloco", cfg.outer_algorithm == "mt_dao"
+    sparse = cfg.outer_algorithm == "sparseloco"
+    momentum = cfg.outer_momentum if cfg.outer_momentum is not None else (
+        0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else 0.9)
+    lr = cfg.outer_lr if cfg.outer_lr is not None else (1.0 if mt_dao or sparse else 0.7)
+    codec = cfg.outer_codec
+    if isinstance(codec, str) and codec.strip().startswith("{"):  # a YAML mapping given on the command line
+        codec = yaml.safe_load(codec)
+    if sparse and codec is None:
+        codec = SPARSELOCO_CODEC
+    algorithm = "noloco" if noloco else "sparseloco" if sparse else "diloco"
+    return DiLoCoConfig(outer_steps=cfg.outer_steps, outer_lr=lr, outer_momentum=momentum,
+                        algorithm=algorithm, group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
+                        codec=codec, error_feedback=cfg.outer_error_feedback,
+                        fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)
