@@ -6,7 +6,7 @@
 #
 #   torchrun  scripts/pretrain_gpt.sh (torchrun --standalone --nproc-per-node 4 -m megacomp.pretrain ...):
 #             TP 2 x DP 2 with tp_fp8, TP 2 x PP 2 with all, DiLoCo over 2 replicas of TP 2 (int4 outer), and
-#             1-bit Adam on TP 2 x PP 2 x DP 2 (8 ranks)
+#             1-bit Adam on TP 2 x PP 2 x DP 2 (8 ranks), AdaLomo with int4 + LoCo gradients on TP 2 x DP 2
 #   slurm     scripts/slurm_up.sh (installs Slurm when missing), sbatch --wait scripts/pretrain_gpt.sbatch
 #             (4 tasks, PP 2 x DP 2, all), check its output; then a long job with SAVE=LOAD is sent SIGUSR1
 #             (scancel --signal=USR1, as the script's --signal=USR1@120 would be before the time limit): it
@@ -150,6 +150,10 @@ stage_torchrun() {
   launch torchrun_onebit_tp2_pp2_dp2 torchrun "TP2xPP2xDP2" none dp_momentum \
     TP=2 PP=2 NPROC=8 bash scripts/pretrain_gpt.sh --log-interval 1 --optimizer onebit_adam --freeze-step 3 \
     --hidden-size 128
+  # AdaLomo on TP 2 x DP 2: each parameter all-reduced over DP in int4 + LoCo inside backward and updated there
+  # (one micro-batch of 4 per DP rank, so global batch 8; lr relative to each parameter's RMS)
+  launch torchrun_adalomo_tp2_dp2 torchrun "TP2xDP2" loco4 dp_gradient \
+    TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --optimizer adalomo --global-batch-size 8 --lr 0.03
 }
 
 # ---- (b) Slurm ---------------------------------------------------------------------------------------

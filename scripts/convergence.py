@@ -30,6 +30,8 @@ iterations, then Adam's second moment frozen while the codec runs), with and wit
 the DP bytes over the run and after the warm-up and the rounds of communication (--seeds 1,2,3, --iters 600);
 ``demo_sweep`` and ``structured``: issue #17's DeMo (learning rates and decays on one seed), then SparseLoCo,
 DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replicas, --seeds 1,2,3);
+``lomo_sweep`` and ``lomo``: issue #21's LOMO and AdaLomo (updates inside backward) against AdamW, and with int4 +
+LoCo gradients against themselves;
 ``fsdp``: issue #19's FSDP2 with megacomp's reduce-scatter / all-gather (LoCo int4 gradients, int8 parameters)
 against stock FSDP2, paired by seed.
 ``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, Accordion
@@ -294,6 +296,19 @@ SUITES["onebit_sweep"] = {"layout": [], "variants": {
                                      baseline="LAMB (lr 1e-2)"),
 }}
 
+
+def fused(optimizer: str, lr: str, *more: str, baseline: str = "none", **compression) -> dict:
+    """A LOMO / AdaLomo variant (issue #21): one micro-batch per DP rank, the tiny config's 16 = 4 x 4 ranks."""
+    return {**compression, "args": ["--optimizer", optimizer, "--lr", lr, *more], "baseline": baseline}
+
+
+# One seed of learning rates: AdaLomo's step is relative to each parameter's RMS (about 0.02 for the matrices at
+# initialisation), LOMO is plain SGD with LOMO's clipping by the global norm
+SUITES["lomo_sweep"] = {"layout": [], "variants": {
+    "none": {},
+    **{f"AdaLomo lr {lr}": fused("adalomo", lr) for lr in ("0.03", "0.1", "0.3")},
+    **{f"LOMO lr {lr}": fused("lomo", lr) for lr in ("0.3", "1.0")},
+}}
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
