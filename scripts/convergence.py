@@ -303,11 +303,19 @@ def fused(optimizer: str, lr: str, *more: str, baseline: str = "none", **compres
 
 
 # One seed of learning rates: AdaLomo's step is relative to each parameter's RMS (about 0.02 for the matrices at
-# initialisation), LOMO is plain SGD with LOMO's clipping by the global norm
+# initialisation); the paper's AdaLomo has no clipping by the global norm (its grouped update normalisation
+# replaces it, and saves LOMO's second backward pass): --clip-grad 0, one run with LOMO's clipping for comparison
 SUITES["lomo_sweep"] = {"layout": [], "variants": {
     "none": {},
-    **{f"AdaLomo lr {lr}": fused("adalomo", lr) for lr in ("0.03", "0.1", "0.3")},
-    **{f"LOMO lr {lr}": fused("lomo", lr) for lr in ("0.3", "1.0")},
+    "AdaLomo lr 0.03, clip 1": fused("adalomo", "0.03"),
+    **{f"AdaLomo lr {lr}": fused("adalomo", lr, "--clip-grad", "0") for lr in ("0.03", "0.1", "0.3")},
+}}
+ADALOMO = ("0.1", "--clip-grad", "0")  # the sweep's best (docs/convergence_lomo_sweep)
+SUITES["lomo"] = {"layout": [], "variants": {
+    "none": {},
+    "AdaLomo (lr 0.1)": fused("adalomo", *ADALOMO),
+    "AdaLomo, int4+LoCo gradients": fused("adalomo", *ADALOMO, baseline="AdaLomo (lr 0.1)", dp_gradient=INT4,
+                                          dp_gradient_error_feedback="loco"),
 }}
 
 def slug(name: str) -> str:
