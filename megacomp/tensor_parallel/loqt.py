@@ -63,7 +63,7 @@ ColumnParallelLinear/RowParallelLinear/nn.Linear; RuntimeError for merge_and_rei
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable, Optional, Union
+from typing import Callable, Iterable, NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -96,8 +96,8 @@ def check_base_codec(codec: CodecLike, row_length: int):
 
 
 class _CaptureWeightGrad(torch.autograd.Function):
-    """Identity on the weight; backward adds the weight's gradient into ``sink`` and returns none (``anchor``,
-    the trainable factor, only makes the graph reach here; it receives no gradient)."""
+    """Identity on the weight; backward adds the weight's gradient into ``sink`` and returns none (``anchor``, a
+    private leaf that requires grad, only makes the graph reach here: no parameter's gradient hook fires)."""
 
     @staticmethod
     def forward(ctx, weight, anchor, sink):
@@ -108,6 +108,16 @@ class _CaptureWeightGrad(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.sink._accumulate(grad)
         return None, None, None
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+class _Recompute(NamedTuple):
+    """What autograd keeps of the dense weight (a view's geometry); backward recomputes the values."""
+    size: torch.Size
+    stride: tuple
+    offset: int
 
 
 class LoQTLinear(nn.Module):
@@ -162,6 +172,7 @@ class LoQTLinear(nn.Module):
         del layer.weight
         layer.weight = None  # set to the LoQT weight for the duration of each forward
         self.base = layer
+        self.config = getattr(layer, "config", None)  # what optimizers read (LOMO's sequence-parallel check)
         self._grad: Optional[torch.Tensor] = None  # the captured full gradient (fp32) during a merge step
 
     # -- weight ------------------------------------------------------------------------------------
@@ -196,27 +207,47 @@ class LoQTLinear(nn.Module):
         b = self.factor if factor is None else factor
         return b @ self.proj.t() if self.kind == "column" else self.proj @ b
 
-    def effective_weight(self) -> torch.Tensor:
-        """``deq(Q) + alpha * low-rank`` (detached): the weight shard this layer applies."""
+    def _recompute(self) -> torch.Tensor:
+        """``deq(Q) + alpha * low-rank`` without a graph (the bits the forward used, while B is unchanged)."""
         with torch.no_grad():
             q = self.dequantized()
-            return q + self.alpha * self.low_rank() if self.initialized else q.clone()
+            return q + self.alpha * self.low_rank() if self.initialized else q
+
+    def effective_weight(self) -> torch.Tensor:
+        """``deq(Q) + alpha * low-rank`` (detached, a new tensor): the weight shard this layer applies."""
+        w = self._recompute()
+        return w if self.initialized else w.clone()
 
     def forward(self, *args, **kwargs):
         """The wrapped layer's forward with its weight = ``deq(Q) + alpha * low-rank`` (graph to B only; during a
-        merge step's capture, graph to the captured gradient instead). Returns what the wrapped layer returns."""
-        q = self.dequantized()
+        merge step's capture, graph to the captured gradient instead). Returns what the wrapped layer returns.
+
+        The dense weight is not kept for backward: where the wrapped layer's autograd saves it (for the input
+        gradient), a saved-tensor hook stores a marker and backward dequantises again (:meth:`_recompute`), as
+        the reference's NF4 matmul does; between forward and backward only Q, P and B hold weight memory."""
         if self._grad is not None:
-            with torch.no_grad():
-                w = q + self.alpha * self.low_rank() if self.initialized else q
-            w = _CaptureWeightGrad.apply(w, self.factor, self)
+            w = _CaptureWeightGrad.apply(self._recompute(), _ANCHOR, self)
         else:
+            q = self.dequantized()
             w = q + self.alpha * self.low_rank() if self.initialized else q
-        self.base.weight = w
-        try:
-            return self.base(*args, **kwargs)
-        finally:
-            self.base.weight = None
+        storage = w.untyped_storage().data_ptr()
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() == storage:
+                return _Recompute(t.size(), t.stride(), t.storage_offset())
+            return t
+
+        def unpack(saved):
+            if isinstance(saved, _Recompute):
+                return self._recompute().as_strided(saved.size, saved.stride, saved.offset)
+            return saved
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            self.base.weight = w
+            try:
+                return self.base(*args, **kwargs)
+            finally:
+                self.base.weight = None
 
     # -- merge ---------------------------------------------------------------------------------------
     def start_capture(self) -> None:
@@ -237,17 +268,12 @@ class LoQTLinear(nn.Module):
         if self.tp_size > 1:
             channel.all_reduce(gram, group=self.tp_group, tag="loqt_merge_tp")
         if not bool(torch.isfinite(gram).all()):
-            raise ValueError("LoQT merge: the captured weight gradient has inf/NaN (an fp16 overflow?); rerun the merge "
-                             "step's backward with a smaller loss scale")
+            raise ValueError("LoQT merge: the captured weight gradient has inf/NaN (an fp16 overflow?); rerun the "
+                             "merge step's backward with a smaller loss scale")
         vecs = torch.linalg.eigh(gram).eigenvectors[:, -self.rank:].flip(1)
         pivot = vecs.abs().argmax(0)
         signs = torch.sign(vecs[pivot, torch.arange(self.rank)])
         return (vecs * torch.where(signs == 0, 1.0, signs)).to(self.dtype)
-
-    def _tp_sum(self, value: torch.Tensor, channel: Channel) -> float:
-        if self.tp_size > 1:
-            channel.all_reduce(value, group=self.tp_group, tag="loqt_merge_tp")
-        return float(value)
 
     @torch.no_grad()
     def quantise(self, w: torch.Tensor, proj: torch.Tensor, channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
@@ -262,9 +288,11 @@ class LoQTLinear(nn.Module):
             residual = w - self._decode(payload).float()
             b = ((residual @ proj.float()) if col else (proj.float().t() @ residual)) / self.alpha
             fit = self.alpha * (b @ proj.float().t() if col else proj.float() @ b)
-            err = self._tp_sum((residual - fit).double().square().sum().reshape(1), channel)
-            if err < best_err:
-                best, best_err = (payload, b.to(self.dtype)), err
+            err = (residual - fit).double().square().sum().reshape(1)
+            if self.tp_size > 1:
+                channel.all_reduce(err, group=self.tp_group, tag="loqt_merge_tp")
+            if float(err) < best_err:
+                best, best_err = (payload, b.to(self.dtype)), float(err)
             target = w - fit
         return best
 
@@ -274,8 +302,8 @@ class LoQTLinear(nn.Module):
         P, Q and B (TP reductions on the uncompressed ``tp_channel``)."""
         grad, self._grad = self._grad, None
         if grad is None:
-            raise RuntimeError("LoQT merge_and_reinit: no captured gradient; call LoQT.start_full_gradient() before the "
-                               "merge step's forward and backward")
+            raise RuntimeError("LoQT merge_and_reinit: no captured gradient; call LoQT.start_full_gradient() before "
+                               "the merge step's forward and backward")
         if dp:
             channel.all_reduce(grad)
         proj = self.projection(grad, tp_channel)
@@ -399,14 +427,14 @@ class LoQT:
         mods = model.modules() if isinstance(model, nn.Module) else model
         self.layers = [m for m in mods if isinstance(m, LoQTLinear)]
         if not self.layers:
-            raise ValueError("LoQT found no LoQTLinear layers; convert the model first with convert_to_loqt(model, rank)")
+            raise ValueError("LoQT found no LoQTLinear layers; convert the model first: convert_to_loqt(model, rank)")
         self.schedule = schedule if schedule is not None else LoQTSchedule()
         if channel is not None and dp_group is not None and channel.group is not dp_group:
             raise ValueError("LoQT: pass the data-parallel group either as dp_group or as the channel's group, not two")
         group = channel.group if channel is not None else dp_group
         if group is None and dist.is_initialized() and dist.get_world_size() != max(m.tp_size for m in self.layers):
-            raise ValueError("LoQT: the world holds more than one TP group; pass dp_group (e.g. groups.dp) so the merge "
-                             "gradients are summed over data-parallel copies only")
+            raise ValueError("LoQT: the world holds more than one TP group; pass dp_group (e.g. groups.dp) so the "
+                             "merge gradients are summed over data-parallel copies only")
         self.dp = group is not None and dist.get_world_size(group) > 1
         if channel is None:
             channel = Channel("loqt_merge", None, group=dp_group)
@@ -444,7 +472,8 @@ def sync_optimizer(optimizer, layers: Iterable[LoQTLinear], *, reset_state: bool
     so other parameters' masters are not replaced by a lossy all-gathered copy). ``reset_state=True`` (not what the
     reference does) also zeroes B's optimizer state: for torch optimizers its per-parameter state is dropped (fresh
     moments and step count); for the DistributedOptimizer B's slice of every state tensor shaped like the master is
-    zeroed (its step count is shared with the bucket and stays); for AdaLomo its statistics are zeroed."""
+    zeroed (its step count is shared with the bucket and stays); for AdaLomo its statistics are zeroed; LOMO has
+    no state."""
     factors = {id(m.factor): m.factor for m in layers}
     with torch.no_grad():
         if hasattr(optimizer, "buckets") and hasattr(optimizer, "masters"):  # megacomp DistributedOptimizer
@@ -459,10 +488,11 @@ def sync_optimizer(optimizer, layers: Iterable[LoQTLinear], *, reset_state: bool
                     for v in state.values():
                         if torch.is_tensor(v) and v.shape == master.shape:
                             v[lo - start:hi - start].zero_()
-        elif reset_state and hasattr(optimizer, "names") and isinstance(getattr(optimizer, "state", None), dict):
-            for pid in factors:  # AdaLomo: state keyed by parameter name
-                for v in optimizer.state.get(optimizer.names.get(pid), {}).values():
-                    v.zero_()
-        elif reset_state:
-            for p in factors.values():
-                optimizer.state.pop(p, None)
+        elif reset_state and getattr(optimizer, "state", None) is not None:  # LOMO has none
+            names = getattr(optimizer, "names", None)  # AdaLomo keys its state by parameter name
+            for pid, p in factors.items():
+                if names is not None:
+                    for v in optimizer.state.get(names.get(pid), {}).values():
+                        v.zero_()
+                else:
+                    optimizer.state.pop(p, None)
