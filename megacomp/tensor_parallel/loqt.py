@@ -13,6 +13,9 @@ so the trainable factor is sharded like the weight and ``P`` spans the unsharded
 independent of the TP size up to fp32 summation order. The forward is the wrapped layer's own forward with
 ``weight`` set to that sum for the call, so its TP mappings and channels (tp_forward/tp_backward, sequence
 parallelism) are unchanged. ``B`` carries the layer's ``tensor_model_parallel``/``partition_dim`` marks.
+Memory: autograd does not keep the dense weight between forward and backward (a saved-tensor hook stores a marker
+and backward dequantises again); a layer's forward/backward holds two or three weight-sized temporaries at a time,
+and a merge step one fp32 weight-sized gradient accumulator per layer (the reference's weight_grad buffer).
 
 Algorithm (a training loop drives it through :class:`LoQT`; see its docstring for the call order):
   1. convert: ``Q = quantise(W)``, ``P = 0``, ``B = 0`` (uninitialised: the forward uses ``deq(Q)`` alone).
@@ -23,11 +26,13 @@ Algorithm (a training loop drives it through :class:`LoQT`; see its docstring fo
         all-reduced over TP in fp64 and ``torch.linalg.eigh`` gives its top-r eigenvectors = the top-r right
         (column) / left (row) singular vectors of G, ordered by descending eigenvalue, each signed so that its
         entry of largest magnitude is positive (ties: the first): every rank derives the same P;
-     c. merge: ``W = deq(Q) + alpha*low-rank`` (fp32); ``Q = quantise(W)``, ``B = 0``; with ``compensate_iters=k``
+     c. merge: ``W = deq(Q) + alpha*low-rank`` (fp32); ``Q = quantise(W)``, ``B = 0`` (the first time, with B = 0
+        still, Q is kept as it is); with ``compensate_iters=k``
         the reference's error compensation instead: k rounds of ``Q_i = quantise(W - alpha*lowrank(B_{i-1}))``,
         ``B_i = P^T-projection of (W - deq Q_i) / alpha`` (P has orthonormal columns, so P^+ = P^T), keeping the
         pair of least ``||W - deq Q_i - alpha*lowrank(B_i)||_F`` (a TP all-reduced fp64 scalar).
-  3. in between, only B (and the layer's bias) train; the optimizer step of a merge iteration is skipped.
+  3. in between, only B (and the layer's bias) train; the optimizer step of a merge iteration is skipped (LOMO /
+     AdaLomo update inside backward: on a merge step they still update the non-LoQT parameters, B gets nothing).
 
 Schedule (:class:`LoQTSchedule`): merge steps ``0, tau, tau + (tau + floor(psi^1)), ...``: the k-th interval after
 the first is ``tau + floor(psi^k)``; a merge with ``step + tau >= total_steps`` is dropped (defaults tau=100,
@@ -36,23 +41,24 @@ psi=1.2 of the reference's scripts/350m_loqt8bit.sh).
 Error bound (int codecs, round to nearest, block size b dividing the local row length): per element
 ``|deq(Q) - W| <= s/2`` with ``s = amax_block / qmax`` (qmax 127 for int8, 7 for int4), plus fp32 round-off of the
 scaling; through the matmul ``|dy| <= sum_j |x_j| * bound_ij``. Blocks never straddle rows, so the blocks and their
-scales are the same at every TP size. After a merge ``|deq(Q_new) - (deq(Q_old) + alpha*lowrank)| <= s_new/2``;
-with compensation ``||W - deq Q - alpha*lowrank(B)||_F <= ||W - deq(quantise W)||_F``. Codec ``none`` stores W's
-own bytes: with B = 0 the layer is bit-identical to the original.
+scales are the same at every TP size. After a merge ``|deq(Q_new) - (deq(Q_old) + alpha*lowrank)| <= s_new/2``
+(+ round-off); with compensation ``||W - deq Q - alpha*lowrank(B)||_F <= ||W - deq(quantise W)||_F``. Codec
+``none`` stores W's own bytes: with B = 0 the layer is bit-identical to the original.
 
-Reference (sebulo/LoQT, loqt/LoQT.py, torchrun_main.py, loqt/utils.py) followed: W = Q + scale * (product of a
-fixed factor from the gradient's SVD and a zero-initialised trainable one), scale = lora_alpha used directly (not
-alpha/r; default 0.5); B zero at (re)initialisation unless ``compensate_quant_error_iterations`` > 0 (then the
-iterative compensation above, best-of by Frobenius norm); the full weight gradient averaged over DP before the
-SVD; merge ``Q = quantise(deq Q + low-rank)``; the merge iteration makes no optimizer step; the trainable factor
-keeps its parameter identity and its optimizer state across merges (no reset; :func:`sync_optimizer` can reset
-it, as an option); exponential schedule as above. Chosen differently: the orientation follows the TP partition
-dim, not the reference's shape rule ('left' when in <= out; used here only for plain nn.Linear); the base is
-megacomp's int8/int4 block codec, not NF4, and P stays in the parameter dtype (the reference can NF4-quantise
-P); the gradient for P is taken at the pre-merge weight ``deq(Q)+alpha*low-rank`` in the same backward instead
-of at the re-quantised weight after a merge (they differ by one quantisation step, and no full-precision copy
-of W has to be kept between merge and re-initialisation); P comes from eigh of the TP-reduced Gram matrix (the
-reference's optional ``use_eigenh_for_projection`` path) rather than an SVD of the gathered gradient.
+Reference (sebulo/LoQT: loqt/LoQT.py, torchrun_main.py, loqt/utils.py, scripts/350m_loqt8bit.sh), followed:
+W = Q + scale * (a fixed factor from the gradient's SVD times a zero-initialised trainable one), scale = lora_alpha
+used directly (not alpha/r; default 0.5); B zero at (re)initialisation unless ``compensate_quant_error_iterations``
+> 0 (then the iterative compensation above, best-of by Frobenius norm); the full weight gradient reduced over DP
+before the SVD (averaged there, summed here: P depends on neither that scale nor a loss scale); merge
+``Q = quantise(deq Q + low-rank)``; the merge iteration makes no optimizer step; the trainable factor keeps its
+parameter identity and optimizer state across merges (no reset; :func:`sync_optimizer` can reset it, as an
+option); the exponential schedule above. Chosen differently: the orientation follows the TP partition dim, not the
+reference's shape rule ('left' when in <= out; used here only for plain nn.Linear); the base is megacomp's
+int8/int4 block codec, not NF4, and P stays in the parameter dtype (the reference can NF4-quantise P); the gradient
+for P is taken at the pre-merge weight ``deq(Q)+alpha*low-rank`` in the same backward, not at the re-quantised
+weight after a merge with the low-rank path off (they differ by one quantisation step, and no full-precision copy
+of W is kept between merge and re-initialisation); P comes from eigh of the TP-reduced Gram matrix (the reference's
+optional ``use_eigenh_for_projection`` path) rather than an SVD of the gathered gradient.
 
 Failure behaviour: ValueError (naming the fix) for rank <= 0 or > min(out, in), an unsupported codec (only
 int8/int4 with per-block scales, round to nearest, no Hadamard/dual scale, and ``none``), a block size that does
@@ -113,8 +119,7 @@ class _CaptureWeightGrad(torch.autograd.Function):
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
-class _Recompute(NamedTuple):
-    """What autograd keeps of the dense weight (a view's geometry); backward recomputes the values."""
+class _Recompute(NamedTuple):  # what autograd keeps of the dense weight: a view's geometry, not its values
     size: torch.Size
     stride: tuple
     offset: int
@@ -256,7 +261,7 @@ class LoQTLinear(nn.Module):
             self._grad = torch.zeros(self.shape, dtype=torch.float32, device=self.qweight.device)
 
     def _accumulate(self, grad: torch.Tensor) -> None:
-        if self._grad is not None:
+        if self._grad is not None:  # None: a capture graph's backward ran after merge_and_reinit; nothing to keep
             self._grad.add_(grad)
 
     @torch.no_grad()
@@ -320,8 +325,8 @@ class LoQTLinear(nn.Module):
 
     # -- accounting, checkpoints -----------------------------------------------------------------------
     def stats(self) -> dict:
-        """This rank's numbers for a report: trainable elements (B, and the rest of the layer's parameters),
-        bytes of the quantised base (payload + scales), of P, of B, and of the dense weight it replaces."""
+        """This rank's numbers for a report: trainable elements (B and the layer's other parameters), bytes of the
+        quantised base (codes + scales), of P, of B and of the dense weight it replaces."""
         size = torch.empty((), dtype=self.dtype).element_size()
         other = sum(p.numel() for p in self.base.parameters() if p.requires_grad)
         return {"kind": self.kind, "shape": self.shape, "rank": self.rank, "codec": str(self.codec),
@@ -392,15 +397,12 @@ class LoQTSchedule:
     def merge_steps(self, upto: int) -> list[int]:
         """The merge steps <= ``upto``."""
         self._extend(upto)
-        return [s for s in self._steps if s <= upto and self._kept(s)]
-
-    def _kept(self, step: int) -> bool:
-        return self.total_steps is None or step == 0 or step + self.gap < self.total_steps
+        return [s for s in self._steps if s <= upto and (self.total_steps is None or s == 0
+                                                          or s + self.gap < self.total_steps)]
 
     def is_merge_step(self, step: int) -> bool:
         """Whether ``step`` (the training loop's iteration counter, from 0) merges and re-initialises."""
-        self._extend(step)
-        return step in self._steps and self._kept(step)
+        return step in self.merge_steps(step)
 
 
 class LoQT:
