@@ -13,7 +13,7 @@
   schedule's intervals are tau, then tau + floor(psi^k); error compensation never worse than plain quantisation.
 - Training at TP 2 x DP 2 with megacomp's DistributedOptimizer (AdamW, int8 dp_gradient): the loss decreases; the
   DP gradient traffic is exactly the factors' and biases' buckets; P, Q, B agree over DP.
-- state_dict round trip bit for bit; bad input.
+- state_dict round trip bit for bit (also through megacomp.training.checkpoint at TP 2); bad input.
 """
 from __future__ import annotations
 
@@ -328,6 +328,47 @@ def test_state_dict_round_trip_is_bit_exact_and_reset_is_optional():
     convert_to_loqt(int4, R, codec={"name": "int4", "block_size": 16})
     with pytest.raises(ValueError, match="convert with the same settings"):
         int4.load_state_dict(model.state_dict())
+
+
+def _checkpoint_body(rank, world, root):
+    from megacomp.training.checkpoint import load_checkpoint, save_checkpoint
+
+    groups = parallel_state.initialize_model_parallel(world)
+
+    def build(seed):
+        model = nn.ModuleList(pair(world, seed=seed))
+        convert_to_loqt(model, R, codec=INT8)
+        return model, DistributedOptimizer([p for p in model.parameters() if p.requires_grad],
+                                           process_group=groups.dp, lr=1e-2)
+
+    model, opt = build(1)
+    ctl = LoQT(model, LoQTSchedule(gap=2))
+    x = randn(S, NB, H, seed=3)
+
+    def loss(m):
+        return (m[1](F.gelu(m[0](x)[0]))[0] ** 2).mean()
+
+    for step in range(4):  # merges at 0 and 2
+        if ctl.wants_full_gradient(step):
+            ctl.start_full_gradient()
+            loss(model).backward()
+            ctl.merge_and_reinit(step)
+            sync_optimizer(opt, ctl.layers)
+            opt.zero_grad()
+            continue
+        loss(model).backward()
+        opt.step()
+    save_checkpoint(root, 4, model, opt, {}, groups, {})
+    other, opt2 = build(5)
+    assert load_checkpoint(root, other, opt2, groups, {})[0] == 4
+    for (k, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), k
+    assert torch.equal(loss(model), loss(other))
+    assert not LoQT(other, LoQTSchedule(gap=2)).wants_full_gradient(2)
+
+
+def test_megacomp_checkpoint_round_trip_at_tp2(tmp_path):
+    run_ranks(_checkpoint_body, 2, str(tmp_path))
 
 
 # -- training at TP 2 x DP 2 ------------------------------------------------------------------------
