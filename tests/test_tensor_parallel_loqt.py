@@ -37,6 +37,7 @@ from megacomp.tensor_parallel.loqt import LoQT, LoQTLinear, LoQTSchedule, conver
 S, NB, H, O, R = 4, 3, 16, 32, 3  # seq, batch, hidden, ffn (divisible by TP 2), LoQT rank
 L = S * NB  # rows of a weight gradient's sum
 INT8 = {"name": "int8", "block_size": 8}
+INT8_CODEC = make_codec(INT8)
 U = 2.0 ** -24  # fp32 unit round-off
 EPS64 = 2.0 ** -53
 
@@ -238,8 +239,6 @@ def _tp_body(rank, world):
                 b.factor.sub_(0.1 * b.factor.grad)
                 a.factor.grad = b.factor.grad = None
 
-
-INT8_CODEC = make_codec(INT8)
 
 
 def test_tp2_matches_tp1_and_the_fp64_svd():
