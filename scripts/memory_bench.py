@@ -1,0 +1,476 @@
+"""Measured peak memory per rank, split into parameters, gradients, optimizer state, activations and
+communication buffers, for AdamW (torch DDP), megacomp's ZeRO-1-like DistributedOptimizer, LOMO and AdaLomo
+(issue 21, "Memory accounting").
+
+    python scripts/memory_bench.py                 # 125M config, DP 2 gloo ranks, writes docs/memory/
+    python scripts/memory_bench.py --dp 1 --methods lomo,adalomo --out /tmp/mem
+
+Every rank builds the GPT of ``--config`` (all parameter shapes of that config: vocabulary padded to a
+multiple of 8 as the trainer does, the position table of the config's context length), runs ``--warmup``
+iterations of a method, then one measured iteration inside a megacomp.training.memory.MemoryTracker (a
+dispatch mode counting live storage bytes per category; its docstring says what is and is not counted).
+``--seq-length`` / ``--micro-batch-size`` only change activations (shortened by default so a CPU run takes
+minutes); parameters are fp32 on CPU (``--params-dtype bfloat16`` for a GPU run: CPU bf16 matmuls are ~15x
+slower). On CUDA (``--device cuda``, one GPU per rank) torch.cuda.max_memory_allocated is reported next to the
+tracked peak; on CPU the process's peak RSS (VmHWM, reset before the measured iteration) is the sanity column.
+
+Methods are data: METHODS maps a name to a builder ``(model, dp_group, tracker, args) -> Method``; a LoQT row is
+one more entry (added automatically when megacomp.tensor_parallel.loqt exists and exposes ``bench_builder``).
+
+The gradient check (issue 21's acceptance): for LOMO / AdaLomo the measured peak of live gradient bytes must not
+exceed the largest parameter's gradient plus one communication bucket, both measured (the bucket is the
+largest message the method's DP gradient channel sent). PASS / FAIL comes from the numbers, nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megacomp.training.memory import CATEGORIES, PARTIAL, MemoryTracker, reset_rss_peak, rss  # noqa: E402
+
+MiB = 1 << 20
+
+
+# -- methods ----------------------------------------------------------------------------------------
+@dataclass
+class Method:
+    """One way to train: ``step(ids, labels)`` runs a whole iteration (forward under the tracker's ``act``
+    category, backward, reduction, update). ``bucket_bytes``: the largest gradient message / bucket seen so
+    far. ``grad_bound``: whether issue 21's gradient bound applies (LOMO / AdaLomo)."""
+
+    step: Callable
+    bucket_bytes: list = field(default_factory=lambda: [0])
+    warmup: int = 1
+    grad_bound: bool = False
+    notes: str = ""
+
+
+def _forward(model, tracker, ids, labels, watch=None, twice=False):
+    """The GPT's loss, as GPTModel.forward computes it, except that ``twice`` keeps the cross entropy's softmax
+    intact in backward (inplace_backward=False: one more logits-sized temporary) so that the graph can be
+    backpropagated twice (LOMO's norm pass); GPTModel.forward always takes the in-place path."""
+    from megacomp.tensor_parallel import vocab_parallel_cross_entropy
+
+    inner = watch if watch is not None else model
+    with tracker.category("act"):
+        logits = model(ids)
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=inner.tp_group,
+                                            inplace_backward=not twice).mean()
+    tracker.watch_graph(loss, inner)
+    return loss
+
+
+def _tag_state(tracker, optimizer) -> None:
+    for st in optimizer.state.values():
+        tracker.tag([v for v in st.values() if isinstance(v, torch.Tensor)], "optim")
+
+
+def _groups(model, wd):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() > 1], "weight_decay": wd},
+            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+
+
+def build_adamw(model, dp, tracker, args) -> Method:
+    """torch AdamW on whole parameters; gradients all-reduced by torch DDP (gradient_as_bucket_view=True: the
+    gradients are views of DDP's flat buckets, so the buckets are the gradient memory); clip 1.0."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model, process_group=dp, gradient_as_bucket_view=True)
+    sizes = [0]
+
+    def hook(state, bucket):
+        buf = bucket.buffer()
+        tracker.tag(buf, "grad", f"DDP bucket {bucket.index()}")
+        sizes[0] = max(sizes[0], buf.numel() * buf.element_size())
+        with tracker.category("comm"):
+            return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(dp, hook)
+    opt = torch.optim.AdamW(_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+
+    def step(ids, labels):
+        loss = _forward(ddp, tracker, ids, labels, watch=model)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad)
+        opt.step()
+        _tag_state(tracker, opt)
+        opt.zero_grad(set_to_none=True)
+    # DDP rebuilds its buckets in the second iteration's forward: two warm-up iterations
+    return Method(step, sizes, warmup=max(2, args.warmup), notes="torch DDP, gradient_as_bucket_view, 25 MB buckets")
+
+
+def build_zero(model, dp, tracker, args) -> Method:
+    """megacomp.optimizer.DistributedOptimizer (ZeRO-1-like): fp32 flat gradient buckets (grad), fp32 master
+    shards and AdamW state on the shards (optim), reduce-scatter outputs and parameter all-gather buffers (comm)."""
+    from megacomp.optimizer import DistributedOptimizer
+
+    opt = DistributedOptimizer(_groups(model, args.weight_decay), torch.optim.AdamW, dp, max_grad_norm=args.clip_grad,
+                               lr=args.lr, betas=(0.9, 0.95))
+    for b in opt.buckets:
+        tracker.tag(b.grad, "grad", f"bucket {b.index} ({b.numel} elements)")
+    tracker.tag(list(opt.masters), "optim")
+    launch, sync = opt._launch, opt.sync_params
+
+    def launch_comm(b):
+        with tracker.category("comm"):
+            launch(b)
+
+    def sync_comm():
+        with tracker.category("comm"):
+            sync()
+    opt._launch, opt.sync_params = launch_comm, sync_comm
+    sizes = [max(b.padded * b.grad.element_size() for b in opt.buckets)]
+
+    def step(ids, labels):
+        _forward(model, tracker, ids, labels).backward()
+        opt.step()
+        _tag_state(tracker, opt.optimizer)
+    return Method(step, sizes, warmup=args.warmup, notes="megacomp DistributedOptimizer, 4M-element buckets")
+
+
+def _lomo(cls, model, dp, tracker, args, **kw) -> Method:
+    opt = cls(model, lr=args.lr, weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad, dp_group=dp, **kw)
+    for name, st in getattr(opt, "state", {}).items():
+        tracker.tag(list(st.values()), "optim", name)
+    sizes = [0]
+    for ch in (opt.channel, opt._norm_channel):  # the update pass's channel and the norm pass's sibling
+        def all_reduce(buf, *a, _orig=ch.all_reduce, **k):
+            sizes[0] = max(sizes[0], buf.numel() * buf.element_size())  # in place: the buffer is the gradient
+            with tracker.category("comm"):
+                return _orig(buf, *a, **k)
+        ch.all_reduce = all_reduce
+
+    def step(ids, labels):
+        loss = _forward(model, tracker, ids, labels, twice=opt.needs_norm_pass)
+        if opt.needs_norm_pass:
+            opt.grad_norm(loss)
+        opt.fused_backward(loss, args.lr)
+    return Method(step, sizes, warmup=args.warmup, grad_bound=True,
+                  notes=f"clip_grad_norm {args.clip_grad} (two backward passes)" if args.clip_grad else "")
+
+
+def build_lomo(model, dp, tracker, args) -> Method:
+    """megacomp.optimizer.Lomo: SGD fused into backward, DP all-reduce per parameter inside the hook."""
+    from megacomp.optimizer.lomo import Lomo
+    return _lomo(Lomo, model, dp, tracker, args)
+
+
+def build_adalomo(model, dp, tracker, args) -> Method:
+    """megacomp.optimizer.AdaLomo: factored second moment (optim), otherwise as LOMO."""
+    from megacomp.optimizer.lomo import AdaLomo
+    return _lomo(AdaLomo, model, dp, tracker, args)
+
+
+def build_loqt(model, dp, tracker, args) -> Method:
+    """megacomp.tensor_parallel.loqt: every linear layer converted (int8 base weights ``qweight`` and the
+    projection ``proj``, counted as parameters; trainable factors B of rank ``--loqt-rank``), torch AdamW on the
+    trainable parameters (B, biases, norms, embeddings), their gradients all-reduced in place per tensor. The
+    measured iteration is an ordinary one (the warm-up iteration 0 is the schedule's first merge)."""
+    from megacomp.tensor_parallel.loqt import LoQT, convert_to_loqt
+
+    layers = convert_to_loqt(model, args.loqt_rank, codec={"name": "int8", "block_size": args.loqt_block})
+    loqt = LoQT(model, dp_group=dp)
+    tracker.watch_params(model)  # the new factors
+    for m in layers:
+        tracker.tag([b for b in m.buffers()], "param")  # quantised base weights and projections
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95))
+    sizes, world, it = [0], dist.get_world_size(dp), [0]
+
+    def step(ids, labels):
+        merge = loqt.wants_full_gradient(it[0])
+        if merge:
+            loqt.start_full_gradient()
+        _forward(model, tracker, ids, labels).backward()
+        if merge:
+            loqt.merge_and_reinit(it[0])
+        else:
+            for p in params:
+                if p.grad is not None:
+                    sizes[0] = max(sizes[0], p.grad.numel() * p.grad.element_size())
+                    with tracker.category("comm"):
+                        dist.all_reduce(p.grad, group=dp)
+                    p.grad.div_(world)
+            torch.nn.utils.clip_grad_norm_(params, args.clip_grad or float("inf"))
+            opt.step()
+            _tag_state(tracker, opt)
+        opt.zero_grad(set_to_none=True)
+        it[0] += 1
+    return Method(step, sizes, warmup=max(2, args.warmup),
+                  notes=f"rank {args.loqt_rank}, int8/b{args.loqt_block} base, AdamW on the factors, per-tensor all-reduce")
+
+
+# name -> builder: a further row is one more entry
+METHODS: dict[str, Callable] = {"adamw": build_adamw, "zero1": build_zero, "lomo": build_lomo, "adalomo": build_adalomo,
+                                "loqt": build_loqt}
+LABELS = {"adamw": "AdamW (torch DDP)", "zero1": "ZeRO-1 DistributedOptimizer", "lomo": "LOMO", "adalomo": "AdaLomo",
+          "loqt": "LoQT (int8, AdamW)"}
+
+
+# -- one rank ---------------------------------------------------------------------------------------
+def model_config(args):
+    """GPTConfig of ``args.config`` (vocabulary padded to a multiple of 8, as the trainer pads it at TP 1)."""
+    import yaml
+
+    from megacomp.models.gpt import GPTConfig
+
+    cfg = yaml.safe_load(Path(args.config).read_text()) if args.config else {}
+    over = {k: getattr(args, k) for k in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size")
+            if getattr(args, k, None) is not None}
+    cfg.update(over)
+    vocab = -(-int(cfg["vocab_size"]) // 8) * 8
+    return GPTConfig(hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
+                     num_layers=cfg["num_layers"], vocab_size=vocab,
+                     max_seq_length=max(int(cfg.get("seq_length", args.seq_length)), args.seq_length),
+                     ffn_hidden_size=cfg.get("ffn_hidden_size")), cfg
+
+
+def run_rank(args, method: str) -> dict:
+    """Build the model and ``method`` on this (initialised) rank, warm up, measure one iteration."""
+    from megacomp import parallel_state
+    from megacomp.config import ModelParallelConfig
+    from megacomp.models.gpt import GPTModel
+
+    device = torch.device(args.device)
+    groups = parallel_state.initialize_model_parallel(1)
+    gpt, _ = model_config(args)
+    dtype = getattr(torch, args.params_dtype)
+    model = GPTModel(gpt, ModelParallelConfig(params_dtype=dtype, process_groups=groups)).to(device)
+    rank = dist.get_rank(groups.dp)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(0, gpt.vocab_size, (args.micro_batch_size, args.seq_length), generator=gen).to(device)
+    labels = torch.randint(0, gpt.vocab_size, (args.micro_batch_size, args.seq_length), generator=gen).to(device)
+    tracker = MemoryTracker(device.type)
+    with tracker:
+        tracker.watch_params(model)
+        m = METHODS[method](model, groups.dp, tracker, args)
+        for _ in range(m.warmup):
+            m.step(ids, labels)
+    # one iteration without the dispatch mode: the process's RSS growth, unperturbed by the tracker
+    gc.collect()
+    reset_ok = reset_rss_peak()
+    plain0 = rss()
+    m.step(ids, labels)
+    plain1 = rss()
+    gc.collect()
+    with tracker:
+        tracker.reset_peak()
+        start = tracker.summary()["current"]
+        reset_rss_peak()
+        rss0 = rss()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            cuda0 = torch.cuda.memory_allocated()
+        m.step(ids, labels)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    out = tracker.summary()
+    out.update(method=method, rank=rank, start=start, rss_start=rss0, rss_end=rss(), rss_peak_reset=reset_ok,
+               rss_untracked_start=plain0, rss_untracked_end=plain1,
+               bucket_bytes=m.bucket_bytes[0], grad_bound_applies=m.grad_bound, notes=m.notes,
+               largest_grad_bytes=max(p.numel() * p.element_size() for p in model.parameters()),
+               param_count=sum(p.numel() for p in model.parameters()))
+    if device.type == "cuda":
+        out.update(cuda_start=cuda0, cuda_max_allocated=torch.cuda.max_memory_allocated())
+    out["grad_bound_bytes"] = out["largest_grad_bytes"] + out["bucket_bytes"]
+    out["grad_bound_ok"] = out["cat_peak"]["grad"] <= out["grad_bound_bytes"]
+    out["whole_grad_bound_ok"] = out["whole_grad_peak"] <= out["grad_bound_bytes"]
+    out["partial_at_grad_peak"] = sum(b for n, b in out["grad_live_at_peak"] if n.endswith(PARTIAL))
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+def _worker(rank, world, init_file, args, method, queue):
+    try:
+        torch.set_num_threads(1)
+        if args.device == "cuda":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=args.timeout))
+        queue.put((rank, True, run_rank(args, method)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(args, method: str) -> list[dict]:
+    """Fresh processes per method (spawned, so no rank inherits another method's heap): ``args.dp`` gloo ranks."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="megacomp-membench-")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_worker, args=(r, args.dp, init_file, args, method, queue)) for r in range(args.dp)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    try:
+        for _ in procs:
+            rank, ok, value = queue.get(timeout=args.timeout)
+            (results if ok else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    if errors:
+        raise RuntimeError(f"{method}: rank(s) {sorted(errors)} failed:\n" + "\n".join(errors.values()))
+    return [results[r] for r in range(args.dp)]
+
+
+# -- report ------------------------------------------------------------------------------------------
+def _mib(n) -> str:
+    return f"{n / MiB:,.1f}"
+
+
+def table(rows: list[dict], args) -> str:
+    """Markdown: the split at each rank's peak, category peaks, RSS / CUDA sanity, the gradient check."""
+    cuda = any("cuda_max_allocated" in r for r in rows)
+    head = ["method", "rank", "params", "grads", "optimizer state", "activations", "comm buffers", "other",
+            "**peak (tracked)**", "tracked peak - live at start", "RSS growth, untracked iteration",
+            "RSS growth, tracked iteration"] + (["CUDA max allocated"] if cuda else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def growth(a, b):
+        return _mib(b["VmHWM"] - a["VmRSS"]) if "VmHWM" in b and "VmRSS" in a else "-"
+    for r in rows:
+        a = r["at_peak"]
+        cells = [LABELS.get(r["method"], r["method"]), str(r["rank"])] + [_mib(a[c]) for c in CATEGORIES]
+        cells += [f"**{_mib(r['peak'])}**", _mib(r["peak"] - sum(r["start"].values())),
+                  growth(r["rss_untracked_start"], r["rss_untracked_end"]), growth(r["rss_start"], r["rss_end"])]
+        if cuda:
+            cells.append(_mib(r["cuda_max_allocated"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    base = {r["rank"]: r for r in rows if r["method"] == "adamw"}
+    lines += ["", "| method | rank | peak gradients (all) | of which partials held by autograd | peak of whole "
+              "gradients | largest parameter gradient | largest bucket / message | bound = largest + bucket | "
+              "bound, all gradients | bound, whole gradients | gradients vs AdamW | peak vs AdamW |", "|" + "---|" * 12]
+    for r in rows:
+        g, ref = r["cat_peak"]["grad"], base.get(r["rank"])
+        checks = [("PASS" if r[k] else "FAIL") if r["grad_bound_applies"] else "(n/a)"
+                  for k in ("grad_bound_ok", "whole_grad_bound_ok")]
+        vs = f"{g / ref['cat_peak']['grad']:.2f}x" if ref else "-"
+        pk = f"{r['peak'] / ref['peak']:.2f}x" if ref else "-"
+        lines.append(f"| {LABELS.get(r['method'], r['method'])} | {r['rank']} | {_mib(g)} | "
+                     f"{_mib(r['partial_at_grad_peak'])} | {_mib(r['whole_grad_peak'])} | "
+                     f"{_mib(r['largest_grad_bytes'])} | {_mib(r['bucket_bytes'])} | {_mib(r['grad_bound_bytes'])} | "
+                     f"{checks[0]} | {checks[1]} | {vs} | {pk} |")
+    return "\n".join(lines)
+
+
+def grad_detail(rows: list[dict]) -> str:
+    """The gradients alive at each LOMO / AdaLomo rank's gradient peak (labels: parameter names)."""
+    out = []
+    for r in rows:
+        if r["grad_bound_applies"]:
+            live = ", ".join(f"{n} {_mib(b)}" for n, b in r["grad_live_at_peak"])
+            out.append(f"- {LABELS.get(r['method'], r['method'])} rank {r['rank']}: {live} (MiB)")
+    return "\n".join(out)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["rank"] == 0]
+    names = [LABELS.get(r["method"], r["method"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    bottom = [0.0] * len(rows)
+    names_cat = {"param": "parameters", "grad": "gradients", "optim": "optimizer state", "act": "activations",
+                 "comm": "comm buffers", "temp": "other"}
+    for cat in CATEGORIES:
+        vals = [r["at_peak"][cat] / MiB for r in rows]
+        ax.bar(names, vals, bottom=bottom, label=names_cat[cat])
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    for i, r in enumerate(rows):
+        if r["grad_bound_applies"]:
+            ax.annotate(f"grad peak {r['cat_peak']['grad'] / MiB:.0f} MiB, whole {r['whole_grad_peak'] / MiB:.0f}\n"
+                        f"bound {r['grad_bound_bytes'] / MiB:.0f}: {'PASS' if r['grad_bound_ok'] else 'FAIL'} / "
+                        f"{'PASS' if r['whole_grad_bound_ok'] else 'FAIL'}", (i, bottom[i]), ha="center",
+                        va="bottom", fontsize=7)
+    ax.set_ylabel("MiB at the rank's peak (rank 0)")
+    ax.set_title("Measured peak memory per rank, split at the peak")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", default=str(REPO / "configs" / "gpt_125m.yaml"))
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {sorted(METHODS)}")
+    ap.add_argument("--dp", type=int, default=2, help="data-parallel ranks (gloo)")
+    ap.add_argument("--seq-length", type=int, default=128, help="tokens per sample (the config's 2048 is slow on CPU)")
+    ap.add_argument("--micro-batch-size", type=int, default=1)
+    ap.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--warmup", type=int, default=1, help="iterations before the measured one (AdamW/DDP: >= 2)")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--clip-grad", type=float, default=1.0, help="0: no clipping (LOMO then runs one backward)")
+    ap.add_argument("--num-layers", type=int), ap.add_argument("--hidden-size", type=int)
+    ap.add_argument("--num-attention-heads", type=int), ap.add_argument("--vocab-size", type=int)
+    ap.add_argument("--loqt-rank", type=int, default=128)
+    ap.add_argument("--loqt-block", type=int, default=128, help="int8 block size of LoQT's base weights")
+    ap.add_argument("--update", action="store_true", help="keep the other methods' rows of OUT/results.json")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--out", default=str(REPO / "docs" / "memory"), help="table.md, results.json, memory.png")
+    args = ap.parse_args(argv)
+    args.clip_grad = args.clip_grad or None
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
+    rows = []
+    for method in args.methods.split(","):
+        print(f"memory_bench: {method} on {args.dp} rank(s) ...", flush=True)
+        rows += launch(args, method)
+    if args.update and (Path(args.out) / "results.json").exists():
+        kept = [r for r in json.loads((Path(args.out) / "results.json").read_text())["rows"]
+                if r["method"] not in args.methods.split(",")]
+        rows = sorted(kept + rows, key=lambda r: (list(METHODS).index(r["method"]), r["rank"]))
+    gpt, _ = model_config(args)
+    setup = (f"GPT {gpt.num_layers} layers, hidden {gpt.hidden_size}, {gpt.num_attention_heads} heads, vocab "
+             f"{gpt.vocab_size}, position table {gpt.max_seq_length}: {rows[0]['param_count']:,} parameters in "
+             f"{args.params_dtype}; DP {args.dp} ({args.device}, gloo); micro-batch {args.micro_batch_size} x "
+             f"seq {args.seq_length}; clip {args.clip_grad}; MiB per rank, measured iteration after "
+             f"{args.warmup} warm-up (AdamW/DDP 2)")
+    text = f"{setup}\n\n{table(rows, args)}\n\nGradients alive at the gradient peak:\n\n{grad_detail(rows)}\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text)
+    (out / "results.json").write_text(json.dumps({"setup": setup, "args": vars(args), "rows": rows}, indent=1) + "\n")
+    plot(rows, out / "memory.png")
+    print(f"memory_bench: wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'memory.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""megacomp.training.memory.MemoryTracker against allocations whose sizes are known by hand, and
+scripts/memory_bench.py's method builders on a tiny GPT at DP 2 (the LOMO / AdaLomo gradient bound checked
+from the measurement)."""
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from distributed import run_ranks
+from megacomp.training.memory import MemoryTracker, reset_rss_peak, rss
+
+F32 = 4
+
+
+def test_known_allocations_views_frees_and_peaks():
+    t = MemoryTracker()
+    with t:
+        a = torch.empty(1000)  # factory op: counted as 'temp' (the default)
+        with t.category("act"):
+            b = torch.zeros(250, 4)
+            v = b[:, 1:].t()  # a view: no new storage
+        assert t.current["temp"] == 1000 * F32 and t.current["act"] == 1000 * F32
+        c = a * 2  # a new storage
+        assert t.current["temp"] == 2000 * F32
+        del a, c
+        assert t.current["temp"] == 0 and t.peak == 3000 * F32 and t.at_peak["temp"] == 2000 * F32
+        t.tag(b, "grad", "b")  # retag moves the bytes, a view keeps counting the storage once
+        assert t.current["act"] == 0 and t.current["grad"] == 1000 * F32 and t.cat_peak["grad"] == 1000 * F32
+        assert t.grad_live_at_peak == [("b", 1000 * F32)]
+        del b, v
+        assert t.current["grad"] == 0
+        t.reset_peak()
+        assert t.peak == 0
+        p = torch.ones(10, dtype=torch.float64)
+        t.tag(p, "param")
+        t.tag(p, "grad")  # params and optimizer state keep their category
+        assert t.category_of(p) == "param" and t.current["param"] == 80
+        x = torch.empty(0)
+        torch.add(torch.ones(8), 1, out=x)  # resized by an out= op
+        assert t.current["temp"] == 8 * F32  # x only: the torch.ones(8) argument is gone
+    pre = torch.ones(100)  # created outside: ignored, also its views
+    with MemoryTracker() as t2:
+        pre.view(10, 10)
+        assert sum(t2.current.values()) == 0
+    with pytest.raises(ValueError):
+        t.tag(pre, "weights")
+    with pytest.raises(TypeError):
+        t.tag([1.0], "param")
+
+
+def test_mlp_forward_activations_and_gradients_by_hand():
+    B, D, H, O = 8, 16, 32, 4
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(D, H), nn.ReLU(), nn.Linear(H, O))
+    x = torch.randn(B, D)
+    t = MemoryTracker()
+    with t:
+        t.watch_params(mlp)
+        assert t.current["param"] == F32 * (D * H + H + H * O + O)
+        with t.category("act"):
+            y = mlp(x)
+        # alive: ReLU's output (saved by ReLU and by the second Linear) and y; the first Linear's output went
+        # when ReLU had read it; the peak was first output + ReLU output, or ReLU output + y
+        assert t.current["act"] == F32 * B * (H + O)
+        assert t.cat_peak["act"] == F32 * B * max(2 * H, H + O)
+        loss = y.square().sum()
+        t.watch_graph(loss, mlp)
+        loss.backward()
+        assert t.current["grad"] == t.current["param"]  # every .grad is alive, each counted once
+        assert t.current["act"] == F32 * B * O  # saved tensors freed by backward; y remains
+        del y, loss
+        assert t.current["act"] == 0
+
+
+def test_tied_parameter_partials_are_gradients_and_summed_in_place():
+    """A parameter used twice gets two partial gradients; under a dispatch mode autograd sums them out of place,
+    without one in place: the tracker counts the sum in place (peak = two gradients, not three)."""
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(64, 32))
+    m = nn.Module()
+    m.w = w
+    x1, x2 = torch.randn(5, 64), torch.randn(7, 64)
+    t = MemoryTracker()
+    with t:
+        t.watch_params(m)
+        with t.category("act"):
+            loss = (x1 @ w).sum() + (x2 @ w).square().sum()
+        t.watch_graph(loss, m)
+        t.reset_peak()
+        loss.backward()
+    assert t.cat_peak["grad"] == 2 * w.numel() * F32
+    assert sorted(n for n, _ in t.grad_live_at_peak) == ["w (partial)", "w (partial)"]
+    assert t.current["grad"] == w.numel() * F32 and t.category_of(w.grad) == "grad"
+
+
+def test_rss_helpers():
+    r = rss()
+    assert r["ru_maxrss"] > 0
+    if Path("/proc/self/status").exists():
+        assert r["VmHWM"] >= r["VmRSS"] > 0
+        reset_rss_peak()
+
+
+# -- the benchmark's builders at DP 2 ---------------------------------------------------------------
+def _bench():
+    if "memory_bench" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "scripts" / "memory_bench.py"
+        spec = importlib.util.spec_from_file_location("memory_bench", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["memory_bench"] = mod  # before executing: its dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["memory_bench"]
+
+
+def _args(**kw):
+    base = dict(config=None, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=32,
+                micro_batch_size=1, params_dtype="float32", device="cpu", warmup=1, lr=1e-3, weight_decay=0.1,
+                clip_grad=1.0, loqt_rank=4, loqt_block=32)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _body(rank, world, method, args):
+    return _bench().run_rank(args, method)
+
+
+@pytest.fixture(scope="module")
+def results():
+    args = _args()
+    return {m: run_ranks(_body, 2, m, args, timeout=120) for m in _bench().METHODS}
+
+
+def test_builders_are_data():
+    assert {"adamw", "zero1", "lomo", "adalomo", "loqt"} <= set(_bench().METHODS)
+
+
+def test_loqt_keeps_int8_base_weights_and_small_optimizer_state(results):
+    for r, ref in zip(results["loqt"], results["adamw"]):
+        assert r["at_peak"]["param"] < ref["at_peak"]["param"]  # int8 codes + scales instead of fp32 weights
+        assert r["cat_peak"]["optim"] < ref["cat_peak"]["optim"]
+
+
+def test_adamw_and_zero_hold_every_gradient_and_their_state(results):
+    for r in results["adamw"]:
+        params = r["at_peak"]["param"]
+        assert r["cat_peak"]["grad"] >= params  # DDP's gradient buckets hold every gradient
+        assert 2 * params <= r["cat_peak"]["optim"] <= 2 * params + 64 * F32  # exp_avg, exp_avg_sq (+ step scalars)
+    for r in results["zero1"]:
+        params = r["at_peak"]["param"]
+        assert r["cat_peak"]["grad"] >= params  # the fp32 flat buckets
+        # fp32 master shard + AdamW's two moments on it: 3 x half the (padded) parameters at DP 2
+        assert 1.5 * params <= r["cat_peak"]["optim"] <= 1.5 * params + 64 * F32
+        assert r["cat_peak"]["comm"] > 0
+
+
+@pytest.mark.parametrize("method", ["lomo", "adalomo"])
+def test_lomo_gradient_bound_measured(results, method):
+    """Issue 21's bound from the measurement: the checks are the comparisons of measured numbers. LOMO's own
+    gradients (the current one and one reduction in flight) stay within the bound; with the tied embedding the
+    engine also holds the output layer's partial [V, h] gradient until the embedding's arrives, which the
+    all-gradients check counts (at this shape the embedding is the largest parameter and the check fails by
+    the one gradient in flight; see docs/memory/README.md)."""
+    for r, ref in zip(results[method], results["adamw"]):
+        bound = r["largest_grad_bytes"] + r["bucket_bytes"]
+        assert r["grad_bound_applies"] and r["bucket_bytes"] == r["largest_grad_bytes"]  # one parameter per message
+        assert r["grad_bound_ok"] == (r["cat_peak"]["grad"] <= bound)
+        assert r["whole_grad_bound_ok"] == (r["whole_grad_peak"] <= bound)
+        assert r["whole_grad_bound_ok"], (r["whole_grad_peak"], bound)
+        live = r["grad_live_at_peak"]
+        assert sum(b for _, b in live) == r["cat_peak"]["grad"]
+        whole = [n for n, _ in live if not n.endswith("(partial)")]
+        assert len(whole) <= 2, live  # the current gradient and at most one in flight
+        assert r["cat_peak"]["grad"] < ref["cat_peak"]["grad"] and r["peak"] < ref["peak"]
+    if method == "adalomo":  # factored second moments: rows + columns, far below AdamW's two full moments
+        assert 0 < results[method][0]["cat_peak"]["optim"] < results["adamw"][0]["cat_peak"]["optim"] / 10
