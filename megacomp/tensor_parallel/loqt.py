@@ -63,8 +63,9 @@ optional ``use_eigenh_for_projection`` path) rather than an SVD of the gathered 
 Failure behaviour: ValueError (naming the fix) for rank <= 0 or > min(out, in), an unsupported codec (only
 int8/int4 with per-block scales, round to nearest, no Hadamard/dual scale, and ``none``), a block size that does
 not divide the local row length, alpha <= 0, a model with no convertible layer, a missing ``dp_group`` under
-TP x DP, a non-finite merge gradient, or a checkpoint of another LoQT format; TypeError for a layer that is not
-ColumnParallelLinear/RowParallelLinear/nn.Linear; RuntimeError for merge_and_reinit without a captured gradient.
+TP x DP, or a checkpoint of another LoQT format; FloatingPointError for a non-finite merge gradient; TypeError for
+a layer that is not ColumnParallelLinear/RowParallelLinear/nn.Linear; RuntimeError for merge_and_reinit without a
+captured gradient.
 """
 from __future__ import annotations
 
@@ -273,7 +274,7 @@ class LoQTLinear(nn.Module):
         if self.tp_size > 1:
             channel.all_reduce(gram, group=self.tp_group, tag="loqt_merge_tp")
         if not bool(torch.isfinite(gram).all()):
-            raise ValueError("LoQT merge: the captured weight gradient has inf/NaN (an fp16 overflow?); rerun the "
+            raise FloatingPointError("LoQT merge: the captured weight gradient has inf/NaN (an fp16 overflow?); rerun the "
                              "merge step's backward with a smaller loss scale")
         vecs = torch.linalg.eigh(gram).eigenvectors[:, -self.rank:].flip(1)
         pivot = vecs.abs().argmax(0)
@@ -458,7 +459,7 @@ class LoQT:
 
     def merge_and_reinit(self, step: int) -> None:
         """Merge each layer's B into Q and re-initialise P and B from the captured gradients (every DP and TP rank
-        alike). Raises RuntimeError without a captured gradient, ValueError for a non-finite one."""
+        alike). Raises RuntimeError without a captured gradient, FloatingPointError for a non-finite one."""
         for m in self.layers:
             m.reinit(step, self.channel, self.tp_channel, self.dp)
 

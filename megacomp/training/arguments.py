@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 from ..config import CommCompressionConfig, load_yaml
 from .optimizer_args import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, OPTIMIZERS, OUTER_ALGORITHMS,  # noqa: F401 (re-exported)
-                             SPARSELOCO_CODEC, lomo_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
+                             SPARSELOCO_CODEC, lomo_kwargs, loqt_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -118,6 +118,20 @@ class PretrainConfig:
     """DeMo: largest DCT tile side, tiles of up to chunk x chunk (compression_chunk)."""
     demo_decay: float = 0.999
     """DeMo: momentum decay (compression_decay), in [0, 1)."""
+    loqt_rank: int = 0
+    """LoQT (megacomp.tensor_parallel.loqt): 0 = off; r > 0 stores every transformer linear's weight quantised
+    (--loqt-codec) and trains only a rank-r factor per layer (plus biases, norms and embeddings), merged into the
+    quantised weight on the schedule below; only the trainable parameters cross the DP group."""
+    loqt_codec: Any = "{name: int8, block_size: 32}"
+    """LoQT: codec of the stored base weights (int8 or int4 with a block size dividing each layer's local rows)."""
+    loqt_alpha: float = 0.5
+    """LoQT: scale of the low-rank product in the weight (the reference's lora_alpha, used as is)."""
+    loqt_update_interval: int = 100
+    """LoQT: tau, iterations from the first merge to the second; the k-th later interval is tau + floor(growth^k)."""
+    loqt_growth: float = 1.2
+    """LoQT: growth psi of the merge intervals (1: every interval is tau + 1)."""
+    loqt_compensate_iters: int = 5
+    """LoQT: rounds of the reference's quantisation-error compensation at each merge (0 = the factor restarts at 0)."""
     clip_grad: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     seed: int = 1234
@@ -406,6 +420,8 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"{cfg.loss_scale_window}")
     if cfg.optimizer in LOMO_OPTIMIZERS:
         _check_lomo(cfg)
+    if cfg.loqt_rank:
+        loqt_kwargs(cfg)  # raises on bad values
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
     if world_size is not None and cfg.optimizer in LOMO_OPTIMIZERS:

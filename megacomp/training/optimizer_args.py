@@ -28,6 +28,29 @@ def lomo_kwargs(cfg: PretrainConfig) -> dict:
     return {"weight_decay": cfg.weight_decay, "clip_grad_norm": cfg.clip_grad or None}
 
 
+def loqt_kwargs(cfg: PretrainConfig) -> dict:
+    """megacomp.tensor_parallel.loqt settings of a run: ``convert`` (convert_to_loqt's keywords) and ``schedule``
+    (LoQTSchedule's). Raises ValueError for a negative rank, alpha <= 0, an interval < 1, growth < 1, negative
+    compensation rounds, or an optimizer / outer loop that LoQT does not drive (its merges reset the factor
+    under the optimizer: the sharded AdamW and LOMO / AdaLomo handle that)."""
+    if cfg.loqt_rank < 0 or cfg.loqt_alpha <= 0 or cfg.loqt_update_interval < 1 or cfg.loqt_growth < 1 \
+            or cfg.loqt_compensate_iters < 0:
+        raise ValueError(f"LoQT needs loqt_rank >= 0, loqt_alpha > 0, loqt_update_interval >= 1, loqt_growth >= 1 and "
+                         f"loqt_compensate_iters >= 0; got {cfg.loqt_rank}, {cfg.loqt_alpha}, "
+                         f"{cfg.loqt_update_interval}, {cfg.loqt_growth} and {cfg.loqt_compensate_iters}")
+    if cfg.optimizer not in ("adamw",) + LOMO_OPTIMIZERS or cfg.outer_algorithm != "none" \
+            or cfg.adam_freeze_variance_step:
+        raise ValueError(f"LoQT (loqt_rank {cfg.loqt_rank}) runs with --optimizer adamw, lomo or adalomo and no outer "
+                         f"loop or variance freezing (got optimizer {cfg.optimizer}, outer {cfg.outer_algorithm}); "
+                         f"set loqt_rank 0 or change the optimizer")
+    codec = cfg.loqt_codec
+    if isinstance(codec, str) and codec.strip().startswith("{"):
+        codec = yaml.safe_load(codec)
+    return {"convert": {"rank": cfg.loqt_rank, "codec": codec, "alpha": cfg.loqt_alpha,
+                        "compensate_iters": cfg.loqt_compensate_iters},
+            "schedule": {"gap": cfg.loqt_update_interval, "growth": cfg.loqt_growth, "total_steps": cfg.train_iters}}
+
+
 def onebit_kwargs(cfg: PretrainConfig) -> dict:
     """The keyword arguments of megacomp.optimizer.OneBitAdam / ZeroOneAdam / OneBitLamb taken from the config
     (hyperparameters and the momentum path; lr, betas, weight decay and clipping are passed by the trainer).

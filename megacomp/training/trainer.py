@@ -39,6 +39,7 @@ from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, chec
 from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
+from .loqt import LoQTDriver
 from .metrics import MetricsLogger, gather_traffic
 from .report import RunTotals, banner
 from .signals import ExitSignals
@@ -82,6 +83,8 @@ class Trainer:
         self.device = comm.comm_device()  # cuda:<local rank> under NCCL (set by init_distributed), else CPU
         self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
                               layer_range=split_layers(cfg.num_layers, pp, g.pp_rank)).to(self.device)
+        # LoQT: quantised base weights and trainable low-rank factors, before the optimizer sees the parameters
+        self.loqt = LoQTDriver(cfg, self.model, g) if cfg.loqt_rank else None
         # local-step training: the DP ranks split into replicas; the sharded optimizer works inside a replica
         self.replicas = build_replica_groups(g, cfg.num_replicas) if cfg.outer_algorithm != "none" else None
         self.optimizer = self._build_optimizer()
@@ -124,6 +127,8 @@ class Trainer:
                 print(f"  optimizer: {onebit_summary(self.optimizer, cfg)}", flush=True)
             if isinstance(self.optimizer, FusedStep):
                 print(f"  optimizer: {lomo_summary(self.optimizer, cfg)}", flush=True)
+            if self.loqt is not None:
+                print(f"  weights: {self.loqt.summary()}", flush=True)
         self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
                                                seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
@@ -323,10 +328,15 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         t0 = time.perf_counter()
+        merging = self.loqt is not None and self.loqt.begin(self.iteration)  # captures full weight gradients
         batches = self._micro_batches()
         losses = self._forward_backward(batches)
         self._finalize_grads()
-        stepped = self.optimizer.step()
+        if merging:  # LoQT: merge and re-initialise instead of an optimizer step (as the reference)
+            self.loqt.finish(self.iteration, self.optimizer)
+            stepped = True
+        else:
+            stepped = self.optimizer.step()
         if self.outer is not None:
             # replicas skip steps independently; the verdict and the outer cycle must be the same everywhere
             flag = torch.tensor([0.0 if stepped else 1.0], device=self.device)
@@ -348,7 +358,8 @@ class Trainer:
                 "wire_bytes": wire, "inner_wire_bytes": wire - outer, "outer_wire_bytes": outer,
                 "wire_bytes_per_token": wire / tokens,
                 "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
-                "grad_norm": self.optimizer.last_grad_norm if stepped else None, "skipped": not stepped,
+                "grad_norm": self.optimizer.last_grad_norm if stepped and not merging else None,
+                "skipped": not stepped, "loqt_merge": merging,
                 "dp_rounds": getattr(self.optimizer, "rounds", None)}
 
     def train(self) -> list[dict]:

@@ -1,0 +1,67 @@
+"""LoQT in the pretraining loop (``--loqt-rank R``): the model's transformer linears converted to quantised base
+weights plus trainable rank-R factors (megacomp.tensor_parallel.loqt), and the merge iterations driven.
+
+Per iteration ``it`` (0-based):
+  - a merge iteration (iteration 0 and the schedule's steps): the usual forward/backward with the full weight
+    gradients captured, then every layer's merge and re-initialisation (DP sum of the captured gradient, the
+    projection from the TP-summed Gram matrix, ``Q = quantise(deq Q + alpha low-rank)``, the factor restarted),
+    the optimizer's fp32 copy of the factors refreshed, and no optimizer step (as the reference): LOMO / AdaLomo
+    still update the other parameters inside that backward; the sharded optimizer drops the iteration's gradients;
+  - any other iteration is an ordinary step: only the factors, biases, norms and embeddings have gradients, so
+    only they cross the data-parallel group (dp_gradient), compressed as configured.
+The merge gradients travel as traffic kind ``loqt_merge`` (DP, uncompressed) and ``loqt_merge_tp`` (the Gram
+matrices), counted in the iteration's wire bytes.
+
+Failure behaviour: ValueError from the conversion for settings the layers reject (a block size that does not
+divide a layer's local rows names the layer and the fix); TrainingDiverged when a merge gradient is inf/NaN (the
+weights would be re-quantised from it).
+"""
+from __future__ import annotations
+
+from ..tensor_parallel.loqt import LoQT, LoQTSchedule, convert_to_loqt, sync_optimizer
+from .guard import TrainingDiverged
+from .optimizer_args import loqt_kwargs
+
+
+class LoQTDriver:
+    """The LoQT layers of one rank's model and their merge schedule (see the module docstring)."""
+
+    def __init__(self, cfg, model, groups) -> None:
+        kw = loqt_kwargs(cfg)
+        self.layers = convert_to_loqt(model, **kw["convert"])
+        self.loqt = LoQT(self.layers, LoQTSchedule(**kw["schedule"]), dp_group=groups.dp)
+        self.merges = 0
+
+    def begin(self, iteration: int) -> bool:
+        """Whether ``iteration`` merges; if so, the coming backward captures the full weight gradients."""
+        if not self.loqt.wants_full_gradient(iteration):
+            return False
+        self.loqt.start_full_gradient()
+        return True
+
+    def finish(self, iteration: int, optimizer) -> None:
+        """After the merge iteration's backward: merge, re-initialise, refresh the optimizer's view of the factors
+        and drop the iteration's gradients (no optimizer step)."""
+        try:
+            self.loqt.merge_and_reinit(iteration)
+        except FloatingPointError as e:
+            raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: {e}") from e
+        inner = getattr(optimizer, "opt", optimizer)  # training.fused wraps LOMO / AdaLomo
+        sync_optimizer(inner, self.layers)
+        if hasattr(optimizer, "zero_grad"):
+            optimizer.zero_grad()
+        self.merges += 1
+
+    def summary(self) -> str:
+        """One line for the banner: layers, rank, codec, trainable share, schedule."""
+        stats = self.loqt.stats()
+        trainable = sum(s["factor_params"] for s in stats)
+        dense = sum(s["dense_bytes"] for s in stats)
+        stored = sum(s["quantized_bytes"] for s in stats)
+        layer = self.layers[0]
+        sched = self.loqt.schedule
+        first = sched.merge_steps(10 * sched.gap)[:4]
+        return (f"LoQT on {len(self.layers)} linears (this rank): rank {layer.rank}, base {layer.codec}, "
+                f"{trainable:,} trainable factor elements, base weights {stored / 1e6:.2f} MB stored vs "
+                f"{dense / 1e6:.2f} MB dense; merges at iterations {', '.join(str(s + 1) for s in first)}, ... "
+                f"(no optimizer step there)")
