@@ -316,6 +316,11 @@ SUITES["lomo"] = {"layout": [], "variants": {
     "AdaLomo (lr 0.1)": fused("adalomo", *ADALOMO),
     "AdaLomo, int4+LoCo gradients": fused("adalomo", *ADALOMO, baseline="AdaLomo (lr 0.1)", dp_gradient=INT4,
                                           dp_gradient_error_feedback="loco"),
+    # LoQT on AdamW: rank 16 of hidden 64 (the reference's 350M: 256 of 1024), merges at 0, 50, 101, 152, 203
+    **{f"LoQT r16, {q} base{', lr 1e-2' if lr else ''}": {
+        "args": ["--loqt-rank", "16", "--loqt-codec", f"{{name: {q}, block_size: 32}}", "--loqt-update-interval", "50",
+                 *(["--lr", lr] if lr else [])], "baseline": "none"}
+       for q, lr in (("int8", ""), ("int8", "0.01"), ("int4", "0.01"))},
 }}
 
 def slug(name: str) -> str:

@@ -144,6 +144,8 @@ class Lomo:
         return hook
 
     def _on_grad(self, name: str, p: nn.Parameter) -> None:
+        if p.grad is None:  # a hook fired without a gradient (nothing accumulated): nothing to reduce or apply
+            return
         grad, p.grad = p.grad, None  # the gradient leaves the parameter now: autograd keeps no reference
         with torch.no_grad():
             buf = grad.contiguous()
