@@ -368,7 +368,8 @@ def table(rows: list[dict], args) -> str:
     base = {r["rank"]: r for r in rows if r["method"] == "adamw"}
     lines += ["", "| method | rank | peak gradients (all) | of which partials held by autograd | peak of whole "
               "gradients | largest parameter gradient | largest bucket / message | bound = largest + bucket | "
-              "bound, all gradients | bound, whole gradients | gradients vs AdamW | peak vs AdamW |", "|" + "---|" * 12]
+              "bound, all gradients | bound, whole gradients | gradients vs AdamW | peak vs AdamW | activations (own peak) | "
+              "optimizer state (own peak) |", "|" + "---|" * 14]
     for r in rows:
         g, ref = r["cat_peak"]["grad"], base.get(r["rank"])
         checks = [("PASS" if r[k] else "FAIL") if r["grad_bound_applies"] else "(n/a)"
@@ -378,7 +379,8 @@ def table(rows: list[dict], args) -> str:
         lines.append(f"| {LABELS.get(r['method'], r['method'])} | {r['rank']} | {_mib(g)} | "
                      f"{_mib(r['partial_at_grad_peak'])} | {_mib(r['whole_grad_peak'])} | "
                      f"{_mib(r['largest_grad_bytes'])} | {_mib(r['bucket_bytes'])} | {_mib(r['grad_bound_bytes'])} | "
-                     f"{checks[0]} | {checks[1]} | {vs} | {pk} |")
+                     f"{checks[0]} | {checks[1]} | {vs} | {pk} | {_mib(r['cat_peak']['act'])} | "
+                     f"{_mib(r['cat_peak']['optim'])} |")
     return "\n".join(lines)
 
 
@@ -399,7 +401,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if r["rank"] == 0]
-    names = [LABELS.get(r["method"], r["method"]) for r in rows]
+    names = [LABELS.get(r["method"], r["method"]).replace(" ", "\n", 1) for r in rows]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     bottom = [0.0] * len(rows)
     names_cat = {"param": "parameters", "grad": "gradients", "optim": "optimizer state", "act": "activations",
@@ -440,6 +442,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--loqt-rank", type=int, default=128)
     ap.add_argument("--loqt-block", type=int, default=128, help="int8 block size of LoQT's base weights")
     ap.add_argument("--update", action="store_true", help="keep the other methods' rows of OUT/results.json")
+    ap.add_argument("--report-only", action="store_true", help="re-render OUT/results.json, run nothing")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--out", default=str(REPO / "docs" / "memory"), help="table.md, results.json, memory.png")
     args = ap.parse_args(argv)
@@ -448,7 +451,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if unknown:
         ap.error(f"unknown method(s) {unknown}; known: {sorted(METHODS)}")
     rows = []
-    for method in args.methods.split(","):
+    if args.report_only:
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        rows, args = saved["rows"], argparse.Namespace(**{**vars(args), **saved["args"], "out": args.out, "update": False})
+    for method in [] if rows else args.methods.split(","):
         print(f"memory_bench: {method} on {args.dp} rank(s) ...", flush=True)
         rows += launch(args, method)
     if args.update and (Path(args.out) / "results.json").exists():
