@@ -316,12 +316,16 @@ SUITES["lomo"] = {"layout": [], "variants": {
     "AdaLomo (lr 0.1)": fused("adalomo", *ADALOMO),
     "AdaLomo, int4+LoCo gradients": fused("adalomo", *ADALOMO, baseline="AdaLomo (lr 0.1)", dp_gradient=INT4,
                                           dp_gradient_error_feedback="loco"),
+    "AdamW (lr 1e-2)": {"args": ["--lr", "0.01"]},  # AdamW at the LoQT runs' lr 1e-2 (worse than at 3e-3)
     # LoQT on AdamW: rank 16 of hidden 64 (the reference's 350M: 256 of 1024), merges at 0, 50, 101, 152, 203
     **{f"LoQT r16, {q} base{', lr 1e-2' if lr else ''}": {
         "args": ["--loqt-rank", "16", "--loqt-codec", f"{{name: {q}, block_size: 32}}", "--loqt-update-interval", "50",
                  *(["--lr", lr] if lr else [])], "baseline": "none"}
        for q, lr in (("int8", ""), ("int8", "0.01"), ("int4", "0.01"))},
 }}
+
+DP_KINDS = ("outer", "loqt_merge")  # data-parallel traffic whose kind does not start with dp_ (LoQT's merge gradients)
+
 
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
@@ -416,7 +420,7 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
              f"iteration (wire / uncompressed) | DP + outer MB over the run (wire) | x fewer than {bytes_ref} |",
              "|---|---|---|---|---|---|---|"]
     def dp_bytes(recs):  # every iteration of the run, warm-ups included: the data-parallel and outer traffic
-        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k == "outer")
+        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k in DP_KINDS)
     base_bytes = dp_bytes(runs[bytes_ref][0])
     for name, vals in final.items():
         ref = "none, frozen v" if name in frozen_names and "none, frozen v" in final else "none"
@@ -442,7 +446,7 @@ def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dic
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
 
     def dp(recs):
-        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_"))
+        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k in DP_KINDS)
 
     def dp_last(recs):  # per iteration over the second half of the run (after every warm-up of the suite)
         return dp(recs[len(recs) // 2:]) / max(1, len(recs) - len(recs) // 2)
