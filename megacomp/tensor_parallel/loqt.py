@@ -345,6 +345,7 @@ class LoQTLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
+        """Form, local weight shape, rank, base codec and alpha (shown by ``print(model)``)."""
         return f"{self.kind}, shape={self.shape}, rank={self.rank}, codec={self.codec}, alpha={self.alpha}"
 
 
