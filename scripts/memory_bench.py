@@ -149,6 +149,7 @@ def build_zero(model, dp, tracker, args) -> Method:
 
 def _lomo(cls, model, dp, tracker, args, **kw) -> Method:
     opt = cls(model, lr=args.lr, weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad, dp_group=dp, **kw)
+    opt.flush_before(model.word_embeddings)  # as pretraining does: the tied embedding's two partials, nothing else
     for name, st in getattr(opt, "state", {}).items():
         tracker.tag(list(st.values()), "optim", name)
     sizes = [0]

@@ -403,3 +403,39 @@ def test_tensor_parallel_update_matches_tp1(kind, dp):
         for name, want in ref.items():
             bound = STEPS * 64 * 2.0 ** -24 * (want.abs() + KINDS[kind][1]["lr"] * math.sqrt(want.numel()))
             assert ((got[name] - want).abs() <= bound).all(), (name, (got[name] - want).abs().max())
+
+
+class _Tied(nn.Module):
+    """A word embedding tied to the output layer, as in the GPT."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos = nn.Embedding(12, 6), nn.Parameter(torch.randn(5, 6))
+
+    def forward(self, ids):
+        x = torch.tanh(self.emb(ids) + self.pos)
+        return torch.nn.functional.cross_entropy((x @ self.emb.weight.t()).flatten(0, 1), ids.flatten())
+
+
+def _tied_body(rank, world, flush):
+    model = _Tied()
+    opt = AdaLomo(model, lr=0.05, clip_grad_norm=1.0)
+    flushed = []  # at the embedding weight's summed gradient: whether a reduction is still in flight
+    model.emb.weight.register_hook(lambda g: flushed.append(opt._pending is None))
+    if flush:
+        opt.flush_before(model.emb)
+    for step in range(3):
+        ids = torch.randint(0, 12, (2, 5), generator=torch.Generator().manual_seed(10 * step + rank))
+        opt.grad_norm(model(ids))
+        opt.fused_backward(model(ids))
+    return [p.detach().clone() for p in model.parameters()], flushed
+
+
+def test_flush_before_finishes_the_reduction_in_flight_and_changes_no_bit():
+    """Before the tied embedding's backward nothing is in flight any more; the parameters are the same bits."""
+    plain = run_ranks(_tied_body, 2, False)
+    flushed = run_ranks(_tied_body, 2, True)
+    for (a, before), (b, seen) in zip(plain, flushed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+        assert len(seen) == 6 and all(seen) and not any(before)  # both passes of 3 steps; without it: pos in flight

@@ -191,6 +191,20 @@ class Lomo:
         p32.add_(g, alpha=-self.lr)
         p.detach().copy_(p32)
 
+    def flush_before(self, module: nn.Module) -> None:
+        """Finish the reduction in flight (wait, apply, free) right before ``module``'s backward runs.
+
+        For a module whose backward allocates a second full contribution to a parameter of which autograd
+        already holds one: a word embedding tied to the output layer (the output layer's [V, h] partial is kept
+        until the lookup's backward, at the very end, produces its own). Without it that moment holds both
+        partials plus the gradient in flight (the position table's); with it, the two partials only, which is
+        the bound of one largest gradient plus one message (docs/memory). Registers a forward hook that puts a
+        pre-hook on the module output's grad_fn in every forward with grad enabled."""
+        def on_forward(mod, inputs, output) -> None:
+            if torch.is_grad_enabled() and getattr(output, "grad_fn", None) is not None:
+                output.grad_fn.register_prehook(lambda grad_outputs: self._flush())
+        module.register_forward_hook(on_forward)
+
     # -- whole-parameter reductions of TP-sharded parameters -------------------------------------------
     def _tp_sum(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over the TP group (in place on a copy); the caller decides that the tensor is a partial."""

@@ -121,6 +121,8 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
     cls = AdaLomo if name == "adalomo" else Lomo
     opt = cls(model, lr=cfg.lr, dp_group=groups.dp, tp_group=groups.tp if groups.tp_size > 1 else None,
               channel=ch, loss_scaler=scaler, **lomo_kwargs(cfg))
+    if model.pre_process and model.post_process:  # the output layer is tied to the word embedding (PP 1)
+        opt.flush_before(model.word_embeddings)
     return FusedStep(opt, dist.get_rank(groups.dp))
 
 
