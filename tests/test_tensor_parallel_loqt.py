@@ -458,8 +458,14 @@ def test_bad_models_and_schedules_raise():
     ctl = LoQT([m])
     ctl.start_full_gradient()
     (m(torch.full((2, H), float("inf"))).sum()).backward()
-    with pytest.raises(FloatingPointError, match="inf/NaN"):
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    assert ctl.merge_and_reinit(0) is False  # an overflow: nothing merged, the capture dropped, retried later
+    assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+    with pytest.raises(RuntimeError, match="no captured gradient"):
         ctl.merge_and_reinit(0)
+    ctl.start_full_gradient()
+    (m(torch.ones(2, H)).sum()).backward()
+    assert ctl.merge_and_reinit(1) is True and int(m.loqt_step) == 1
 
 
 def test_backward_recomputes_the_dense_weight_instead_of_keeping_it():

@@ -62,6 +62,22 @@ def test_loqt_with_adalomo_trains(base):
     assert losses[-1] < losses[0] and all([h[0] for h in r] == losses for r in per_rank)
 
 
+def test_fp16_overflow_on_a_merge_step_defers_the_merge(base):
+    """fp16 LOMO from a loss scale of 2^24: the first iterations overflow, iteration 0's merge among them; each is a
+    skipped step that merges nothing, and the first clean iteration merges instead; training then goes on."""
+    cfg = replace(base, optimizer="lomo", params_dtype="float16", initial_loss_scale=2.0 ** 24, lr=0.05,
+                  tensor_model_parallel_size=1, train_iters=12, loqt_update_interval=8, max_skipped_steps=20,
+                  loqt_codec="{name: int8, block_size: 32}")
+    per_rank = run_ranks(_body, 2, cfg)
+    hist = per_rank[0]
+    skipped = [h[2] is None and not h[1] for h in hist]  # skipped steps: no grad norm and no merge
+    first = skipped.index(False)
+    assert first >= 1 and hist[first][1]  # the deferred first merge happens at the first clean iteration
+    assert not any(h[1] for h in hist[:first]) and all(h[0] == h[0] for h in hist)  # finite losses throughout
+    assert [h[0] for h in hist] == [h[0] for h in per_rank[1]]
+    assert hist[-1][0] < hist[first][0]
+
+
 def test_bad_loqt_settings_are_refused(base):
     with pytest.raises(ValueError, match="runs with --optimizer adamw, lomo or adalomo"):
         check(replace(base, optimizer="onebit_adam"))

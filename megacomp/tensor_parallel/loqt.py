@@ -63,7 +63,8 @@ optional ``use_eigenh_for_projection`` path) rather than an SVD of the gathered 
 Failure behaviour: ValueError (naming the fix) for rank <= 0 or > min(out, in), an unsupported codec (only
 int8/int4 with per-block scales, round to nearest, no Hadamard/dual scale, and ``none``), a block size that does
 not divide the local row length, alpha <= 0, a model with no convertible layer, a missing ``dp_group`` under
-TP x DP, or a checkpoint of another LoQT format; FloatingPointError for a non-finite merge gradient; TypeError for
+TP x DP, or a checkpoint of another LoQT format; a non-finite merge gradient merges nothing (merge_and_reinit
+returns False, the caller retries at a later step); TypeError for
 a layer that is not ColumnParallelLinear/RowParallelLinear/nn.Linear; RuntimeError for merge_and_reinit without a
 captured gradient.
 """
@@ -303,15 +304,20 @@ class LoQTLinear(nn.Module):
         return best
 
     @torch.no_grad()
-    def reinit(self, step: int, channel: Channel, tp_channel: Channel, dp: bool) -> None:
-        """Steps 2a-2c of the module docstring: consume the captured gradient (summed over DP on ``channel``), set
-        P, Q and B (TP reductions on the uncompressed ``tp_channel``)."""
+    def take_gradient(self, channel: Channel, dp: bool) -> torch.Tensor:
+        """Step 2a of the module docstring: the captured gradient, summed over DP on ``channel``; the capture ends."""
         grad, self._grad = self._grad, None
         if grad is None:
             raise RuntimeError("LoQT merge_and_reinit: no captured gradient; call LoQT.start_full_gradient() before "
                                "the merge step's forward and backward")
         if dp:
             channel.all_reduce(grad)
+        return grad
+
+    @torch.no_grad()
+    def reinit(self, step: int, grad: torch.Tensor, tp_channel: Channel) -> None:
+        """Steps 2b-2c of the module docstring from the DP-summed gradient: set P, Q and B (TP reductions on the
+        uncompressed ``tp_channel``)."""
         proj = self.projection(grad, tp_channel)
         w = self.effective_weight().float()
         if self.initialized or self.compensate_iters:
@@ -458,11 +464,21 @@ class LoQT:
         for m in self.layers:
             m.start_capture()
 
-    def merge_and_reinit(self, step: int) -> None:
+    def merge_and_reinit(self, step: int) -> bool:
         """Merge each layer's B into Q and re-initialise P and B from the captured gradients (every DP and TP rank
-        alike). Raises RuntimeError without a captured gradient, FloatingPointError for a non-finite one."""
-        for m in self.layers:
-            m.reinit(step, self.channel, self.tp_channel, self.dp)
+        alike). When any captured gradient is inf/NaN (an fp16 overflow), nothing is merged, the captures are
+        dropped and False is returned (every rank agrees: the flag is reduced over TP after the DP sums): call
+        :meth:`start_full_gradient` and this again at a later step. Raises RuntimeError without a captured gradient."""
+        grads = [m.take_gradient(self.channel, self.dp) for m in self.layers]
+        bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(torch.float32).reshape(1)
+        tp = next((m for m in self.layers if m.tp_size > 1), None)
+        if tp is not None:
+            self.tp_channel.all_reduce(bad, op=dist.ReduceOp.MAX, group=tp.tp_group, tag="loqt_merge_tp")
+        if bad.item():
+            return False
+        for m, g in zip(self.layers, grads):
+            m.reinit(step, g, self.tp_channel)
+        return True
 
     def stats(self) -> list[dict]:
         """Per layer (module order): :meth:`LoQTLinear.stats`."""

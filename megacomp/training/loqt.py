@@ -12,13 +12,18 @@ Per iteration ``it`` (0-based):
 The merge gradients travel as traffic kind ``loqt_merge`` (DP, uncompressed) and ``loqt_merge_tp`` (the Gram
 matrices), counted in the iteration's wire bytes.
 
+A merge whose captured gradients hold inf/NaN (an fp16 loss-scale overflow: with fp16 the first iterations, one
+of them the first merge, often overflow until the scale has backed off) merges nothing and counts as a skipped
+step; the next iteration captures again and merges (so the schedule's later merges keep their steps).
+
 Failure behaviour: ValueError from the conversion for settings the layers reject (a block size that does not
-divide a layer's local rows names the layer and the fix); TrainingDiverged when a merge gradient is inf/NaN (the
-weights would be re-quantised from it).
+divide a layer's local rows names the layer and the fix); skipped merges count against ``--max-skipped-steps``
+like any skipped step.
 """
 from __future__ import annotations
 
 from ..tensor_parallel.loqt import LoQT, LoQTSchedule, convert_to_loqt, sync_optimizer
+from .fused import FusedStep
 from .guard import TrainingDiverged
 from .optimizer_args import loqt_kwargs
 
@@ -31,26 +36,35 @@ class LoQTDriver:
         self.layers = convert_to_loqt(model, **kw["convert"])
         self.loqt = LoQT(self.layers, LoQTSchedule(**kw["schedule"]), dp_group=groups.dp)
         self.merges = 0
+        self.deferred = False  # a merge found inf/NaN gradients: the next iteration merges instead
 
     def begin(self, iteration: int) -> bool:
         """Whether ``iteration`` merges; if so, the coming backward captures the full weight gradients."""
-        if not self.loqt.wants_full_gradient(iteration):
+        if not (self.deferred or self.loqt.wants_full_gradient(iteration)):
             return False
         self.loqt.start_full_gradient()
         return True
 
-    def finish(self, iteration: int, optimizer) -> None:
+    def finish(self, iteration: int, optimizer) -> bool:
         """After the merge iteration's backward: merge, re-initialise, refresh the optimizer's view of the factors
-        and drop the iteration's gradients (no optimizer step)."""
-        try:
-            self.loqt.merge_and_reinit(iteration)
-        except FloatingPointError as e:
-            raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: {e}") from e
+        and drop the iteration's gradients (no optimizer step). Returns False when the gradients were inf/NaN:
+        nothing merged (and the loss scale backs off), the next iteration merges."""
         inner = getattr(optimizer, "opt", optimizer)  # training.fused wraps LOMO / AdaLomo
-        sync_optimizer(inner, self.layers)
+        merged = self.loqt.merge_and_reinit(iteration)
+        if merged:
+            sync_optimizer(inner, self.layers)
+            self.merges += 1
+        elif isinstance(optimizer, FusedStep):
+            if optimizer.step():  # no norm pass saw it: the fused step already applied the other parameters
+                raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: the captured weight gradients are "
+                                       f"inf/NaN and the other parameters were already updated inside backward; "
+                                       f"resume from the last checkpoint with a lower learning rate")
+        elif getattr(optimizer, "scaler", None) is not None:  # an fp16 sharded optimizer: back the scale off
+            optimizer.scaler.update(True)
+        self.deferred = not merged
         if hasattr(optimizer, "zero_grad"):
             optimizer.zero_grad()
-        self.merges += 1
+        return merged
 
     def summary(self) -> str:
         """One line for the banner: layers, rank, codec, trainable share, schedule."""

@@ -333,8 +333,7 @@ class Trainer:
         losses = self._forward_backward(batches)
         self._finalize_grads()
         if merging:  # LoQT: merge and re-initialise instead of an optimizer step (as the reference)
-            self.loqt.finish(self.iteration, self.optimizer)
-            stepped = True
+            stepped = self.loqt.finish(self.iteration, self.optimizer)  # False: inf/NaN, merged next iteration
         else:
             stepped = self.optimizer.step()
         if self.outer is not None:
@@ -359,7 +358,7 @@ class Trainer:
                 "wire_bytes_per_token": wire / tokens,
                 "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
                 "grad_norm": self.optimizer.last_grad_norm if stepped and not merging else None,
-                "skipped": not stepped, "loqt_merge": merging,
+                "skipped": not stepped, "loqt_merge": merging and stepped,
                 "dp_rounds": getattr(self.optimizer, "rounds", None)}
 
     def train(self) -> list[dict]:
