@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 
 from ..config import CommCompressionConfig, load_yaml
 from .optimizer_args import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, OPTIMIZERS, OUTER_ALGORITHMS,  # noqa: F401 (re-exported)
-                             SPARSELOCO_CODEC, lomo_kwargs, loqt_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
+                             SPARSELOCO_CODEC, loqt_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from ..comm import Channel
 from ..optimizer import AdaLomo, DynamicLossScaler, Lomo
 from .guard import TrainingDiverged
+from .optimizer_args import lomo_kwargs
 
 
 class FusedStep:
@@ -46,11 +47,6 @@ class FusedStep:
     def last_grad_norm(self) -> Optional[float]:
         """The global gradient norm of the last norm pass (None without one, or after a skipped step)."""
         return self.opt.last_grad_norm
-
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for an inf/NaN gradient norm (fp16 overflows included)."""
-        return self.opt.skipped_steps
 
     def no_sync(self):
         """Nothing to defer (one micro-batch per iteration); here so the trainer's interface is complete."""
@@ -102,8 +98,6 @@ class FusedStep:
 def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedStep:
     """LOMO (``name == 'lomo'``) or AdaLomo over the DP group on the ``dp_gradient`` channel, with fp16 loss
     scaling when the parameters are fp16. Raises ValueError for compression settings LOMO cannot honour."""
-    from .optimizer_args import lomo_kwargs
-
     ch: Channel = channels.dp_gradient
     if type(ch) is not Channel:
         raise ValueError(f"optimizer {name} all-reduces each parameter's gradient on its own inside backward: the "

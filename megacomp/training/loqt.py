@@ -49,18 +49,14 @@ class LoQTDriver:
         """After the merge iteration's backward: merge, re-initialise, refresh the optimizer's view of the factors
         and drop the iteration's gradients (no optimizer step). Returns False when the gradients were inf/NaN:
         nothing merged (and the loss scale backs off), the next iteration merges."""
-        inner = getattr(optimizer, "opt", optimizer)  # training.fused wraps LOMO / AdaLomo
         merged = self.loqt.merge_and_reinit(iteration)
         if merged:
-            sync_optimizer(inner, self.layers)
+            sync_optimizer(getattr(optimizer, "opt", optimizer), self.layers)  # training.fused wraps LOMO / AdaLomo
             self.merges += 1
-        elif isinstance(optimizer, FusedStep):
-            if optimizer.step():  # no norm pass saw it: the fused step already applied the other parameters
-                raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: the captured weight gradients are "
-                                       f"inf/NaN and the other parameters were already updated inside backward; "
-                                       f"resume from the last checkpoint with a lower learning rate")
-        elif getattr(optimizer, "scaler", None) is not None:  # an fp16 sharded optimizer: back the scale off
-            optimizer.scaler.update(True)
+        elif isinstance(optimizer, FusedStep) and optimizer.step():  # no norm pass saw it: already applied
+            raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: the captured weight gradients are "
+                                   f"inf/NaN and the other parameters were already updated inside backward; "
+                                   f"resume from the last checkpoint with a lower learning rate")
         self.deferred = not merged
         if hasattr(optimizer, "zero_grad"):
             optimizer.zero_grad()
