@@ -5,6 +5,12 @@ Activations go forward on the ``pp_activation`` channel, activation gradients go
 may use error feedback (``pp_gradient_error_feedback``), with one error key per stage boundary and micro-batch slot (slot k of every iteration sees the same tensor shape,
 and its residual is carried into slot k of the next iteration, as Optimus-CC's lazy error propagation).
 
+Under the interleaved schedule (megacomp.pipeline_parallel.interleaved) the stages form a ring: the last
+stage's chunk v sends to the first stage's chunk v + 1, so :meth:`PipelineCommunicator.exchange` addresses
+neighbours modulo the stage count and gradient error-feedback keys name the *virtual* stage boundary. The
+two kinds of message travel under their own tags (activations 1, gradients 2): with two stages the previous
+and the next stage are the same rank, and each kind must match its own receives in order.
+
 Shapes are agreed up front: :meth:`PipelineCommunicator.handshake` sends each stage's expected shape,
 dtype and codecs to the next stage once (a chain, so it cannot deadlock) and raises a ValueError on both
 sides naming the mismatch; later messages carry no header and no pickling. Paired exchanges
@@ -20,6 +26,8 @@ import torch.distributed as dist
 from ..comm import comm_device
 from ..comm.common import codec_code, dtype_code
 from ..config import Channels, CommCompressionConfig
+
+ACTIVATION_TAG, GRADIENT_TAG = 1, 2  # p2p tags of the two message kinds (see the module docstring)
 
 
 class PipelineCommunicator:
@@ -93,18 +101,34 @@ class PipelineCommunicator:
 
     # -- primitive ops (return handles; nothing waits here) ---------------------------------------
     # shapes were agreed by the handshake: the messages carry no validation header
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the next stage (the first stage after the last: the interleaved ring)."""
+        return self.pp_ranks[(self.stage + 1) % self.num_stages]
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the previous stage (the last stage before the first: the interleaved ring)."""
+        return self.pp_ranks[(self.stage - 1) % self.num_stages]
+
+    def gradient_key(self, virtual_stage: int, slot: int) -> str:
+        """Error-feedback key of the gradient virtual stage ``virtual_stage`` sends back for micro-batch ``slot``
+        (with one chunk per stage the virtual stage is the stage)."""
+        return f"pp_gradient/s{virtual_stage}->s{virtual_stage - 1}/mb{slot}"
+
     def _isend_forward(self, t: torch.Tensor):
-        return self.activation.isend(t.detach().contiguous(), self.pp_ranks[self.stage + 1], validate=False)
+        return self.activation.isend(t.detach().contiguous(), self.next_rank, tag=ACTIVATION_TAG, validate=False)
 
     def _irecv_forward(self, out: torch.Tensor):
-        return self.activation.irecv(out, self.pp_ranks[self.stage - 1], validate=False)
+        return self.activation.irecv(out, self.prev_rank, tag=ACTIVATION_TAG, validate=False)
 
-    def _isend_backward(self, g: torch.Tensor, slot: int):
-        return self.gradient.isend(g.detach().contiguous(), self.pp_ranks[self.stage - 1],
-                                   key=f"pp_gradient/s{self.stage}->s{self.stage - 1}/mb{slot}", validate=False)
+    def _isend_backward(self, g: torch.Tensor, slot: int, virtual_stage: Optional[int] = None):
+        vs = self.stage if virtual_stage is None else virtual_stage
+        return self.gradient.isend(g.detach().contiguous(), self.prev_rank, tag=GRADIENT_TAG,
+                                   key=self.gradient_key(vs, slot), validate=False)
 
     def _irecv_backward(self, out: torch.Tensor):
-        return self.gradient.irecv(out, self.pp_ranks[self.stage + 1], validate=False)
+        return self.gradient.irecv(out, self.next_rank, tag=GRADIENT_TAG, validate=False)
 
     # -- schedule-level ops ---------------------------------------------------------------------
     def recv_forward(self, shape, dtype) -> Optional[torch.Tensor]:
@@ -154,6 +178,30 @@ class PipelineCommunicator:
         send.wait()
         recv.wait()
         return out.requires_grad_()
+
+    def exchange(self, shape, dtype, *, send_next: Optional[torch.Tensor] = None,
+                 send_prev: Optional[tuple] = None, recv_prev: bool = False, recv_next: bool = False):
+        """Post every receive, then every send, then wait for all (the interleaved schedule's step).
+
+        ``send_next``: an activation for the next stage; ``send_prev``: ``(gradient, virtual_stage, slot)`` for
+        the previous stage; ``recv_prev``/``recv_next``: receive an activation from the previous stage / a
+        gradient from the next. Returns ``(activation or None, gradient or None)``; the activation requires
+        grad. Neighbours are ring neighbours (see the module docstring)."""
+        act = torch.empty(shape, dtype=dtype, device=self.device) if recv_prev else None
+        grad = torch.empty(shape, dtype=dtype, device=self.device) if recv_next else None
+        works = []
+        if act is not None:
+            works.append(self._irecv_forward(act))
+        if grad is not None:
+            works.append(self._irecv_backward(grad))
+        if send_next is not None:
+            works.append(self._isend_forward(send_next))
+        if send_prev is not None:
+            g, vs, slot = send_prev
+            works.append(self._isend_backward(g, slot, vs))
+        for w in works:
+            w.wait()
+        return (act.requires_grad_() if act is not None else None), grad
 
     @property
     def error_feedback(self):
