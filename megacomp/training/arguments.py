@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 
 
 from ..config import CommCompressionConfig, load_yaml
+from ..models.chunks import layers_per_virtual_stage_to_chunks
+from ..pipeline_parallel.interleaved import check_interleaving
 from .optimizer_args import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, OPTIMIZERS, OUTER_ALGORITHMS,  # noqa: F401 (re-exported)
                              SPARSELOCO_CODEC, loqt_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
 
@@ -48,6 +50,9 @@ class PretrainConfig:
     """TP size."""
     pipeline_model_parallel_size: int = 1
     """PP size (1F1B schedule)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual pipeline stage (Megatron's flag): the interleaved 1F1B schedule with
+    num_layers / (PP x this) model chunks per stage; None = the non-interleaved schedule."""
     sequence_parallel: bool = False
     """Sequence parallelism inside TP."""
     # batch and optimisation
@@ -422,6 +427,7 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         _check_lomo(cfg)
     if cfg.loqt_rank:
         loqt_kwargs(cfg)  # raises on bad values
+    virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
     if world_size is not None and cfg.optimizer in LOMO_OPTIMIZERS:
@@ -456,7 +462,18 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
                          f"needs at least one layer")
     if cfg.sequence_parallel and cfg.seq_length % cfg.tensor_model_parallel_size:
         raise ValueError(f"sequence_parallel needs seq_length ({cfg.seq_length}) divisible by the TP size")
+    if cfg.num_layers_per_virtual_pipeline_stage is not None:
+        check_interleaving(micro, cfg.pipeline_model_parallel_size, virtual_chunks(cfg))
 
+
+
+def virtual_chunks(cfg: PretrainConfig) -> int:
+    """Model chunks per pipeline stage: 1 without ``num_layers_per_virtual_pipeline_stage``, else as Megatron
+    (raises ValueError naming the fix, see megacomp.models.chunks)."""
+    if cfg.num_layers_per_virtual_pipeline_stage is None:
+        return 1
+    return layers_per_virtual_stage_to_chunks(cfg.num_layers, cfg.pipeline_model_parallel_size,
+                                              cfg.num_layers_per_virtual_pipeline_stage)
 
 
 def _check_lomo(cfg: PretrainConfig) -> None:

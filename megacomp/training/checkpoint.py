@@ -78,8 +78,8 @@ LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2
 """Version of the checkpoint layout this code writes and reads (see the module docstring)."""
 MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
-              "tensor_model_parallel_size", "pipeline_model_parallel_size", "sequence_parallel", "params_dtype",
-              "compression_resolved", "world_size")
+              "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+              "sequence_parallel", "params_dtype", "compression_resolved", "world_size")
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
 

@@ -28,14 +28,16 @@ from .. import comm, parallel_state
 from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
+from ..models.chunks import GPTChunks
 from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer import (DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW, OneBitAdam, OneBitLamb,
                          OneBitOptimizer, ZeroOneAdam)
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..outer.mt_dao import average_optimizer_state
-from ..pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
+from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
+                                 forward_backward_pipelining_without_interleaving)
 from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs, onebit_kwargs,
-                        outer_config)
+                        outer_config, virtual_chunks)
 from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
@@ -81,8 +83,12 @@ class Trainer:
                                   sequence_parallel=cfg.sequence_parallel, params_dtype=cfg.params_dtype,
                                   compression=self.compression, channels=self.channels, process_groups=g)
         self.device = comm.comm_device()  # cuda:<local rank> under NCCL (set by init_distributed), else CPU
-        self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
-                              layer_range=split_layers(cfg.num_layers, pp, g.pp_rank)).to(self.device)
+        self.num_chunks = virtual_chunks(cfg)
+        if self.num_chunks > 1:  # interleaved schedule: this stage's chunks of virtual stages
+            self.model = GPTChunks(self.gpt, mpc, pp_size=pp, pp_rank=g.pp_rank, num_chunks=self.num_chunks).to(self.device)
+        else:
+            self.model = GPTModel(self.gpt, mpc, pre_process=g.pp_rank == 0, post_process=g.pp_rank == pp - 1,
+                                  layer_range=split_layers(cfg.num_layers, pp, g.pp_rank)).to(self.device)
         # LoQT: quantised base weights and trainable low-rank factors, before the optimizer sees the parameters
         self.loqt = LoQTDriver(cfg, self.model, g) if cfg.loqt_rank else None
         # local-step training: the DP ranks split into replicas; the sharded optimizer works inside a replica
@@ -119,6 +125,10 @@ class Trainer:
                          params=params,
                          compression_name=name, comp=self.compression_spec, log_dir=cfg.log_dir,
                          resumed_from=resumed), flush=True)
+            if self.num_chunks > 1:
+                print(f"  pipeline: interleaved 1F1B, {self.num_chunks} model chunks per stage "
+                      f"({pp * self.num_chunks} virtual stages of {cfg.num_layers_per_virtual_pipeline_stage} layers; "
+                      f"stage-to-stage traffic {self.num_chunks}x the non-interleaved schedule's)", flush=True)
             if self.outer is not None:
                 print(f"  outer loop: {outer_summary(self.outer.config, cfg.num_replicas, g.dp_size, cfg.outer_algorithm)}", flush=True)
             if isinstance(self.optimizer, DeMo):
@@ -282,18 +292,24 @@ class Trainer:
                 losses.append(loss.item())
             return losses
 
-        def stage_forward(x, k):
-            ids, labels = batches[k]
-            inp = ids if m.pre_process else x
-            return m(inp, labels) if m.post_process else m(inp)
-
         tp = self.groups.tp_size
         s = self.cfg.seq_length // tp if self.cfg.sequence_parallel else self.cfg.seq_length
         dtype = next(m.parameters()).dtype
+        shape = (s, self.cfg.micro_batch_size, self.cfg.hidden_size)
+
+        def run(chunk, x, k):
+            ids, labels = batches[k]
+            inp = ids if chunk.pre_process else x
+            return chunk(inp, labels) if chunk.post_process else chunk(inp)
+
+        if self.num_chunks > 1:
+            return forward_backward_pipelining_with_interleaving(
+                stage_forward=lambda x, k, v: run(m.chunks[v], x, k), num_microbatches=M,
+                communicator=self.communicator, activation_shape=shape, num_model_chunks=self.num_chunks, dtype=dtype,
+                no_sync=self.optimizer.no_sync, models=list(m.chunks))
         return forward_backward_pipelining_without_interleaving(
-            stage_forward=stage_forward, num_microbatches=M, communicator=self.communicator,
-            activation_shape=(s, self.cfg.micro_batch_size, self.cfg.hidden_size), dtype=dtype,
-            no_sync=self.optimizer.no_sync, model=m)
+            stage_forward=lambda x, k: run(m, x, k), num_microbatches=M, communicator=self.communicator,
+            activation_shape=shape, dtype=dtype, no_sync=self.optimizer.no_sync, model=m)
 
     def _finalize_grads(self) -> None:
         """Sum gradients that several model-parallel ranks compute for one parameter (uncompressed)."""
