@@ -8,7 +8,9 @@ A stage holds layers ``layer_range`` of the full model; the first stage (``pre_p
 embeddings, the last (``post_process``) the final norm and the output head. With tied embeddings and
 several stages the last stage keeps its own copy of the word embedding; call
 :func:`sync_tied_embedding_grads` after backward to sum the two copies' gradients over the embedding
-group (first and last stage), as Megatron does, so they stay equal.
+group (first and last stage), as Megatron does, so they stay equal. With ``tied_embedding_grad_in_place`` and
+one stage holding both uses, the lookup's backward adds into the output layer's partial gradient of the word
+embedding (megacomp.tensor_parallel.tied_embedding: one [V/tp, h] gradient buffer instead of two, same values).
 
 Initialisation does not depend on the parallel layout: every layer draws its weights from a generator
 seeded with ``(seed, layer index)`` (embeddings and head from their own seeds), so TP x PP x DP splits of
@@ -26,6 +28,7 @@ from torch import nn
 
 from ..config import ModelParallelConfig
 from ..tensor_parallel import VocabParallelEmbedding, mappings, vocab_parallel_cross_entropy
+from ..tensor_parallel.tied_embedding import TiedEmbeddingGrad
 from .transformer import TransformerBlock, TransformerConfig, layer_norm
 
 
@@ -42,6 +45,12 @@ class GPTConfig(TransformerConfig):
     cross_entropy_inplace_backward: bool = True
     """The loss's backward writes its gradient into the saved softmax (no second logits-sized tensor); False
     keeps the graph valid for a second backward, as LOMO's norm pass (``grad_norm``) needs."""
+    tied_embedding_grad_in_place: bool = False
+    """Where one stage holds the word embedding and the tied output layer: the lookup's backward adds its rows into
+    the output layer's [V/tp, h] partial gradient instead of allocating a second one (one gradient buffer for the
+    weight: LOMO's memory bound, docs/memory). Same bits as False on CPU; one forward per backward pass (else
+    RuntimeError at backward, see megacomp.tensor_parallel.tied_embedding). Pretraining turns it on for LOMO /
+    AdaLomo (megacomp.training.fused)."""
 
 
 class _Seeded:
@@ -91,14 +100,28 @@ class GPTModel(nn.Module):
                     head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config, tp_group=self.tp_group)
                 self.output_weight = head.weight
         self.output_weight_is_tied_copy = post_process and not pre_process
+        self._tied_grad: Optional[TiedEmbeddingGrad] = None  # built at the first forward that uses it
+
+    def tied_embedding_grad(self) -> Optional[TiedEmbeddingGrad]:
+        """The shared gradient state of the tied word embedding for this forward, or None when the default graph is
+        used: ``cfg.tied_embedding_grad_in_place`` off, the two uses on different stages, or no gradient to take."""
+        if not (self.cfg.tied_embedding_grad_in_place and self.pre_process and self.post_process
+                and torch.is_grad_enabled() and self.word_embeddings.weight.requires_grad):
+            return None
+        if self._tied_grad is None or self._tied_grad.weight is not self.word_embeddings.weight:
+            if self._tied_grad is not None:
+                self._tied_grad.remove()
+            self._tied_grad = TiedEmbeddingGrad(self.word_embeddings.weight)
+        return self._tied_grad
 
     # -- pieces -----------------------------------------------------------------------------------
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """``[b, s]`` ids -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism)."""
+    def embed(self, ids: torch.Tensor, tied: Optional[TiedEmbeddingGrad] = None) -> torch.Tensor:
+        """``[b, s]`` ids -> ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism); ``tied``: see
+        :meth:`tied_embedding_grad` (pass the same one to :meth:`logits`)."""
         s = ids.shape[1]
         if s > self.cfg.max_seq_length:
             raise ValueError(f"sequence length {s} exceeds max_seq_length {self.cfg.max_seq_length}")
-        words = self.word_embeddings(ids)
+        words = self.word_embeddings(ids) if tied is None else self.word_embeddings(ids, tied=tied)
         if self.sp:  # already reduce-scattered to [s/tp, b, h]: add the positions of this rank's slice
             tp, r = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
             pos = self.position_embeddings[r * s // tp:(r + 1) * s // tp]
@@ -109,8 +132,9 @@ class GPTModel(nn.Module):
         """The output layer's weight: the word embedding on the first stage (tied), else this stage's copy."""
         return self.word_embeddings.weight if self.pre_process else self.output_weight
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and the tied output layer: ``[s, b, V / tp]`` vocabulary-parallel logits."""
+    def logits(self, hidden: torch.Tensor, tied: Optional[TiedEmbeddingGrad] = None) -> torch.Tensor:
+        """Final norm and the tied output layer: ``[s, b, V / tp]`` vocabulary-parallel logits; ``tied``: see
+        :meth:`tied_embedding_grad`."""
         h = self.final_norm(hidden)
         ch = self.config.channels
         if self.sp:
@@ -119,17 +143,19 @@ class GPTModel(nn.Module):
         else:
             h = mappings.copy_to_tensor_model_parallel_region(h, self.tp_group, backward_codec=ch.tp_backward,
                                                               ef_key=self.ef_key)
-        return F.linear(h, self.head_weight())
+        weight = self.head_weight()
+        return F.linear(h, weight if tied is None else tied.output_weight(weight))
 
     def forward(self, input_: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
         """First stage: ``input_`` is ``[b, s]`` token ids; later stages: hidden states from the previous stage.
         Last stage with ``labels`` (``[b, s]``): the mean loss; otherwise the hidden states."""
-        x = self.embed(input_) if self.pre_process else input_
+        tied = self.tied_embedding_grad()
+        x = self.embed(input_, tied) if self.pre_process else input_
         for layer in self.layers:
             x = layer(x)
         if not self.post_process:
             return x
-        logits = self.logits(x)
+        logits = self.logits(x, tied)
         if labels is None:
             return logits
         losses = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous(), tp_group=self.tp_group,

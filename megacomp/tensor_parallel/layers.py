@@ -178,6 +178,8 @@ class VocabParallelEmbedding(_TPModule):
     embeddings are all-reduced [tp_forward]. Input ``[batch, seq]`` ids, output ``[batch, seq, hidden]``;
     with ``reduce_scatter_embeddings`` the output is ``[seq/tp, batch, hidden]`` (reduce-scatter along seq
     [sp_reduce_scatter]), ready for sequence-parallel layers. Ids outside ``[0, num_embeddings)`` raise.
+    ``forward(ids, tied=...)`` looks up through a :class:`~megacomp.tensor_parallel.tied_embedding.TiedEmbeddingGrad`
+    (the weight tied to an output layer: one gradient buffer for both uses; same values).
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, config: ModelParallelConfig,
@@ -191,9 +193,10 @@ class VocabParallelEmbedding(_TPModule):
         _init_shard(self.weight, (num_embeddings, embedding_dim), 0, self.tp_rank, self.tp_size,
                     init_method or init_method_normal(0.02), config.perform_initialization)
 
-    def forward(self, input_: torch.Tensor) -> torch.Tensor:
-        """The embeddings (see the class docstring). Raises TypeError for non-integer ids and ValueError for ids
-        outside ``[0, num_embeddings)``."""
+    def forward(self, input_: torch.Tensor, tied=None) -> torch.Tensor:
+        """The embeddings (see the class docstring); ``tied``: a TiedEmbeddingGrad of this weight, or None. Raises
+        TypeError for non-integer ids and ValueError for ids outside ``[0, num_embeddings)``."""
+        lookup = F.embedding if tied is None else tied.lookup
         if input_.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"VocabParallelEmbedding expects integer token ids, got {input_.dtype}")
         if input_.numel() and (int(input_.min()) < 0 or int(input_.max()) >= self.num_embeddings):
@@ -202,9 +205,9 @@ class VocabParallelEmbedding(_TPModule):
         if self.tp_size > 1:
             outside = (input_ < self.vocab_start) | (input_ >= self.vocab_end)
             local = (input_ - self.vocab_start).masked_fill(outside, 0)
-            partial = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+            partial = lookup(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            partial = F.embedding(input_, self.weight)
+            partial = lookup(input_, self.weight)
         if self.reduce_scatter_embeddings:
             partial = partial.transpose(0, 1).contiguous()
             return mappings.reduce_scatter_to_sequence_parallel_region(

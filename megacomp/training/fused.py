@@ -9,6 +9,8 @@ Per iteration (one micro-batch per DP rank: an update inside backward leaves no 
      rank, the loss scale backs off);
   3. :meth:`Lomo.fused_backward`: each parameter's gradient is all-reduced over DP on the ``dp_gradient``
      channel (codec, error feedback per parameter name) while backward goes on, then clipped, applied and freed.
+With the word embedding and the tied output layer on one stage (PP 1), :func:`tie_for_fused_update` keeps one
+gradient buffer for that weight (the lookup's backward adds into the output layer's partial; same bits).
 ``step()`` only reports whether step 3 happened. There is no fp32 master, no gradient buffer and no
 parameter all-gather (every DP rank applies the same averaged gradient), so the ``dp_parameter`` path must be
 uncompressed and unused.
@@ -20,6 +22,7 @@ pass without a norm pass met a non-finite gradient (already applied: the run sto
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -115,9 +118,21 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
     cls = AdaLomo if name == "adalomo" else Lomo
     opt = cls(model, lr=cfg.lr, dp_group=groups.dp, tp_group=groups.tp if groups.tp_size > 1 else None,
               channel=ch, loss_scaler=scaler, **lomo_kwargs(cfg))
-    if model.pre_process and model.post_process:  # the output layer is tied to the word embedding (PP 1)
-        opt.flush_before(model.word_embeddings)
+    tie_for_fused_update(model, opt)
     return FusedStep(opt, dist.get_rank(groups.dp))
+
+
+def tie_for_fused_update(model, opt: Lomo) -> None:
+    """Where ``model`` (a GPTModel) holds the word embedding and the output layer tied to it (PP 1), keep one
+    gradient buffer for that weight, so LOMO's gradient memory stays within the largest gradient plus one message
+    (issue 21; docs/memory): the lookup's backward adds into the output layer's partial gradient
+    (``GPTConfig.tied_embedding_grad_in_place``, set on a copy of ``model.cfg``; same bits) and the reduction in
+    flight is finished before that backward (:meth:`Lomo.flush_before`). Nothing to do on other stages."""
+    if not (model.pre_process and model.post_process):
+        return
+    if not model.cfg.tied_embedding_grad_in_place:
+        model.cfg = dataclasses.replace(model.cfg, tied_embedding_grad_in_place=True)
+    opt.flush_before(model.word_embeddings)
 
 
 def lomo_summary(step: FusedStep, cfg) -> str:
