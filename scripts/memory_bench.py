@@ -148,8 +148,12 @@ def build_zero(model, dp, tracker, args) -> Method:
 
 
 def _lomo(cls, model, dp, tracker, args, **kw) -> Method:
+    from megacomp.training.fused import tie_for_fused_update
+
     opt = cls(model, lr=args.lr, weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad, dp_group=dp, **kw)
-    opt.flush_before(model.word_embeddings)  # as pretraining does: the tied embedding's two partials, nothing else
+    # as pretraining does: one gradient buffer for the tied word embedding (the lookup's backward adds into the
+    # output layer's partial), and the reduction in flight finished before that backward
+    tie_for_fused_update(model, opt)
     for name, st in getattr(opt, "state", {}).items():
         tracker.tag(list(st.values()), "optim", name)
     sizes = [0]

@@ -116,8 +116,11 @@ def _bench():
     return sys.modules["memory_bench"]
 
 
+HIDDEN = 32
+
+
 def _args(**kw):
-    base = dict(config=None, num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=256, seq_length=32,
+    base = dict(config=None, num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, vocab_size=1024, seq_length=32,
                 micro_batch_size=1, params_dtype="float32", device="cpu", warmup=1, lr=1e-3, weight_decay=0.1,
                 clip_grad=1.0, loqt_rank=4, loqt_block=32)
     return argparse.Namespace(**{**base, **kw})
@@ -158,26 +161,27 @@ def test_adamw_and_zero_hold_every_gradient_and_their_state(results):
 
 @pytest.mark.parametrize("method", ["lomo", "adalomo"])
 def test_lomo_gradient_bound_measured(results, method):
-    """Issue 21's bound from the measurement: the checks are the comparisons of measured numbers. LOMO's own
-    gradients (the current one and one reduction in flight) stay within the bound; with the tied embedding the
-    engine also holds the output layer's partial [V, h] gradient until the embedding's arrives, and
-    ``Lomo.flush_before(word_embeddings)`` finishes the reduction in flight before that second partial is
-    allocated. On gloo the finished buffer's storage is released by gloo's worker thread shortly after wait()
-    returns, so in some runs it is still alive next to the two partials (seen: 69,632 vs 65,536 bytes here; the
-    125M measurement in docs/memory/README.md passed): what is asserted is that nothing beyond the two partials
-    and at most that one message is alive."""
+    """Issue 21's bound from the measurement: the checks are the comparisons of measured numbers. Pretraining's
+    arrangement (megacomp.training.fused.tie_for_fused_update) keeps one [V, h] gradient buffer for the tied word
+    embedding: the lookup's backward adds into the output layer's partial. So the peak is that buffer plus small
+    layer gradients: the one being produced, the one in flight, and possibly a finished one whose storage gloo's
+    worker thread has not released yet (seen once on CI with the old two-partial peak). The vocabulary (1024)
+    makes the embedding 8x a layer weight, so that stays well below the bound (largest gradient + one message)."""
+    layer = 4 * HIDDEN * HIDDEN * F32  # the largest gradient besides the embedding (fc1 / fc2 weight, ffn 4h)
     for r, ref in zip(results[method], results["adamw"]):
         bound = r["largest_grad_bytes"] + r["bucket_bytes"]
         assert r["grad_bound_applies"] and r["bucket_bytes"] == r["largest_grad_bytes"]  # one parameter per message
         assert r["grad_bound_ok"] == (r["cat_peak"]["grad"] <= bound)
         assert r["whole_grad_bound_ok"] == (r["whole_grad_peak"] <= bound)
-        assert r["whole_grad_bound_ok"], (r["whole_grad_peak"], bound)
-        partials = sum(b for n, b in r["grad_live_at_peak"] if n.endswith("(partial)"))
-        assert partials <= bound and r["cat_peak"]["grad"] - partials <= r["bucket_bytes"], r["grad_live_at_peak"]
         live = r["grad_live_at_peak"]
         assert sum(b for _, b in live) == r["cat_peak"]["grad"]
+        emb = [b for n, b in live if n.startswith("word_embeddings.weight")]
+        assert emb == [r["largest_grad_bytes"]], live  # one buffer for the tied weight, not two partials
+        assert r["cat_peak"]["grad"] - emb[0] <= 3 * layer, live
+        assert r["cat_peak"]["grad"] <= r["largest_grad_bytes"] + 3 * layer < bound  # the margin
+        assert r["grad_bound_ok"] and r["whole_grad_bound_ok"], (r["cat_peak"]["grad"], r["whole_grad_peak"], bound)
         whole = [n for n, _ in live if not n.endswith("(partial)")]
-        assert len(whole) <= 2, live  # the current gradient and at most one in flight
+        assert len(whole) <= 3, live  # the current gradient, one in flight, at most one gloo has not released
         assert r["cat_peak"]["grad"] < ref["cat_peak"]["grad"] and r["peak"] < ref["peak"]
     if method == "adalomo":  # factored second moments: rows + columns, far below AdamW's two full moments
         assert 0 < results[method][0]["cat_peak"]["optim"] < results["adamw"][0]["cat_peak"]["optim"] / 10
