@@ -65,6 +65,13 @@ class CommCompressionConfig:
     Forward activations never use error feedback: the residual would corrupt the next batch's values."""
     pp_gradient_error_feedback: Optional[Any] = None
     """Error feedback on pipeline gradient sends, keyed by stage boundary and micro-batch slot."""
+    pp_activation_delta: bool = False
+    """AQ-SGD (megacomp.pipeline_parallel.aqsgd): pp_activation sends each sample's change since its last
+    visit, quantised with the pp_activation codec, against a per-sample cache on both sides of every stage
+    boundary. Needs stable sample ids and repeated epochs (fine-tuning); pretraining sizes and checks the
+    caches. Off: activations are quantised directly."""
+    pp_activation_delta_warmup_visits: int = 1
+    """AQ-SGD: visits of a sample that send its activation uncompressed (AQ-SGD's warm-up epochs); >= 1."""
     dp_gradient_error_feedback: Optional[Any] = None
     """Error feedback on data-parallel gradients ('loco' recommended with int4)."""
     dp_gradient_warmup_steps: int = 0
@@ -99,6 +106,9 @@ class CommCompressionConfig:
             raise ValueError(f"dp_gradient_warmup_steps must be an int >= 0, got {self.dp_gradient_warmup_steps!r}")
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
+        if not isinstance(self.pp_activation_delta_warmup_visits, int) or self.pp_activation_delta_warmup_visits < 1:
+            raise ValueError(f"pp_activation_delta_warmup_visits must be an int >= 1 (the first visit fills AQ-SGD's "
+                             f"cache), got {self.pp_activation_delta_warmup_visits!r}")
         low_rank = isinstance(self.dp_gradient, PowerSGD) or (isinstance(self.dp_gradient, Accordion)
                                                                and self.dp_gradient.low_rank)
         if low_rank and self.dp_gradient_error_feedback is not None:
@@ -176,6 +186,10 @@ class CommCompressionConfig:
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}
             out[f.name] = value
+        if not self.pp_activation_delta:  # written only when on: configs recorded before AQ-SGD stay equal
+            del out["pp_activation_delta"]
+            if self.pp_activation_delta_warmup_visits == 1:
+                del out["pp_activation_delta_warmup_visits"]
         return out
 
 

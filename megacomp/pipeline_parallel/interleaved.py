@@ -87,8 +87,8 @@ def forward_backward_pipelining_with_interleaving(
     def last_virtual(v: int) -> bool:
         return r == P - 1 and v == V - 1
 
-    # the chunk each received tensor is for, in arrival order (see the module docstring)
-    act_for = iter([chunk_of(k, True) for k in range(N) if not first_virtual(chunk_of(k, True))])
+    # the (chunk, micro-batch) each received tensor is for, in arrival order (see the module docstring)
+    act_for = deque((chunk_of(k, True), microbatch_of(k)) for k in range(N) if not first_virtual(chunk_of(k, True)))
     grad_for = iter([chunk_of(k, False) for k in range(N) if not last_virtual(chunk_of(k, False))])
     inputs = [deque() for _ in range(V)]  # received activations not yet used by a forward
     grads = [deque() for _ in range(V)]  # received output gradients not yet used by a backward
@@ -97,12 +97,19 @@ def forward_backward_pipelining_with_interleaving(
 
     def queue(act, grad) -> None:
         if act is not None:
-            inputs[next(act_for)].append(act)
+            inputs[act_for.popleft()[0]].append(act)
         if grad is not None:
             grads[next(grad_for)].append(grad)
 
-    def forward(k: int) -> Optional[torch.Tensor]:
-        """Forward k; returns the output to send (None from the last virtual stage)."""
+    def incoming(wanted: bool) -> Optional[tuple]:
+        """(boundary, micro-batch) of the next activation to receive, when one is wanted now."""
+        if not wanted:
+            return None
+        v, mb = act_for[0]
+        return v * P + r, mb
+
+    def forward(k: int) -> Optional[tuple]:
+        """Forward k; returns ``(output, boundary, micro-batch)`` to send (None from the last virtual stage)."""
         v, mb = chunk_of(k, True), microbatch_of(k)
         x = None if first_virtual(v) else inputs[v].popleft()
         if forward_only:
@@ -115,7 +122,7 @@ def forward_backward_pipelining_with_interleaving(
             out = out / M
         if not forward_only:
             saved[v].append((x, out))
-        return None if last_virtual(v) else out
+        return None if last_virtual(v) else (out, v * P + r + 1, mb)
 
     sync_ctx = no_sync or contextlib.nullcontext
 
@@ -133,12 +140,12 @@ def forward_backward_pipelining_with_interleaving(
     remaining = N - warmup
 
     if not first_virtual(0):  # the first forward's input
-        queue(c.exchange(shape, dtype, recv_prev=True)[0], None)
+        queue(c.exchange(shape, dtype, recv_prev=incoming(True))[0], None)
     for k in range(warmup):
         out = forward(k)
         recv_prev = k < N - 1 and not first_virtual(chunk_of(k + 1, True))
         recv_next = k == warmup - 1 and not all_warmup and r != P - 1  # the first backward's gradient
-        queue(*c.exchange(shape, dtype, send_next=out, recv_prev=recv_prev, recv_next=recv_next))
+        queue(*c.exchange(shape, dtype, send_next=out, recv_prev=incoming(recv_prev), recv_next=recv_next))
 
     for i in range(remaining):
         fk, bk = warmup + i, i
@@ -154,7 +161,8 @@ def forward_backward_pipelining_with_interleaving(
         else:
             recv_next = True
         recv_prev = recv_prev and i < remaining - 1
-        queue(*c.exchange(shape, dtype, send_next=out, send_prev=back, recv_prev=recv_prev, recv_next=recv_next))
+        queue(*c.exchange(shape, dtype, send_next=out, send_prev=back, recv_prev=incoming(recv_prev),
+                          recv_next=recv_next))
 
     if not forward_only:
         if all_warmup and r != P - 1:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..comm import comm_device
-from ..comm.common import codec_code, dtype_code
+from ..comm.common import CompressedWork, codec_code, dtype_code
 from ..config import Channels, CommCompressionConfig
+from .aqsgd import ActivationDeltaCache
 
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2  # p2p tags of the two message kinds (see the module docstring)
 
@@ -34,17 +35,20 @@ class PipelineCommunicator:
     """Sends and receives between this stage and its neighbours in ``pp_ranks`` (global ranks, stage order).
 
     ``channels``: the run's channels (``pp_activation`` and ``pp_gradient`` are used); None builds them
-    from ``compression`` (default: uncompressed). Raises ValueError from :meth:`handshake` when stages
-    disagree on shape, dtype or codecs."""
+    from ``compression`` (default: uncompressed). ``activation_delta``: AQ-SGD's caches for this rank's
+    boundary sides (megacomp.pipeline_parallel.aqsgd); activations then travel as quantised deltas and every
+    activation send and receive names its micro-batch (:meth:`set_sample_ids` gives the samples). Raises
+    ValueError from :meth:`handshake` when stages disagree on shape, dtype or codecs."""
 
     def __init__(self, pp_ranks: Sequence[int], compression: Optional[CommCompressionConfig] = None, *,
-                 channels: Optional[Channels] = None) -> None:
+                 channels: Optional[Channels] = None, activation_delta: Optional[ActivationDeltaCache] = None) -> None:
         self.pp_ranks = list(pp_ranks)
         self.stage = self.pp_ranks.index(dist.get_rank())
         self.num_stages = len(self.pp_ranks)
         if channels is None:
             channels = (compression or CommCompressionConfig()).build_channels()
         self.activation, self.gradient = channels.pp_activation, channels.pp_gradient
+        self.activation_delta = activation_delta
         self._agreed: Optional[tuple] = None
         self.device = comm_device()  # where received activations and gradients are allocated
 
@@ -116,11 +120,42 @@ class PipelineCommunicator:
         (with one chunk per stage the virtual stage is the stage)."""
         return f"pp_gradient/s{virtual_stage}->s{virtual_stage - 1}/mb{slot}"
 
-    def _isend_forward(self, t: torch.Tensor):
-        return self.activation.isend(t.detach().contiguous(), self.next_rank, tag=ACTIVATION_TAG, validate=False)
+    def set_sample_ids(self, ids: Sequence[Sequence[int]]) -> None:
+        """AQ-SGD: the sample ids of this iteration's micro-batches (no-op without ``activation_delta``)."""
+        if self.activation_delta is not None:
+            self.activation_delta.set_sample_ids(ids)
 
-    def _irecv_forward(self, out: torch.Tensor):
-        return self.activation.irecv(out, self.prev_rank, tag=ACTIVATION_TAG, validate=False)
+    def _delta_args(self, boundary: Optional[int], mb: Optional[int], t: torch.Tensor):
+        if boundary is None or mb is None:
+            raise ValueError("AQ-SGD (pp_activation_delta): every activation send and receive must name its boundary "
+                             "and micro-batch; use the schedules of megacomp.pipeline_parallel")
+        codec = self.activation.codec_for(t.numel())
+        codec.check_dtype(t.dtype)
+        return codec
+
+    def _isend_forward(self, t: torch.Tensor, boundary: Optional[int] = None, mb: Optional[int] = None):
+        if self.activation_delta is None:
+            return self.activation.isend(t.detach().contiguous(), self.next_rank, tag=ACTIVATION_TAG, validate=False)
+        codec = self._delta_args(boundary, mb, t)
+        msg = self.activation_delta.encode(boundary, mb, t, codec, self.activation.generator)
+        self.activation.stats.record(self.activation.name, msg.numel() * msg.element_size(),
+                                     t.numel() * t.element_size())
+        return dist.isend(msg, self.next_rank, tag=ACTIVATION_TAG)
+
+    def _irecv_forward(self, out: torch.Tensor, boundary: Optional[int] = None, mb: Optional[int] = None):
+        if self.activation_delta is None:
+            return self.activation.irecv(out, self.prev_rank, tag=ACTIVATION_TAG, validate=False)
+        codec = self._delta_args(boundary, mb, out)
+        cache = self.activation_delta
+        buf = cache.message_buffer(boundary, mb, out.shape, codec, out.device)
+        work = dist.irecv(buf, self.prev_rank, tag=ACTIVATION_TAG)
+
+        def finish() -> None:
+            work.wait()
+            cache.decode(boundary, mb, buf, out, codec)
+            self.activation.stats.record(self.activation.name + "_recv", buf.numel() * buf.element_size(),
+                                         out.numel() * out.element_size())
+        return CompressedWork(finish)
 
     def _isend_backward(self, g: torch.Tensor, slot: int, virtual_stage: Optional[int] = None):
         vs = self.stage if virtual_stage is None else virtual_stage
@@ -131,18 +166,20 @@ class PipelineCommunicator:
         return self.gradient.irecv(out, self.next_rank, tag=GRADIENT_TAG, validate=False)
 
     # -- schedule-level ops ---------------------------------------------------------------------
-    def recv_forward(self, shape, dtype) -> Optional[torch.Tensor]:
-        """The previous stage's activation (decoded from the pp_activation codec, requires grad); None on stage 0."""
+    def recv_forward(self, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The previous stage's activation of micro-batch ``mb`` (decoded from the pp_activation codec, requires
+        grad); None on stage 0."""
         if self.is_first:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        self._irecv_forward(out).wait()
+        self._irecv_forward(out, self.stage, mb).wait()
         return out.requires_grad_()
 
-    def send_forward(self, t: Optional[torch.Tensor]) -> None:
-        """Send this stage's output to the next stage (pp_activation); nothing on the last stage."""
+    def send_forward(self, t: Optional[torch.Tensor], mb: Optional[int] = None) -> None:
+        """Send this stage's output of micro-batch ``mb`` to the next stage (pp_activation); nothing on the last
+        stage."""
         if not self.is_last:
-            self._isend_forward(t).wait()
+            self._isend_forward(t, self.stage + 1, mb).wait()
 
     def recv_backward(self, shape, dtype) -> Optional[torch.Tensor]:
         """The next stage's gradient of this stage's output (pp_gradient); None on the last stage."""
@@ -157,45 +194,49 @@ class PipelineCommunicator:
         if not self.is_first:
             self._isend_backward(g, slot).wait()
 
-    def send_forward_recv_backward(self, t, shape, dtype) -> Optional[torch.Tensor]:
-        """Send the output forward and receive its gradient, both posted before either is awaited."""
+    def send_forward_recv_backward(self, t, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Send the output of micro-batch ``mb`` forward and receive a gradient, both posted before either is
+        awaited."""
         if self.is_last:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)
         recv = self._irecv_backward(out)
-        send = self._isend_forward(t)
+        send = self._isend_forward(t, self.stage + 1, mb)
         send.wait()
         recv.wait()
         return out
 
-    def send_backward_recv_forward(self, g, slot: int, shape, dtype) -> Optional[torch.Tensor]:
-        """Send the input gradient back and receive the next activation, both posted before either is awaited."""
+    def send_backward_recv_forward(self, g, slot: int, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Send the input gradient back and receive the activation of micro-batch ``mb``, both posted before
+        either is awaited."""
         if self.is_first:
             return None
         out = torch.empty(shape, dtype=dtype, device=self.device)
-        recv = self._irecv_forward(out)
+        recv = self._irecv_forward(out, self.stage, mb)
         send = self._isend_backward(g, slot)
         send.wait()
         recv.wait()
         return out.requires_grad_()
 
-    def exchange(self, shape, dtype, *, send_next: Optional[torch.Tensor] = None,
-                 send_prev: Optional[tuple] = None, recv_prev: bool = False, recv_next: bool = False):
+    def exchange(self, shape, dtype, *, send_next: Optional[tuple] = None, send_prev: Optional[tuple] = None,
+                 recv_prev: Optional[tuple] = None, recv_next: bool = False):
         """Post every receive, then every send, then wait for all (the interleaved schedule's step).
 
-        ``send_next``: an activation for the next stage; ``send_prev``: ``(gradient, virtual_stage, slot)`` for
-        the previous stage; ``recv_prev``/``recv_next``: receive an activation from the previous stage / a
-        gradient from the next. Returns ``(activation or None, gradient or None)``; the activation requires
-        grad. Neighbours are ring neighbours (see the module docstring)."""
-        act = torch.empty(shape, dtype=dtype, device=self.device) if recv_prev else None
+        ``send_next``: ``(activation, boundary, micro-batch)`` for the next stage; ``send_prev``: ``(gradient,
+        virtual stage, micro-batch)`` for the previous stage; ``recv_prev``: ``(boundary, micro-batch)`` of an
+        activation to receive from the previous stage; ``recv_next``: receive a gradient from the next stage.
+        A boundary is the receiving virtual stage. Returns ``(activation or None, gradient or None)``; the
+        activation requires grad. Neighbours are ring neighbours (see the module docstring)."""
+        act = torch.empty(shape, dtype=dtype, device=self.device) if recv_prev is not None else None
         grad = torch.empty(shape, dtype=dtype, device=self.device) if recv_next else None
         works = []
         if act is not None:
-            works.append(self._irecv_forward(act))
+            works.append(self._irecv_forward(act, *recv_prev))
         if grad is not None:
             works.append(self._irecv_backward(grad))
         if send_next is not None:
-            works.append(self._isend_forward(send_next))
+            t, boundary, mb = send_next
+            works.append(self._isend_forward(t, boundary, mb))
         if send_prev is not None:
             g, vs, slot = send_prev
             works.append(self._isend_backward(g, slot, vs))

@@ -70,8 +70,8 @@ def forward_backward_pipelining_without_interleaving(
     if forward_only:
         for k in range(num_microbatches):
             with torch.no_grad():
-                x = c.recv_forward(shape, dtype)
-                c.send_forward(forward(k, x))
+                x = c.recv_forward(shape, dtype, k)
+                c.send_forward(forward(k, x), k)
         return losses
 
     sync_ctx = no_sync or contextlib.nullcontext
@@ -88,17 +88,17 @@ def forward_backward_pipelining_without_interleaving(
     warmup = min(c.num_stages - c.stage - 1, num_microbatches)
     steady = num_microbatches - warmup
     for k in range(warmup):
-        x = c.recv_forward(shape, dtype)
+        x = c.recv_forward(shape, dtype, k)
         out = forward(k, x)
-        c.send_forward(out)
+        c.send_forward(out, k)
         inputs.append(x)
         outputs.append(out)
 
-    x = c.recv_forward(shape, dtype) if steady > 0 else None
+    x = c.recv_forward(shape, dtype, warmup) if steady > 0 else None
     for i in range(steady):
         k = warmup + i
         out = forward(k, x)
-        grad = c.send_forward_recv_backward(out, shape, dtype)
+        grad = c.send_forward_recv_backward(out, shape, dtype, k)
         inputs.append(x)
         outputs.append(out)
         x0, out0 = inputs.pop(0), outputs.pop(0)
@@ -107,7 +107,7 @@ def forward_backward_pipelining_without_interleaving(
         if i == steady - 1:
             c.send_backward(g, slot)
         else:
-            x = c.send_backward_recv_forward(g, slot, shape, dtype)
+            x = c.send_backward_recv_forward(g, slot, shape, dtype, k + 1)
 
     for j in range(warmup):
         slot = steady + j

@@ -154,6 +154,9 @@ class PretrainConfig:
     """Corpus files or directories (default: the Python standard library's sources)."""
     data_cache_dir: Optional[str] = None
     """Where the tokenizer and token files are cached (default $MEGACOMP_DATA_CACHE or ~/.cache/megacomp)."""
+    dataset_samples: Optional[int] = None
+    """Train on the first N samples only, for several epochs (a fine-tuning-style set, as AQ-SGD needs);
+    None = every sample of the corpus."""
     tokenizer_max_bytes: int = 5 * 1024 * 1024
     """Text used to train the tokenizer."""
     # compression

@@ -41,9 +41,10 @@ from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, chec
 from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
 from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
+from .aqsgd import build_activation_delta, summary as aqsgd_summary
 from .loqt import LoQTDriver
 from .metrics import MetricsLogger, gather_traffic
-from .report import RunTotals, banner
+from .report import RunTotals, banner, demo_summary, onebit_summary, outer_summary
 from .signals import ExitSignals
 
 
@@ -72,6 +73,11 @@ class Trainer:
         self.channels = self.compression.build_channels(g)  # one per traffic path, used by everything below
         self.tokenizer, self.dataset = prepare_data(cfg.data_path, cfg.vocab_size, cfg.seq_length, cfg.data_cache_dir,
                                                     max_bytes=cfg.tokenizer_max_bytes)
+        if cfg.dataset_samples is not None:
+            if not 0 < cfg.dataset_samples <= len(self.dataset):
+                raise ValueError(f"dataset_samples {cfg.dataset_samples} must be in [1, {len(self.dataset)}] (the "
+                                 f"corpus has {len(self.dataset)} samples of {cfg.seq_length} tokens)")
+            self.dataset = torch.utils.data.Subset(self.dataset, range(cfg.dataset_samples))
         tp, pp = g.tp_size, g.pp_size
         multiple = 8 * tp
         vocab = -(-self.tokenizer.vocab_size // multiple) * multiple  # pad so the vocabulary splits over TP
@@ -100,9 +106,16 @@ class Trainer:
             watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, cfg.outer_timeout)
             self.outer = DiLoCo(self.model.parameters(), self.replicas.outer, oc, after_sync=self._after_outer_sync,
                                 watch=watch)
-        self.communicator = PipelineCommunicator(g.pp_ranks, channels=self.channels) if pp > 1 else None
         self.num_microbatches = cfg.global_batch_size // (cfg.micro_batch_size * g.dp_size)
         self.iteration = 0
+        self.activation_delta = None
+        if self.compression.pp_activation_delta:  # AQ-SGD: per-sample caches, fixed data shards
+            self.activation_delta = build_activation_delta(
+                num_samples=len(self.dataset), shard=self._sampler(0).shard(), pp_size=pp, pp_rank=g.pp_rank,
+                num_chunks=self.num_chunks, sample_shape=(self._activation_shape()[0], cfg.hidden_size),
+                dtype=next(self.model.parameters()).dtype, warmup_visits=self.compression.pp_activation_delta_warmup_visits)
+        self.communicator = (PipelineCommunicator(g.pp_ranks, channels=self.channels,
+                                                  activation_delta=self.activation_delta) if pp > 1 else None)
         self._validated_once = False
         self.is_logger = dist.get_rank() == 0
         resumed = None
@@ -139,11 +152,24 @@ class Trainer:
                 print(f"  optimizer: {lomo_summary(self.optimizer, cfg)}", flush=True)
             if self.loqt is not None:
                 print(f"  weights: {self.loqt.summary()}", flush=True)
-        self.sampler = DistributedBatchSampler(len(self.dataset), cfg.micro_batch_size, g.dp_rank, g.dp_size,
-                                               seed=cfg.seed, start_iteration=self.iteration * self.num_microbatches)
+            if self.activation_delta is not None:
+                print(f"  pipeline: {aqsgd_summary(self.activation_delta, self.channels.pp_activation.codec)}", flush=True)
+        self.sampler = self._sampler(self.iteration * self.num_microbatches)
         self.metrics = MetricsLogger(cfg.log_dir, dist.get_rank() == 0, resume=self.resumed)
 
     # -- construction --------------------------------------------------------------------------------
+    def _sampler(self, start: int) -> DistributedBatchSampler:
+        g = self.groups
+        return DistributedBatchSampler(len(self.dataset), self.cfg.micro_batch_size, g.dp_rank, g.dp_size,
+                                       seed=self.cfg.seed, start_iteration=start,
+                                       shard_samples=self.compression.pp_activation_delta)
+
+    def _activation_shape(self) -> tuple:
+        """The tensor stages exchange: ``(s, micro-batch, h)``, ``s / tp`` under sequence parallelism."""
+        cfg, tp = self.cfg, self.groups.tp_size
+        s = cfg.seq_length // tp if cfg.sequence_parallel else cfg.seq_length
+        return (s, cfg.micro_batch_size, cfg.hidden_size)
+
     def _tied(self) -> Optional[torch.nn.Parameter]:
         m = self.model
         if self.groups.pp_size == 1 or self.groups.embedding is None:
@@ -242,7 +268,8 @@ class Trainer:
                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                 "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",)),
                 "outer": self.outer.state_dict() if self.outer is not None else None,
-                "guard": self.guard.state_dict()}  # the lowest loss so far: a resumed run judges against it
+                "guard": self.guard.state_dict(),  # the lowest loss so far: a resumed run judges against it
+                "aqsgd": self.activation_delta.state_dict() if self.activation_delta is not None else None}
 
     def _replica(self) -> Optional[int]:
         return self.replicas.replica if self.replicas is not None else None
@@ -262,6 +289,8 @@ class Trainer:
             self.outer.load_state_dict(extra["outer"])
         guard = extra.get("guard") or {}  # a checkpoint from before the guard's state was saved: a fresh guard
         self.guard.load_state_dict(guard)
+        if self.activation_delta is not None:  # compression_resolved matched, so the checkpoint has the caches
+            self.activation_delta.load_state_dict(extra["aqsgd"])
 
     def save(self) -> None:
         """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it), say
@@ -276,7 +305,10 @@ class Trainer:
 
     # -- one iteration -------------------------------------------------------------------------------
     def _micro_batches(self) -> list:
-        batches = [get_batch(self.dataset, next(self._batches)) for _ in range(self.num_microbatches)]
+        indices = [next(self._batches) for _ in range(self.num_microbatches)]
+        if self.communicator is not None:
+            self.communicator.set_sample_ids(indices)  # AQ-SGD's caches are per sample
+        batches = [get_batch(self.dataset, i) for i in indices]
         return [(ids.to(self.device), labels.to(self.device)) for ids, labels in batches]
 
     def _forward_backward(self, batches) -> list[float]:
@@ -292,10 +324,8 @@ class Trainer:
                 losses.append(loss.item())
             return losses
 
-        tp = self.groups.tp_size
-        s = self.cfg.seq_length // tp if self.cfg.sequence_parallel else self.cfg.seq_length
         dtype = next(m.parameters()).dtype
-        shape = (s, self.cfg.micro_batch_size, self.cfg.hidden_size)
+        shape = self._activation_shape()
 
         def run(chunk, x, k):
             ids, labels = batches[k]
@@ -450,40 +480,3 @@ class Trainer:
             self.outer.finish()
         parallel_state.destroy_model_parallel()
 
-
-def outer_summary(oc, replicas: int, dp: int, algorithm: str = "") -> str:
-    """One line saying what the outer loop does (the banner's): algorithm, replicas, period, rule, codec."""
-    per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
-    codec = f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')"
-    stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing {oc.mixing:g}"
-              if oc.fragments > 1 or oc.delay or oc.mixing else "")
-    if algorithm == "mt_dao":
-        return (f"MT-DAO over {per}: parameters averaged (outer lr {oc.outer_lr:g}, momentum {oc.outer_momentum:g}, "
-                f"{codec}) and every Adam moment averaged uncompressed; inner MultiTimescaleAdamW")
-    if oc.algorithm == "noloco":
-        return (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
-                f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")
-    if oc.algorithm == "sparseloco":
-        return (f"SparseLoCo over {per}: accumulator e <- {oc.outer_momentum:g} e + Delta, C(e) all-gathered and "
-                f"averaged, theta -= {oc.outer_lr:g} x mean, pseudo-gradient codec {oc.codec} (traffic kind 'outer')")
-    nesterov = " (Nesterov)" if oc.nesterov and oc.outer_momentum else ""
-    return (f"{'Streaming ' if stream else ''}DiLoCo{stream} over {per}, outer SGD lr {oc.outer_lr:g} momentum "
-            f"{oc.outer_momentum:g}{nesterov}, {codec}")
-
-
-def onebit_summary(opt: OneBitOptimizer, cfg: PretrainConfig) -> str:
-    """One line saying what a 1-bit optimizer sends and when (the banner's)."""
-    ch = opt.momentum_channel
-    ef = " + worker/server error feedback" if ch.error_feedback is not None else ""
-    when = (f"variance updates until step {cfg.var_freeze_step}, then local steps synchronised every 1..{cfg.local_step_clipper}"
-            if cfg.optimizer == "zero_one_adam" else f"full-precision gradients for {cfg.freeze_step} steps, then momentum")
-    shard = "masters sharded over DP, parameters all-gathered" if opt.sharded else "masters whole on every rank, no all-gather"
-    return f"{cfg.optimizer}: {when} over dp_momentum with {ch.codec}{ef}; {shard}"
-
-
-def demo_summary(opt: DeMo) -> str:
-    """One line saying what DeMo sends (the banner's)."""
-    dense = sum(p.numel() for p in opt.params) * 4
-    return (f"DeMo, top-{opt.compression_topk} of each DCT tile (up to {opt.compression_chunk}x{opt.compression_chunk}), "
-            f"momentum decay {opt.compression_decay:g}, kept values {opt.value_codec}: {opt.wire_bytes_per_step() / 1e6:.3f} "
-            f"MB per step to each DP peer vs {dense / 1e6:.3f} MB dense fp32 (dp_gradient; no dp_parameter all-gather)")

@@ -1,0 +1,182 @@
+"""AQ-SGD: pipeline activations sent as the quantised change of each sample's activation since its last visit.
+
+Algorithm (Wang et al., "Fine-tuning language models over slow networks using activation compression
+with guarantees", reference code DS3Lab/AC-SGD), for sample xi crossing stage boundary b with activation a:
+  both sides of b keep a cache m_b(xi), equal on the two ranks by construction;
+  warm-up     the first ``warmup_visits`` visits of xi send a itself, and both sides set m_b(xi) = a;
+  afterwards  the sender sends  delta = Q(a - m_b(xi))  (Q: the pp_activation channel's codec) and sets
+              m_b(xi) += deq(delta); the receiver adds the same deq(delta) to its m_b(xi) and uses m_b(xi)
+              as the activation. Both add the same decoded bytes to the same numbers on the same device type,
+              so the two caches stay bit-identical (tests check it after every step).
+A micro-batch travels as a whole: if any of its samples is still in warm-up, all of it goes uncompressed
+(and refreshes every sample's cache). Gradients going back are not affected (pp_gradient codec, optionally
+with error feedback).
+
+Error: the receiver's activation differs from a by the codec's error on the *delta* a - m_b(xi), which
+shrinks as training converges and the activation of a sample changes little between visits; direct
+quantisation pays the codec's error on a itself. For a b-bit block-scaled codec the per-element error is at
+most max|delta in the block| / (2^(b-1) - 1) / 2 (round to nearest).
+
+With an identity codec (or a message below the channel's min_compress_numel) the activation itself is sent
+and the cache is set to it: bit-identical to the plain pipeline.
+
+Memory: one cache entry of ``sample_shape`` per sample, per boundary side this rank holds (a stage in the
+middle holds two, and V chunks per stage hold up to 2V). :func:`cache_bytes` says how much; the trainer
+refuses a run whose caches would not fit before allocating them. Samples are identified by a stable id
+(the dataset index); ``num_slots`` ids map to cache rows through ``slot_of`` (every rank of a data-parallel
+group caches only its own shard of the data, see megacomp.data.DistributedBatchSampler(shard_samples=True)).
+
+Failure behaviour: ValueError for ids outside the cache, an unknown boundary, a message whose shape differs
+from the cache's sample shape, or a missing sample-id table (``set_sample_ids`` was not called).
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from ..compression import Codec
+
+
+def cache_bytes(num_slots: int, sample_shape: Sequence[int], dtype: torch.dtype, sides: int) -> int:
+    """Bytes of ``sides`` caches of ``num_slots`` samples of ``sample_shape`` (plus their visit counters)."""
+    per = 1
+    for d in sample_shape:
+        per *= d
+    return sides * num_slots * (per * torch.empty((), dtype=dtype).element_size() + 4)
+
+
+class ActivationDeltaCache:
+    """m_b for the boundary sides one pipeline rank holds (see the module docstring).
+
+    Args:
+        sides: ``(boundary, side)`` pairs, side ``'send'`` or ``'recv'``; the boundary is the receiving virtual
+            stage (the stage with one chunk per rank).
+        slot_of: int64 tensor mapping a sample id to its cache row (-1: not cached here); its length is the
+            dataset size.
+        sample_shape: one sample's activation, ``(s, h)`` (``s / tp`` under sequence parallelism).
+        dtype: the activation dtype (the cache stores it exactly).
+        warmup_visits: visits of a sample that send the activation itself (AQ-SGD's warm-up epochs).
+        device: where the caches live (the arithmetic runs on the activation's device).
+    """
+
+    def __init__(self, sides: Iterable[tuple[int, str]], slot_of: torch.Tensor, sample_shape: Sequence[int],
+                 dtype: torch.dtype, *, warmup_visits: int = 1, device="cpu") -> None:
+        if warmup_visits < 1:
+            raise ValueError(f"AQ-SGD needs warmup_visits >= 1 (the first visit fills the cache), got {warmup_visits}")
+        self.slot_of = slot_of.to(torch.int64)
+        self.num_slots = int(self.slot_of.max().item()) + 1 if self.slot_of.numel() else 0
+        self.sample_shape, self.dtype, self.warmup_visits = tuple(sample_shape), dtype, warmup_visits
+        self.values: dict[str, torch.Tensor] = {}
+        self.visits: dict[str, torch.Tensor] = {}
+        for boundary, side in sides:
+            if side not in ("send", "recv"):
+                raise ValueError(f"cache side must be 'send' or 'recv', got {side!r}")
+            key = self.key(boundary, side)
+            self.values[key] = torch.zeros((self.num_slots, *self.sample_shape), dtype=dtype, device=device)
+            self.visits[key] = torch.zeros(self.num_slots, dtype=torch.int32)
+        self._ids: Optional[list[torch.Tensor]] = None
+
+    @staticmethod
+    def key(boundary: int, side: str) -> str:
+        return f"b{boundary}/{side}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the caches and their visit counters."""
+        return sum(v.numel() * v.element_size() for v in self.values.values()) + 4 * self.num_slots * len(self.visits)
+
+    def set_sample_ids(self, ids: Sequence[Sequence[int]]) -> None:
+        """The sample ids of this iteration's micro-batches (``ids[k]``: micro-batch k's samples, in order)."""
+        self._ids = [torch.as_tensor(list(x), dtype=torch.int64) for x in ids]
+
+    def _slots(self, mb: int) -> torch.Tensor:
+        if self._ids is None:
+            raise ValueError("AQ-SGD (pp_activation_delta) needs the sample ids of every micro-batch: call "
+                             "set_sample_ids(...) on the pipeline communicator before the schedule")
+        ids = self._ids[mb]
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.slot_of.numel()):
+            raise ValueError(f"AQ-SGD: sample ids {ids.tolist()} outside the dataset of {self.slot_of.numel()} samples")
+        slots = self.slot_of[ids]
+        if (slots < 0).any():
+            raise ValueError(f"AQ-SGD: samples {ids[slots < 0].tolist()} are not in this rank's cache (each data-parallel "
+                             f"rank caches its own shard: sample with DistributedBatchSampler(shard_samples=True))")
+        return slots
+
+    def _entry(self, boundary: int, side: str):
+        key = self.key(boundary, side)
+        if key not in self.values:
+            raise ValueError(f"AQ-SGD: this rank holds no {side} cache for boundary {boundary} (has {sorted(self.values)})")
+        return self.values[key], self.visits[key]
+
+    def in_warmup(self, boundary: int, side: str, mb: int) -> bool:
+        """Whether micro-batch ``mb`` crosses ``boundary`` uncompressed (a sample still in warm-up)."""
+        _, visits = self._entry(boundary, side)
+        return bool((visits[self._slots(mb)] < self.warmup_visits).any())
+
+    def _check(self, activation: torch.Tensor, slots: torch.Tensor) -> None:
+        want = (self.sample_shape[0], slots.numel(), *self.sample_shape[1:])
+        if tuple(activation.shape) != want:
+            raise ValueError(f"AQ-SGD: activation of shape {tuple(activation.shape)} does not match the cache's "
+                             f"(seq, micro-batch, hidden) = {want}")
+
+    def encode(self, boundary: int, mb: int, activation: torch.Tensor, codec: Codec,
+               generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sender: the message for ``activation`` (``[s, b, h]``) of micro-batch ``mb`` across ``boundary`` (the
+        activation itself in warm-up or under an identity codec, else the encoded delta); updates the cache."""
+        values, visits = self._entry(boundary, "send")
+        slots = self._slots(mb)
+        self._check(activation, slots)
+        a = activation.detach().transpose(0, 1)  # [b, s, h]: one row per sample
+        if codec.is_identity or self.in_warmup(boundary, "send", mb):
+            values[slots] = a.to(values.device)
+            msg = activation.detach().contiguous()
+        else:
+            m = values[slots].to(a.device)
+            msg = codec.encode_flat(a - m, generator, strict=False)
+            values[slots] = (m + codec.decode_flat(msg, a.numel(), a.dtype).view_as(a)).to(values.device)
+        visits[slots] += 1
+        return msg
+
+    def message_buffer(self, boundary: int, mb: int, shape: Sequence[int], codec: Codec, device) -> torch.Tensor:
+        """Receiver: an empty buffer of the size micro-batch ``mb``'s message across ``boundary`` has."""
+        numel = 1
+        for d in shape:
+            numel *= d
+        if codec.is_identity or self.in_warmup(boundary, "recv", mb):
+            return torch.empty(tuple(shape), dtype=self.dtype, device=device)
+        return torch.empty(codec.wire_bytes(numel, self.dtype), dtype=torch.uint8, device=device)
+
+    def decode(self, boundary: int, mb: int, msg: torch.Tensor, out: torch.Tensor, codec: Codec) -> None:
+        """Receiver: apply the message to the cache and write the activation (``m_b`` of the samples) into ``out``."""
+        values, visits = self._entry(boundary, "recv")
+        slots = self._slots(mb)
+        self._check(out, slots)
+        with torch.no_grad():
+            if msg.dtype != torch.uint8 or codec.is_identity:
+                a = msg.transpose(0, 1)
+                values[slots] = a.to(values.device)
+                out.copy_(msg)
+            else:
+                m = values[slots].to(out.device)
+                new = m + codec.decode_flat(msg, out.numel(), out.dtype).view(m.shape)
+                values[slots] = new.to(values.device)
+                out.copy_(new.transpose(0, 1))
+        visits[slots] += 1
+
+    # -- checkpointing ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The caches and visit counters (a resumed run continues with the same caches)."""
+        return {"values": dict(self.values), "visits": dict(self.visits), "slots": self.num_slots,
+                "shape": list(self.sample_shape)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`; raises ValueError when its boundaries or sizes differ from this cache's."""
+        if sorted(state["values"]) != sorted(self.values) or state["slots"] != self.num_slots \
+                or tuple(state["shape"]) != self.sample_shape:
+            raise ValueError(f"AQ-SGD cache in the checkpoint ({sorted(state['values'])}, {state['slots']} samples of "
+                             f"{tuple(state['shape'])}) does not match this run's ({sorted(self.values)}, "
+                             f"{self.num_slots} of {self.sample_shape}); resume with the same layout and data")
+        for k in self.values:
+            self.values[k].copy_(state["values"][k])
+            self.visits[k].copy_(state["visits"][k])
