@@ -36,6 +36,9 @@ LoCo gradients against themselves;
 against stock FSDP2, paired by seed.
 ``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, Accordion
 (rank 4 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
+``aqsgd``: issue #20's AQ-SGD on a pipeline (PP 2, run with --nproc 2): fine-tuning-style epochs over 256
+samples, 2- and 4-bit activation deltas against direct 2- and 4-bit quantisation and the uncompressed pipeline,
+with the pp_activation bytes of every iteration (warm-up epoch included);
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
 int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
 MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
@@ -147,22 +150,26 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
     per seed (same seed = same initialisation and data order, so the paired difference has less noise). Bytes are
     compared with the suite's ``bytes_reference`` variant (default 'none'; FSDP's stock run is not counted)."""
     bytes_ref = SUITES.get(suite, {}).get("bytes_reference", "none")
+    kinds = SUITES.get(suite, {}).get("bytes_kinds")  # e.g. ["pp_activation"]; default: DP and outer traffic
+    label = ", ".join(kinds) if kinds else "DP"
+    counted = (lambda k: k in kinds) if kinds else (lambda k: k.startswith("dp_") or k in DP_KINDS)
     tail = max(1, len(runs["none"][0]) // 10)
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
     lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(final['none'])} seeds", "",
              "Each variant is compared with the uncompressed run of the same optimizer (`none` for AdamW, "
              "`none, frozen v` for the frozen-variance variants), seed by seed.", "",
-             f"| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | DP MB/iter, last "
-             f"iteration (wire / uncompressed) | DP + outer MB over the run (wire) | x fewer than {bytes_ref} |",
+             f"| variant | final loss, mean ± std | vs none, paired mean ± std | per seed vs none | {label} MB/iter, last "
+             f"iteration (wire / uncompressed) | {label}{'' if kinds else ' + outer'} MB over the run (wire) | "
+             f"x fewer than {bytes_ref} |",
              "|---|---|---|---|---|---|---|"]
-    def dp_bytes(recs):  # every iteration of the run, warm-ups included: the data-parallel and outer traffic
-        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k in DP_KINDS)
+    def dp_bytes(recs):  # every iteration of the run, warm-ups included
+        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if counted(k))
     base_bytes = dp_bytes(runs[bytes_ref][0])
     for name, vals in final.items():
         ref = "none, frozen v" if name in frozen_names and "none, frozen v" in final else "none"
         base = final[ref] if name != ref else final["none"]
         rel = [100 * (v - b) / b for v, b in zip(vals, base)]
-        last = [wu for k, wu in runs[name][0][-1]["traffic"].items() if k.startswith("dp_")]
+        last = [wu for k, wu in runs[name][0][-1]["traffic"].items() if (k in kinds if kinds else k.startswith("dp_"))]
         w, u = sum(x for x, _ in last), sum(y for _, y in last)
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0

@@ -46,6 +46,15 @@ SUITES = {
         "int2+EF, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "ef", "freeze": 0.2},
         "int2+LoCo, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco", "freeze": 0.2},
     }},
+    # issue #20: AQ-SGD, fine-tuning style (256 samples seen for many epochs), gradients uncompressed throughout
+    "aqsgd": {"layout": ["--pipeline-model-parallel-size", "2", "--dataset-samples", "256"],
+              "bytes_kinds": ["pp_activation"], "variants": {
+        "none": {},
+        "AQ-SGD int4 delta": {"pp_activation": INT4, "pp_activation_delta": True},
+        "AQ-SGD int2 delta": {"pp_activation": INT2, "pp_activation_delta": True},
+        "direct int4": {"pp_activation": INT4},
+        "direct int2": {"pp_activation": INT2},
+    }},
     "pp": {"layout": ["--pipeline-model-parallel-size", "2"], "variants": {
         "none": {},
         "int8 act + int8/EF grad": {"pp_activation": {"name": "int8", "block_size": 128},

@@ -389,7 +389,9 @@ def bench_collectives(args, records: Optional[list] = None) -> list[str]:
     return [line for op in args.ops.split(",") for line in collectives_table(records[start:], op)]
 
 
-LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+LAYOUTS = {"dp2": [], "tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"],
+           # the interleaved schedule: 2 chunks of 1 layer per stage on the tiny config's 4 layers
+           "pp2vp2": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]}
 
 
 def train_table(records: list[dict], layout: str) -> list[str]:
@@ -408,27 +410,29 @@ def train_table(records: list[dict], layout: str) -> list[str]:
 
 
 def bench_train(args, records: Optional[list] = None) -> list[str]:
-    """``python -m megacomp.pretrain`` across the link: per layout (dp2, tp2 or pp2: the two ranks hold data,
-    tensor or pipeline parallel halves) and compression preset, the median iteration time."""
-    layout = getattr(args, "layout", "dp2")
+    """``python -m megacomp.pretrain`` across the link: per layout (dp2, tp2, pp2 or pp2vp2: the two ranks hold
+    data, tensor or pipeline parallel halves; ``--layout`` may list several) and compression preset, the median
+    iteration time."""
+    layouts = getattr(args, "layout", "dp2").split(",")
     records = [] if records is None else records
     start = len(records)
-    for rate in args.rates.split(","):
-        setup(rate)
-        for preset in args.compression.split(","):
-            with tempfile.TemporaryDirectory() as log_dir:
-                run_pair([sys.executable, "-m", "megacomp.pretrain", "--config", args.config, "--train-iters",
-                          str(args.iters), "--compression", preset, "--log-dir", log_dir, "--log-interval", "1",
-                          "--global-batch-size", "16", "--micro-batch-size", "8", *LAYOUTS[layout],
-                          *args.model_args], args.port, args.timeout)
-                recs = [json.loads(x) for x in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
-            records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "layout": layout, "compression": preset,
-                            "config": args.config, "ddp_model": bool(args.model_args), "iters": args.iters,
-                            "times_s": [r["iteration_time_s"] for r in recs[2:]],
-                            "wire_bytes_per_iter": recs[-1]["wire_bytes"],
-                            "fp32_bytes_per_iter": recs[-1]["uncompressed_bytes"], "loss": recs[-1]["loss"]})
-            print(train_table(records[start:], layout)[-2], flush=True)
-    return train_table(records[start:], layout)
+    for layout in layouts:
+        for rate in args.rates.split(","):
+            setup(rate)
+            for preset in args.compression.split(","):
+                with tempfile.TemporaryDirectory() as log_dir:
+                    run_pair([sys.executable, "-m", "megacomp.pretrain", "--config", args.config, "--train-iters",
+                              str(args.iters), "--compression", preset, "--log-dir", log_dir, "--log-interval", "1",
+                              "--global-batch-size", "16", "--micro-batch-size", "8", *LAYOUTS[layout],
+                              *args.model_args, *getattr(args, "train_args", "").split()], args.port, args.timeout)
+                    recs = [json.loads(x) for x in Path(log_dir, "metrics.jsonl").read_text().splitlines()]
+                records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "layout": layout,
+                                "compression": preset, "config": args.config, "ddp_model": bool(args.model_args),
+                                "iters": args.iters, "times_s": [r["iteration_time_s"] for r in recs[2:]],
+                                "wire_bytes_per_iter": recs[-1]["wire_bytes"],
+                                "fp32_bytes_per_iter": recs[-1]["uncompressed_bytes"], "loss": recs[-1]["loss"]})
+                print(train_table(records[start:], layout)[-2], flush=True)
+    return [line for layout in layouts for line in train_table(records[start:], layout)]
 
 
 def tables(workload: str, records: list[dict]) -> list[str]:
@@ -464,7 +468,8 @@ def main() -> None:
     p.add_argument("--ops", default="all_reduce", help="collectives: comma list of " + ",".join(OPS))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--layout", choices=sorted(LAYOUTS), default="dp2", help="train workload: what the two ranks split")
+    p.add_argument("--layout", default="dp2", help="train workload: what the two ranks split, a comma list of "
+                                                   + ", ".join(LAYOUTS))
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--compression", default="none,loco4,dp_int8")
     p.add_argument("--methods", default=",".join(DDP_METHODS),
@@ -478,9 +483,14 @@ def main() -> None:
     p.add_argument("--out", default="results/netns")
     p.add_argument("--train-model", choices=["tiny", "ddp"], default="tiny",
                    help="train workload: the tiny config, or the ddp workload's GPT (--hidden, --layers, seq 64)")
+    p.add_argument("--train-args", default="",
+                   help="train workload: more pretrain flags, one string (e.g. '--micro-batch-size 4 --dataset-samples 32')")
     p.add_argument("--from-results", action="store_true",
                    help="no measurement: rewrite <out>/<workload>.md from the <out>/<workload>.json of a run")
     args = p.parse_args()
+    bad = [x for x in args.layout.split(",") if x not in LAYOUTS]
+    if bad:
+        p.error(f"unknown layout(s) {bad}; pick from {sorted(LAYOUTS)}")
     out = Path(args.out)
     if args.from_results:
         results = json.loads((out / f"{args.workload}.json").read_text())

@@ -1,6 +1,6 @@
 """Interleaved 1F1B (virtual pipeline stages) vs the non-interleaved schedule and the unsplit model.
 
-- Compression off, PP2 x VP2, PP4 x VP2 and TP2 x PP2 x VP2 with sequence parallelism: per-micro-batch
+- Compression off, PP2 x VP2, PP4 x VP2, and TP2 x PP2 x VP2 and TP2 x PP4 x VP2 with sequence parallelism: per-micro-batch
   losses and every parameter's gradient are bit-identical to the non-interleaved schedule's (same layers,
   same micro-batch order per parameter), and equal the unsplit model's within fp32 round-off; the
   forward-only path gives the same losses and leaves no gradients.
@@ -121,8 +121,8 @@ def _body(rank, world, tp, pp, sp, M, compressed):
 
 
 @pytest.mark.parametrize("world,tp,pp,sp,M", [(2, 1, 2, False, 4), (2, 1, 2, False, 2), (4, 1, 4, False, 8),
-                                              (4, 2, 2, True, 4)],
-                         ids=["pp2xvp2", "pp2xvp2-all-warmup", "pp4xvp2", "tp2xpp2xvp2-sp"])
+                                              (4, 2, 2, True, 4), (8, 2, 4, True, 8)],
+                         ids=["pp2xvp2", "pp2xvp2-all-warmup", "pp4xvp2", "tp2xpp2xvp2-sp", "tp2xpp4xvp2-sp"])
 def test_interleaved_equals_non_interleaved_and_unsplit(world, tp, pp, sp, M):
     results = run_ranks(_body, world, tp, pp, sp, M, False)
     last = [res for res in results if res[0]]

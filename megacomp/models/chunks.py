@@ -67,10 +67,12 @@ class GPTChunks(nn.Module):
 
     @property
     def word_embeddings(self):
+        """Chunk 0's word embedding (present on the first stage only)."""
         return self.chunks[0].word_embeddings
 
     @property
     def output_weight(self) -> torch.Tensor:
+        """The last chunk's copy of the tied word embedding (the last stage of several only)."""
         return self.chunks[-1].output_weight
 
     @property
@@ -79,5 +81,6 @@ class GPTChunks(nn.Module):
         return [c.layer_range for c in self.chunks]
 
     def forward(self, *args, **kwargs):
+        """Not callable as a whole: raises TypeError (run ``chunks[v]``)."""
         raise TypeError("GPTChunks is not called as a whole: run chunk v as model.chunks[v](...) "
                         "(the interleaved schedule does)")

@@ -79,6 +79,7 @@ class ActivationDeltaCache:
 
     @staticmethod
     def key(boundary: int, side: str) -> str:
+        """The name of one boundary side's cache, e.g. ``'b1/send'``."""
         return f"b{boundary}/{side}"
 
     @property
