@@ -67,3 +67,19 @@ def test_refusals(base):
         run_ranks(_train_body, 1, replace(base, pipeline_model_parallel_size=1, compression={"pp_activation_delta": True}))
     with pytest.raises(AssertionError, match=r"dataset_samples 10000000 must be in \[1, "):
         run_ranks(_train_body, 2, replace(base, dataset_samples=10_000_000))
+
+
+def test_finetune_loads_only_the_model_weights(base, tmp_path):
+    """--finetune: a run with other compression (AQ-SGD) and batch starts from the checkpoint's weights at
+    iteration 0; a checkpoint of another model shape is refused naming the field."""
+    pre = replace(base, dataset_samples=None, train_iters=4, save=str(tmp_path / "pre"))
+    first = losses(run_ranks(_train_body, 2, pre)[0])
+    tuned = replace(base, load=str(tmp_path / "pre"), finetune=True, train_iters=3, lr=1e-3,
+                    compression={"pp_activation": "int4", "pp_activation_delta": True, "min_compress_numel": 0})
+    after = losses(run_ranks(_train_body, 2, tuned)[0])
+    assert len(after) == 3 and after[0] < first[0] - 0.05  # starts from trained weights, not from scratch
+    with pytest.raises(AssertionError, match="hidden_size: checkpoint 32 vs this run 64"):
+        run_ranks(_train_body, 2, replace(tuned, hidden_size=64))
+    with pytest.raises(ValueError, match="give it with --load"):
+        from megacomp.training.arguments import check
+        check(replace(base, finetune=True), world_size=2)

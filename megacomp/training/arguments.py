@@ -154,6 +154,9 @@ class PretrainConfig:
     """Corpus files or directories (default: the Python standard library's sources)."""
     data_cache_dir: Optional[str] = None
     """Where the tokenizer and token files are cached (default $MEGACOMP_DATA_CACHE or ~/.cache/megacomp)."""
+    finetune: bool = False
+    """With ``load``: start from the checkpoint's model weights only (Megatron's --finetune): iteration 0, fresh
+    optimizer, RNG and error feedback; compression, optimizer and data may differ from the checkpoint's run."""
     dataset_samples: Optional[int] = None
     """Train on the first N samples only, for several epochs (a fine-tuning-style set, as AQ-SGD needs);
     None = every sample of the corpus."""
@@ -431,6 +434,11 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if cfg.loqt_rank:
         loqt_kwargs(cfg)  # raises on bad values
     virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage
+    if cfg.finetune and not cfg.load:
+        raise ValueError("finetune starts from a checkpoint's model weights: give it with --load DIR")
+    if cfg.finetune and cfg.outer_algorithm != "none":
+        raise ValueError("finetune with an outer loop is not supported (the replicas' outer weights are built before "
+                         "the checkpoint is read); fine-tune without --outer-algorithm")
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
     if world_size is not None and cfg.optimizer in LOMO_OPTIMIZERS:

@@ -423,6 +423,45 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
     return iteration, extra
 
 
+MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
+                    "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                    "num_layers_per_virtual_pipeline_stage", "params_dtype")
+"""The fields that decide this rank's model tensors: what fine-tuning from a checkpoint must share with it."""
+
+
+def load_model_weights(root: str, model, groups, run_info: dict) -> int:
+    """Fine-tuning (Megatron's ``--finetune``): load only the model weights of the latest checkpoint under ``root``
+    (no optimizer, RNG, error feedback or data position; the run starts at iteration 0); returns the checkpoint's
+    iteration. The compression, optimizer, batch sizes and data may differ; the model shape and the parallel
+    layout (MODEL_MUST_MATCH) may not. Raises ValueError naming the differing fields or the broken file,
+    FileNotFoundError when there is no checkpoint."""
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(f"no checkpoint in {root!r} ({LATEST} missing) to fine-tune from; check --load")
+    path = _iter_dir(root, iteration)
+    try:
+        saved, metadata = _check_iteration(path)
+    except _Unreadable as e:
+        raise _error(e, root, iteration, path) from None
+    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {run_info.get(k)!r}" for k in MODEL_MUST_MATCH
+             if saved.get(k) != run_info.get(k)]
+    if saved.get("num_replicas", 1) != 1:
+        diffs.append(f"num_replicas: checkpoint {saved.get('num_replicas')} (one model per replica) vs 1")
+    if diffs:
+        raise ValueError(f"cannot fine-tune from {path}: its model differs from this run's ({'; '.join(diffs)}); use "
+                         f"the same model shape and tensor / pipeline layout")
+    where = _where(groups, None)
+    state = {f"model/{where}": model.state_dict()}  # DCP loads just these entries
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
+    except CheckpointException as e:
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+        unfit = _Unreadable(os.path.join(path, ".metadata"), f"does not fit this run's model: {_short(failures[0])}")
+        raise _error(unfit, root, iteration, path) from e
+    model.load_state_dict(state[f"model/{where}"])
+    return iteration
+
+
 def prune_checkpoints(root: str, keep: int) -> list[str]:
     """Delete all but the newest ``keep`` complete ``iter_*`` checkpoints under ``root`` (rank 0 calls it
     after a save; the one ``latest`` points at is always kept; ``.tmp`` and ``.diverged`` ones are not

@@ -38,7 +38,8 @@ from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelini
                                  forward_backward_pipelining_without_interleaving)
 from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs, onebit_kwargs,
                         outer_config, virtual_chunks)
-from .checkpoint import discard_checkpoint, latest_iteration, load_checkpoint, prune_checkpoints, save_checkpoint
+from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, load_model_weights, prune_checkpoints,
+                         save_checkpoint)
 from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
 from .aqsgd import build_activation_delta, summary as aqsgd_summary
@@ -120,7 +121,13 @@ class Trainer:
         self.is_logger = dist.get_rank() == 0
         resumed = None
         self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_divergence_factor)  # _load restores its state
-        if cfg.load and latest_iteration(cfg.load) is not None:
+        if cfg.load and latest_iteration(cfg.load) is not None and cfg.finetune:
+            it = load_model_weights(cfg.load, self.model, self.groups, self.run_info())
+            if hasattr(self.optimizer, "load_params_from_model"):
+                self.optimizer.load_params_from_model()  # the optimizer's fp32 masters from the loaded weights
+            resumed = (f"fine-tuning from the model weights of {cfg.load} (iteration {it}); optimizer, RNG, error "
+                       f"feedback and data order start fresh at iteration 0")
+        elif cfg.load and latest_iteration(cfg.load) is not None:
             self._load()
             resumed = f"resumed from {cfg.load} at iteration {self.iteration}"
         elif cfg.load:
