@@ -38,7 +38,9 @@ against stock FSDP2, paired by seed.
 (rank 4 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
 ``aqsgd``: issue #20's AQ-SGD on a pipeline (PP 2, run with --nproc 2): fine-tuning-style epochs over 256
 samples, 2- and 4-bit activation deltas against direct 2- and 4-bit quantisation and the uncompressed pipeline,
-with the pp_activation bytes of every iteration (warm-up epoch included);
+with the pp_activation bytes of every iteration (warm-up epoch included); ``aqsgd_finetune``: the same variants
+fine-tuning (``--finetune``) a checkpoint pretrained on the whole corpus (600 iterations, made once) at a tenth of
+the learning rate; ``aqsgd_sweep``: 2-bit settings on one seed;
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
 int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
 MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
@@ -115,6 +117,20 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     records = pm.read_run(done)
     labels = {"baseline": baseline, "rounds": _rounds(records[-1])} if baseline is not None or suite.startswith("onebit") else {}
     return pm.compact_run(records, suite=suite, variant=name, seed=seed, compression=compression, args=extra, **labels)
+
+
+def prepare(suite: str, args) -> None:
+    """Run a suite's ``prepare`` pretraining once (e.g. the checkpoint a fine-tuning suite loads), unless its
+    directory already holds a checkpoint."""
+    spec = SUITES[suite].get("prepare")
+    if spec is None or (Path(spec["dir"]) / "latest_checkpointed_iteration.txt").exists():
+        return
+    cmd = ["torchrun", "--standalone", "--nproc-per-node", str(spec["nproc"]), "-m", "megacomp.pretrain",
+           "--config", args.config, "--lr-warmup-iters", "30", *spec["args"]]
+    print(f"  {suite}: preparing {spec['dir']}: {' '.join(cmd)}", flush=True)
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{suite}: preparing {spec['dir']} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
 def _rounds(last: dict) -> Optional[int]:
@@ -315,6 +331,8 @@ def main() -> None:
     else:
         out.mkdir(parents=True, exist_ok=True)
         seeds = [int(x) for x in args.seeds.split(",") if x] or [None]
+        for suite in args.suites.split(","):
+            prepare(suite, args)
         runs = [run_variant(suite, name, comp, args, seed) for suite in args.suites.split(",")
                 for name, comp in SUITES[suite]["variants"].items() for seed in seeds]
         results = {"study": "convergence", "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),

@@ -55,6 +55,33 @@ SUITES = {
         "direct int4": {"pp_activation": INT4},
         "direct int2": {"pp_activation": INT2},
     }},
+    # issue #20, fine-tuning proper: from a checkpoint pretrained on the whole corpus (built once by "prepare"),
+    # 20 epochs over 256 samples at a tenth of the pretraining learning rate; the same variants
+    "aqsgd_finetune": {"layout": ["--pipeline-model-parallel-size", "2", "--dataset-samples", "256", "--load",
+                                  "results/aqsgd_pretrained", "--finetune", "--lr", "3e-4", "--min-lr", "3e-5"],
+                       "prepare": {"dir": "results/aqsgd_pretrained", "nproc": 2, "args": [
+                           "--pipeline-model-parallel-size", "2", "--train-iters", "600", "--save",
+                           "results/aqsgd_pretrained", "--seed", "1234"]},
+                       "bytes_kinds": ["pp_activation"], "variants": {
+        "none": {},
+        "AQ-SGD int4 delta": {"pp_activation": INT4, "pp_activation_delta": True},
+        "AQ-SGD int2 delta": {"pp_activation": INT2, "pp_activation_delta": True},
+        "direct int4": {"pp_activation": INT4},
+        "direct int2": {"pp_activation": INT2},
+    }},
+    # one seed: what makes 2-bit deltas work (block size, rounding, a longer uncompressed warm-up)
+    "aqsgd_sweep": {"layout": ["--pipeline-model-parallel-size", "2", "--dataset-samples", "256"],
+                    "bytes_kinds": ["pp_activation"], "variants": {
+        "none": {},
+        "AQ-SGD int2 delta": {"pp_activation": INT2, "pp_activation_delta": True},
+        "AQ-SGD int2/b32 delta": {"pp_activation": {**INT2, "block_size": 32}, "pp_activation_delta": True},
+        "AQ-SGD int2/b16 delta": {"pp_activation": {**INT2, "block_size": 16}, "pp_activation_delta": True},
+        "AQ-SGD int2/sr delta": {"pp_activation": {**INT2, "rounding": "stochastic"}, "pp_activation_delta": True},
+        "AQ-SGD int2 delta, 4 warm-up visits": {"pp_activation": INT2, "pp_activation_delta": True,
+                                                "pp_activation_delta_warmup_visits": 4},
+        "AQ-SGD int4/b32 delta": {"pp_activation": {**INT4, "block_size": 32}, "pp_activation_delta": True},
+        "direct int2/b16": {"pp_activation": {**INT2, "block_size": 16}},
+    }},
     "pp": {"layout": ["--pipeline-model-parallel-size", "2"], "variants": {
         "none": {},
         "int8 act + int8/EF grad": {"pp_activation": {"name": "int8", "block_size": 128},
