@@ -194,7 +194,11 @@ def compression_cases() -> dict:
     def preset(name):
         return yaml.safe_load((PRESETS / f"{name}.yaml").read_text()) or {}
 
-    cases = {p.stem: {**preset(p.stem), "min_compress_numel": MIN_NUMEL} for p in sorted(PRESETS.glob("*.yaml"))}
+    # pp_aqsgd4 (AQ-SGD, added after the recordings) is left out: it needs pipeline stages (the other layouts
+    # refuse it) and revisited samples (3 iterations of this run would see only its uncompressed first visits);
+    # test_pipeline_parallel_aqsgd.py and test_training_aqsgd.py test it
+    cases = {p.stem: {**preset(p.stem), "min_compress_numel": MIN_NUMEL} for p in sorted(PRESETS.glob("*.yaml"))
+             if p.stem != "pp_aqsgd4"}
     cases["x_all_tp_backward_ef"] = {**preset("all"), "tp_backward_error_feedback": "ef",
                                      "min_compress_numel": MIN_NUMEL}
     cases["x_seeded_stochastic"] = {  # seeds used nowhere else: their streams are per process and spec
