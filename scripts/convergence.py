@@ -14,7 +14,8 @@ the Python standard library's sources), keeps each run's logs under ``--runs`` (
                                               format is scripts/plot_metrics.py's (``compact_run``),
   - ``convergence.md``                        a table per suite: final loss (mean of the last 10% of
                                               iterations), its gap to the uncompressed run, wire bytes
-                                              per iteration of the compressed traffic kinds,
+                                              per iteration of the compressed traffic kinds (the mean
+                                              over every iteration, warm-ups included),
   - ``<suite>_loss.png``, ``<suite>_loss_vs_bytes.png``, ``<suite>_gap.png``  the curves (the gap: each
                                               variant against the same optimizer's uncompressed run).
 
@@ -147,15 +148,17 @@ def frozen(run: dict) -> bool:
 def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
     tail = max(1, len(runs["none"]) // 10)
     base = sum(r["loss"] for r in runs["none"][-tail:]) / tail
-    kinds = sorted({k for recs in runs.values() for k in recs[-1]["traffic"] if k.startswith(("dp_", "pp_"))})
-    lines = [f"### {suite}: final loss = mean of the last {tail} iterations", "",
+    kinds = sorted({k for recs in runs.values() for r in recs for k in r["traffic"] if k.startswith(("dp_", "pp_"))})
+    lines = [f"### {suite}: final loss = mean of the last {tail} iterations; bytes = mean per iteration over every "
+             f"iteration of the run (warm-ups included)", "",
              "| variant | final loss | vs none | " + " | ".join(f"{k} MB/iter (wire / fp32)" for k in kinds) + " |",
              "|---|---|---|" + "---|" * len(kinds)]
     for name, recs in runs.items():
         final = sum(r["loss"] for r in recs[-tail:]) / tail
         cells = []
-        for k in kinds:
-            w, u = recs[-1]["traffic"].get(k, [0, 0])
+        for k in kinds:  # every iteration: a run whose warm-up is uncompressed must not look cheaper than it was
+            w = sum(r["traffic"].get(k, [0, 0])[0] for r in recs) / len(recs)
+            u = sum(r["traffic"].get(k, [0, 0])[1] for r in recs) / len(recs)
             cells.append(f"{w / 1e6:.3f} / {u / 1e6:.3f}")
         lines.append(f"| {name} | {final:.4f} | {100 * (final - base) / base:+.2f}% | " + " | ".join(cells) + " |")
     return lines + [""]
