@@ -65,6 +65,12 @@ class Model:
     bits: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_BITS))
     n_points: int = 0  # uncompressed points alpha/eta were fitted on
     segment_elems: int = SEGMENT_ELEMS
+    links: dict[str, tuple[float, float, int]] = field(default_factory=dict)  # op -> (alpha, eta, points)
+
+    def link(self, op: str) -> tuple[float, float]:
+        """(alpha, eta) of collective ``op``: its own fit when it has one, else the pooled fit."""
+        a, e, _ = self.links.get(op, (self.alpha_s, self.eta, 0))
+        return a, e
 
 
 @dataclass
@@ -119,11 +125,14 @@ def predict_collective(model: Model, op: str, codec: str, nbytes: float, world: 
                        _codec_obj: Codec | None = None) -> float:
     """Predicted seconds for one call of ``op`` on ``nbytes`` fp32 bytes (S) at ``world`` ranks."""
     bits = model.bits.get(codec, DEFAULT_BITS.get(codec, 32.0))
-    t_wire = wire_bytes(op, bits, nbytes, world) / (model.eta * rate_Bps)
+    # uncompressed: the backend's own collective (its own fit); compressed: megacomp moves the encoded bytes as
+    # p2p on direction groups (megacomp.comm.transport), which reach all-reduce's share of the link on gloo
+    alpha, eta = model.link(op if codec in ("none", "fp32") else "all_reduce")
+    t_wire = wire_bytes(op, bits, nbytes, world) / (eta * rate_Bps)
     if codec in ("none", "fp32"):
-        return model.alpha_s + t_wire
+        return alpha + t_wire
     t_codec = _codec_time(model, op, codec, nbytes, world, _codec_obj)
-    return model.alpha_s + pipeline(t_wire, t_codec, math.ceil(nbytes / 4 / model.segment_elems))
+    return alpha + pipeline(t_wire, t_codec, math.ceil(nbytes / 4 / model.segment_elems))
 
 
 # -- calibration ---------------------------------------------------------------------------------------
@@ -144,17 +153,16 @@ def fit(results: dict, refit_codecs: bool = False) -> Model:
     base = [p for p in pts if p[0]["codec"] in ("none", "fp32")] or pts  # fallback: ignore codec compute
     if not base:
         raise ValueError("no collective measurements to calibrate on")
-    x = np.array([wire_bytes(r["op"], model.bits.get(r["codec"], 32.0), S, r["world"]) / r["rate_Bps"]
-                  for r, S, _ in base])
-    t = np.array([tm for _, _, tm in base])
-    A = np.stack([1 / t, x / t], axis=1)  # rows divided by t: least squares in relative error
-    if len(base) >= 2 and np.ptp(x) > 0:
-        (alpha, inv_eta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
-    else:
-        alpha, inv_eta = 0.0, float(np.median(t / x))
-    if alpha < 0:  # latency not resolved by the data: pure-bandwidth fit
-        alpha, inv_eta = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
-    model.alpha_s, model.eta, model.n_points = float(alpha), float(1 / inv_eta), len(base)
+    model.alpha_s, model.eta = _fit_link(model, base)
+    model.n_points = len(base)
+    # per collective: gloo's reduce-scatter and all-gather reach a lower share of the link than its all-reduce
+    # (docs/benchmarks), so one pooled (alpha, eta) biases every all-reduce prediction; each op with two or more
+    # fp32 points of different sizes or rates gets its own, the rest keep the pooled fit
+    for op in sorted({r["op"] for r, _, _ in base}):
+        mine = [p for p in base if p[0]["op"] == op]
+        if len({(S, r["rate_Bps"]) for r, S, _ in mine}) >= 2:
+            alpha, eta = _fit_link(model, mine)
+            model.links[op] = (alpha, eta, len(mine))
     measured = results.get("codec_throughput") or {}
     for codec in sorted({r["codec"] for r, _, _ in pts} - {"none", "fp32"}):
         m = measured.get(codec)
@@ -163,6 +171,22 @@ def fit(results: dict, refit_codecs: bool = False) -> Model:
         else:
             model.codecs[codec] = _fit_codec(model, codec, [p for p in pts if p[0]["codec"] == codec])
     return model
+
+
+def _fit_link(model: Model, pts: list) -> tuple[float, float]:
+    """(alpha, eta) by least squares in relative error on uncompressed points (T = alpha + W/B * 1/eta); a
+    negative alpha (latency not resolved by the data) falls back to a pure-bandwidth fit."""
+    x = np.array([wire_bytes(r["op"], model.bits.get(r["codec"], 32.0), S, r["world"]) / r["rate_Bps"]
+                  for r, S, _ in pts])
+    t = np.array([tm for _, _, tm in pts])
+    A = np.stack([1 / t, x / t], axis=1)  # rows divided by t: least squares in relative error
+    if len(pts) >= 2 and np.ptp(x) > 0:
+        (alpha, inv_eta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    else:
+        alpha, inv_eta = 0.0, float(np.median(t / x))
+    if alpha < 0:
+        alpha, inv_eta = 0.0, float(np.sum(x / t) / np.sum((x / t) ** 2))
+    return float(alpha), float(1 / inv_eta)
 
 
 def _fit_codec(model: Model, codec: str, pts: list) -> Codec:
@@ -219,11 +243,12 @@ def predict_step(model: Model, method: str, params: int, world: int, rate_Bps: f
     codec, calls, overlap, wire, after, S_codec = spec
     if wire is None:  # compressed hook without measured bytes: the codec's bits per element
         wire = wire_bytes("all_reduce", model.bits.get(codec, DEFAULT_BITS.get(codec, 32.0)), S_codec, world)
-    t_wire = wire / (model.eta * rate_Bps)
+    alpha, eta = model.link("all_reduce")  # DDP's gradient exchange is all-reduces
+    t_wire = wire / (eta * rate_Bps)
     t_codec = _codec_time(model, "all_reduce", codec, S_codec, world) if S_codec else 0.0
-    t_comm = calls * model.alpha_s + pipeline(t_wire, t_codec, math.ceil(S_codec / 4 / model.segment_elems))
+    t_comm = calls * alpha + pipeline(t_wire, t_codec, math.ceil(S_codec / 4 / model.segment_elems))
     exposed = max(0.0, t_comm - overlap * (2.0 / 3.0) * t_compute)
-    return t_compute + exposed + after / (model.eta * rate_Bps)
+    return t_compute + exposed + after / (eta * rate_Bps)
 
 
 def validate(model: Model, results: dict) -> Validation:
@@ -261,7 +286,7 @@ def project(model: Model, params=(1.3e9, 7e9), worlds=(8, 64, 256, 1024), rates_
             gpu_codec_Bps: float = 2.0e12, tokens_per_gpu: int = 16384, flops: float = 400e12,
             eta: float | None = None) -> Projection:
     """Speedup of compressed over bf16/fp32 gradient all-reduce and of the DP step, per (N, p, B, codec)."""
-    eta = model.eta if eta is None else eta
+    eta = model.link("all_reduce")[1] if eta is None else eta
     rows = []
 
     def step(t_comm: float) -> float:  # DP step: compute + communication not hidden behind backward
@@ -305,8 +330,14 @@ def markdown(model: Model, validation: Validation, projection: Projection) -> st
            "min(T_wire, T_codec)/n_segments (codec and wire pipelined over 1M-element segments); compressed "
            "RS/AG pipelined the same way. DDP step = compute floor + max(0, T_comm - o * 2/3 compute).",
            "", "### Fitted parameters", "", "| parameter | value | source |", "|---|---|---|",
-           f"| alpha (per-call latency) | {model.alpha_s * 1e3:.3f} ms | least squares, {model.n_points} fp32 points |",
-           f"| eta (link efficiency) | {model.eta:.3f} | least squares, {model.n_points} fp32 points |"]
+           f"| alpha (per-call latency), pooled | {model.alpha_s * 1e3:.3f} ms | least squares, {model.n_points} fp32 "
+           f"points of every collective |",
+           f"| eta (link efficiency), pooled | {model.eta:.3f} | the same |"]
+    for op, (alpha, eta, n) in sorted(model.links.items()):
+        use = ("every compressed collective (encoded bytes travel as p2p), DDP steps and the projection too"
+               if op == "all_reduce" else f"uncompressed {op}")
+        out.append(f"| {op}: alpha, eta | {alpha * 1e3:.3f} ms, {eta:.3f} | least squares, its own {n} fp32 points "
+                   f"(used for {use}) |")
     for name, c in sorted(model.codecs.items()):
         out.append(f"| {name}: encode / decode throughput, wire bits/elem | {c.encode_Bps / 1e9:.3f} / "
                    f"{c.decode_Bps / 1e9:.3f} GB/s (fp32 bytes), {model.bits.get(name, math.nan):g} b | {c.source} |")
@@ -332,7 +363,10 @@ def markdown(model: Model, validation: Validation, projection: Projection) -> st
                                                   for g in rates) + " |")
         out.append("")
     out += ["### Assumptions", ""] + [f"- {a}" for a in projection.assumptions] + [
-        "- Calibration: alpha and eta from the fp32 points only; codec throughput as measured single-threaded "
+        "- Calibration: alpha and eta from the fp32 points only, per collective where it has two or more sizes or "
+        "rates (gloo's reduce-scatter and all-gather use less of the link than its all-reduce: one pooled fit "
+        "over-predicted every all-reduce by 8-11%); compressed collectives use the all-reduce link (their bytes "
+        "travel as direction-split p2p, not through gloo's reduce-scatter / all-gather); codec throughput as measured single-threaded "
         "on this CPU (codec_throughput) or fitted (one throughput per codec, encode = decode) when absent.",
         "- DDP step: T_backward = 2/3 of the no_communication floor; overlap o = 1 for DDP fp32/fp16/bf16 and "
         "the megacomp hook, 0 for PowerSGD (one bucket); PowerSGD matmuls/QR, casts and CPU contention between "
