@@ -172,3 +172,37 @@ def test_codec_off_is_bit_identical_to_the_plain_pipeline(world, chunks):
     for (rec_a, grads_a), (rec_p, grads_p) in zip(aq, plain):
         assert [x[0] for x in rec_a] == [x[0] for x in rec_p]
         assert all(torch.equal(grads_a[n], grads_p[n]) for n in grads_p)
+
+
+def test_a_non_finite_activation_resets_that_sample_on_both_sides():
+    """An inf in one sample after the warm-up: both caches clear that row (and any row sharing its scale block)
+    and reset its visits, equally; the next visit goes uncompressed and the caches are finite again."""
+    codec = make_codec("int4")
+    h = 6  # S * h = 96 < block 128: a scale block spans two samples
+    send = ActivationDeltaCache([(1, "send")], torch.arange(2), (S, h), torch.float32)
+    recv = ActivationDeltaCache([(1, "recv")], torch.arange(2), (S, h), torch.float32)
+    for c in (send, recv):
+        c.set_sample_ids([[0, 1]])
+    out = torch.empty(S, 2, h)
+    for visit in range(3):
+        a = torch.randn(S, 2, h, generator=torch.Generator().manual_seed(visit))
+        if visit == 1:
+            a[3, 0, 2] = float("inf")
+        msg = send.encode(1, 0, a, codec)
+        recv.decode(1, 0, msg, out, codec)
+        assert torch.equal(send.values["b1/send"], recv.values["b1/recv"])
+        assert torch.equal(send.visits["b1/send"], recv.visits["b1/recv"])
+        if visit == 1:  # the inf's block covers both samples: both rows cleared, both back to warm-up
+            assert send.visits["b1/send"].tolist() == [0, 0] and not send.values["b1/send"].any()
+            assert not torch.isfinite(out).all()
+        if visit == 2:
+            assert msg.dtype == torch.float32 and torch.equal(out, a)  # uncompressed again, exact
+
+
+def test_cache_state_refuses_other_samples():
+    c = ActivationDeltaCache([(1, "send")], torch.arange(4), (S, 8), torch.float32)
+    state = c.state_dict()
+    other = ActivationDeltaCache([(1, "send")], torch.tensor([1, 0, 2, 3]), (S, 8), torch.float32)
+    with pytest.raises(ValueError, match="maps other samples to its rows"):
+        other.load_state_dict(state)
+    c.load_state_dict(state)

@@ -71,15 +71,24 @@ def test_refusals(base):
 
 def test_finetune_loads_only_the_model_weights(base, tmp_path):
     """--finetune: a run with other compression (AQ-SGD) and batch starts from the checkpoint's weights at
-    iteration 0; a checkpoint of another model shape is refused naming the field."""
+    iteration 0; a requeued fine-tuning job resumes from its own --save bit for bit; a checkpoint of another
+    model shape, a --load without a checkpoint and --save equal to --load are refused."""
+    from megacomp.training.arguments import check
     pre = replace(base, dataset_samples=None, train_iters=4, save=str(tmp_path / "pre"))
     first = losses(run_ranks(_train_body, 2, pre)[0])
-    tuned = replace(base, load=str(tmp_path / "pre"), finetune=True, train_iters=3, lr=1e-3,
+    tuned = replace(base, load=str(tmp_path / "pre"), finetune=True, train_iters=4, lr=1e-3,
                     compression={"pp_activation": "int4", "pp_activation_delta": True, "min_compress_numel": 0})
     after = losses(run_ranks(_train_body, 2, tuned)[0])
-    assert len(after) == 3 and after[0] < first[0] - 0.05  # starts from trained weights, not from scratch
+    assert len(after) == 4 and after[0] < first[0] - 0.05  # starts from trained weights, not from scratch
+    job = replace(tuned, save=str(tmp_path / "ft"))
+    part = losses(run_ranks(_train_body, 2, replace(job, exit_interval=2))[0])
+    rest = losses(run_ranks(_train_body, 2, job)[0])  # the same command again: resumes from --save
+    assert part + rest == after
     with pytest.raises(AssertionError, match="hidden_size: checkpoint 32 vs this run 64"):
         run_ranks(_train_body, 2, replace(tuned, hidden_size=64))
+    with pytest.raises(AssertionError, match="no checkpoint in .* to fine-tune from"):
+        run_ranks(_train_body, 2, replace(tuned, load=str(tmp_path / "empty")))
     with pytest.raises(ValueError, match="give it with --load"):
-        from megacomp.training.arguments import check
         check(replace(base, finetune=True), world_size=2)
+    with pytest.raises(ValueError, match="save the fine-tuning run to its own directory"):
+        check(replace(tuned, save=str(tmp_path / "pre")), world_size=2)

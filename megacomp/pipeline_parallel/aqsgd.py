@@ -20,6 +20,11 @@ most max|delta in the block| / (2^(b-1) - 1) / 2 (round to nearest).
 With an identity codec (or a message below the channel's min_compress_numel) the activation itself is sent
 and the cache is set to it: bit-identical to the plain pipeline.
 
+Non-finite activations: a cache row that becomes inf/NaN (an overflowing activation, or a scale block shared
+with one) is cleared and its visits reset on both sides (the same check on the same numbers), so that sample's
+next visit travels uncompressed again instead of carrying NaN forever; the step that saw it reaches the loss
+as non-finite, which the trainer's divergence policy handles.
+
 Memory: one cache entry of ``sample_shape`` per sample, per boundary side this rank holds (a stage in the
 middle holds two, and V chunks per stage hold up to 2V). :func:`cache_bytes` says how much; the trainer
 refuses a run whose caches would not fit before allocating them. Samples are identified by a stable id
@@ -130,14 +135,25 @@ class ActivationDeltaCache:
         self._check(activation, slots)
         a = activation.detach().transpose(0, 1)  # [b, s, h]: one row per sample
         if codec.is_identity or self.in_warmup(boundary, "send", mb):
-            values[slots] = a.to(values.device)
+            new = a
             msg = activation.detach().contiguous()
         else:
             m = values[slots].to(a.device)
             msg = codec.encode_flat(a - m, generator, strict=False)
-            values[slots] = (m + codec.decode_flat(msg, a.numel(), a.dtype).view_as(a)).to(values.device)
-        visits[slots] += 1
+            new = m + codec.decode_flat(msg, a.numel(), a.dtype).view_as(a)
+        self._store(values, visits, slots, new)
         return msg
+
+    @staticmethod
+    def _store(values: torch.Tensor, visits: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
+        """Write the samples' new cache rows and count the visit; a non-finite row is cleared and its visits reset
+        (see the module docstring). Both sides run this on equal numbers, so their caches stay equal."""
+        bad = ~torch.isfinite(new.reshape(new.shape[0], -1)).all(dim=1).cpu()
+        values[slots] = new.to(values.device)
+        visits[slots] += 1
+        if bad.any():
+            values[slots[bad]] = 0
+            visits[slots[bad]] = 0
 
     def message_buffer(self, boundary: int, mb: int, shape: Sequence[int], codec: Codec, device) -> torch.Tensor:
         """Receiver: an empty buffer of the size micro-batch ``mb``'s message across ``boundary`` has."""
@@ -155,21 +171,19 @@ class ActivationDeltaCache:
         self._check(out, slots)
         with torch.no_grad():
             if msg.dtype != torch.uint8 or codec.is_identity:
-                a = msg.transpose(0, 1)
-                values[slots] = a.to(values.device)
+                new = msg.transpose(0, 1)
                 out.copy_(msg)
             else:
                 m = values[slots].to(out.device)
                 new = m + codec.decode_flat(msg, out.numel(), out.dtype).view(m.shape)
-                values[slots] = new.to(values.device)
                 out.copy_(new.transpose(0, 1))
-        visits[slots] += 1
+            self._store(values, visits, slots, new)
 
     # -- checkpointing ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The caches and visit counters (a resumed run continues with the same caches)."""
         return {"values": dict(self.values), "visits": dict(self.visits), "slots": self.num_slots,
-                "shape": list(self.sample_shape)}
+                "shape": list(self.sample_shape), "slot_of": self.slot_of}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; raises ValueError when its boundaries or sizes differ from this cache's."""
@@ -178,6 +192,11 @@ class ActivationDeltaCache:
             raise ValueError(f"AQ-SGD cache in the checkpoint ({sorted(state['values'])}, {state['slots']} samples of "
                              f"{tuple(state['shape'])}) does not match this run's ({sorted(self.values)}, "
                              f"{self.num_slots} of {self.sample_shape}); resume with the same layout and data")
+        saved_slots = state.get("slot_of")
+        if saved_slots is None or not torch.equal(saved_slots, self.slot_of):
+            raise ValueError("AQ-SGD cache in the checkpoint maps other samples to its rows than this run (another "
+                             "--seed, --dataset-samples or data-parallel size changes each rank's shard); resume with "
+                             "the settings it was written with")
         for k in self.values:
             self.values[k].copy_(state["values"][k])
             self.visits[k].copy_(state["visits"][k])

@@ -6,8 +6,9 @@ caches one ``(s, h)`` activation per sample of this data-parallel rank's shard o
 keeps the shards fixed under AQ-SGD), in host memory, in the activation dtype.
 
 Failure behaviour: ValueError when AQ-SGD is asked for without pipeline parallelism, and when the caches
-would not fit: more than 90% of the host's available memory divided among the ranks on the node
-(``LOCAL_WORLD_SIZE``), with the size they need and the ways to shrink it.
+would not fit: more than 30% of the host's available memory divided among the ranks on the node
+(``LOCAL_WORLD_SIZE``), with the size they need and the ways to shrink it. A third, because a checkpoint
+holds two more copies of them for a moment (the rank's extra state is serialised to bytes, then written).
 """
 from __future__ import annotations
 
@@ -57,11 +58,12 @@ def build_activation_delta(*, num_samples: int, shard: torch.Tensor, pp_size: in
     if available_bytes is None:
         host = available_host_bytes()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        available_bytes = int(0.9 * host / local) if host is not None else None
+        available_bytes = int(0.3 * host / local) if host is not None else None  # caches + 2 copies when saving
     if available_bytes is not None and need > available_bytes:
         raise ValueError(f"AQ-SGD's activation caches need {need / 2**30:.2f} GiB on pipeline stage {pp_rank} "
                          f"({len(sides)} boundary sides x {len(shard)} samples x {tuple(sample_shape)} {dtype}) but "
-                         f"{available_bytes / 2**30:.2f} GiB of host memory is available to this rank; use fewer "
+                         f"{available_bytes / 2**30:.2f} GiB of host memory is available to this rank (a third of its share: "
+                         f"checkpoints copy the caches twice); use fewer "
                          f"samples, more data-parallel ranks (each caches its shard), fewer model chunks per stage, "
                          f"or direct quantisation (pp_activation_delta: false)")
     slot_of = torch.full((num_samples,), -1, dtype=torch.int64)

@@ -156,7 +156,8 @@ class PretrainConfig:
     """Where the tokenizer and token files are cached (default $MEGACOMP_DATA_CACHE or ~/.cache/megacomp)."""
     finetune: bool = False
     """With ``load``: start from the checkpoint's model weights only (Megatron's --finetune): iteration 0, fresh
-    optimizer, RNG and error feedback; compression, optimizer and data may differ from the checkpoint's run."""
+    optimizer, RNG and error feedback; compression, optimizer and data may differ from the checkpoint's run.
+    When ``save`` (which must differ from ``load``) already holds a checkpoint, the run resumes from it instead."""
     dataset_samples: Optional[int] = None
     """Train on the first N samples only, for several epochs (a fine-tuning-style set, as AQ-SGD needs);
     None = every sample of the corpus."""
@@ -436,6 +437,9 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage
     if cfg.finetune and not cfg.load:
         raise ValueError("finetune starts from a checkpoint's model weights: give it with --load DIR")
+    if cfg.finetune and cfg.save and os.path.abspath(cfg.save) == os.path.abspath(cfg.load):
+        raise ValueError("finetune with --save equal to --load would restart from weights only on every requeue: save "
+                         "the fine-tuning run to its own directory (a restart then resumes from it)")
     if cfg.finetune and cfg.outer_algorithm != "none":
         raise ValueError("finetune with an outer loop is not supported (the replicas' outer weights are built before "
                          "the checkpoint is read); fine-tune without --outer-algorithm")

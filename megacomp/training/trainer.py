@@ -121,14 +121,18 @@ class Trainer:
         self.is_logger = dist.get_rank() == 0
         resumed = None
         self.guard = DivergenceGuard(cfg.max_skipped_steps, cfg.loss_divergence_factor)  # _load restores its state
-        if cfg.load and latest_iteration(cfg.load) is not None and cfg.finetune:
+        if cfg.finetune and cfg.save and latest_iteration(cfg.save) is not None:  # a restarted fine-tuning job
+            self._load(cfg.save)
+            resumed = f"resumed the fine-tuning run from {cfg.save} at iteration {self.iteration} (--finetune: " \
+                      f"{cfg.load} is only read when {cfg.save} holds no checkpoint yet)"
+        elif cfg.finetune:  # raises FileNotFoundError when --load holds no checkpoint
             it = load_model_weights(cfg.load, self.model, self.groups, self.run_info())
             if hasattr(self.optimizer, "load_params_from_model"):
                 self.optimizer.load_params_from_model()  # the optimizer's fp32 masters from the loaded weights
             resumed = (f"fine-tuning from the model weights of {cfg.load} (iteration {it}); optimizer, RNG, error "
                        f"feedback and data order start fresh at iteration 0")
         elif cfg.load and latest_iteration(cfg.load) is not None:
-            self._load()
+            self._load(cfg.load)
             resumed = f"resumed from {cfg.load} at iteration {self.iteration}"
         elif cfg.load:
             resumed = f"no checkpoint in {cfg.load} yet: starting from iteration 0"
@@ -281,15 +285,15 @@ class Trainer:
     def _replica(self) -> Optional[int]:
         return self.replicas.replica if self.replicas is not None else None
 
-    def _load(self) -> None:
-        self.iteration, extra = load_checkpoint(self.cfg.load, self.model, self.optimizer, self.groups, self.run_info(),
+    def _load(self, root: str) -> None:
+        self.iteration, extra = load_checkpoint(root, self.model, self.optimizer, self.groups, self.run_info(),
                                                 replica=self._replica())
         torch.set_rng_state(extra["rng"])
         if extra.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
         self.channels.load_state_dict(extra["channels"])  # error feedback and seeded stochastic streams continue
         if (extra.get("outer") is None) != (self.outer is None):
-            raise ValueError(f"checkpoint {self.cfg.load} was written {'with' if extra.get('outer') else 'without'} an "
+            raise ValueError(f"checkpoint {root} was written {'with' if extra.get('outer') else 'without'} an "
                              f"outer loop and this run is {'with' if self.outer else 'without'} one; resume with the "
                              f"same --outer-algorithm")
         if self.outer is not None:
