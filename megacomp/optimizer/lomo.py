@@ -11,9 +11,13 @@ Algorithm (Lv et al., LOMO arXiv 2306.09782 and AdaLomo arXiv 2310.10195; the re
 order of operations, OpenLMLab/LOMO ``lomo_optim``). Per parameter p, in its post-accumulate-grad hook:
 
   1. data-parallel average: ``g = sum_r g_r / world`` through the ``dp_gradient`` channel (codec, error
-     feedback keyed by the parameter's name), started asynchronously; the previous parameter's reduction is
-     finished (decoded, applied, its buffer freed) in the same hook, so one reduction is in flight while
-     autograd computes the next gradients and at most two gradients exist at any time;
+     feedback keyed by the parameter's name). With DP > 1 the hook first finishes the previous parameter's
+     reduction (decoded, applied), then copies ``p.grad`` into one persistent reduction buffer per dtype (the
+     size of the largest parameter, allocated at construction: the "one communication bucket"), frees the
+     gradient and starts the reduction of the buffer asynchronously, so it runs while autograd computes the
+     next gradient. Why a persistent buffer: gloo's worker thread can still hold a finished reduction's
+     tensor for a moment after ``wait()`` returns; were that a gradient, its memory could outlive its step
+     next to the next gradients (the measured peak would then exceed the bound by chance);
   2. ``g`` in fp32; ``clip_grad_value``: clamp to [-v, v]; ``clip_grad_norm``: multiply by
      ``min(1, clip_grad_norm / (||g_all|| + 1e-6))``, the norm of all averaged gradients computed by
      :meth:`grad_norm` in a first backward pass (LOMO's two-pass clipping; that pass reduces with the codec but
@@ -136,6 +140,13 @@ class Lomo:
         self._sq_norms: list[torch.Tensor] = []
         self._sq_sharded: list[torch.Tensor] = []
         self._pending: Optional[tuple] = None
+        # one reduction buffer per gradient dtype, the size of the largest such parameter (see step 1)
+        self._comm_bufs: dict[torch.dtype, torch.Tensor] = {}
+        if self.world > 1:
+            for p in self.params.values():
+                b = self._comm_bufs.get(p.dtype)
+                if b is None or b.numel() < p.numel():
+                    self._comm_bufs[p.dtype] = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
 
     # -- the per-parameter hook --------------------------------------------------------------------
     def _make_hook(self, name: str):
@@ -148,14 +159,17 @@ class Lomo:
             return
         grad, p.grad = p.grad, None  # the gradient leaves the parameter now: autograd keeps no reference
         with torch.no_grad():
-            buf = grad.contiguous()
+            if self.world == 1:
+                self._flush()
+                self._pending = (name, p, grad.contiguous(), None)
+                return
+            self._flush()  # the buffer's previous reduction: wait, apply
+            buf = self._comm_bufs[grad.dtype][:grad.numel()].view(grad.shape)
+            buf.copy_(grad)
+            del grad  # freed here: only the persistent buffer takes part in the collective
             channel = self._norm_channel if self._gather_norm else self.channel
-            handle = None
-            if self.world > 1:
-                handle = channel.all_reduce(buf, group=self.dp_group, async_op=True, key=name, tag="dp_gradient")
-            previous, self._pending = self._pending, (name, p, buf, handle)
-            if previous is not None:
-                self._finish(*previous)
+            handle = channel.all_reduce(buf, group=self.dp_group, async_op=True, key=name, tag="dp_gradient")
+            self._pending = (name, p, buf, handle)
 
     def _flush(self) -> None:
         if self._pending is not None:
