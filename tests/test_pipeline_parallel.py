@@ -2,7 +2,7 @@
 
 - Compression off: PP 2 and 4 (and PP 2 x TP 2, with sequence parallelism) give the unsplit model's
   per-micro-batch losses and gradients (fp32 tolerance), and are bit-identical to the same schedule on
-  plain torch.distributed p2p.
+  plain torch.distributed p2p, and to the batched (batch_isend_irecv, the NCCL path) exchange.
 - Errors: mismatched activation shapes between stages raise on both sides; more stages than layers
   raise; a dead rank makes its neighbour fail within the process-group timeout.
 """
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megacomp import parallel_state
-from megacomp.comm import Channel
+from megacomp.comm import p2p as comm_p2p
 from megacomp.config import CommCompressionConfig, ModelParallelConfig
 from megacomp.models.gpt import GPTConfig, GPTModel, split_layers, sync_tied_embedding_grads
 from megacomp.pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
@@ -48,8 +48,8 @@ def build_stage(tp, pp, sp, compression=None):
     return groups, model, emb_groups[tuple(groups.pp_ranks)], solo, cfg
 
 
-def run_pipeline(groups, model, emb_group, tp, sp, compression=None, steps=1):
-    comm_ = PipelineCommunicator(groups.pp_ranks, compression)
+def run_pipeline(groups, model, emb_group, tp, sp, compression=None, steps=1, batched=None):
+    comm_ = PipelineCommunicator(groups.pp_ranks, compression, batched_p2p=batched)
     d = groups.dp_rank
 
     def stage_forward(x, k):
@@ -69,29 +69,33 @@ def run_pipeline(groups, model, emb_group, tp, sp, compression=None, steps=1):
 
 
 def plain_p2p_shim():
-    """Channel.isend / irecv as direct torch.distributed calls (the channels must be uncompressed)."""
-    def isend(self, t, dst, *args, **_):
-        assert not self.lossy
-        return dist.isend(t, dst)
+    """The pipeline's message preparation as plain torch.distributed tensors: each message is the tensor itself,
+    received straight into the output (the channels must be uncompressed)."""
+    def prepare_isend(ch, t, dst, *args, **_):
+        assert not ch.lossy
+        return [t], lambda: None
 
-    def irecv(self, t, src, *args, **_):
-        assert not self.lossy
-        return dist.irecv(t, src)
-    return {"isend": isend, "irecv": irecv}
+    def prepare_irecv(ch, out, src, *args, **_):
+        assert not ch.lossy
+        return [out], lambda works: [w.wait() for w in works]
+    return {"prepare_isend": prepare_isend, "prepare_irecv": prepare_irecv}
 
 
 def _pipeline_body(rank, world, tp, pp, sp):
     groups, model, emb_group, solo, cfg = build_stage(tp, pp, sp)
     losses, grads = run_pipeline(groups, model, emb_group, tp, sp)
-    real = {n: getattr(Channel, n) for n in ("isend", "irecv")}
+    real = {n: getattr(comm_p2p, n) for n in ("prepare_isend", "prepare_irecv")}
     for n, f in plain_p2p_shim().items():
-        setattr(Channel, n, f)
+        setattr(comm_p2p, n, f)
     try:
         plain_losses, plain_grads = run_pipeline(groups, model, emb_group, tp, sp)
     finally:
         for n, f in real.items():
-            setattr(Channel, n, f)
+            setattr(comm_p2p, n, f)
     assert losses == plain_losses and all(torch.equal(grads[n], plain_grads[n]) for n in grads)
+    # batch_isend_irecv (the NCCL path) gives the same numbers on gloo
+    b_losses, b_grads = run_pipeline(groups, model, emb_group, tp, sp, batched=True)
+    assert losses == b_losses and all(torch.equal(grads[n], b_grads[n]) for n in grads)
     # the unsplit single-device model on the same micro-batches
     ref = GPTModel(cfg, ModelParallelConfig(), tp_group=solo)
     ref_losses = []

@@ -95,7 +95,7 @@ def test_bad_ids_shapes_and_missing_ids_raise():
     assert cache_sides(4, 3, 1) == [(3, "recv")]
 
 
-def _epochs_body(rank, world, pp, chunks, codec, epochs):
+def _epochs_body(rank, world, pp, chunks, codec, epochs, batched=False):
     """SGD over ``epochs`` passes of NSAMPLES samples; returns per step (losses, caches) and final grads."""
     groups = parallel_state.initialize_model_parallel(1, pp)
     comp = CommCompressionConfig(pp_activation=codec, min_compress_numel=0, pp_activation_delta=codec is not None)
@@ -113,7 +113,7 @@ def _epochs_body(rank, world, pp, chunks, codec, epochs):
         cache = build_activation_delta(num_samples=NSAMPLES, shard=torch.arange(NSAMPLES), pp_size=pp, pp_rank=r,
                                        num_chunks=chunks, sample_shape=(S, CFG["hidden_size"]), dtype=torch.float32,
                                        warmup_visits=1)
-    comm_ = PipelineCommunicator(groups.pp_ranks, comp, activation_delta=cache)
+    comm_ = PipelineCommunicator(groups.pp_ranks, comp, activation_delta=cache, batched_p2p=batched)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     M = pp  # micro-batches per step
     steps = epochs * NSAMPLES // (M * B)
@@ -145,9 +145,10 @@ def _epochs_body(rank, world, pp, chunks, codec, epochs):
     return records, grads
 
 
-@pytest.mark.parametrize("world,chunks", [(2, 1), (4, 1), (2, 2)], ids=["pp2", "pp4", "pp2xvp2"])
-def test_sender_and_receiver_caches_are_bit_identical_after_every_step(world, chunks):
-    results = run_ranks(_epochs_body, world, world, chunks, "int4", 3)
+@pytest.mark.parametrize("world,chunks,batched", [(2, 1, False), (4, 1, False), (2, 2, False), (2, 2, True)],
+                         ids=["pp2", "pp4", "pp2xvp2", "pp2xvp2-batched"])
+def test_sender_and_receiver_caches_are_bit_identical_after_every_step(world, chunks, batched):
+    results = run_ranks(_epochs_body, world, world, chunks, "int4", 3, batched)
     steps = len(results[0][0])
     checked = 0
     for step in range(steps):

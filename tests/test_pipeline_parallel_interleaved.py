@@ -54,7 +54,7 @@ def global_grads(chunks, layer_ranges, tp_rank):
     return out
 
 
-def _body(rank, world, tp, pp, sp, M, compressed):
+def _body(rank, world, tp, pp, sp, M, compressed, batched=False):
     groups = parallel_state.initialize_model_parallel(tp, pp)
     emb = emb_group_of(groups, tp, pp)
     comp = (CommCompressionConfig(pp_activation="int8", pp_gradient="int8", pp_gradient_error_feedback="ef",
@@ -73,7 +73,7 @@ def _body(rank, world, tp, pp, sp, M, compressed):
 
     # interleaved: 2 chunks per stage
     inter = GPTChunks(cfg, mpc, pp_size=pp, pp_rank=r, num_chunks=2)
-    comm_i = PipelineCommunicator(groups.pp_ranks, comp)
+    comm_i = PipelineCommunicator(groups.pp_ranks, comp, batched_p2p=batched)
 
     def fwd_i(x, k, v):
         m = inter.chunks[v]
@@ -120,11 +120,13 @@ def _body(rank, world, tp, pp, sp, M, compressed):
     return losses_i, losses_p, grads_i, grads_p, ref_losses, ref_grads
 
 
-@pytest.mark.parametrize("world,tp,pp,sp,M", [(2, 1, 2, False, 4), (2, 1, 2, False, 2), (4, 1, 4, False, 8),
-                                              (4, 2, 2, True, 4), (8, 2, 4, True, 8)],
-                         ids=["pp2xvp2", "pp2xvp2-all-warmup", "pp4xvp2", "tp2xpp2xvp2-sp", "tp2xpp4xvp2-sp"])
-def test_interleaved_equals_non_interleaved_and_unsplit(world, tp, pp, sp, M):
-    results = run_ranks(_body, world, tp, pp, sp, M, False)
+@pytest.mark.parametrize("world,tp,pp,sp,M,batched", [(2, 1, 2, False, 4, False), (2, 1, 2, False, 2, False),
+                                                      (4, 1, 4, False, 8, False), (4, 1, 4, False, 8, True),
+                                                      (4, 2, 2, True, 4, False), (8, 2, 4, True, 8, False)],
+                         ids=["pp2xvp2", "pp2xvp2-all-warmup", "pp4xvp2", "pp4xvp2-batched", "tp2xpp2xvp2-sp",
+                              "tp2xpp4xvp2-sp"])
+def test_interleaved_equals_non_interleaved_and_unsplit(world, tp, pp, sp, M, batched):
+    results = run_ranks(_body, world, tp, pp, sp, M, False, batched)
     last = [res for res in results if res[0]]
     assert last and all(res[0] == res[1] for res in last), "losses differ from the non-interleaved schedule"
     gi, gp = {}, {}
@@ -145,8 +147,9 @@ def test_interleaved_equals_non_interleaved_and_unsplit(world, tp, pp, sp, M):
             torch.testing.assert_close(g, ref_grads[name], msg=lambda m: f"{name}: {m}")
 
 
-def test_compressed_interleaved_runs_with_one_error_key_per_virtual_boundary():
-    results = run_ranks(_body, 2, 1, 2, False, 4, True)
+@pytest.mark.parametrize("batched", [False, True], ids=["p2p", "batched"])
+def test_compressed_interleaved_runs_with_one_error_key_per_virtual_boundary(batched):
+    results = run_ranks(_body, 2, 1, 2, False, 4, True, batched)
     losses = results[1][0]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     # stage 0 sends back from virtual stage 2 (chunk 1), stage 1 from virtual stages 1 and 3

@@ -31,19 +31,21 @@ def _header(tensor, codec, nonfinite: bool) -> torch.Tensor:
                         device=tensor.device)
 
 
-def run_isend(ch, tensor: torch.Tensor, dst: int, group, tag: int, key: str, check_finite: bool,
-              label: Optional[str], validate: Optional[bool]):
-    """Start sending ``tensor`` to global rank ``dst`` through ``ch``; returns a handle with ``wait()``.
-
-    With the channel's error feedback (lossy codecs only) the message is ``Q(tensor + e)`` and ``e`` (key
-    ``key``) is updated from exactly the bytes sent."""
+def prepare_isend(ch, tensor: torch.Tensor, dst: int, key: str, check_finite: bool, label: Optional[str],
+                  validate: Optional[bool]):
+    """Encode one message from ``tensor`` through ``ch`` without sending it: returns ``(tensors, check)``, the
+    tensors to send in order (the validation header when on, then the payload; keep them alive until sent) and
+    a function to call once they were sent (raises FloatingPointError for a non-finite input under
+    ``check_finite``). Error feedback (lossy codecs only): the message is ``Q(tensor + e)`` and ``e`` (key
+    ``key``) is updated from exactly these bytes. For callers that post several messages as one batch (the
+    pipeline's ``batch_isend_irecv`` under NCCL); :func:`run_isend` posts them itself."""
     codec = ch.codec_for(tensor.numel())
     codec.check_dtype(tensor.dtype)
     error_feedback = None if codec.is_identity else ch.error_feedback
     bad = check_finite and has_nonfinite(tensor)
-    works = []
+    tensors = []
     if ch.validates(validate) or check_finite:
-        works.append(dist.isend(_header(tensor, codec, bad), dst, group=group, tag=tag))
+        tensors.append(_header(tensor, codec, bad))
     raw = tensor.numel() * tensor.element_size()
     if codec.is_identity:
         payload = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -53,14 +55,28 @@ def run_isend(ch, tensor: torch.Tensor, dst: int, group, tag: int, key: str, che
     else:
         payload = codec.encode_flat(tensor, ch.generator, strict=False)
     ch.stats.record(label or "send", payload.numel() * payload.element_size(), raw)
-    works.append(dist.isend(payload, dst, group=group, tag=tag))
+    tensors.append(payload)
+
+    def check() -> None:
+        if bad:
+            raise FloatingPointError(f"megacomp.comm.send: non-finite values (inf/NaN) in the tensor sent from rank "
+                                     f"{dist.get_rank()} to rank {dst} (check_finite=True)")
+    return tensors, check
+
+
+def run_isend(ch, tensor: torch.Tensor, dst: int, group, tag: int, key: str, check_finite: bool,
+              label: Optional[str], validate: Optional[bool]):
+    """Start sending ``tensor`` to global rank ``dst`` through ``ch``; returns a handle with ``wait()``.
+
+    With the channel's error feedback (lossy codecs only) the message is ``Q(tensor + e)`` and ``e`` (key
+    ``key``) is updated from exactly the bytes sent."""
+    tensors, check = prepare_isend(ch, tensor, dst, key, check_finite, label, validate)
+    works = [dist.isend(t, dst, group=group, tag=tag) for t in tensors]
 
     def finish() -> None:
         for w in works:
             w.wait()
-        if bad:
-            raise FloatingPointError(f"megacomp.comm.send: non-finite values (inf/NaN) in the tensor sent from rank "
-                                     f"{dist.get_rank()} to rank {dst} (check_finite=True)")
+        check()
 
     return CompressedWork(finish)
 
@@ -97,6 +113,33 @@ def _nonfinite_error(src: int) -> FloatingPointError:
                               f"{dist.get_rank()} (check_finite=True)")
 
 
+def prepare_irecv(ch, tensor: torch.Tensor, src: int, check_finite: bool, label: Optional[str],
+                  validate: Optional[bool]):
+    """The receiving side of :func:`prepare_isend`: returns ``(buffers, finish)``, the buffers to receive into in
+    order (header when validating, then payload) and ``finish(works)``, which waits for the receives posted for
+    them (``works``, in the same order) and decodes into ``tensor``. A header mismatch raises ValueError before
+    the payload is waited for (the pair of ranks is then broken, see :func:`run_irecv`)."""
+    codec = ch.codec_for(tensor.numel())
+    codec.check_dtype(tensor.dtype)
+    checked = ch.validates(validate) or check_finite
+    nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
+    header = torch.empty(_HEADER, dtype=torch.int64, device=tensor.device) if checked else None
+    buf = _payload_buffer(tensor, codec, nbytes)
+
+    def finish(works) -> None:
+        if header is not None:
+            works[0].wait()
+            msg = _check_header(header, tensor, codec, src)
+            if msg:
+                raise ValueError(msg)
+        works[-1].wait()
+        _deliver(ch, tensor, codec, buf, label, nbytes)
+        if header is not None and check_finite and int(header[4]):
+            raise _nonfinite_error(src)
+
+    return ([header] if header is not None else []) + [buf], finish
+
+
 def run_irecv(ch, tensor: torch.Tensor, src: int, group, tag: int, check_finite: bool, label: Optional[str],
               validate: Optional[bool]):
     """Start receiving into ``tensor`` from global rank ``src`` through ``ch``; ``wait()`` decodes into it.
@@ -105,27 +148,9 @@ def run_irecv(ch, tensor: torch.Tensor, src: int, group, tag: int, check_finite:
     irecvs from one sender match its messages in order. A header mismatch raises at ``wait()``; the
     payload receive posted for the expected size then cannot complete cleanly, so treat the pair of
     ranks as broken (the blocking :func:`recv` drains the message instead and stays usable)."""
-    codec = ch.codec_for(tensor.numel())
-    codec.check_dtype(tensor.dtype)
-    checked = ch.validates(validate) or check_finite
-    nbytes = codec.wire_bytes(tensor.numel(), tensor.dtype)
-    header = torch.empty(_HEADER, dtype=torch.int64, device=tensor.device)
-    hwork = dist.irecv(header, src, group=group, tag=tag) if checked else None
-    buf = _payload_buffer(tensor, codec, nbytes)
-    work = dist.irecv(buf, src, group=group, tag=tag)
-
-    def finish() -> None:
-        if hwork is not None:
-            hwork.wait()
-            msg = _check_header(header, tensor, codec, src)
-            if msg:
-                raise ValueError(msg)
-        work.wait()
-        _deliver(ch, tensor, codec, buf, label, nbytes)
-        if hwork is not None and check_finite and int(header[4]):
-            raise _nonfinite_error(src)
-
-    return CompressedWork(finish)
+    bufs, finish = prepare_irecv(ch, tensor, src, check_finite, label, validate)
+    works = [dist.irecv(b, src, group=group, tag=tag) for b in bufs]
+    return CompressedWork(lambda: finish(works))
 
 
 def run_recv(ch, tensor: torch.Tensor, src: int, group, tag: int, check_finite: bool, label: Optional[str],

@@ -11,6 +11,13 @@ neighbours modulo the stage count and gradient error-feedback keys name the *vir
 two kinds of message travel under their own tags (activations 1, gradients 2): with two stages the previous
 and the next stage are the same rank, and each kind must match its own receives in order.
 
+Every step of a schedule is one :meth:`PipelineCommunicator.exchange`: its messages are encoded first
+(megacomp.comm.p2p.prepare_isend / prepare_irecv: codec, error feedback, AQ-SGD deltas), then all its
+receives and sends are posted together and waited for. Under NCCL they are posted as one
+``batch_isend_irecv`` (as Megatron's batched p2p): NCCL runs a pair's operations in issue order on one stream,
+so two neighbours that each post a receive before their send would wait on each other forever; a batch is
+matched as a group. Elsewhere (gloo) each operation is posted on its own, receives first.
+
 Shapes are agreed up front: :meth:`PipelineCommunicator.handshake` sends each stage's expected shape,
 dtype and codecs to the next stage once (a chain, so it cannot deadlock) and raises a ValueError on both
 sides naming the mismatch; later messages carry no header and no pickling. Paired exchanges
@@ -24,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from ..comm import comm_device
-from ..comm.common import CompressedWork, codec_code, dtype_code
+from ..comm import p2p as comm_p2p
+from ..comm.common import codec_code, dtype_code
 from ..config import Channels, CommCompressionConfig
 from .aqsgd import ActivationDeltaCache
 
@@ -37,11 +45,14 @@ class PipelineCommunicator:
     ``channels``: the run's channels (``pp_activation`` and ``pp_gradient`` are used); None builds them
     from ``compression`` (default: uncompressed). ``activation_delta``: AQ-SGD's caches for this rank's
     boundary sides (megacomp.pipeline_parallel.aqsgd); activations then travel as quantised deltas and every
-    activation send and receive names its micro-batch (:meth:`set_sample_ids` gives the samples). Raises
-    ValueError from :meth:`handshake` when stages disagree on shape, dtype or codecs."""
+    activation send and receive names its micro-batch (:meth:`set_sample_ids` gives the samples).
+    ``batched_p2p``: post each step's sends and receives as one ``torch.distributed.batch_isend_irecv`` (default:
+    on under NCCL, see the module docstring). Raises ValueError from :meth:`handshake` when stages disagree on
+    shape, dtype or codecs."""
 
     def __init__(self, pp_ranks: Sequence[int], compression: Optional[CommCompressionConfig] = None, *,
-                 channels: Optional[Channels] = None, activation_delta: Optional[ActivationDeltaCache] = None) -> None:
+                 channels: Optional[Channels] = None, activation_delta: Optional[ActivationDeltaCache] = None,
+                 batched_p2p: Optional[bool] = None) -> None:
         self.pp_ranks = list(pp_ranks)
         self.stage = self.pp_ranks.index(dist.get_rank())
         self.num_stages = len(self.pp_ranks)
@@ -49,6 +60,7 @@ class PipelineCommunicator:
             channels = (compression or CommCompressionConfig()).build_channels()
         self.activation, self.gradient = channels.pp_activation, channels.pp_gradient
         self.activation_delta = activation_delta
+        self.batched = dist.get_backend() == "nccl" if batched_p2p is None else bool(batched_p2p)
         self._agreed: Optional[tuple] = None
         self.device = comm_device()  # where received activations and gradients are allocated
 
@@ -103,7 +115,7 @@ class PipelineCommunicator:
                 f"(codes {mine[-3:].tolist()}); use the same micro-batch size, sequence length, hidden size, "
                 f"sequence-parallel setting and compression config on every stage")
 
-    # -- primitive ops (return handles; nothing waits here) ---------------------------------------
+    # -- messages (encoded, not yet posted) -------------------------------------------------------
     # shapes were agreed by the handshake: the messages carry no validation header
     @property
     def next_rank(self) -> int:
@@ -125,7 +137,7 @@ class PipelineCommunicator:
         if self.activation_delta is not None:
             self.activation_delta.set_sample_ids(ids)
 
-    def _delta_args(self, boundary: Optional[int], mb: Optional[int], t: torch.Tensor):
+    def _delta_codec(self, boundary: Optional[int], mb: Optional[int], t: torch.Tensor):
         if boundary is None or mb is None:
             raise ValueError("AQ-SGD (pp_activation_delta): every activation send and receive must name its boundary "
                              "and micro-batch; use the schedules of megacomp.pipeline_parallel")
@@ -133,116 +145,125 @@ class PipelineCommunicator:
         codec.check_dtype(t.dtype)
         return codec
 
-    def _isend_forward(self, t: torch.Tensor, boundary: Optional[int] = None, mb: Optional[int] = None):
+    def _activation_message(self, t: torch.Tensor, boundary: Optional[int], mb: Optional[int]) -> list:
+        """The tensors that carry activation ``t`` (micro-batch ``mb``, to ``boundary``) to the next stage."""
+        t = t.detach().contiguous()
         if self.activation_delta is None:
-            return self.activation.isend(t.detach().contiguous(), self.next_rank, tag=ACTIVATION_TAG, validate=False)
-        codec = self._delta_args(boundary, mb, t)
+            return comm_p2p.prepare_isend(self.activation, t, self.next_rank, self.activation.name, False,
+                                          self.activation.name, False)[0]
+        codec = self._delta_codec(boundary, mb, t)
         msg = self.activation_delta.encode(boundary, mb, t, codec, self.activation.generator)
         self.activation.stats.record(self.activation.name, msg.numel() * msg.element_size(),
                                      t.numel() * t.element_size())
-        return dist.isend(msg, self.next_rank, tag=ACTIVATION_TAG)
+        return [msg]
 
-    def _irecv_forward(self, out: torch.Tensor, boundary: Optional[int] = None, mb: Optional[int] = None):
+    def _activation_receive(self, out: torch.Tensor, boundary: Optional[int], mb: Optional[int]):
+        """``(buffers, finish(works))`` receiving the previous stage's activation of ``mb`` into ``out``."""
         if self.activation_delta is None:
-            return self.activation.irecv(out, self.prev_rank, tag=ACTIVATION_TAG, validate=False)
-        codec = self._delta_args(boundary, mb, out)
+            return comm_p2p.prepare_irecv(self.activation, out, self.prev_rank, False, self.activation.name + "_recv",
+                                          False)
+        codec = self._delta_codec(boundary, mb, out)
         cache = self.activation_delta
         buf = cache.message_buffer(boundary, mb, out.shape, codec, out.device)
-        work = dist.irecv(buf, self.prev_rank, tag=ACTIVATION_TAG)
 
-        def finish() -> None:
-            work.wait()
+        def finish(works) -> None:
+            for w in works:
+                w.wait()
             cache.decode(boundary, mb, buf, out, codec)
             self.activation.stats.record(self.activation.name + "_recv", buf.numel() * buf.element_size(),
                                          out.numel() * out.element_size())
-        return CompressedWork(finish)
+        return [buf], finish
 
-    def _isend_backward(self, g: torch.Tensor, slot: int, virtual_stage: Optional[int] = None):
-        vs = self.stage if virtual_stage is None else virtual_stage
-        return self.gradient.isend(g.detach().contiguous(), self.prev_rank, tag=GRADIENT_TAG,
-                                   key=self.gradient_key(vs, slot), validate=False)
+    def _gradient_message(self, g: torch.Tensor, virtual_stage: int, slot: int) -> list:
+        """The tensors that carry gradient ``g`` back (error feedback under its boundary and slot's key)."""
+        return comm_p2p.prepare_isend(self.gradient, g.detach().contiguous(), self.prev_rank,
+                                      self.gradient_key(virtual_stage, slot), False, self.gradient.name, False)[0]
 
-    def _irecv_backward(self, out: torch.Tensor):
-        return self.gradient.irecv(out, self.next_rank, tag=GRADIENT_TAG, validate=False)
+    def _gradient_receive(self, out: torch.Tensor):
+        return comm_p2p.prepare_irecv(self.gradient, out, self.next_rank, False, self.gradient.name + "_recv", False)
 
-    # -- schedule-level ops ---------------------------------------------------------------------
-    def recv_forward(self, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
-        """The previous stage's activation of micro-batch ``mb`` (decoded from the pp_activation codec, requires
-        grad); None on stage 0."""
-        if self.is_first:
-            return None
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        self._irecv_forward(out, self.stage, mb).wait()
-        return out.requires_grad_()
+    def _post(self, sends: list, recvs: list) -> list:
+        """Post ``sends`` (tensor, dst, tag) and ``recvs`` (buffer, src, tag); returns the works of ``recvs`` in order
+        followed by those of ``sends``. Batched (one ``batch_isend_irecv``) when ``self.batched``, else each posted on
+        its own, the receives first."""
+        if self.batched:
+            ops = ([dist.P2POp(dist.irecv, b, src, tag=tag) for b, src, tag in recvs]
+                   + [dist.P2POp(dist.isend, t, dst, tag=tag) for t, dst, tag in sends])
+            return dist.batch_isend_irecv(ops) if ops else []
+        return ([dist.irecv(b, src, tag=tag) for b, src, tag in recvs]
+                + [dist.isend(t, dst, tag=tag) for t, dst, tag in sends])
 
-    def send_forward(self, t: Optional[torch.Tensor], mb: Optional[int] = None) -> None:
-        """Send this stage's output of micro-batch ``mb`` to the next stage (pp_activation); nothing on the last
-        stage."""
-        if not self.is_last:
-            self._isend_forward(t, self.stage + 1, mb).wait()
-
-    def recv_backward(self, shape, dtype) -> Optional[torch.Tensor]:
-        """The next stage's gradient of this stage's output (pp_gradient); None on the last stage."""
-        if self.is_last:
-            return None
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        self._irecv_backward(out).wait()
-        return out
-
-    def send_backward(self, g: Optional[torch.Tensor], slot: int) -> None:
-        """Send the input gradient to the previous stage (pp_gradient, error feedback under key slot ``slot``)."""
-        if not self.is_first:
-            self._isend_backward(g, slot).wait()
-
-    def send_forward_recv_backward(self, t, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
-        """Send the output of micro-batch ``mb`` forward and receive a gradient, both posted before either is
-        awaited."""
-        if self.is_last:
-            return None
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        recv = self._irecv_backward(out)
-        send = self._isend_forward(t, self.stage + 1, mb)
-        send.wait()
-        recv.wait()
-        return out
-
-    def send_backward_recv_forward(self, g, slot: int, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
-        """Send the input gradient back and receive the activation of micro-batch ``mb``, both posted before
-        either is awaited."""
-        if self.is_first:
-            return None
-        out = torch.empty(shape, dtype=dtype, device=self.device)
-        recv = self._irecv_forward(out, self.stage, mb)
-        send = self._isend_backward(g, slot)
-        send.wait()
-        recv.wait()
-        return out.requires_grad_()
-
-    def exchange(self, shape, dtype, *, send_next: Optional[tuple] = None, send_prev: Optional[tuple] = None,
-                 recv_prev: Optional[tuple] = None, recv_next: bool = False):
-        """Post every receive, then every send, then wait for all (the interleaved schedule's step).
+    # -- the one exchange every schedule step goes through -----------------------------------------
+    def exchange(self, shape=None, dtype=None, *, send_next: Optional[tuple] = None,
+                 send_prev: Optional[tuple] = None, recv_prev: Optional[tuple] = None, recv_next: bool = False):
+        """Post a schedule step's receives and sends together, then wait for all of them.
 
         ``send_next``: ``(activation, boundary, micro-batch)`` for the next stage; ``send_prev``: ``(gradient,
         virtual stage, micro-batch)`` for the previous stage; ``recv_prev``: ``(boundary, micro-batch)`` of an
         activation to receive from the previous stage; ``recv_next``: receive a gradient from the next stage.
         A boundary is the receiving virtual stage. Returns ``(activation or None, gradient or None)``; the
-        activation requires grad. Neighbours are ring neighbours (see the module docstring)."""
-        act = torch.empty(shape, dtype=dtype, device=self.device) if recv_prev is not None else None
-        grad = torch.empty(shape, dtype=dtype, device=self.device) if recv_next else None
-        works = []
-        if act is not None:
-            works.append(self._irecv_forward(act, *recv_prev))
-        if grad is not None:
-            works.append(self._irecv_backward(grad))
+        activation requires grad. Neighbours are ring neighbours (see the module docstring). Receiving needs
+        ``shape`` and ``dtype``."""
+        recvs, finishes, sends = [], [], []
+        act = grad = None
+        if recv_prev is not None:
+            act = torch.empty(shape, dtype=dtype, device=self.device)
+            bufs, fin = self._activation_receive(act, *recv_prev)
+            finishes.append((len(recvs), len(bufs), fin))
+            recvs += [(b, self.prev_rank, ACTIVATION_TAG) for b in bufs]
+        if recv_next:
+            grad = torch.empty(shape, dtype=dtype, device=self.device)
+            bufs, fin = self._gradient_receive(grad)
+            finishes.append((len(recvs), len(bufs), fin))
+            recvs += [(b, self.next_rank, GRADIENT_TAG) for b in bufs]
         if send_next is not None:
-            t, boundary, mb = send_next
-            works.append(self._isend_forward(t, boundary, mb))
+            sends += [(t, self.next_rank, ACTIVATION_TAG) for t in self._activation_message(*send_next)]
         if send_prev is not None:
             g, vs, slot = send_prev
-            works.append(self._isend_backward(g, slot, vs))
-        for w in works:
+            sends += [(t, self.prev_rank, GRADIENT_TAG) for t in self._gradient_message(g, vs, slot)]
+        works = self._post(sends, recvs)
+        for start, n, fin in finishes:  # wait for and decode the receives
+            fin(works[start:start + n])
+        for w in works[len(recvs):]:  # the sends (their buffers are alive in ``sends`` until here)
             w.wait()
         return (act.requires_grad_() if act is not None else None), grad
+
+    # -- schedule-level ops of the non-interleaved schedule (one exchange each) ---------------------
+    def recv_forward(self, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """The previous stage's activation of micro-batch ``mb`` (decoded from the pp_activation codec, requires
+        grad); None on stage 0."""
+        if self.is_first:
+            return None
+        return self.exchange(shape, dtype, recv_prev=(self.stage, mb))[0]
+
+    def send_forward(self, t: Optional[torch.Tensor], mb: Optional[int] = None) -> None:
+        """Send this stage's output of micro-batch ``mb`` to the next stage (pp_activation); nothing on the last
+        stage."""
+        if not self.is_last:
+            self.exchange(send_next=(t, self.stage + 1, mb))
+
+    def recv_backward(self, shape, dtype) -> Optional[torch.Tensor]:
+        """The next stage's gradient of this stage's output (pp_gradient); None on the last stage."""
+        if self.is_last:
+            return None
+        return self.exchange(shape, dtype, recv_next=True)[1]
+
+    def send_backward(self, g: Optional[torch.Tensor], slot: int) -> None:
+        """Send the input gradient to the previous stage (pp_gradient, error feedback under key slot ``slot``)."""
+        if not self.is_first:
+            self.exchange(send_prev=(g, self.stage, slot))
+
+    def send_forward_recv_backward(self, t, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Send the output of micro-batch ``mb`` forward and receive a gradient, in one exchange."""
+        if self.is_last:
+            return None
+        return self.exchange(shape, dtype, send_next=(t, self.stage + 1, mb), recv_next=True)[1]
+
+    def send_backward_recv_forward(self, g, slot: int, shape, dtype, mb: Optional[int] = None) -> Optional[torch.Tensor]:
+        """Send the input gradient back and receive the activation of micro-batch ``mb``, in one exchange."""
+        if self.is_first:
+            return None
+        return self.exchange(shape, dtype, send_prev=(g, self.stage, slot), recv_prev=(self.stage, mb))[0]
 
     @property
     def error_feedback(self):
