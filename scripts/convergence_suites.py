@@ -307,3 +307,18 @@ SUITES["lomo"] = {"layout": [], "variants": {
                  *(["--lr", lr] if lr else [])], "baseline": "none"}
        for q, lr in (("int8", ""), ("int8", "0.01"), ("int4", "0.01"))},
 }}
+
+
+# issue #23: every traffic path alone and all together, with the `all` preset's setting for each path (TP and SP
+# in fp8 e4m3 + Hadamard 128, DP gradients int4 + LoCo, DP parameters int8/256), TP 2 x DP 2 with sequence
+# parallelism (the layout of the issue's worst seed); bytes counted over every iteration for every kind it uses
+FP8H = {"name": "fp8_e4m3", "block_size": 128, "hadamard": 128}
+ALL_PATHS = {"tp_forward": {"tp_forward": FP8H}, "tp_backward": {"tp_backward": FP8H},
+             "sp_all_gather": {"sp_all_gather": FP8H}, "sp_reduce_scatter": {"sp_reduce_scatter": FP8H},
+             "dp_gradient int4+LoCo": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco"},
+             "dp_parameter int8": {"dp_parameter": {"name": "int8", "block_size": 256}}}
+SUITES["ablation_tp2dp2"] = {
+    "layout": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "bytes_kinds": ["tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "dp_gradient", "dp_parameter"],
+    "variants": {"none": {}, **{f"{name} alone": comp for name, comp in ALL_PATHS.items()},
+                 "all": {k: v for comp in ALL_PATHS.values() for k, v in comp.items()}}}
