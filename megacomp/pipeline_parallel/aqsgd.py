@@ -118,7 +118,10 @@ class ActivationDeltaCache:
     def in_warmup(self, boundary: int, side: str, mb: int) -> bool:
         """Whether micro-batch ``mb`` crosses ``boundary`` uncompressed (a sample still in warm-up)."""
         _, visits = self._entry(boundary, side)
-        return bool((visits[self._slots(mb)] < self.warmup_visits).any())
+        return self._warm(visits, self._slots(mb))
+
+    def _warm(self, visits: torch.Tensor, slots: torch.Tensor) -> bool:
+        return bool((visits[slots] < self.warmup_visits).any())
 
     def _check(self, activation: torch.Tensor, slots: torch.Tensor) -> None:
         want = (self.sample_shape[0], slots.numel(), *self.sample_shape[1:])
@@ -134,7 +137,7 @@ class ActivationDeltaCache:
         slots = self._slots(mb)
         self._check(activation, slots)
         a = activation.detach().transpose(0, 1)  # [b, s, h]: one row per sample
-        if codec.is_identity or self.in_warmup(boundary, "send", mb):
+        if codec.is_identity or self._warm(visits, slots):
             new = a
             msg = activation.detach().contiguous()
         else:
