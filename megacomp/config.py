@@ -84,6 +84,11 @@ class CommCompressionConfig:
     """Elements per pipelining segment of the compressed collectives (0: never segment). It changes the
     numbers (segments start new scale blocks), so it is recorded with the config and a checkpoint
     written with another value is refused. None: ``MEGACOMP_PIPELINE_NUMEL`` or 1M, read now."""
+    error_probe_interval: int = 0
+    """Measure every path's compression error on one iteration in this many (and on the first): each compressed
+    call of that iteration is also run uncompressed and compared (megacomp.comm.probe); pretraining logs the
+    relative error per path and per call (layer) in metrics.jsonl under ``probe``. Never changes results;
+    costs one uncompressed collective per probed call (counted as ``probe_bytes``, not as traffic). 0: off."""
     duplex: Optional[bool] = None
     """Compressed bytes as direction-split p2p (True), backend collectives (False) or by backend (None:
     p2p on gloo); same results either way. None also lets ``MEGACOMP_DUPLEX`` decide."""
@@ -106,6 +111,9 @@ class CommCompressionConfig:
             raise ValueError(f"dp_gradient_warmup_steps must be an int >= 0, got {self.dp_gradient_warmup_steps!r}")
         if self.min_compress_numel < 0:
             raise ValueError(f"min_compress_numel must be >= 0, got {self.min_compress_numel}")
+        if not isinstance(self.error_probe_interval, int) or self.error_probe_interval < 0:
+            raise ValueError(f"error_probe_interval must be an int >= 0 (iterations between compression-error probes; "
+                             f"0 = off), got {self.error_probe_interval!r}")
         if not isinstance(self.pp_activation_delta_warmup_visits, int) or self.pp_activation_delta_warmup_visits < 1:
             raise ValueError(f"pp_activation_delta_warmup_visits must be an int >= 1 (the first visit fills AQ-SGD's "
                              f"cache), got {self.pp_activation_delta_warmup_visits!r}")
@@ -186,6 +194,8 @@ class CommCompressionConfig:
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}
             out[f.name] = value
+        if not self.error_probe_interval:  # a diagnostic: written only when on, so recorded configs stay equal
+            del out["error_probe_interval"]
         if not self.pp_activation_delta:  # written only when on: configs recorded before AQ-SGD stay equal
             del out["pp_activation_delta"]
             if self.pp_activation_delta_warmup_visits == 1:
@@ -225,6 +235,11 @@ class Channels:
         iteration, when shapes are known to agree)."""
         for _, ch in self.items():
             ch.set_validate(enabled)
+
+    def attach_probe(self, probe) -> None:
+        """Give every channel the same ``ErrorProbe`` (megacomp.comm.probe); None detaches it."""
+        for _, ch in self.items():
+            ch.probe = probe
 
     def state_dict(self, skip_error_feedback: tuple = ()) -> dict[str, Any]:
         """Every channel's state (error feedback and stochastic stream), by path; the error feedback of the

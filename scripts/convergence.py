@@ -281,6 +281,45 @@ def plot(suite: str, runs: dict[str, list[dict]], out: Path, frozen_names: set[s
         plt.close(fig)
 
 
+def summarise_probes(suite: str, runs: list[dict]) -> list[str]:
+    """Compression error measured during training (runs with ``error_probe_interval``): per variant and path, the
+    relative error of what the path delivered, averaged over the probed iterations and seeds, the worst call's and
+    the largest kurtosis of its inputs; then per call (layer order) of the suite's last probed variant."""
+    probed = [r for r in runs if r.get("probe")]
+    if not probed:
+        return []
+    paths = sorted({p for r in probed for p in r["probe"]["paths"]})
+    lines = [f"#### {suite}: compression error during training (relative L2 error of what each path delivers, "
+             f"probed every {probed[0]['compression'].get('error_probe_interval', '?')} iterations and on the first; "
+             f"mean over probed iterations and seeds / worst call / largest input kurtosis)", "",
+             "| variant | " + " | ".join(paths) + " |", "|---|" + "---|" * len(paths)]
+    by_variant: dict[str, list[dict]] = {}
+    for r in probed:
+        by_variant.setdefault(r["variant"], []).append(r)
+    for name, rs in by_variant.items():
+        cells = []
+        for p in paths:
+            rows = [row for r in rs for row in r["probe"]["paths"].get(p, [])]
+            cells.append(f"{statistics.mean(x[0] for x in rows):.2e} / {max(x[1] for x in rows):.2e} / "
+                         f"{max(x[3] for x in rows):.0f}" if rows else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    last = list(by_variant)[-1]
+    calls: dict[str, list] = {}
+    for r in by_variant[last]:
+        for k, (key, numel, rel, crest, kurt) in r["probe"]["calls"].items():
+            c = calls.setdefault(k, [key, numel, [], 0.0, 0.0])
+            c[2].append(rel)
+            c[3], c[4] = max(c[3], crest), max(c[4], kurt)
+    lines += ["", f"Per call of `{last}` (calls of a path in the order a probed iteration makes them; the key "
+              f"names the layer or bucket where the caller gives one):", "",
+              "| path | call | key | elements | relative error | max crest | max kurtosis |", "|---|---|---|---|---|---|---|"]
+    for k in sorted(calls, key=lambda k: (k.split("#")[0], int(k.split("#")[1]))):
+        key, numel, rels, crest, kurt = calls[k]
+        lines.append(f"| {k.split('#')[0]} | {k.split('#')[1]} | {key} | {numel:,} | {statistics.mean(rels):.2e} | "
+                     f"{crest:.1f} | {kurt:.1f} |")
+    return lines + [""]
+
+
 def report(results: dict, out: Path, command: str) -> list[str]:
     """convergence.md's lines and the plots, from a results.json object alone."""
     lines = ["# Convergence: compressed vs uncompressed pretraining", "",
@@ -303,6 +342,7 @@ def report(results: dict, out: Path, command: str) -> list[str]:
             lines += summarise_seeds(suite, per_seed, frozen_names)
         else:
             lines += summarise(suite, {name: recs[0] for name, recs in per_seed.items()})
+        lines += summarise_probes(suite, [run for run in results["runs"] if run["suite"] == suite])
         lines += [f"![{suite} loss]({suite}_loss.png)", f"![{suite} bytes]({suite}_loss_vs_bytes.png)",
                   f"![{suite} gap]({suite}_gap.png)", ""]
         plot(suite, {name: recs[0] for name, recs in per_seed.items()}, out, frozen_names,  # the first seed
@@ -326,6 +366,10 @@ def main() -> None:
                    help="no training: regenerate convergence.md and the plots from --out/results.json")
     p.add_argument("--seeds", default="", help="comma list of seeds: run every variant once per seed and report "
                                                "mean ± std (plots show the first seed)")
+    p.add_argument("--variants", default="", help="comma list: run only these variants of the suites (default: all)")
+    p.add_argument("--merge", action="store_true",
+                   help="add the runs to --out/results.json (replacing runs of the same suite, variant and seed) "
+                        "instead of starting a new one; the commands are recorded one after the other")
     args = p.parse_args()
     out = Path(args.out)
     regenerate = f"python scripts/convergence.py --from-results --out {args.out}"
@@ -336,9 +380,22 @@ def main() -> None:
         seeds = [int(x) for x in args.seeds.split(",") if x] or [None]
         for suite in args.suites.split(","):
             prepare(suite, args)
+        only = {v for v in args.variants.split(",") if v}
+        unknown = only - {name for suite in args.suites.split(",") for name in SUITES[suite]["variants"]}
+        if unknown:
+            raise SystemExit(f"--variants: {sorted(unknown)} not in suites {args.suites}")
         runs = [run_variant(suite, name, comp, args, seed) for suite in args.suites.split(",")
-                for name, comp in SUITES[suite]["variants"].items() for seed in seeds]
-        results = {"study": "convergence", "command": " ".join([sys.executable.split("/")[-1]] + sys.argv),
+                for name, comp in SUITES[suite]["variants"].items() if not only or name in only for seed in seeds]
+        command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
+        if args.merge and (out / "results.json").exists():
+            old = pm.read_results(out / "results.json")
+            if (old["config"], old["nproc"], old["iters"]) != (args.config, args.nproc, args.iters):
+                raise SystemExit(f"--merge: {out / 'results.json'} was made with config/nproc/iters "
+                                 f"{old['config']}/{old['nproc']}/{old['iters']}, not {args.config}/{args.nproc}/{args.iters}")
+            new = {(r["suite"], r["variant"], r["seed"]) for r in runs}
+            runs = [r for r in old["runs"] if (r["suite"], r["variant"], r["seed"]) not in new] + runs
+            command = f"{old['command']}; then {command}"
+        results = {"study": "convergence", "command": command,
                    "config": args.config, "nproc": args.nproc, "iters": args.iters, "runs": runs}
         pm.write_results(out / "results.json", results)
     lines = report(results, out, regenerate)

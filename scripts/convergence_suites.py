@@ -322,3 +322,36 @@ SUITES["ablation_tp2dp2"] = {
     "bytes_kinds": ["tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "dp_gradient", "dp_parameter"],
     "variants": {"none": {}, **{f"{name} alone": comp for name, comp in ALL_PATHS.items()},
                  "all": {k: v for comp in ALL_PATHS.values() for k, v in comp.items()}}}
+
+
+# issue #23, step 2: the near-lossless preset (configs/compression/all_int8.yaml: int8 everywhere, TP/SP after a
+# Hadamard-128 rotation), path by path and all together, on TP 2 x DP 2 (added to ablation_tp2dp2) and TP 2 x PP 2;
+# every run probes its compression error every 50 iterations (megacomp.comm.probe; never changes the numbers)
+INT8H = {"name": "int8", "block_size": 128, "hadamard": 128}
+PROBE = {"error_probe_interval": 50}
+INT8_PATHS = {"tp_backward int8h": {"tp_backward": INT8H}, "sp_all_gather int8h": {"sp_all_gather": INT8H},
+              "sp_reduce_scatter int8h": {"sp_reduce_scatter": INT8H},
+              "dp_gradient int8": {"dp_gradient": {"name": "int8", "block_size": 128}},
+              "dp_parameter int8": {"dp_parameter": {"name": "int8", "block_size": 256}},
+              "pp_activation int8": {"pp_activation": {"name": "int8", "block_size": 128}},
+              "pp_gradient int8+EF": {"pp_gradient": {"name": "int8", "block_size": 128},
+                                      "pp_gradient_error_feedback": "ef"}}
+ALL_INT8 = {k: v for comp in INT8_PATHS.values() for k, v in comp.items()}
+ALL_INT8["tp_forward"] = INT8H
+ALL_FP8 = {k: v for comp in ALL_PATHS.values() for k, v in comp.items()}
+SUITES["ablation_tp2dp2"]["variants"].update({
+    **{f"{name} alone": {**INT8_PATHS[name], **PROBE}
+       for name in ("tp_backward int8h", "sp_all_gather int8h", "sp_reduce_scatter int8h", "dp_gradient int8")},
+    "all_int8": {**ALL_INT8, **PROBE},
+    "all (probed)": {**ALL_FP8, **PROBE}})  # the same numbers as `all`: measures fp8's error next to int8's
+SUITES["ablation_tp2pp2"] = {
+    "layout": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
+    "bytes_kinds": ["tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "pp_activation", "pp_gradient"],
+    "variants": {"none": {},
+                 **{f"{name} alone": {**INT8_PATHS[name], **PROBE}
+                    for name in ("tp_backward int8h", "sp_all_gather int8h", "sp_reduce_scatter int8h",
+                                 "pp_activation int8", "pp_gradient int8+EF")},
+                 "all (fp8 TP)": {**ALL_FP8, "pp_activation": {"name": "int8", "block_size": 128},
+                                  "pp_gradient": {"name": "int8", "block_size": 128}, "pp_gradient_error_feedback": "ef",
+                                  **PROBE},
+                 "all_int8": {**ALL_INT8, **PROBE}}}

@@ -120,9 +120,33 @@ def compact_run(records: list[dict], **labels) -> dict:
         if not segments or segments[-1][1:] != key:
             segments.append([int(rec["iteration"])] + key)
     total_raw = cumulative_wire_bytes([{**r, "wire_bytes": r.get("uncompressed_bytes", 0)} for r in records])
-    return {**labels, "iterations": _ranges([int(r["iteration"]) for r in records]),
-            "loss": [r["loss"] for r in records], "traffic": segments,
-            "wire_bytes_total": int(cumulative_wire_bytes(records)[-1]), "uncompressed_bytes_total": int(total_raw[-1])}
+    out = {**labels, "iterations": _ranges([int(r["iteration"]) for r in records]),
+           "loss": [r["loss"] for r in records], "traffic": segments,
+           "wire_bytes_total": int(cumulative_wire_bytes(records)[-1]), "uncompressed_bytes_total": int(total_raw[-1])}
+    probe = compact_probe(records)
+    return {**out, "probe": probe} if probe else out
+
+
+def compact_probe(records: list[dict]) -> dict:
+    """The compression-error probes of a run (records with ``probe``, see megacomp.training.metrics.gather_probe):
+    ``{"iterations": [...], "paths": {path: [[relative error, worst call, max crest, max kurtosis, calls] per
+    probed iteration]}, "calls": {"path#index": [key, numel, mean relative error over the probed iterations,
+    max crest, max kurtosis]}}``; empty when the run was not probed."""
+    probed = [r for r in records if r.get("probe")]
+    if not probed:
+        return {}
+    paths: dict[str, list] = {}
+    calls: dict[str, list] = {}
+    for r in probed:
+        for path, row in r["probe"]["paths"].items():
+            paths.setdefault(path, []).append(row)
+        for path, key, index, numel, rel, crest, kurt in r["probe"]["calls"]:
+            c = calls.setdefault(f"{path}#{index}", [key, numel, [], 0.0, 0.0])
+            c[2].append(rel)
+            c[3], c[4] = max(c[3], crest), max(c[4], kurt)
+    return {"iterations": [int(r["iteration"]) for r in probed], "paths": paths,
+            "calls": {k: [key, numel, sum(rels) / len(rels), crest, kurt]
+                      for k, (key, numel, rels, crest, kurt) in calls.items()}}
 
 
 def expand_run(run: dict) -> list[dict]:

@@ -248,3 +248,40 @@ def test_onebit_optimizer_bad_configuration_errors(base):
         check(replace(base, optimizer="onebit_adam", outer_algorithm="diloco", num_replicas=2))
     with pytest.raises(AssertionError, match="dp_gradient must be none"):
         run_ranks(_train_body, 1, replace(base, optimizer="onebit_adam", compression="loco4"))
+
+
+def _probe_body(rank, world, cfg):
+    trainer = Trainer(cfg)
+    try:
+        history = trainer.train()
+    finally:
+        trainer.close()
+    return [(h["loss"], h["traffic"], h.get("probe")) for h in history]
+
+
+@pytest.mark.parametrize("pp,preset", [(2, "all_int8"), (1, "all"), (1, "all_int8")])
+def test_error_probe_logs_every_compressed_path_and_changes_nothing(base, pp, preset):
+    """TP 2 x PP 2 and TP 2 x DP 2 (sharded optimizer: asynchronous reduce-scatters) with sequence parallelism and
+    every path compressed (the `all` and `all_int8` presets): probing iterations 1 and 2 measures every path that
+    moved compressed traffic, and the losses and bytes equal the unprobed run's."""
+    all_paths = load_yaml(str(REPO_CONFIGS / "compression" / f"{preset}.yaml"))
+    all_paths["min_compress_numel"] = 256
+    cfg = replace(base, tensor_model_parallel_size=2, pipeline_model_parallel_size=pp, sequence_parallel=True,
+                  train_iters=3, compression=all_paths)
+    plain = run_ranks(_probe_body, 4, cfg)[0]
+    probed = run_ranks(_probe_body, 4, replace(cfg, compression={**all_paths, "error_probe_interval": 2}))[0]
+    assert [(l, t) for l, t, _ in probed] == [(l, t) for l, t, _ in plain]
+    assert [p is not None for _, _, p in probed] == [True, True, False]  # the first iteration, then every 2nd
+    for loss, traffic, probe in probed[:2]:
+        compressed = {k for k, (w, u) in traffic.items() if w < u}
+        assert set(probe["paths"]) == compressed, (set(probe["paths"]), compressed)
+        for path, (rel, worst, crest, kurt, calls) in probe["paths"].items():
+            # fp8 e4m3 keeps 3 mantissa bits (relative error <= 2^-4 per element, before the Hadamard's
+            # mixing, which preserves the norm), int8 / int4 a step of amax/127 / amax/7 per block: every path's
+            # delivered error is nonzero and far below the signal, except int4 with error feedback, where the
+            # residual of the previous step is part of what is delivered
+            assert 0 < rel <= worst and calls >= 1 and crest >= 1.0 and kurt > 0
+            assert rel < (1.0 if path == "dp_gradient" else 0.2), (path, rel)
+        calls = probe["calls"]
+        assert sum(1 for c in calls if c[0] == "tp_backward") == probe["paths"]["tp_backward"][4]
+        assert probe["bytes"] > 0

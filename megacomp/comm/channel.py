@@ -10,6 +10,8 @@ handed to the layer, pipeline communicator, optimizer or DDP hook that moves tha
   options              ``CommOptions``: argument validation, duplex transport, pipelining segment size
   generator            the stochastic-rounding stream of a seeded codec (checkpointed)
   stats, name          the wire-statistics table and the tag the traffic is counted under
+  probe                an optional ``ErrorProbe`` (megacomp.comm.probe): when armed, compressed calls are also
+                       measured against the exact collective (diagnostics; never changes results)
 
 Its methods mirror torch.distributed (``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``,
 ``all_to_all_single``, ``isend``/``irecv``/``send``/``recv``) with the group defaulting to the channel's
@@ -27,11 +29,13 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..compression import CodecLike, ErrorFeedback, as_error_feedback, check_error_feedback_codec, make_codec
 from . import collectives, p2p
 from .options import CommOptions
+from .probe import ErrorProbe, ProbedWork, optional_probe
 from .stats import PROCESS_STATS, StatsTable
 
 log = logging.getLogger("megacomp")
@@ -53,6 +57,7 @@ class Channel:
         generator: the stochastic-rounding stream; default: a fresh one at the codec's seed for a
             seeded stochastic codec, else None (torch's default generator).
         stats: the wire-statistics table (default: the process's, read by ``comm.stats()``).
+        probe: an ``ErrorProbe`` measuring this path's compression error when armed (default: none).
 
     Raises:
         ValueError: error feedback without a lossy codec; ``min_compress_numel`` < 0; bad codec options.
@@ -60,7 +65,8 @@ class Channel:
 
     def __init__(self, name: str, codec: CodecLike = None, *, group=None, error_feedback: Any = None,
                  min_compress_numel: int = 0, options: Optional[CommOptions] = None,
-                 generator: Optional[torch.Generator] = None, stats: Optional[StatsTable] = None) -> None:
+                 generator: Optional[torch.Generator] = None, stats: Optional[StatsTable] = None,
+                 probe: Optional[ErrorProbe] = None) -> None:
         self.name = name
         self.codec = make_codec(codec)
         check_error_feedback_codec(self.codec, error_feedback, f"megacomp channel {name!r}")
@@ -73,6 +79,7 @@ class Channel:
         self.options = options if options is not None else CommOptions.from_env()
         self.generator = self.codec.stream(generator)
         self.stats = stats if stats is not None else PROCESS_STATS
+        self.probe: Optional[ErrorProbe] = probe
         self._said_small = False
         self._keys = 0
 
@@ -119,13 +126,13 @@ class Channel:
     def uncompressed(self) -> "Channel":
         """A sibling channel with the identity codec: same name, group, options and stats table (for traffic
         of this path that a policy keeps uncompressed, e.g. the optimizer's 1-D parameter buckets)."""
-        return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats)
+        return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats, probe=self.probe)
 
     def without_error_feedback(self) -> "Channel":
         """A sibling channel with the same codec, group, small-tensor rule, options and stats table but no error
         feedback (for traffic of this path that has no stable per-tensor key, or must not advance the residuals)."""
         return Channel(self.name, self.codec, group=self.group, options=self.options, stats=self.stats,
-                       min_compress_numel=self.min_compress_numel)
+                       min_compress_numel=self.min_compress_numel, probe=self.probe)
 
     # -- collectives ---------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *,
@@ -133,22 +140,37 @@ class Channel:
                    validate: Optional[bool] = None):
         """``torch.distributed.all_reduce`` (SUM/AVG for lossy codecs), in place; error-feedback keys
         ``key + '/worker'`` and ``+ '/server'`` (``key`` defaults to the channel name)."""
-        return collectives.run_all_reduce(self, tensor, op, self._group(group), async_op, key or self.name,
+        g = self._group(group)
+        probe = self._probe_for(tensor.numel(), g)
+        compare = probe and probe.reference("all_reduce", self.name, tag or self.name, key or self.name, tensor, g,
+                                            op, tensor.numel())
+        work = collectives.run_all_reduce(self, tensor, op, g, async_op, key or self.name,
                                           check_finite, tag or self.name, validate)
+        return self._probed(work, compare, tensor)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                               async_op: bool = False, *, key: Optional[str] = None, check_finite: bool = False,
                               tag: Optional[str] = None, validate: Optional[bool] = None):
         """``torch.distributed.reduce_scatter_tensor``; error-feedback key ``key + '/worker'``."""
-        return collectives.run_reduce_scatter_tensor(self, output, input, op, self._group(group), async_op,
+        g = self._group(group)
+        probe = self._probe_for(input.numel(), g)
+        compare = probe and probe.reference("reduce_scatter", self.name, tag or self.name, key or self.name, input, g,
+                                            op, output.numel())
+        work = collectives.run_reduce_scatter_tensor(self, output, input, op, g, async_op,
                                                      key or self.name, check_finite, tag or self.name, validate)
+        return self._probed(work, compare, output)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                                async_op: bool = False, *, check_finite: bool = False, tag: Optional[str] = None,
                                validate: Optional[bool] = None):
         """``torch.distributed.all_gather_into_tensor`` (no error feedback: nothing is summed)."""
-        return collectives.run_all_gather_into_tensor(self, output_tensor, input_tensor, self._group(group), async_op,
+        g = self._group(group)
+        probe = self._probe_for(input_tensor.numel(), g)
+        compare = probe and probe.reference("all_gather", self.name, tag or self.name, self.name, input_tensor, g,
+                                            None, output_tensor.numel())
+        work = collectives.run_all_gather_into_tensor(self, output_tensor, input_tensor, g, async_op,
                                                       check_finite, tag or self.name, validate)
+        return self._probed(work, compare, output_tensor)
 
     def all_gather_encoded(self, output: torch.Tensor, input: torch.Tensor, *, numel: int,
                            dtype: torch.dtype = torch.float32, group=None, async_op: bool = False,
@@ -193,6 +215,24 @@ class Channel:
 
     def _group(self, group):
         return self.group if group is None else group
+
+    def _probe_for(self, numel: int, group):
+        """The armed probe when this call is compressed (the identity, and any collective of one rank, have no
+        error to measure), else None."""
+        probe = optional_probe(self.probe)
+        if probe is None or not self.compresses(numel) or dist.get_world_size(group) == 1:
+            return None
+        return probe
+
+    @staticmethod
+    def _probed(work, compare, delivered: torch.Tensor):
+        """Compare ``delivered`` with the probe's exact result once the call finished (now, or at ``wait()``)."""
+        if not compare:
+            return work
+        if work is None:  # synchronous: already delivered
+            compare(delivered)
+            return None
+        return ProbedWork(work, lambda: compare(delivered))
 
     # -- checkpointing -------------------------------------------------------------------------------
     def state_dict(self, error_feedback: bool = True) -> dict[str, Any]:

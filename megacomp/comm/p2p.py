@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from ..compression.ef_encoder import chunk_encoder
 from .common import CompressedWork, codec_code, dtype_code, has_nonfinite
+from .probe import optional_probe
 
 _HEADER = 5
 
@@ -55,6 +56,9 @@ def prepare_isend(ch, tensor: torch.Tensor, dst: int, key: str, check_finite: bo
     else:
         payload = codec.encode_flat(tensor, ch.generator, strict=False)
     ch.stats.record(label or "send", payload.numel() * payload.element_size(), raw)
+    probe = optional_probe(ch.probe) if not codec.is_identity else None
+    if probe is not None:  # the receiver decodes exactly these bytes (decoding is deterministic)
+        probe.message(ch.name, label or "send", key, tensor, codec.decode_flat(payload, tensor.numel(), tensor.dtype))
     tensors.append(payload)
 
     def check() -> None:

@@ -3,19 +3,22 @@
 Each JSON line holds at least: iteration, loss, lr, tokens_per_second, iteration_time_s, wire_bytes and
 uncompressed_bytes (this iteration's traffic summed over all ranks), and ``traffic``: per traffic kind
 (dp_gradient, dp_parameter, tp_forward, tp_backward, sp_all_gather, sp_reduce_scatter, pp_activation,
-pp_gradient, ...) the pair [wire bytes, uncompressed bytes].
+pp_gradient, ...) the pair [wire bytes, uncompressed bytes]. Iterations probed for compression error
+(``error_probe_interval``) also hold ``probe`` (see :func:`gather_probe`).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+from dataclasses import astuple
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..comm import probe as probe_mod
 
 
 def gather_traffic() -> dict[str, list[int]]:
@@ -34,6 +37,19 @@ def gather_traffic() -> dict[str, list[int]]:
                        dtype=torch.int64, device=comm.comm_device()).reshape(-1, 2)
     dist.all_reduce(vec)
     return {k: [int(a), int(b)] for k, (a, b) in zip(keys, vec.cpu().tolist())}
+
+
+def gather_probe(probe) -> dict:
+    """The compression-error measurements of this (probed) iteration from every rank (a collective), combined per
+    call (megacomp.comm.probe.combine) and summarised per path: ``{"paths": {path: [relative error, worst call's
+    relative error, max crest factor, max kurtosis, calls]}, "calls": [[path, key, index, numel, relative error,
+    crest, kurtosis], ...], "bytes": reference bytes sent by all ranks}``. Every rank must call it."""
+    records, sent = probe.take()
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, ([astuple(r) for r in records], sent))
+    merged = probe_mod.combine([probe_mod.ProbeRecord(*row) for rows, _ in everyone for row in rows])
+    return {"paths": probe_mod.summarise(merged), "calls": probe_mod.per_call(merged),
+            "bytes": sum(n for _, n in everyone)}
 
 
 class MetricsLogger:
@@ -68,6 +84,10 @@ class MetricsLogger:
         print(f"iter {record['iteration']:6d} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"{record['tokens_per_second']:,.0f} tok/s | wire {record['wire_bytes'] / mb:.2f} MB of "
               f"{record['uncompressed_bytes'] / mb:.2f} MB ({ratio:.2f}x) | {kinds}", flush=True)
+        if "probe" in record:  # a probed iteration: the compression error of every path it measured
+            print("  compression error (relative, per path): " + ", ".join(
+                f"{p}={v[0]:.2e} (worst call {v[1]:.2e}, crest {v[2]:.0f}, kurtosis {v[3]:.0f})"
+                for p, v in record["probe"]["paths"].items()), flush=True)
         if self.file is not None:  # inf/NaN are not JSON: written as null
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
             self.file.write(json.dumps(clean, allow_nan=False) + "\n")

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from .. import comm, parallel_state
 from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
+from ..comm.probe import ErrorProbe
 from ..launch import init_distributed
 from ..models.chunks import GPTChunks
 from ..models.gpt import GPTConfig, GPTModel, split_layers
@@ -44,7 +45,7 @@ from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
 from .aqsgd import build_activation_delta, summary as aqsgd_summary
 from .loqt import LoQTDriver
-from .metrics import MetricsLogger, gather_traffic
+from .metrics import MetricsLogger, gather_probe, gather_traffic
 from .report import RunTotals, banner, demo_summary, onebit_summary, outer_summary
 from .signals import ExitSignals
 
@@ -72,6 +73,8 @@ class Trainer:
         self.compression_spec = cfg.compression_config()  # as configured (recorded in checkpoints)
         self.compression = self.compression_spec.for_rank(dist.get_rank())  # per-rank stochastic-rounding seeds
         self.channels = self.compression.build_channels(g)  # one per traffic path, used by everything below
+        self.probe = ErrorProbe() if self.compression.error_probe_interval else None
+        self.channels.attach_probe(self.probe)
         self.tokenizer, self.dataset = prepare_data(cfg.data_path, cfg.vocab_size, cfg.seq_length, cfg.data_cache_dir,
                                                     max_bytes=cfg.tokenizer_max_bytes)
         if cfg.dataset_samples is not None:
@@ -267,7 +270,9 @@ class Trainer:
         """The run's configuration as recorded in megacomp.json (the fields a resume must match)."""
         info = asdict(self.cfg)
         info["vocab_size"] = self.gpt.vocab_size
-        info["compression_resolved"] = self.compression_spec.to_dict()
+        # the error probe is a diagnostic: a resume may turn it on, off or change its interval
+        info["compression_resolved"] = {k: v for k, v in self.compression_spec.to_dict().items()
+                                        if k != "error_probe_interval"}
         info["world_size"] = self.world
         return info
 
@@ -384,6 +389,10 @@ class Trainer:
         lr = learning_rate(cfg, self.iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        every = self.compression.error_probe_interval
+        probing = bool(every) and (self.iteration == 0 or (self.iteration + 1) % every == 0)
+        if probing:  # every rank arms at the same iteration (the probe adds collectives)
+            self.probe.arm(True)
         t0 = time.perf_counter()
         merging = self.loqt is not None and self.loqt.begin(self.iteration)  # captures full weight gradients
         batches = self._micro_batches()
@@ -402,6 +411,10 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         loss = self._global_loss(losses)
         traffic = gather_traffic()
+        probed = None
+        if probing:
+            self.probe.arm(False)
+            probed = gather_probe(self.probe)
         self.iteration += 1
         if not self._validated_once and not cfg.validate_collectives_every:
             self.channels.set_validate(False)  # shapes are fixed from now on: skip the per-call argument check
@@ -416,7 +429,7 @@ class Trainer:
                 "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic,
                 "grad_norm": self.optimizer.last_grad_norm if stepped and not merging else None,
                 "skipped": not stepped, "loqt_merge": merging and stepped,
-                "dp_rounds": getattr(self.optimizer, "rounds", None)}
+                "dp_rounds": getattr(self.optimizer, "rounds", None), **({"probe": probed} if probed else {})}
 
     def train(self) -> list[dict]:
         """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal), logging and checkpointing;
@@ -436,7 +449,8 @@ class Trainer:
                 history.append(record)
                 self.totals.add(record, cfg.global_batch_size * cfg.seq_length)
                 bad = record["skipped"] or not math.isfinite(record["loss"])
-                if bad or self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
+                if (bad or self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters
+                        or "probe" in record):
                     self.metrics.log(record)  # before the verdict: a diverging iteration is on record too
                 note = self.guard.observe(self.iteration, record["loss"], not record["skipped"], record["lr"])
                 if note and self.is_logger:
