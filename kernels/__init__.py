@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 
 log = logging.getLogger("megacomp")
@@ -96,12 +97,38 @@ def _load_announced(build):
         when = "about a minute" if needed else "about a minute when it builds"
         print(f"megacomp: {what} the CPU codec kernels (one time, {when}{where})", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    module = build.load()
+    hint = threading.Timer(LOCK_HINT_AFTER_S, _lock_hint, (build, start)) if announces() else None
+    if hint is not None:  # torch waits on another process's build lock forever, silently: say what to check
+        hint.daemon = True
+        hint.start()
+    try:
+        module = build.load()
+    finally:
+        if hint is not None:
+            hint.cancel()
     if speak:
         seconds = time.perf_counter() - start
         done = "built the CPU codec kernels in" if needed else "CPU codec kernels ready after"
         print(f"megacomp: {done} {seconds:.1f} s", file=sys.stderr, flush=True)
     return module
+
+
+LOCK_HINT_AFTER_S = 180.0
+"""Seconds a kernel build or load may take before :func:`_lock_hint` says what may be holding it up."""
+
+
+def _lock_hint(build, start: float) -> None:
+    """Printed once when ``build.load()`` is still running after LOCK_HINT_AFTER_S: torch's extension loader
+    waits on a ``lock`` file in the cache folder as long as it exists, and a build that was killed (a test
+    timeout, Ctrl-C) leaves it behind, so every later run would wait forever without a word."""
+    folder = build.build_directory()
+    lock = os.path.join(folder, "lock") if folder else None
+    if lock is None or not os.path.exists(lock):
+        return
+    print(f"megacomp: the CPU codec kernels are not ready after {time.perf_counter() - start:.0f} s and {lock} exists: "
+          f"another process is building them, or a killed build left the lock behind. If no compiler is running "
+          f"(ps aux | grep -e ninja -e c++), delete that file. Checkouts at different paths sharing one cache "
+          f"rebuild it in turn: give each its own TORCH_EXTENSIONS_DIR.", file=sys.stderr, flush=True)
 
 
 def triton_kernels():

@@ -252,3 +252,23 @@ def test_the_data_pipeline_unpickles_nothing():
         text = f.read_text(encoding="utf-8")
         for call in ("pickle.load", "torch.load", "allow_pickle", "np.load", "numpy.load", "marshal", "eval("):
             assert call not in text, f"{f.name} uses {call}"
+
+
+def test_a_build_that_waits_on_a_lock_says_which_file(fresh_kernels, monkeypatch, capsys, tmp_path):
+    """A killed build leaves torch's lock file behind and every later load waits on it silently: after
+    LOCK_HINT_AFTER_S the announcing rank names the file and the fix; a load that finishes in time says nothing."""
+    import time
+    kernels, build = fresh_kernels
+    (tmp_path / "lock").write_text("")
+    monkeypatch.setattr(build, "build_needed", lambda: False)
+    monkeypatch.setattr(build, "build_directory", lambda: str(tmp_path))
+    monkeypatch.setattr(kernels, "LOCK_HINT_AFTER_S", 0.05)
+    monkeypatch.setattr(build, "load", lambda: time.sleep(0.5) or "module")
+    assert kernels.cpu_kernels() == "module"
+    lines = _lines(capsys.readouterr().err)
+    assert len(lines) == 1 and str(tmp_path / "lock") in lines[0] and "delete that file" in lines[0]
+
+    monkeypatch.setattr(kernels, "_cpu", None)
+    monkeypatch.setattr(kernels, "LOCK_HINT_AFTER_S", 5.0)
+    monkeypatch.setattr(build, "load", lambda: "module")
+    assert kernels.cpu_kernels() == "module" and capsys.readouterr().err == ""
