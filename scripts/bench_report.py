@@ -294,7 +294,7 @@ def measure(args, out: Path) -> dict:
             **{**common, "model_args": ddp_model}, rates="1gbit" if q else args.ddp_rates, layout="dp2",
             compression="none,loco4,loco4_qwz", iters=5 if q else 12), records["train"])
         nb.bench_train(SimpleNamespace(
-            **common, rates="1gbit" if q else "100mbit,1gbit", layout="tp2", compression="none,tp_fp8",
+            **common, rates="1gbit" if q else "100mbit,1gbit", layout="tp2", compression="none,tp_fp8,all_int8",
             iters=5 if q else 12), records["train"])
         # issue #20's rows: PP 2 and the interleaved PP 2 x VP 2 on the DDP workload's GPT, none / int8 / AQ-SGD int4
         # (32 samples: iterations 1-2 are AQ-SGD's uncompressed first visits, which the median leaves out)

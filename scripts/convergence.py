@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def frozen(run: dict) -> bool:
 def summarise(suite: str, runs: dict[str, list[dict]]) -> list[str]:
     tail = max(1, len(runs["none"]) // 10)
     base = sum(r["loss"] for r in runs["none"][-tail:]) / tail
-    kinds = sorted({k for recs in runs.values() for r in recs for k in r["traffic"] if k.startswith(("dp_", "pp_"))})
+    kinds = SUITES.get(suite, {}).get("bytes_kinds") or sorted(  # the suite's kinds, else DP and PP traffic
+        {k for recs in runs.values() for r in recs for k in r["traffic"] if k.startswith(("dp_", "pp_"))})
     lines = [f"### {suite}: final loss = mean of the last {tail} iterations; bytes = mean per iteration over every "
              f"iteration of the run (warm-ups included)", "",
              "| variant | final loss | vs none | " + " | ".join(f"{k} MB/iter (wire / fp32)" for k in kinds) + " |",
@@ -386,7 +388,7 @@ def main() -> None:
             raise SystemExit(f"--variants: {sorted(unknown)} not in suites {args.suites}")
         runs = [run_variant(suite, name, comp, args, seed) for suite in args.suites.split(",")
                 for name, comp in SUITES[suite]["variants"].items() if not only or name in only for seed in seeds]
-        command = " ".join([sys.executable.split("/")[-1]] + sys.argv)
+        command = shlex.join([sys.executable.split("/")[-1]] + sys.argv)  # quoted: variant names have spaces
         if args.merge and (out / "results.json").exists():
             old = pm.read_results(out / "results.json")
             if (old["config"], old["nproc"], old["iters"]) != (args.config, args.nproc, args.iters):

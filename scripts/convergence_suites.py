@@ -343,7 +343,11 @@ SUITES["ablation_tp2dp2"]["variants"].update({
     **{f"{name} alone": {**INT8_PATHS[name], **PROBE}
        for name in ("tp_backward int8h", "sp_all_gather int8h", "sp_reduce_scatter int8h", "dp_gradient int8")},
     "all_int8": {**ALL_INT8, **PROBE},
-    "all (probed)": {**ALL_FP8, **PROBE}})  # the same numbers as `all`: measures fp8's error next to int8's
+    "all (probed)": {**ALL_FP8, **PROBE},  # the same numbers as `all`: measures fp8's error next to int8's
+    # a control: 16-bit casts on the same paths (relative error ~0.2-0.4%, what nobody calls lossy for training),
+    # to tell the gap compression costs from the gap any perturbation of the uncompressed trajectory shows
+    "all bf16 (control)": {**{p: "bf16" for p in ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",
+                                                  "dp_gradient", "dp_parameter")}, **PROBE}})
 SUITES["ablation_tp2pp2"] = {
     "layout": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
     "bytes_kinds": ["tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "pp_activation", "pp_gradient"],
@@ -355,3 +359,24 @@ SUITES["ablation_tp2pp2"] = {
                                   "pp_gradient": {"name": "int8", "block_size": 128}, "pp_gradient_error_feedback": "ef",
                                   **PROBE},
                  "all_int8": {**ALL_INT8, **PROBE}}}
+
+
+# issue #23, the codec options on TP/SP traffic, measured with the error probe during training (short runs: the
+# table of interest is the probe's, not the loss): TP 2 x DP 2 with sequence parallelism, the option on
+# tp_backward, sp_all_gather and sp_reduce_scatter, probed every 20 iterations. Block 64 = one row of the tiny
+# GPT's hidden dimension (64): blocks that follow the hidden dimension instead of spanning two tokens.
+def _tp(codec: dict) -> dict:
+    return {**{p: codec for p in ("tp_backward", "sp_all_gather", "sp_reduce_scatter")}, "error_probe_interval": 20}
+
+
+SUITES["tp_codecs"] = {
+    "layout": ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    "bytes_kinds": ["tp_backward", "sp_all_gather", "sp_reduce_scatter"],
+    "variants": {"none": {},
+                 "fp8 e4m3 /128, Hadamard 128 (all)": _tp(FP8H),
+                 "fp8 e4m3 /128, Hadamard 128, dual scale": _tp({**FP8H, "dual_scale": True}),
+                 "int8 /128, no Hadamard": _tp({"name": "int8", "block_size": 128}),
+                 "int8 /128, Hadamard 128 (all_int8)": _tp(INT8H),
+                 "int8 /128, Hadamard 128, dual scale": _tp({**INT8H, "dual_scale": True}),
+                 "int8 /64 (one row), Hadamard 64": _tp({"name": "int8", "block_size": 64, "hadamard": 64}),
+                 "int4 /128, Hadamard 128": _tp({"name": "int4", "block_size": 128, "hadamard": 128})}}
