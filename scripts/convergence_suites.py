@@ -343,7 +343,6 @@ SUITES["ablation_tp2dp2"]["variants"].update({
     **{f"{name} alone": {**INT8_PATHS[name], **PROBE}
        for name in ("tp_backward int8h", "sp_all_gather int8h", "sp_reduce_scatter int8h", "dp_gradient int8")},
     "all_int8": {**ALL_INT8, **PROBE},
-    "all (probed)": {**ALL_FP8, **PROBE},  # the same numbers as `all`: measures fp8's error next to int8's
     # a control: 16-bit casts on the same paths (relative error ~0.2-0.4%, what nobody calls lossy for training),
     # to tell the gap compression costs from the gap any perturbation of the uncompressed trajectory shows
     "all bf16 (control)": {**{p: "bf16" for p in ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",

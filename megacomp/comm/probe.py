@@ -21,6 +21,10 @@ layers: sum both, then divide), and two statistics of the input that tell which 
 the crest factor ``max|x| / rms(x)`` and the kurtosis ``E[x^4] / E[x^2]^2`` (3 for a Gaussian; large means
 heavy tails), over this rank's whole input.
 
+Not probed: all_to_all_single, the byte all-gathers of DeMo, PowerSGD and Accordion dp_gradient channels
+(megacomp.comm.LowRankChannel / AccordionChannel) and AQ-SGD's delta sends; their paths are missing from the
+logged table rather than reported as exact.
+
 Probing never changes results: the exact collective works on a copy, no error-feedback state or stochastic
 stream is touched, and every rank of a group must be armed alike (the trainer arms all ranks at the same
 iteration; a rank armed alone would wait for the extra collective forever, as any mismatched collective does).
