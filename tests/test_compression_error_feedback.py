@@ -72,6 +72,31 @@ def test_reset_interval_zeroes_the_error():
     assert make_error_feedback_config("loco") == ErrorFeedbackConfig(beta=0.8, reset_interval=512)
 
 
+def test_deferred_count_counts_a_block_of_updates_once():
+    """ZeRO-2's several messages per optimizer step: updates inside deferred_count() keep their LoCo arithmetic (the
+    same errors as counted updates) but advance the key's count once, at count_deferred(), where the periodic reset
+    then applies: with 3 messages per step and reset_interval 2, the error is zero after steps 2 and 4."""
+    codec = make_codec("int4")
+    cfg = ErrorFeedbackConfig(beta=0.8, reset_interval=2)
+    ef, ref = ErrorFeedback(cfg), ErrorFeedback(ErrorFeedbackConfig(beta=0.8))
+    gs = grads(steps=12)
+    for step in range(4):
+        with ef.deferred_count():
+            with ef.deferred_count():  # nested blocks are one block
+                run(ef, codec, gs[3 * step:3 * step + 2])
+            run(ef, codec, gs[3 * step + 2:3 * step + 3])
+            assert ef.steps.get("g", 0) == step  # nothing counted inside
+        _, want = run(ref, codec, gs[3 * step:3 * step + 3])
+        assert torch.equal(ef.error("g"), want[-1])  # the errors before the count: the unreset arithmetic
+        ef.count_deferred()
+        assert ef.steps["g"] == step + 1
+        assert (ef.error("g").abs().sum() == 0) == (step % 2 == 1), step
+        if step % 2 == 1:
+            ref.reset("g")  # the reference restarts from zero where the counted state reset
+    ef.count_deferred()  # nothing deferred since: no count
+    assert ef.steps["g"] == 4
+
+
 @pytest.mark.parametrize("storage", ["fp32", "bf16", "int8"])
 def test_storage_precision(storage):
     """Stored errors differ from the exact fp64 error by at most the storage format's rounding."""

@@ -12,6 +12,11 @@ Per compressed tensor (identified by a string key), with gradient ``g`` and code
 is more stable with low-bit codecs. ``storage='int8'`` keeps ``e`` int8-quantized with per-block
 scales (LoCo's compact 8-bit error); this adds the int8 rounding error to ``e`` at each store.
 
+Counting: each update advances its key's count (the periodic reset's clock). Inside
+:meth:`ErrorFeedback.deferred_count` updates do not; :meth:`ErrorFeedback.count_deferred` then advances each key
+updated there once, so several messages of one optimizer step (ZeRO-2 reduce-scatters a bucket once per
+micro-batch) count as one step and the reset keeps its period in steps.
+
 Failure behaviour: a non-finite ``h - deq(q)`` (overflow in the gradient) drops that key's error
 (``e = 0``) instead of poisoning later steps, and counts it in ``dropped``. A shape change for an
 existing key raises ValueError. ``rescale(factor)`` adjusts all errors when a dynamic loss scale
@@ -19,6 +24,7 @@ changes.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from typing import Any, Optional, Union
 
@@ -88,6 +94,8 @@ class ErrorFeedback:
         self._errors: dict[str, Any] = {}  # key -> tensor (fp32/bf16) or (packet data, shape) for int8
         self.steps: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
+        self._deferring = 0  # depth of deferred_count() blocks
+        self._deferred: dict[str, None] = {}  # keys updated inside them, in order, not yet counted
         self._store_codec: Optional[Codec] = (
             make_codec("int8", block_size=self.config.storage_block_size) if self.config.storage == "int8" else None)
 
@@ -168,14 +176,40 @@ class ErrorFeedback:
         self.update(key, h, h_hat)
 
     def commit(self, key: str, new: torch.Tensor, finite: bool = True) -> None:
-        """Store the new error (counting a non-finite drop), advance the step, apply the periodic reset."""
+        """Store the new error (counting a non-finite drop), advance the step, apply the periodic reset (inside
+        :meth:`deferred_count`: store only, and remember the key for :meth:`count_deferred`)."""
         if not finite:
             self.dropped[key] = self.dropped.get(key, 0) + 1
+        if self._deferring:
+            self._deferred[key] = None
+            self._store(key, new)
+            return
         step = self.steps.get(key, 0) + 1
         self.steps[key] = step
         if self.config.reset_interval and step % self.config.reset_interval == 0:
             new = torch.zeros_like(new)
         self._store(key, new)
+
+    @contextlib.contextmanager
+    def deferred_count(self):
+        """Updates inside store their error but neither advance their key's count nor apply the periodic reset;
+        :meth:`count_deferred` does both, once per key, after the last of them (nested blocks are one block)."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+
+    def count_deferred(self) -> None:
+        """Advance the count of every key updated inside :meth:`deferred_count` since the last call by one, and
+        zero its error where that count reaches a multiple of ``reset_interval``: the same count and reset that one
+        update per key would have given."""
+        for key in self._deferred:
+            step = self.steps.get(key, 0) + 1
+            self.steps[key] = step
+            if self.config.reset_interval and step % self.config.reset_interval == 0 and key in self._errors:
+                self._store(key, torch.zeros_like(self.error(key)))
+        self._deferred.clear()
 
     def init_key(self, key: str, shape, dtype: torch.dtype = torch.float32) -> None:
         """Create a zero error for ``key`` if it has none (same behaviour as no error; gives checkpoint
