@@ -37,13 +37,19 @@ class Bucket:
     """Reduced only in ``step()``, so the caller can first all-reduce these gradients over other groups
     (tied embeddings over the embedding group, sequence-parallel norms over TP)."""
     grad: Optional[torch.Tensor] = None
-    """fp32 accumulation buffer of the (unscaled) gradients, length ``padded``."""
+    """fp32 accumulation buffer of the (unscaled) gradients, length ``padded``: for the whole run under ZeRO-1 (and
+    for deferred buckets), under ZeRO-2 only from a backward's first gradient of the bucket until its reduce-scatter
+    starts (None otherwise)."""
     ready: set = field(default_factory=set)
     """ids of parameters whose gradient arrived in the current backward."""
     work: object = None
     """Handle of the in-flight reduce-scatter."""
     reduced: Optional[torch.Tensor] = None
-    """fp32 reduce-scatter output: this rank's shard, summed over ranks."""
+    """fp32 reduce-scatter output: this rank's shard, summed over ranks (under ZeRO-2 also over this step's
+    reductions, one per micro-batch)."""
+    pending: Optional[torch.Tensor] = None
+    """ZeRO-2: the output of a later micro-batch's reduce-scatter while in flight, added into ``reduced`` when it
+    is waited for."""
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
         """[start, end) of rank ``rank``'s equal shard of the padded buffer."""

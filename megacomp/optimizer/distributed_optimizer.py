@@ -1,4 +1,4 @@
-"""ZeRO-1-style sharded optimizer with compressed gradient reduce-scatter and parameter all-gather.
+"""ZeRO-1 / ZeRO-2 sharded optimizer with compressed gradient reduce-scatter and parameter all-gather.
 
 Algorithm per step, over the data-parallel group of N ranks:
   1. backward (megacomp.optimizer.reduction): a post-accumulate-grad hook adds each ``param.grad`` (divided by
@@ -11,6 +11,30 @@ Algorithm per step, over the data-parallel group of N ranks:
      clips by the global gradient norm, steps ``optimizer_class`` on this rank's fp32 master shard, then
      all-gathers the updated parameters (with ``param_codec``, e.g. int8 blocks as in ZeRO++ qwZ) into
      the model parameters.
+
+ZeRO-2 (``zero_stage=2``; megacomp.optimizer.reduction has the details): gradients are sharded as they are
+produced. Every backward (micro-batch) fills a fresh full-size fp32 buffer per bucket; when a bucket is complete
+its reduce-scatter starts and the buffer is released (at once when the reduce-scatter is compressed, which
+encodes it on launch; when the reduction finishes otherwise), and the reduced shard is added into this rank's
+fp32 gradient shard, the only gradient storage that persists between micro-batches. At most one reduction is in
+flight: the next bucket's launch waits for it, so at most two full-size buffers exist (the one backward fills and
+the one still on the wire; one when the wire keeps up, as a finished reduction is reaped before backward allocates
+the next buffer). ``step()`` is then ZeRO-1's on the accumulated shards. Bytes on the wire per step: M
+reduce-scatters per bucket for M micro-batches instead of one, i.e. (M - 1) x ZeRO-1's dp_gradient bytes more
+(uncompressed: (M - 1) (N - 1) / N x 4 bytes per gradient element and rank); the parameter all-gather is
+unchanged. Results: with one micro-batch per step bit-identical to ZeRO-1 (same reductions of the same buffers);
+with M > 1 the sum over ranks and micro-batches is taken in another order (micro-batches of each rank first under
+ZeRO-1, ranks first under ZeRO-2), so an element of the averaged gradient may differ by fp32 round-off: both are
+sums of the same NM fp32 terms, each within gamma(NM - 1) x sum|g| of the exact sum (gamma(k) = k u / (1 - k u),
+u = 2^-24, any summation tree), so they differ by at most 2 gamma(NM - 1) x sum|g| / N (checked in
+tests/test_optimizer_zero2.py; exact when the sums are, e.g. integer-valued gradients). Error
+feedback keeps one residual per bucket (the full bucket, as under ZeRO-1) and is updated by each micro-batch's
+reduction in turn; per step the reduced shard then differs from the exact sum by (e_start - e_end) / (1 - beta)
+summed over the ranks (beta = 0: classic EF; LoCo beta 0.8), each e bounded by the codec's error on what it
+encoded, and LoCo's reset counts optimizer steps, not reductions. Deferred parameters (tied embeddings over PP,
+sequence-parallel norms) keep a whole buffer until ``step()`` as under ZeRO-1, since their gradient is summed over
+another group first. A ZeRO-1 checkpoint loads into ZeRO-2 and back: the saved state (masters, optimizer state,
+error feedback, counters) is the same.
 
 Traffic: gradients travel on a ``dp_gradient`` channel and parameters on a ``dp_parameter`` channel
 (megacomp.comm.Channel), either passed in (``grad_channel``/``param_channel``, as the trainer does) or
@@ -28,8 +52,9 @@ not compress (under their ``min_compress_numel``) are reduced uncompressed. With
 
 Failure behaviour: parameters on several devices or dtypes, duplicates, an empty list, or parameters
 that differ across the group (not replicated over ``process_group``) raise ValueError; a second
-backward without ``step()`` or ``no_sync()`` raises RuntimeError; a checkpoint from another layout,
-DP size or codec raises ValueError naming the difference.
+backward without ``step()`` or ``no_sync()`` raises RuntimeError (ZeRO-1); a checkpoint from another layout,
+DP size or codec raises ValueError naming the difference; ``zero_stage=2`` with ``shard=False``, a PowerSGD or
+Accordion gradient channel, or a 1-bit optimizer raises ValueError naming the fix.
 """
 from __future__ import annotations
 
@@ -72,10 +97,13 @@ class DistributedOptimizer(GradientReduction):
     arguments (then leave grad_codec/param_codec/error_feedback at None).
     ``shard=False``: every rank keeps the whole fp32 master and optimizer state (DDP + optimizer): gradients
     are all-reduced instead of reduce-scattered and there is no parameter all-gather (no ``param_codec``).
+    ``zero_stage``: 1 (full-size gradient buckets for the whole step) or 2 (gradients sharded as they are
+    produced; see the module docstring).
 
     Raises:
         ValueError: error feedback without a lossy gradient codec; both a channel and codec arguments;
-            bad bucket sizes or warm-up steps; parameters not replicated over the group (see above).
+            bad bucket sizes or warm-up steps; parameters not replicated over the group; a ``zero_stage``
+            other than 1 or 2, or 2 with ``shard=False`` or a PowerSGD / Accordion gradient channel.
     """
 
     def __init__(self, params: Iterable, optimizer_class=None, process_group=None,
@@ -84,7 +112,16 @@ class DistributedOptimizer(GradientReduction):
                  grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
                  grad_codec_warmup_steps: int = 0, grad_channel: Optional[Channel] = None,
-                 param_channel: Optional[Channel] = None, shard: bool = True, **defaults: Any) -> None:
+                 param_channel: Optional[Channel] = None, shard: bool = True, zero_stage: int = 1,
+                 **defaults: Any) -> None:
+        if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
+            raise ValueError(f"DistributedOptimizer: zero_stage must be 1 (sharded masters and optimizer state) or 2 "
+                             f"(also sharded gradients), got {zero_stage!r}; shard=False is the unsharded optimizer")
+        if zero_stage == 2 and not shard:
+            raise ValueError("DistributedOptimizer(zero_stage=2) keeps only this rank's shard of the gradients, which "
+                             "needs sharded masters: drop shard=False (pretraining: --no-shard-optimizer), or use "
+                             "zero_stage=1")
+        self.zero_stage = zero_stage
         self.group = process_group
         self.world, self.rank = dist.get_world_size(process_group), dist.get_rank(process_group)
         self.hierarchy = hierarchy
@@ -128,6 +165,10 @@ class DistributedOptimizer(GradientReduction):
         if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)) and (hierarchy is not None or not shard):
             raise ValueError("DistributedOptimizer: a powersgd or accordion gradient channel does not combine with "
                              "hierarchy or shard=False; drop those or use a codec such as int4")
+        if zero_stage == 2 and isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)):
+            raise ValueError("DistributedOptimizer(zero_stage=2) reduces every micro-batch's buckets as they fill; a "
+                             "powersgd or accordion gradient channel all-reduces whole buckets (nothing saved) and "
+                             "decides on whole-step gradients: use zero_stage=1, or a value codec such as int4")
         if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
             raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
         self.grad_codec_warmup_steps = grad_codec_warmup_steps
@@ -137,9 +178,10 @@ class DistributedOptimizer(GradientReduction):
                                                    lambda n: any(ch.compresses(n) for ch in lossy),
                                                    frozenset(id(p) for p in deferred_params))
         self._describe_policy()
-        device = groups[0]["params"][0].device
-        for b in self.buckets:
-            b.grad = torch.zeros(b.padded, dtype=torch.float32, device=device)
+        self.device = groups[0]["params"][0].device
+        for b in self.buckets:  # ZeRO-2 allocates a bucket's buffer per backward (deferred ones stay whole)
+            if zero_stage == 1 or b.deferred:
+                b.grad = torch.zeros(b.padded, dtype=torch.float32, device=self.device)
         if check_replicated:
             self._check_replicated()
         self.masters = [nn.Parameter(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.parts))].clone())
@@ -152,6 +194,8 @@ class DistributedOptimizer(GradientReduction):
         self._norm_weights = self._build_norm_weights(grad_norm_weight)
         self.step_count, self.skipped_steps, self.last_grad_norm = 0, 0, None
         self._accumulating, self._validated = False, False
+        self._in_flight: list = []  # ZeRO-2: (bucket, backend handle) of the reduce-scatter on the wire
+        self._end_queued = False  # ZeRO-2: the end-of-backward callback is queued for the running backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.params)]
 
@@ -185,7 +229,7 @@ class DistributedOptimizer(GradientReduction):
                  self.grad_channel.min_compress_numel)
 
     def _flat_params(self, b: Bucket) -> torch.Tensor:
-        flat = torch.zeros(b.padded, dtype=torch.float32, device=b.grad.device)
+        flat = torch.zeros(b.padded, dtype=torch.float32, device=self.device)
         for p, o in zip(b.params, b.offsets):
             flat[o:o + p.numel()] = p.detach().reshape(-1).float()
         return flat
@@ -199,7 +243,7 @@ class DistributedOptimizer(GradientReduction):
             if weight_fn is None or all(weight_fn(p) == 1.0 for p in b.params):
                 out.append(None)
                 continue
-            w = torch.zeros(b.padded, dtype=torch.float64, device=b.grad.device)
+            w = torch.zeros(b.padded, dtype=torch.float64, device=self.device)
             for p, o in zip(b.params, b.offsets):
                 w[o:o + p.numel()] = float(weight_fn(p))
             out.append(w if whole else w[slice(*b.shard_range(self.shard_index, self.parts))])
@@ -219,7 +263,7 @@ class DistributedOptimizer(GradientReduction):
 
     # -- step -------------------------------------------------------------------------------------
     def _all_reduce_max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.buckets[0].grad.device)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if self.grad_norm_group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.grad_norm_group)
@@ -336,11 +380,11 @@ class DistributedOptimizer(GradientReduction):
             levels = [self.grad_channel.low, self.grad_channel.high]
             for b in self.buckets:
                 if b.compressed:
-                    self.grad_channel.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, b.grad.device)
+                    self.grad_channel.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, self.device)
         if isinstance(levels[0], LowRankChannel):
             for b in self.buckets:
                 for ch in levels if b.compressed else ():
-                    ch.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params], b.grad.device)
+                    ch.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params], self.device)
             return
         if self.ef is None:
             return
@@ -358,6 +402,7 @@ class DistributedOptimizer(GradientReduction):
         self._init_ef_keys()
         local = {
             "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(), "sharded": self.sharded,
+            "zero_stage": self.zero_stage,  # informational: both stages save the same state and load each other's
             "grad_codec": self.grad_codec.to_dict() if self.grad_codec else None,
             "param_codec": self.param_codec.to_dict() if self.param_codec else None,
             "masters": [m.detach().clone() for m in self.masters], "rule": type(self.optimizer).__name__,

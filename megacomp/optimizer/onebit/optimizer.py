@@ -80,12 +80,17 @@ class OneBitOptimizer(DistributedOptimizer):
     :func:`OneBitAdam`, :func:`ZeroOneAdam` or :func:`OneBitLamb`.
 
     Raises:
-        ValueError: 0/1 Adam with ``shard=True``; bad codecs (see :func:`momentum_channel`); the base class's.
+        ValueError: 0/1 Adam with ``shard=True``; ``zero_stage=2``; bad codecs (see :func:`momentum_channel`); the
+            base class's.
     """
 
     def __init__(self, params: Iterable, rule_class, rule_kwargs: dict, schedule, process_group=None, *,
                  momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
                  shard: bool = True, min_compress_numel: int = 65536, grad_norm_weight=None, **base: Any) -> None:
+        if base.get("zero_stage", 1) != 1:
+            raise ValueError(f"{rule_class.__name__.replace('Rule', '')} exchanges each rank's whole local gradient or "
+                             f"momentum in step(), so its gradient buckets cannot be sharded in backward: use "
+                             f"zero_stage=1 (pretraining: --zero-stage 1)")
         if rule_class is ZeroOneAdamRule and shard:
             raise ValueError("0/1 Adam takes local steps that update every parameter on every rank, so its masters "
                              "cannot be sharded; pass shard=False (pretraining: --no-shard-optimizer)")
