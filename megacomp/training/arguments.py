@@ -22,7 +22,8 @@ from ..config import CommCompressionConfig, load_yaml
 from ..models.chunks import layers_per_virtual_stage_to_chunks
 from ..pipeline_parallel.interleaved import check_interleaving
 from .optimizer_args import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, OPTIMIZERS, OUTER_ALGORITHMS,  # noqa: F401 (re-exported)
-                             SPARSELOCO_CODEC, loqt_kwargs, mt_dao_optimizer_kwargs, onebit_kwargs, outer_config)
+                             SPARSELOCO_CODEC, check_lomo, check_zero_stage, loqt_kwargs, mt_dao_optimizer_kwargs,
+                             onebit_kwargs, outer_config)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -117,6 +118,12 @@ class PretrainConfig:
     shard_optimizer: bool = True
     """Shard the fp32 masters and optimizer state over DP (ZeRO-1) and all-gather parameters; --no-shard-optimizer
     keeps everything whole on every rank (all-reduce, no all-gather); 0/1 Adam needs it off."""
+    zero_stage: int = 1
+    """1: the sharded optimizer keeps full-size fp32 gradient buckets for the whole iteration. 2 (ZeRO-2, --optimizer
+    adamw with the sharded optimizer; not with powersgd / accordion dp_gradient): each bucket is reduce-scattered as
+    soon as a micro-batch's backward fills it and its full-size buffer freed, so only this rank's 1/DP shard of the
+    gradients persists; every micro-batch is reduced, i.e. (micro-batches - 1) x ZeRO-1's dp_gradient bytes more per
+    iteration. Checkpoints of either stage resume in the other."""
     demo_topk: int = 32
     """DeMo: coefficients kept per DCT tile (compression_topk)."""
     demo_chunk: int = 64
@@ -431,7 +438,8 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"initial_loss_scale must be > 0 and loss_scale_window >= 1, got {cfg.initial_loss_scale} and "
                          f"{cfg.loss_scale_window}")
     if cfg.optimizer in LOMO_OPTIMIZERS:
-        _check_lomo(cfg)
+        check_lomo(cfg)
+    check_zero_stage(cfg)
     if cfg.loqt_rank:
         loqt_kwargs(cfg)  # raises on bad values
     virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage
@@ -489,20 +497,3 @@ def virtual_chunks(cfg: PretrainConfig) -> int:
         return 1
     return layers_per_virtual_stage_to_chunks(cfg.num_layers, cfg.pipeline_model_parallel_size,
                                               cfg.num_layers_per_virtual_pipeline_stage)
-
-
-def _check_lomo(cfg: PretrainConfig) -> None:
-    """What LOMO / AdaLomo cannot do in pretraining (each ValueError names the fix)."""
-    name = cfg.optimizer
-    if cfg.pipeline_model_parallel_size != 1:
-        raise ValueError(f"optimizer {name} updates each parameter inside its backward: 1F1B's later micro-batches "
-                         f"would run on updated weights; set pipeline_model_parallel_size 1")
-    if cfg.sequence_parallel:
-        raise ValueError(f"optimizer {name} updates inside backward, before sequence-parallel gradients are summed "
-                         f"over TP; turn sequence_parallel off")
-    if cfg.outer_algorithm != "none" or cfg.adam_freeze_variance_step:
-        raise ValueError(f"optimizer {name} has no Adam state to freeze nor inner steps to hand to an outer loop; drop "
-                         f"--outer-algorithm / --adam-freeze-variance-step")
-    if not cfg.shard_optimizer:
-        raise ValueError(f"optimizer {name} keeps no sharded state (every DP rank updates every parameter); drop "
-                         f"--no-shard-optimizer")

@@ -121,3 +121,46 @@ def outer_config(cfg: PretrainConfig):
                         algorithm=algorithm, group_size=cfg.outer_group_size, seed=cfg.seed if noloco else 0,
                         codec=codec, error_feedback=cfg.outer_error_feedback,
                         fragments=cfg.outer_fragments, delay=cfg.outer_delay, mixing=cfg.outer_mixing)
+
+
+def check_lomo(cfg: PretrainConfig) -> None:
+    """What LOMO / AdaLomo cannot do in pretraining (each ValueError names the fix)."""
+    name = cfg.optimizer
+    if cfg.pipeline_model_parallel_size != 1:
+        raise ValueError(f"optimizer {name} updates each parameter inside its backward: 1F1B's later micro-batches "
+                         f"would run on updated weights; set pipeline_model_parallel_size 1")
+    if cfg.sequence_parallel:
+        raise ValueError(f"optimizer {name} updates inside backward, before sequence-parallel gradients are summed "
+                         f"over TP; turn sequence_parallel off")
+    if cfg.outer_algorithm != "none" or cfg.adam_freeze_variance_step:
+        raise ValueError(f"optimizer {name} has no Adam state to freeze nor inner steps to hand to an outer loop; drop "
+                         f"--outer-algorithm / --adam-freeze-variance-step")
+    if not cfg.shard_optimizer:
+        raise ValueError(f"optimizer {name} keeps no sharded state (every DP rank updates every parameter); drop "
+                         f"--no-shard-optimizer")
+
+
+def check_zero_stage(cfg: PretrainConfig) -> None:
+    """``zero_stage`` 1 or 2, and 2 only where megacomp.optimizer.DistributedOptimizer(zero_stage=2) runs: the sharded
+    AdamW optimizer (--optimizer adamw, --shard-optimizer) with a dp_gradient codec that reduce-scatters (not
+    powersgd / accordion). Raises ValueError naming the fix."""
+    if cfg.zero_stage not in (1, 2) or isinstance(cfg.zero_stage, bool):
+        raise ValueError(f"zero_stage must be 1 (sharded masters and optimizer state) or 2 (also sharded gradients), got "
+                         f"{cfg.zero_stage!r}; the unsharded optimizer is --no-shard-optimizer")
+    if cfg.zero_stage == 1:
+        return
+    if cfg.optimizer != "adamw":
+        why = ("keeps no gradient buffers at all (each gradient is reduced and freed inside backward)"
+               if cfg.optimizer in LOMO_OPTIMIZERS else "exchanges each rank's whole local gradient or momentum")
+        raise ValueError(f"zero_stage 2 shards the sharded AdamW optimizer's gradient buckets; optimizer "
+                         f"{cfg.optimizer} {why}: use --zero-stage 1 or --optimizer adamw")
+    if not cfg.shard_optimizer:
+        raise ValueError("zero_stage 2 keeps only this rank's shard of the gradients, which needs the sharded "
+                         "optimizer: drop --no-shard-optimizer, or use --zero-stage 1")
+    from ..compression import is_accordion, is_low_rank
+
+    grad = cfg.compression_config().dp_gradient
+    if is_low_rank(grad) or is_accordion(grad):
+        raise ValueError(f"zero_stage 2 reduce-scatters every micro-batch's buckets as they fill, but the compression "
+                         f"config's dp_gradient {grad} all-reduces whole buckets in low rank or picks codecs on "
+                         f"whole-step gradients: use --zero-stage 1 or a value codec (e.g. --compression loco4)")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Optional
 from ..config import TRAFFIC_PATHS, CommCompressionConfig
 
 if TYPE_CHECKING:  # annotations only
-    from ..optimizer import DeMo, OneBitOptimizer
+    from ..optimizer import DeMo, DistributedOptimizer, OneBitOptimizer
     from .arguments import PretrainConfig
 
 def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
@@ -163,3 +163,15 @@ def demo_summary(opt: DeMo) -> str:
     return (f"DeMo, top-{opt.compression_topk} of each DCT tile (up to {opt.compression_chunk}x{opt.compression_chunk}), "
             f"momentum decay {opt.compression_decay:g}, kept values {opt.value_codec}: {opt.wire_bytes_per_step() / 1e6:.3f} "
             f"MB per step to each DP peer vs {dense / 1e6:.3f} MB dense fp32 (dp_gradient; no dp_parameter all-gather)")
+
+
+def zero2_summary(opt: DistributedOptimizer, micro_batches: int) -> str:
+    """One line saying what ZeRO-2 keeps and sends (the banner's)."""
+    whole = [b for b in opt.buckets if b.deferred]
+    kept = (f"; {len(whole)} deferred bucket(s) ({sum(b.padded for b in whole) * 4 / 2**20:.2f} MiB, tied embeddings / "
+            f"sequence-parallel norms summed over another group first) stay whole until the step" if whole else "")
+    shard = sum(b.padded for b in opt.buckets) // opt.world * 4
+    largest = max(b.padded for b in opt.buckets) * 4
+    return (f"ZeRO-2: fp32 gradient shard {shard / 2**20:.2f} MiB per rank; each bucket (largest {largest / 2**20:.2f} MiB) "
+            f"reduce-scattered as soon as a micro-batch fills it and freed, {micro_batches} reduce-scatter(s) per "
+            f"bucket per iteration ({micro_batches}x ZeRO-1's dp_gradient messages){kept}")

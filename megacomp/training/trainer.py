@@ -46,7 +46,7 @@ from .guard import DivergenceGuard, TrainingDiverged
 from .aqsgd import build_activation_delta, summary as aqsgd_summary
 from .loqt import LoQTDriver
 from .metrics import MetricsLogger, gather_probe, gather_traffic
-from .report import RunTotals, banner, demo_summary, onebit_summary, outer_summary
+from .report import RunTotals, banner, demo_summary, onebit_summary, outer_summary, zero2_summary
 from .signals import ExitSignals
 
 
@@ -164,6 +164,8 @@ class Trainer:
                 print(f"  optimizer: {onebit_summary(self.optimizer, cfg)}", flush=True)
             if isinstance(self.optimizer, FusedStep):
                 print(f"  optimizer: {lomo_summary(self.optimizer, cfg)}", flush=True)
+            if cfg.zero_stage == 2:
+                print(f"  optimizer: {zero2_summary(self.optimizer, self.num_microbatches)}", flush=True)
             if self.loqt is not None:
                 print(f"  weights: {self.loqt.summary()}", flush=True)
             if self.activation_delta is not None:
@@ -227,7 +229,7 @@ class Trainer:
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-            shard=cfg.shard_optimizer)
+            shard=cfg.shard_optimizer, zero_stage=cfg.zero_stage)
 
     def _build_onebit(self, groups, norm_group, norm_weight, deferred):
         """1-bit Adam / 0/1 Adam / 1-bit LAMB over the DP group (each model-parallel rank's own); the momentum
