@@ -24,6 +24,7 @@ largest message the method's DP gradient channel sent). PASS / FAIL comes from t
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import multiprocessing as mp
@@ -43,9 +44,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megacomp.training.memory import CATEGORIES, PARTIAL, MemoryTracker, reset_rss_peak, rss  # noqa: E402
+from megacomp.training.memory import PARTIAL, MemoryTracker, reset_rss_peak, rss  # noqa: E402
 
-MiB = 1 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from memory_report import LABELS, ZERO_GROUPS, grad_detail, plot, table, zero_table  # noqa: E402,F401 (the report)
 
 
 # -- methods ----------------------------------------------------------------------------------------
@@ -60,6 +62,8 @@ class Method:
     warmup: int = 1
     grad_bound: bool = False
     notes: str = ""
+    extra: dict = field(default_factory=dict)
+    """More fields for the result row."""
 
 
 def _forward(model, tracker, ids, labels, watch=None, twice=False):
@@ -118,33 +122,51 @@ def build_adamw(model, dp, tracker, args) -> Method:
     return Method(step, sizes, warmup=max(2, args.warmup), notes="torch DDP, gradient_as_bucket_view, 25 MB buckets")
 
 
-def build_zero(model, dp, tracker, args) -> Method:
-    """megacomp.optimizer.DistributedOptimizer (ZeRO-1-like): fp32 flat gradient buckets (grad), fp32 master
-    shards and AdamW state on the shards (optim), reduce-scatter outputs and parameter all-gather buffers (comm)."""
+def build_zero(model, dp, tracker, args, stage: int = 1) -> Method:
+    """megacomp.optimizer.DistributedOptimizer, ZeRO-1 (``stage`` 1: fp32 flat gradient buckets for the whole step) or
+    ZeRO-2 (2: a bucket's full-size buffer lives from its first gradient of a backward until it is reduce-scattered;
+    this rank's fp32 shard accumulates): the buffers (grad), fp32 master shards and AdamW state (optim), reduce-scatter
+    outputs and parameter all-gather buffers (comm). The optimizer's own gradient storage, full-size buffers plus
+    reduced shards whatever their category, is also summed as label groups (the ZeRO table)."""
     from megacomp.optimizer import DistributedOptimizer
 
     opt = DistributedOptimizer(_groups(model, args.weight_decay), torch.optim.AdamW, dp, max_grad_norm=args.clip_grad,
-                               lr=args.lr, betas=(0.9, 0.95))
+                               lr=args.lr, betas=(0.9, 0.95), zero_stage=stage, bucket_size=args.bucket_size)
+    for name, prefix in ZERO_GROUPS.items():
+        tracker.track_labels(name, prefix)
     for b in opt.buckets:
-        tracker.tag(b.grad, "grad", f"bucket {b.index} ({b.numel} elements)")
+        if b.grad is not None:
+            tracker.tag(b.grad, "grad", f"optimizer: bucket {b.index} ({b.numel} elements)")
     tracker.tag(list(opt.masters), "optim")
-    launch, sync = opt._launch, opt.sync_params
+    launch, sync, new_buffer = opt._launch, opt.sync_params, opt._grad_buffer
 
     def launch_comm(b):
         with tracker.category("comm"):
             launch(b)
+        for t in (b.reduced, b.pending):  # the reduced shard (ZeRO-2: accumulated; a later micro-batch's temporary)
+            if t is not None:
+                tracker.label(t, f"optimizer: shard {b.index}")
 
     def sync_comm():
         with tracker.category("comm"):
             sync()
-    opt._launch, opt.sync_params = launch_comm, sync_comm
-    sizes = [max(b.padded * b.grad.element_size() for b in opt.buckets)]
+
+    def grad_buffer(b):  # ZeRO-2: one backward's buffer of a bucket
+        buf = new_buffer(b)
+        tracker.tag(buf, "grad", f"optimizer: bucket {b.index} ({b.numel} elements)")
+        return buf
+    opt._launch, opt.sync_params, opt._grad_buffer = launch_comm, sync_comm, grad_buffer
+    sizes = [max(b.padded * 4 for b in opt.buckets)]
+    # buckets fill in parallel per param group (decay / no-decay here): the largest of each, for ZeRO-2's expectation
+    per_group = [max(b.padded * 4 for b in opt.buckets if b.group == g) for g in sorted({b.group for b in opt.buckets})]
 
     def step(ids, labels):
         _forward(model, tracker, ids, labels).backward()
         opt.step()
         _tag_state(tracker, opt.optimizer)
-    return Method(step, sizes, warmup=args.warmup, notes="megacomp DistributedOptimizer, 4M-element buckets")
+    return Method(step, sizes, warmup=args.warmup, notes=f"megacomp DistributedOptimizer zero_stage={stage}, "
+                                                          f"{args.bucket_size:,}-element buckets",
+                  extra={"largest_bucket_per_group": per_group})
 
 
 def _lomo(cls, model, dp, tracker, args, **kw) -> Method:
@@ -225,10 +247,8 @@ def build_loqt(model, dp, tracker, args) -> Method:
 
 
 # name -> builder: a further row is one more entry
-METHODS: dict[str, Callable] = {"adamw": build_adamw, "zero1": build_zero, "lomo": build_lomo, "adalomo": build_adalomo,
-                                "loqt": build_loqt}
-LABELS = {"adamw": "AdamW (torch DDP)", "zero1": "ZeRO-1 DistributedOptimizer", "lomo": "LOMO", "adalomo": "AdaLomo",
-          "loqt": "LoQT (int8, AdamW)"}
+METHODS: dict[str, Callable] = {"adamw": build_adamw, "zero1": build_zero, "zero2": functools.partial(build_zero, stage=2),
+                                "lomo": build_lomo, "adalomo": build_adalomo, "loqt": build_loqt}
 
 
 # -- one rank ---------------------------------------------------------------------------------------
@@ -292,7 +312,7 @@ def run_rank(args, method: str) -> dict:
     out = tracker.summary()
     out.update(method=method, rank=rank, start=start, rss_start=rss0, rss_end=rss(), rss_peak_reset=reset_ok,
                rss_untracked_start=plain0, rss_untracked_end=plain1,
-               bucket_bytes=m.bucket_bytes[0], grad_bound_applies=m.grad_bound, notes=m.notes,
+               bucket_bytes=m.bucket_bytes[0], grad_bound_applies=m.grad_bound, notes=m.notes, **m.extra,
                largest_grad_bytes=max(p.numel() * p.element_size() for p in model.parameters()),
                param_count=sum(p.numel() for p in model.parameters()))
     if device.type == "cuda":
@@ -347,88 +367,6 @@ def launch(args, method: str) -> list[dict]:
     return [results[r] for r in range(args.dp)]
 
 
-# -- report ------------------------------------------------------------------------------------------
-def _mib(n) -> str:
-    return f"{n / MiB:,.1f}"
-
-
-def table(rows: list[dict], args) -> str:
-    """Markdown: the split at each rank's peak, category peaks, RSS / CUDA sanity, the gradient check."""
-    cuda = any("cuda_max_allocated" in r for r in rows)
-    head = ["method", "rank", "params", "grads", "optimizer state", "activations", "comm buffers", "other",
-            "**peak (tracked)**", "tracked peak - live at start", "RSS growth, untracked iteration",
-            "RSS growth, tracked iteration"] + (["CUDA max allocated"] if cuda else [])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-
-    def growth(a, b):
-        return _mib(b["VmHWM"] - a["VmRSS"]) if "VmHWM" in b and "VmRSS" in a else "-"
-    for r in rows:
-        a = r["at_peak"]
-        cells = [LABELS.get(r["method"], r["method"]), str(r["rank"])] + [_mib(a[c]) for c in CATEGORIES]
-        cells += [f"**{_mib(r['peak'])}**", _mib(r["peak"] - sum(r["start"].values())),
-                  growth(r["rss_untracked_start"], r["rss_untracked_end"]), growth(r["rss_start"], r["rss_end"])]
-        if cuda:
-            cells.append(_mib(r["cuda_max_allocated"]))
-        lines.append("| " + " | ".join(cells) + " |")
-    base = {r["rank"]: r for r in rows if r["method"] == "adamw"}
-    lines += ["", "| method | rank | peak gradients (all) | of which partials held by autograd | peak of whole "
-              "gradients | largest parameter gradient | largest bucket / message | bound = largest + bucket | "
-              "bound, all gradients | bound, whole gradients | gradients vs AdamW | peak vs AdamW | activations (own peak) | "
-              "optimizer state (own peak) |", "|" + "---|" * 14]
-    for r in rows:
-        g, ref = r["cat_peak"]["grad"], base.get(r["rank"])
-        checks = [("PASS" if r[k] else "FAIL") if r["grad_bound_applies"] else "(n/a)"
-                  for k in ("grad_bound_ok", "whole_grad_bound_ok")]
-        vs = f"{g / ref['cat_peak']['grad']:.2f}x" if ref else "-"
-        pk = f"{r['peak'] / ref['peak']:.2f}x" if ref else "-"
-        lines.append(f"| {LABELS.get(r['method'], r['method'])} | {r['rank']} | {_mib(g)} | "
-                     f"{_mib(r['partial_at_grad_peak'])} | {_mib(r['whole_grad_peak'])} | "
-                     f"{_mib(r['largest_grad_bytes'])} | {_mib(r['bucket_bytes'])} | {_mib(r['grad_bound_bytes'])} | "
-                     f"{checks[0]} | {checks[1]} | {vs} | {pk} | {_mib(r['cat_peak']['act'])} | "
-                     f"{_mib(r['cat_peak']['optim'])} |")
-    return "\n".join(lines)
-
-
-def grad_detail(rows: list[dict]) -> str:
-    """The gradients alive at each LOMO / AdaLomo rank's gradient peak (labels: parameter names)."""
-    out = []
-    for r in rows:
-        if r["grad_bound_applies"]:
-            live = ", ".join(f"{n} {_mib(b)}" for n, b in r["grad_live_at_peak"])
-            out.append(f"- {LABELS.get(r['method'], r['method'])} rank {r['rank']}: {live} (MiB)")
-    return "\n".join(out)
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [r for r in rows if r["rank"] == 0]
-    names = [LABELS.get(r["method"], r["method"]).replace(" ", "\n", 1) for r in rows]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    bottom = [0.0] * len(rows)
-    names_cat = {"param": "parameters", "grad": "gradients", "optim": "optimizer state", "act": "activations",
-                 "comm": "comm buffers", "temp": "other"}
-    for cat in CATEGORIES:
-        vals = [r["at_peak"][cat] / MiB for r in rows]
-        ax.bar(names, vals, bottom=bottom, label=names_cat[cat])
-        bottom = [b + v for b, v in zip(bottom, vals)]
-    for i, r in enumerate(rows):
-        if r["grad_bound_applies"]:
-            ax.annotate(f"grad peak {r['cat_peak']['grad'] / MiB:.0f} MiB, whole {r['whole_grad_peak'] / MiB:.0f}\n"
-                        f"bound {r['grad_bound_bytes'] / MiB:.0f}: {'PASS' if r['grad_bound_ok'] else 'FAIL'} / "
-                        f"{'PASS' if r['whole_grad_bound_ok'] else 'FAIL'}", (i, bottom[i]), ha="center",
-                        va="bottom", fontsize=7)
-    ax.set_ylabel("MiB at the rank's peak (rank 0)")
-    ax.set_title("Measured peak memory per rank, split at the peak")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", default=str(REPO / "configs" / "gpt_125m.yaml"))
@@ -444,6 +382,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--clip-grad", type=float, default=1.0, help="0: no clipping (LOMO then runs one backward)")
     ap.add_argument("--num-layers", type=int), ap.add_argument("--hidden-size", type=int)
     ap.add_argument("--num-attention-heads", type=int), ap.add_argument("--vocab-size", type=int)
+    ap.add_argument("--bucket-size", type=int, default=1 << 22, help="ZeRO rows: DistributedOptimizer bucket_size "
+                    "(elements; its default)")
     ap.add_argument("--loqt-rank", type=int, default=128)
     ap.add_argument("--loqt-block", type=int, default=128, help="int8 block size of LoQT's base weights")
     ap.add_argument("--update", action="store_true", help="keep the other methods' rows of OUT/results.json")
@@ -473,6 +413,9 @@ def main(argv: Optional[list[str]] = None) -> int:
              f"seq {args.seq_length}; clip {args.clip_grad}; MiB per rank, measured iteration after "
              f"{args.warmup} warm-up (AdamW/DDP 2)")
     text = f"{setup}\n\n{table(rows, args)}\n\nGradients alive at the gradient peak:\n\n{grad_detail(rows)}\n"
+    zt = zero_table(rows, args.dp)
+    if zt:
+        text += f"\nZeRO-1 vs ZeRO-2, the optimizer's gradient storage (MiB per rank):\n\n{zt}\n"
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

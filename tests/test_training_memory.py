@@ -1,6 +1,6 @@
 """megacomp.training.memory.MemoryTracker against allocations whose sizes are known by hand, and
 scripts/memory_bench.py's method builders on a tiny GPT at DP 2 (the LOMO / AdaLomo gradient bound checked
-from the measurement)."""
+from the measurement) and, for ZeRO-1 vs ZeRO-2, at DP 4."""
 import argparse
 import importlib.util
 import sys
@@ -97,6 +97,29 @@ def test_tied_parameter_partials_are_gradients_and_summed_in_place():
     assert t.current["grad"] == w.numel() * F32 and t.category_of(w.grad) == "grad"
 
 
+def test_label_groups_sum_storages_by_label_across_categories():
+    t = MemoryTracker()
+    with t:
+        t.track_labels("opt", "optimizer:")
+        a = torch.zeros(100)  # temp
+        t.tag(a, "grad", "optimizer: bucket 0")
+        with t.category("comm"):
+            b = torch.empty(50)
+        t.label(b, "optimizer: shard 0")  # labelled, still comm
+        assert t.category_of(b) == "comm" and t.label_peak["opt"] == 150 * F32
+        c = torch.empty(30)
+        t.tag(c, "grad", "w")  # another gradient: not in the group
+        del a
+        d = torch.zeros(20)
+        t.label(d, "optimizer: bucket 1")
+        assert t.label_peak["opt"] == 150 * F32 and t.current["grad"] == 30 * F32
+        assert sorted(t.label_live_at_peak["opt"]) == [("optimizer: bucket 0", 400), ("optimizer: shard 0", 200)]
+        t.reset_peak()
+        assert t.label_peak["opt"] == 70 * F32
+        assert t.summary()["label_peak"] == {"opt": 70 * F32}
+        del b, c, d
+
+
 def test_rss_helpers():
     r = rss()
     assert r["ru_maxrss"] > 0
@@ -122,7 +145,7 @@ HIDDEN = 32
 def _args(**kw):
     base = dict(config=None, num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, vocab_size=1024, seq_length=32,
                 micro_batch_size=1, params_dtype="float32", device="cpu", warmup=1, lr=1e-3, weight_decay=0.1,
-                clip_grad=1.0, loqt_rank=4, loqt_block=32)
+                clip_grad=1.0, loqt_rank=4, loqt_block=32, bucket_size=1 << 22)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -137,7 +160,7 @@ def results():
 
 
 def test_builders_are_data():
-    assert {"adamw", "zero1", "lomo", "adalomo", "loqt"} <= set(_bench().METHODS)
+    assert {"adamw", "zero1", "zero2", "lomo", "adalomo", "loqt"} <= set(_bench().METHODS)
 
 
 def test_loqt_keeps_int8_base_weights_and_small_optimizer_state(results):
@@ -186,3 +209,21 @@ def test_lomo_gradient_bound_measured(results, method):
         assert r["cat_peak"]["grad"] < ref["cat_peak"]["grad"] and r["peak"] < ref["peak"]
     if method == "adalomo":  # factored second moments: rows + columns, far below AdamW's two full moments
         assert 0 < results[method][0]["cat_peak"]["optim"] < results["adamw"][0]["cat_peak"]["optim"] / 10
+
+
+def test_zero2_holds_a_gradient_shard_and_the_buckets_in_progress():
+    """DP 4, a tiny GPT (vocabulary 128) in 4K-element buckets, measured by the tracker: ZeRO-1's optimizer holds
+    every full-size buffer for the step (and the reduced shards beside them); ZeRO-2's peak is the shards (1/4 of
+    ZeRO-1's buffers) plus the buckets backward is filling (one per param group here: the matrices' and the biases /
+    norms', which fill side by side) plus at most the one on the wire; the reduced shards are the same bytes."""
+    args = _args(bucket_size=1 << 12, vocab_size=128)
+    res = {m: run_ranks(_body, 4, m, args, timeout=180) for m in ("zero1", "zero2")}
+    for r1, r2 in zip(res["zero1"], res["zero2"]):
+        full, bucket = r1["label_peak"]["full buckets"], r2["bucket_bytes"]
+        in_progress = bucket + sum(r2["largest_bucket_per_group"])  # one on the wire, one filling per group
+        assert full > 2 * in_progress  # enough buckets for the saving to show
+        assert r1["label_peak"]["shards"] == r2["label_peak"]["shards"] == full // 4
+        assert r1["label_peak"]["optimizer gradients"] == full + full // 4  # ZeRO-1: all at once, after the last launch
+        assert r2["label_peak"]["full buckets"] <= in_progress, r2["label_live_at_peak"]
+        assert r2["label_peak"]["optimizer gradients"] <= full // 4 + in_progress
+        assert r2["cat_peak"]["grad"] < r1["cat_peak"]["grad"]

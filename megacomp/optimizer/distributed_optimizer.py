@@ -17,9 +17,11 @@ produced. Every backward (micro-batch) fills a fresh full-size fp32 buffer per b
 its reduce-scatter starts and the buffer is released (at once when the reduce-scatter is compressed, which
 encodes it on launch; when the reduction finishes otherwise), and the reduced shard is added into this rank's
 fp32 gradient shard, the only gradient storage that persists between micro-batches. At most one reduction is in
-flight: the next bucket's launch waits for it, so at most two full-size buffers exist (the one backward fills and
-the one still on the wire; one when the wire keeps up, as a finished reduction is reaped before backward allocates
-the next buffer). ``step()`` is then ZeRO-1's on the accumulated shards. Bytes on the wire per step: M
+flight (the next bucket's launch waits for it; a finished one is reaped before backward allocates a buffer), so the
+full-size buffers alive are the buckets backward is filling plus at most one uncompressed reduce-scatter's input:
+with gradients arriving in bucket order, one filling bucket per stream of buckets (a bucket holds one param group's
+parameters, and with a codec only matrices or only 1-D parameters, so e.g. the small bias / norm bucket fills
+alongside the matrices' over the whole backward). ``step()`` is then ZeRO-1's on the accumulated shards. Bytes on the wire per step: M
 reduce-scatters per bucket for M micro-batches instead of one, i.e. (M - 1) x ZeRO-1's dp_gradient bytes more
 (uncompressed: (M - 1) (N - 1) / N x 4 bytes per gradient element and rank); the parameter all-gather is
 unchanged. Results: with one micro-batch per step bit-identical to ZeRO-1 (same reductions of the same buffers);

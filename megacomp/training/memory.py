@@ -23,7 +23,10 @@ A storage's category can change (:meth:`tag`; the gradient rules above), except 
 are kept. Peaks: ``peak`` is the largest total of live bytes with its split per category at that moment
 (``at_peak``), ``cat_peak`` each category's own maximum, ``grad_live_at_peak`` the (label, bytes) of every
 gradient alive at the gradient peak, and ``whole_grad_peak`` the peak of gradient bytes leaving out partial
-gradients (labelled ``(partial)``: a tied parameter's contributions held by the engine until all arrived). Call :meth:`reset_peak` to start a new measurement window.
+gradients (labelled ``(partial)``: a tied parameter's contributions held by the engine until all arrived). Label
+groups (:meth:`track_labels`) add the peak of the storages whose label starts with given prefixes, whatever their
+category (``label_peak``, with ``label_live_at_peak``): e.g. an optimizer's own gradient buffers and reduced shards
+apart from autograd's gradients. Call :meth:`reset_peak` to start a new measurement window.
 
 Not counted: storages that existed before the tracker started and were never tagged (they are ignored, also
 when an op returns a view of them); memory allocated below the dispatcher (scratch space inside a kernel,
@@ -52,10 +55,10 @@ PARTIAL = "(partial)"  # label suffix of a partial gradient held by the autograd
 
 
 class _Entry:
-    __slots__ = ("cat", "nbytes", "label", "__weakref__")
+    __slots__ = ("cat", "nbytes", "label", "groups", "__weakref__")
 
     def __init__(self, cat: str, nbytes: int, label: str) -> None:
-        self.cat, self.nbytes, self.label = cat, nbytes, label
+        self.cat, self.nbytes, self.label, self.groups = cat, nbytes, label, ()
 
 
 def _storage(t: torch.Tensor):
@@ -91,6 +94,8 @@ class MemoryTracker(TorchDispatchMode):
         self._default = ["temp"]
         self._names: dict[int, str] = {}
         self._finished = False  # a backward node returned and the next has not started: engine bookkeeping
+        self._label_groups: dict[str, tuple[str, ...]] = {}  # name -> label prefixes (track_labels)
+        self._group_entries: dict[str, dict[int, _Entry]] = {}  # name -> live entries with such a label
         self.reset_peak()
 
     # -- accounting --------------------------------------------------------------------------------
@@ -102,6 +107,8 @@ class MemoryTracker(TorchDispatchMode):
         self.grad_live_at_peak = self._grad_list()
         self.whole_grad_peak = 0
         self._whole()
+        self.label_peak = {g: self._group_bytes(g) for g in self._label_groups}
+        self.label_live_at_peak = {g: self._group_list(g) for g in self._label_groups}
 
     def _grad_list(self) -> list[tuple[str, int]]:
         return sorted(((e.label, e.nbytes) for e in self._grads.values()), key=lambda x: -x[1])
@@ -126,6 +133,45 @@ class MemoryTracker(TorchDispatchMode):
         self.current[entry.cat] -= entry.nbytes
         self._grads.pop(id(entry), None)
         self._refs.pop(id(entry), None)
+        self._set_groups(entry, ())
+
+    # -- label groups ------------------------------------------------------------------------------
+    def track_labels(self, name: str, *prefixes: str) -> None:
+        """Keep ``label_peak[name]``: the peak of live bytes of storages whose label starts with one of
+        ``prefixes``, in any category (also those labelled before this call), and the (label, bytes) alive then
+        (``label_live_at_peak[name]``)."""
+        self._label_groups[name] = tuple(prefixes)
+        self._group_entries[name] = {}
+        for e in list(self._entries.values()):
+            self._relabelled(e)
+        self.label_peak[name] = self._group_bytes(name)
+        self.label_live_at_peak[name] = self._group_list(name)
+
+    def _group_bytes(self, name: str) -> int:
+        return sum(e.nbytes for e in self._group_entries[name].values())
+
+    def _group_list(self, name: str) -> list[tuple[str, int]]:
+        return sorted(((e.label, e.nbytes) for e in self._group_entries[name].values()), key=lambda x: -x[1])
+
+    def _set_groups(self, entry: _Entry, groups: tuple) -> None:
+        for g in entry.groups:
+            self._group_entries[g].pop(id(entry), None)
+        entry.groups = groups
+        for g in groups:
+            self._group_entries[g][id(entry)] = entry
+        self._group_peaks(groups)
+
+    def _relabelled(self, entry: _Entry) -> None:
+        groups = tuple(g for g, pre in self._label_groups.items() if entry.label.startswith(pre)) if entry.label else ()
+        if groups != entry.groups:
+            self._set_groups(entry, groups)
+
+    def _group_peaks(self, groups) -> None:
+        for g in groups:
+            n = self._group_bytes(g)
+            if n > self.label_peak.get(g, 0):
+                self.label_peak[g] = n
+                self.label_live_at_peak[g] = self._group_list(g)
 
     def _account(self, t: torch.Tensor, cat: str, label: str = "", retag: bool = False, inputs=()) -> None:
         if self.device is not None and t.device.type != self.device:
@@ -144,16 +190,21 @@ class MemoryTracker(TorchDispatchMode):
             if cat == "grad":
                 self._grads[id(e)] = e
             self._changed(cat)
+            if self._label_groups and label:
+                self._relabelled(e)
             return
         n = st.nbytes()
         if n != e.nbytes:  # resized by an out= op or resize_
             self.current[e.cat] += n - e.nbytes
             e.nbytes = n
             self._changed(e.cat)
+            self._group_peaks(e.groups)
         if label and (retag or not e.label) and label != e.label:
             e.label = label
             if e.cat == "grad":
                 self._whole()
+            if self._label_groups:
+                self._relabelled(e)
         if retag and e.cat != cat and e.cat not in _STICKY:
             self.current[e.cat] -= e.nbytes
             self._grads.pop(id(e), None)
@@ -168,6 +219,19 @@ class MemoryTracker(TorchDispatchMode):
         st = _storage(t)
         e = self._entries.get(st) if st is not None else None
         return e.cat if e is not None else None
+
+    def label(self, tensors, label: str) -> None:
+        """Give ``tensors`` (one or an iterable) the label ``label`` without changing their category (registering
+        storages not seen yet under the current default category)."""
+        for t in [tensors] if isinstance(tensors, torch.Tensor) else tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"MemoryTracker.label takes tensors, got {type(t).__name__}")
+            self._account(t, self._default[-1], label, retag=False)
+            e = self._entries.get(_storage(t)) if _storage(t) is not None else None
+            if e is not None and e.label != label:
+                e.label = label
+                if self._label_groups:
+                    self._relabelled(e)
 
     def tag(self, tensors, category: str, label: str = "") -> None:
         """Count ``tensors`` (one tensor or an iterable) under ``category`` from now on (registering storages
@@ -210,6 +274,7 @@ class MemoryTracker(TorchDispatchMode):
             self.current[reused.cat] -= reused.nbytes
             self._grads.pop(id(reused), None)
             reused.nbytes = 0
+            self._set_groups(reused, ())
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._account(t, cat, reused.label if reused is not None else "", inputs=in_storages)
@@ -270,9 +335,11 @@ class MemoryTracker(TorchDispatchMode):
     # -- reports -------------------------------------------------------------------------------------
     def summary(self) -> dict:
         """Plain numbers (bytes): peak total and its split, each category's own peak, the live gradients at the
-        gradient peak, the peak of whole gradients (partials the engine holds left out), and the bytes alive now."""
+        gradient peak, the peak of whole gradients (partials the engine holds left out), the label groups' peaks
+        and what was alive at each, and the bytes alive now."""
         return {"peak": self.peak, "at_peak": dict(self.at_peak), "cat_peak": dict(self.cat_peak),
-                "whole_grad_peak": self.whole_grad_peak,
+                "whole_grad_peak": self.whole_grad_peak, "label_peak": dict(self.label_peak),
+                "label_live_at_peak": {g: [list(x) for x in v] for g, v in self.label_live_at_peak.items()},
                 "grad_live_at_peak": [list(x) for x in self.grad_live_at_peak], "current": dict(self.current)}
 
 
