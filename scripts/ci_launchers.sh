@@ -6,8 +6,9 @@
 #
 #   torchrun  scripts/pretrain_gpt.sh (torchrun --standalone --nproc-per-node 4 -m megacomp.pretrain ...):
 #             TP 2 x DP 2 with tp_fp8, TP 2 x PP 2 with all, DiLoCo over 2 replicas of TP 2 (int4 outer), and
-#             1-bit Adam on TP 2 x PP 2 x DP 2 (8 ranks), AdaLomo with int4 + LoCo gradients on TP 2 x DP 2, and
-#             the interleaved schedule with AQ-SGD activation deltas on PP 2 (x 2 virtual) x DP 2
+#             1-bit Adam on TP 2 x PP 2 x DP 2 (8 ranks), AdaLomo with int4 + LoCo gradients on TP 2 x DP 2, the
+#             interleaved schedule with AQ-SGD activation deltas on PP 2 (x 2 virtual) x DP 2, and ZeRO-2 with
+#             int4 + LoCo gradients and int8 parameters on TP 2 x DP 2
 #   slurm     scripts/slurm_up.sh (installs Slurm when missing), sbatch --wait scripts/pretrain_gpt.sbatch
 #             (4 tasks, PP 2 x DP 2, all), check its output; then a long job with SAVE=LOAD is sent SIGUSR1
 #             (scancel --signal=USR1, as the script's --signal=USR1@120 would be before the time limit): it
@@ -163,6 +164,10 @@ stage_torchrun() {
   launch torchrun_aqsgd_pp2vp2_dp2 torchrun "PP2xVP2xDP2" pp_aqsgd4 pp_activation,pp_gradient \
     PP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --num-layers-per-virtual-pipeline-stage 1 \
     --global-batch-size 32 --dataset-samples 32
+  # ZeRO-2 on TP 2 x DP 2: the tiny config's 2 micro-batches per DP rank each reduce-scatter every bucket (int4 +
+  # LoCo, residuals counted once per step) as soon as backward fills it, then free it; int8 parameter all-gathers
+  launch torchrun_zero2_tp2_dp2 torchrun "TP2xDP2" loco4_qwz dp_gradient,dp_parameter \
+    TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --zero-stage 2
 }
 
 # ---- (b) Slurm ---------------------------------------------------------------------------------------
