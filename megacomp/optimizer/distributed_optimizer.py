@@ -36,7 +36,8 @@ summed over the ranks (beta = 0: classic EF; LoCo beta 0.8), each e bounded by t
 encoded, and LoCo's reset counts optimizer steps, not reductions. Deferred parameters (tied embeddings over PP,
 sequence-parallel norms) keep a whole buffer until ``step()`` as under ZeRO-1, since their gradient is summed over
 another group first. A ZeRO-1 checkpoint loads into ZeRO-2 and back: the saved state (masters, optimizer state,
-error feedback, counters) is the same.
+error feedback, counters) is the same, so the stage is not saved (a new key would also make
+torch.distributed.checkpoint refuse checkpoints written without it).
 
 Traffic: gradients travel on a ``dp_gradient`` channel and parameters on a ``dp_parameter`` channel
 (megacomp.comm.Channel), either passed in (``grad_channel``/``param_channel``, as the trainer does) or
@@ -404,7 +405,6 @@ class DistributedOptimizer(GradientReduction):
         self._init_ef_keys()
         local = {
             "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(), "sharded": self.sharded,
-            "zero_stage": self.zero_stage,  # informational: both stages save the same state and load each other's
             "grad_codec": self.grad_codec.to_dict() if self.grad_codec else None,
             "param_codec": self.param_codec.to_dict() if self.param_codec else None,
             "masters": [m.detach().clone() for m in self.masters], "rule": type(self.optimizer).__name__,
