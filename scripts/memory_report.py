@@ -72,7 +72,11 @@ def zero_table(rows: list[dict], dp: int) -> str:
         live = r["label_live_at_peak"]["optimizer gradients"]
         bufs = [b for n, b in live if n.startswith(ZERO_GROUPS["full buckets"])]
         shards = sum(b for n, b in live if n.startswith(ZERO_GROUPS["shards"]))
-        alive = f"{len(bufs)} full-size buffer(s) ({' + '.join(_mib(b) for b in bufs) or '0'}), shards {_mib(shards)}"
+        counts = {}
+        for b in bufs:
+            counts[b] = counts.get(b, 0) + 1
+        sizes = ", ".join(f"{n} x {_mib(b)}" if n > 1 else _mib(b) for b, n in counts.items()) or "none"
+        alive = f"{len(bufs)} full-size buffer(s) ({sizes}), shards {_mib(shards)}"
         lines.append(f"| {LABELS[r['method']]} | {r['rank']} | **{_mib(lp['optimizer gradients'])}** | "
                      f"{_mib(lp['full buckets'])} | {_mib(lp['shards'])} | {_mib(expect)} | "
                      f"{lp['optimizer gradients'] / expect:.2f}x | "
