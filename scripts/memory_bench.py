@@ -1,9 +1,10 @@
 """Measured peak memory per rank, split into parameters, gradients, optimizer state, activations and
-communication buffers, for AdamW (torch DDP), megacomp's ZeRO-1-like DistributedOptimizer, LOMO and AdaLomo
-(issue 21, "Memory accounting").
+communication buffers, for AdamW (torch DDP), megacomp's DistributedOptimizer as ZeRO-1 and ZeRO-2, LOMO and
+AdaLomo (issue 21, "Memory accounting"; ZeRO-2: issue 18).
 
     python scripts/memory_bench.py                 # 125M config, DP 2 gloo ranks, writes docs/memory/
     python scripts/memory_bench.py --dp 1 --methods lomo,adalomo --out /tmp/mem
+    python scripts/memory_bench.py --dp 4 --methods zero1,zero2 --out docs/memory/zero2
 
 Every rank builds the GPT of ``--config`` (all parameter shapes of that config: vocabulary padded to a
 multiple of 8 as the trainer does, the position table of the config's context length), runs ``--warmup``
@@ -20,6 +21,10 @@ one more entry (added automatically when megacomp.tensor_parallel.loqt exists an
 The gradient check (issue 21's acceptance): for LOMO / AdaLomo the measured peak of live gradient bytes must not
 exceed the largest parameter's gradient plus one communication bucket, both measured (the bucket is the
 largest message the method's DP gradient channel sent). PASS / FAIL comes from the numbers, nothing else.
+
+The ZeRO check (issue 18's acceptance): with both ZeRO rows, a further table compares the peak of the optimizer's
+own gradient storage (its full-size bucket buffers plus its reduced shards, measured as tracker label groups) with
+ZeRO-1's buffers / DP + the largest bucket (scripts/memory_report.py renders the tables).
 """
 from __future__ import annotations
 

@@ -12,32 +12,34 @@ Algorithm per step, over the data-parallel group of N ranks:
      all-gathers the updated parameters (with ``param_codec``, e.g. int8 blocks as in ZeRO++ qwZ) into
      the model parameters.
 
-ZeRO-2 (``zero_stage=2``; megacomp.optimizer.reduction has the details): gradients are sharded as they are
-produced. Every backward (micro-batch) fills a fresh full-size fp32 buffer per bucket; when a bucket is complete
-its reduce-scatter starts and the buffer is released (at once when the reduce-scatter is compressed, which
-encodes it on launch; when the reduction finishes otherwise), and the reduced shard is added into this rank's
-fp32 gradient shard, the only gradient storage that persists between micro-batches. At most one reduction is in
-flight (the next bucket's launch waits for it; a finished one is reaped before backward allocates a buffer), so the
-full-size buffers alive are the buckets backward is filling plus at most one uncompressed reduce-scatter's input:
-with gradients arriving in bucket order, one filling bucket per stream of buckets (a bucket holds one param group's
-parameters, and with a codec only matrices or only 1-D parameters, so e.g. the small bias / norm bucket fills
-alongside the matrices' over the whole backward). ``step()`` is then ZeRO-1's on the accumulated shards. Bytes on the wire per step: M
+ZeRO-2 (``zero_stage=2``; megacomp.optimizer.reduction has the details): gradients are sharded as they are produced.
+Every backward (micro-batch) fills a fresh full-size fp32 buffer per bucket; when a bucket is complete its
+reduce-scatter starts and the buffer is released (at once when the reduce-scatter is compressed, which encodes it on
+launch; when the reduction finishes otherwise), and the reduced shard is added into this rank's fp32 gradient shard,
+the only gradient storage that persists between micro-batches. At most one reduction is in flight (the next bucket's
+launch waits for it; a finished one is reaped before backward allocates a buffer), so the full-size buffers alive
+are the buckets backward is filling plus at most one uncompressed reduce-scatter's input: with gradients arriving in
+bucket order, one filling bucket per stream of buckets (a bucket holds one param group's parameters, and with a
+codec only matrices or only 1-D parameters, so e.g. the small bias / norm bucket fills alongside the matrices' over
+the whole backward). ``step()`` is then ZeRO-1's on the accumulated shards. Bytes on the wire per step: M
 reduce-scatters per bucket for M micro-batches instead of one, i.e. (M - 1) x ZeRO-1's dp_gradient bytes more
-(uncompressed: (M - 1) (N - 1) / N x 4 bytes per gradient element and rank); the parameter all-gather is
-unchanged. Results: with one micro-batch per step bit-identical to ZeRO-1 (same reductions of the same buffers);
-with M > 1 the sum over ranks and micro-batches is taken in another order (micro-batches of each rank first under
-ZeRO-1, ranks first under ZeRO-2), so an element of the averaged gradient may differ by fp32 round-off: both are
-sums of the same NM fp32 terms, each within gamma(NM - 1) x sum|g| of the exact sum (gamma(k) = k u / (1 - k u),
-u = 2^-24, any summation tree), so they differ by at most 2 gamma(NM - 1) x sum|g| / N (checked in
-tests/test_optimizer_zero2.py; exact when the sums are, e.g. integer-valued gradients). Error
-feedback keeps one residual per bucket (the full bucket, as under ZeRO-1) and is updated by each micro-batch's
-reduction in turn; per step the reduced shard then differs from the exact sum by (e_start - e_end) / (1 - beta)
-summed over the ranks (beta = 0: classic EF; LoCo beta 0.8), each e bounded by the codec's error on what it
-encoded, and LoCo's reset counts optimizer steps, not reductions. Deferred parameters (tied embeddings over PP,
-sequence-parallel norms) keep a whole buffer until ``step()`` as under ZeRO-1, since their gradient is summed over
-another group first. A ZeRO-1 checkpoint loads into ZeRO-2 and back: the saved state (masters, optimizer state,
-error feedback, counters) is the same, so the stage is not saved (a new key would also make
-torch.distributed.checkpoint refuse checkpoints written without it).
+(uncompressed: (M - 1) (N - 1) / N x 4 bytes per gradient element and rank); the parameter all-gather is unchanged.
+Results: with one micro-batch per step bit-identical to ZeRO-1 (same reductions of the same buffers); with M > 1 the
+sum over ranks and micro-batches is taken in another order (micro-batches of each rank first under ZeRO-1, ranks
+first under ZeRO-2), so an element of the averaged gradient may differ by fp32 round-off: both are sums of the same
+NM fp32 terms, each within gamma(NM - 1) x sum|g| of the exact sum (gamma(k) = k u / (1 - k u), u = 2^-24, any
+summation tree), so they differ by at most 2 gamma(NM - 1) x sum|g| / N (plus one rounding of the 1 / N scaling when
+N is not a power of two; checked in tests/test_optimizer_zero2.py; exact when the sums are, e.g. integer-valued
+gradients). Error feedback keeps one residual per compressed bucket, updated by each micro-batch's reduction in
+turn; it covers the whole bucket, as under ZeRO-1, and persists (fp32 by default: with error feedback ZeRO-2 saves
+the gradient buffers' bytes but keeps residuals of the same size; bf16 or int8 error storage shrinks them); per step
+the reduced shard then differs from the exact sum by (e_start - e_end) / (1 - beta) summed over the ranks (beta = 0:
+classic EF; LoCo beta 0.8), each e bounded by the codec's error on what it encoded, and LoCo's reset counts
+optimizer steps, not reductions. Deferred parameters (tied embeddings over PP, sequence-parallel norms) keep a whole
+buffer until ``step()`` as under ZeRO-1, since their gradient is summed over another group first. A ZeRO-1
+checkpoint loads into ZeRO-2 and back: the saved state (masters, optimizer state, error feedback, counters) is the
+same, so the stage is not saved (a new key would also make torch.distributed.checkpoint refuse checkpoints written
+without it).
 
 Traffic: gradients travel on a ``dp_gradient`` channel and parameters on a ``dp_parameter`` channel
 (megacomp.comm.Channel), either passed in (``grad_channel``/``param_channel``, as the trainer does) or
