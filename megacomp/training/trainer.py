@@ -31,13 +31,12 @@ from ..comm.probe import ErrorProbe
 from ..launch import init_distributed
 from ..models.chunks import GPTChunks
 from ..models.gpt import GPTConfig, GPTModel, split_layers
-from ..optimizer import (DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW, OneBitAdam, OneBitLamb,
-                         OneBitOptimizer, ZeroOneAdam)
+from ..optimizer import DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW, OneBitOptimizer
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..outer.mt_dao import average_optimizer_state
 from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
                                  forward_backward_pipelining_without_interleaving)
-from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs, onebit_kwargs,
+from .arguments import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, PretrainConfig, check, mt_dao_optimizer_kwargs,
                         outer_config, virtual_chunks)
 from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, load_model_weights, prune_checkpoints,
                          save_checkpoint)
@@ -46,6 +45,7 @@ from .guard import DivergenceGuard, TrainingDiverged
 from .aqsgd import build_activation_delta, summary as aqsgd_summary
 from .loqt import LoQTDriver
 from .metrics import MetricsLogger, gather_probe, gather_traffic
+from .optimizers import build_demo, build_onebit
 from .report import RunTotals, banner, demo_summary, onebit_summary, outer_summary, zero2_summary
 from .signals import ExitSignals
 
@@ -214,10 +214,10 @@ class Trainer:
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         norm_group = g.mp if g.tp_size * g.pp_size > 1 else None
         if cfg.optimizer == "demo":
-            return self._build_demo(groups, norm_group, norm_weight)
+            return build_demo(cfg, self.compression, self.channels, groups, norm_group, norm_weight)
         deferred = ([tied] if tied is not None else []) + self._sp_params()
         if cfg.optimizer in ONEBIT_OPTIMIZERS:
-            return self._build_onebit(groups, norm_group, norm_weight, deferred)
+            return build_onebit(cfg, self.compression, self.channels, g.dp, groups, norm_group, norm_weight, deferred)
         optimizer_class = torch.optim.AdamW
         if cfg.outer_algorithm == "mt_dao":
             optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(cfg))
@@ -230,36 +230,6 @@ class Trainer:
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             shard=cfg.shard_optimizer, zero_stage=cfg.zero_stage)
-
-    def _build_onebit(self, groups, norm_group, norm_weight, deferred):
-        """1-bit Adam / 0/1 Adam / 1-bit LAMB over the DP group (each model-parallel rank's own); the momentum
-        path is the optimizer's, so the compression config's dp_gradient must be uncompressed."""
-        cfg, c, ch = self.cfg, self.compression, self.channels.dp_gradient
-        if ch.lossy or ch.error_feedback is not None or c.dp_gradient_warmup_steps:
-            raise ValueError(f"optimizer {cfg.optimizer} exchanges momentum (set its codec with --momentum-codec) and "
-                             f"reduces warm-up gradients in full precision: the compression config's dp_gradient must "
-                             f"be none without error feedback or warm-up (got {ch!r}, warm-up {c.dp_gradient_warmup_steps})")
-        build = {"onebit_adam": OneBitAdam, "zero_one_adam": ZeroOneAdam, "onebit_lamb": OneBitLamb}[cfg.optimizer]
-        pc = self.channels.dp_parameter
-        return build(groups, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), max_grad_norm=cfg.clip_grad,
-                     process_group=self.groups.dp, param_channel=pc,
-                     grad_norm_group=norm_group, grad_norm_weight=norm_weight, deferred_params=deferred,
-                     min_compress_numel=c.min_compress_numel, **onebit_kwargs(cfg))
-
-    def _build_demo(self, groups, norm_group, norm_weight) -> DeMo:
-        """DeMo on the dp_gradient channel (its codec, if any, is the format of the kept values); there is no
-        parameter all-gather, since every DP rank applies the same update."""
-        cfg, c, ch = self.cfg, self.compression, self.channels.dp_gradient
-        if ch.error_feedback is not None or ch.codec.structured or c.dp_gradient_warmup_steps:
-            raise ValueError(f"optimizer demo keeps its own residual (the momentum) and does its own DCT and top-k: the "
-                             f"compression config's dp_gradient must be a plain value format without error feedback "
-                             f"or warm-up (got {ch!r}, warm-up {c.dp_gradient_warmup_steps}); e.g. none, bf16 or int8")
-        if not self.channels.dp_parameter.codec.is_identity:
-            raise ValueError(f"optimizer demo sends no parameters (every DP rank applies the same update), but the "
-                             f"compression config sets dp_parameter {self.channels.dp_parameter.codec}; drop it")
-        return DeMo(groups, lr=cfg.lr, compression_decay=cfg.demo_decay, compression_topk=cfg.demo_topk,
-                    compression_chunk=cfg.demo_chunk, value_codec=ch.codec, channel=ch, max_grad_norm=cfg.clip_grad or None,
-                    grad_norm_group=norm_group, grad_norm_weight=norm_weight)
 
     def _after_outer_sync(self) -> None:
         """The model's parameters were replaced by the outer step: reload the optimizer's fp32 masters; under
