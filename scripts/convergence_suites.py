@@ -379,3 +379,12 @@ SUITES["tp_codecs"] = {
                  "int8 /128, Hadamard 128, dual scale": _tp({**INT8H, "dual_scale": True}),
                  "int8 /64 (one row), Hadamard 64": _tp({"name": "int8", "block_size": 64, "hadamard": 64}),
                  "int4 /128, Hadamard 128": _tp({"name": "int4", "block_size": 128, "hadamard": 128})}}
+
+# issue #23's third layout, TP 2 x PP 2 x DP 2 on 8 ranks (run with --nproc 8 into its own --out: results.json
+# files merge only at equal nproc); not yet run
+SUITES["ablation_tp2pp2dp2"] = {
+    "layout": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
+    "bytes_kinds": ["tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "pp_activation", "pp_gradient",
+                    "dp_gradient", "dp_parameter"],
+    "variants": {"none": {}, "all (fp8 TP)": SUITES["ablation_tp2pp2"]["variants"]["all (fp8 TP)"],
+                 "all_int8": {**ALL_INT8, **PROBE}}}
