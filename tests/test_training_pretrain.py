@@ -26,12 +26,14 @@ def base(tmp_path_factory):
                           data_path=files, data_cache_dir=str(cache), tokenizer_max_bytes=400_000, log_interval=1)
 
 
-def _train_body(rank, world, cfg):
+def _train_body(rank, world, cfg, probe=False):
     trainer = Trainer(cfg)
     try:
         history = trainer.train()
     finally:
         trainer.close()
+    if probe:  # loss, traffic and the compression-error probe of each iteration
+        return [(h["loss"], h["traffic"], h.get("probe")) for h in history]
     return [(h["loss"], h["wire_bytes"], h["uncompressed_bytes"], h["traffic"]) for h in history]
 
 
@@ -250,15 +252,6 @@ def test_onebit_optimizer_bad_configuration_errors(base):
         run_ranks(_train_body, 1, replace(base, optimizer="onebit_adam", compression="loco4"))
 
 
-def _probe_body(rank, world, cfg):
-    trainer = Trainer(cfg)
-    try:
-        history = trainer.train()
-    finally:
-        trainer.close()
-    return [(h["loss"], h["traffic"], h.get("probe")) for h in history]
-
-
 @pytest.mark.parametrize("pp,preset", [(2, "all_int8"), (1, "all"), (1, "all_int8")])
 def test_error_probe_logs_every_compressed_path_and_changes_nothing(base, pp, preset):
     """TP 2 x PP 2 and TP 2 x DP 2 (sharded optimizer: asynchronous reduce-scatters) with sequence parallelism and
@@ -268,8 +261,8 @@ def test_error_probe_logs_every_compressed_path_and_changes_nothing(base, pp, pr
     all_paths["min_compress_numel"] = 256
     cfg = replace(base, tensor_model_parallel_size=2, pipeline_model_parallel_size=pp, sequence_parallel=True,
                   train_iters=3, compression=all_paths)
-    plain = run_ranks(_probe_body, 4, cfg)[0]
-    probed = run_ranks(_probe_body, 4, replace(cfg, compression={**all_paths, "error_probe_interval": 2}))[0]
+    plain = run_ranks(_train_body, 4, cfg, True)[0]
+    probed = run_ranks(_train_body, 4, replace(cfg, compression={**all_paths, "error_probe_interval": 2}), True)[0]
     assert [(l, t) for l, t, _ in probed] == [(l, t) for l, t, _ in plain]
     assert [p is not None for _, _, p in probed] == [True, True, False]  # the first iteration, then every 2nd
     for loss, traffic, probe in probed[:2]:

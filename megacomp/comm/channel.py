@@ -34,8 +34,9 @@ from torch.distributed import ReduceOp
 
 from ..compression import CodecLike, ErrorFeedback, as_error_feedback, check_error_feedback_codec, make_codec
 from . import collectives, p2p
+from .common import CompressedWork
 from .options import CommOptions
-from .probe import ErrorProbe, ProbedWork, optional_probe
+from .probe import ErrorProbe, optional_probe
 from .stats import PROCESS_STATS, StatsTable
 
 log = logging.getLogger("megacomp")
@@ -232,7 +233,7 @@ class Channel:
         if work is None:  # synchronous: already delivered
             compare(delivered)
             return None
-        return ProbedWork(work, lambda: compare(delivered))
+        return CompressedWork(lambda: (work.wait(), compare(delivered)))  # finishes once, then compares
 
     # -- checkpointing -------------------------------------------------------------------------------
     def state_dict(self, error_feedback: bool = True) -> dict[str, Any]:

@@ -162,25 +162,6 @@ class ErrorProbe:
         self.record(path, tag, key, self._next_index(path), decoded, tensor, input_stats(tensor))
 
 
-class ProbedWork:
-    """An async handle whose ``wait()`` also compares the delivered result (after the collective finished)."""
-
-    def __init__(self, work, after: Callable[[], None]) -> None:
-        self._work, self._after = work, after
-
-    def wait(self, timeout=None) -> bool:
-        """Finish the collective, then record the comparison (once)."""
-        self._work.wait()
-        if self._after is not None:
-            fn, self._after = self._after, None
-            fn()
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether :meth:`wait` has run."""
-        return self._after is None
-
-
 def combine(records: list[ProbeRecord]) -> list[ProbeRecord]:
     """Merge the records of one call made on several ranks (same path, key and index: e.g. the TP ranks of a
     layer, or every rank's shard of a bucket): errors and norms add, numels add, the statistics take the max."""
