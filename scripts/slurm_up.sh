@@ -121,8 +121,19 @@ EOF
 # ---- 3. daemons ------------------------------------------------------------------------------------
 start() {  # start NAME: foreground daemon in its own session, stdio to a file, pid recorded
   local name=$1
+  # The stdout file is appended across runs; a header marks where this start's output begins.
+  echo "=== slurm_up: starting $name at $(date '+%F %T')" >>"$SLURM_DIR/$name.stdout"
   setsid "$name" -D -f "$CONF" </dev/null >>"$SLURM_DIR/$name.stdout" 2>&1 &
-  echo $! >"$SLURM_DIR/$name.launch.pid"
+  local pid=$! i
+  echo "$pid" >"$SLURM_DIR/$name.launch.pid"
+  # $! is the forked shell, which only becomes $name once setsid has exec'd it; checking
+  # /proc/$pid/comm before that reads "bash" or "setsid" and would report a live daemon as exited
+  # (a CI run failed on exactly that). Wait for the exec, or for the process to go away.
+  for ((i = 0; i < 100; i++)); do
+    [ -d "/proc/$pid" ] || return 0
+    [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] && return 0
+    sleep 0.05
+  done
 }
 export SLURM_CONF=$CONF
 start slurmctld
