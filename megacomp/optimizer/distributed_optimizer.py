@@ -339,25 +339,27 @@ class DistributedOptimizer(GradientReduction):
     def sync_params(self) -> None:
         """All-gather the master shards into the model parameters (``param_codec`` on compressed buckets)."""
         for b, m in zip(self.buckets, self.masters):
-            if not self.sharded:  # the master is the whole bucket
-                with torch.no_grad():
-                    for p, o in zip(b.params, b.offsets):
-                        p.copy_(m[o:o + p.numel()].view_as(p))
-                continue
-            dtype = b.params[0].dtype
-            full = torch.empty(b.padded, dtype=dtype, device=m.device)
-            ch = self.param_channel if b.compressed else self._param_plain
-            if self.hierarchy is None:
-                ch.all_gather_into_tensor(full, m.detach().to(dtype), group=self.group, validate=not self._validated)
-            else:  # across nodes with the codec, then full precision inside the node (qwZ + hpZ)
-                intra, inter = self.hierarchy
-                chunk = torch.empty(b.padded // dist.get_world_size(intra), dtype=dtype, device=m.device)
-                ch.all_gather_into_tensor(chunk, m.detach().to(dtype), group=inter, validate=not self._validated)
-                comm.all_gather_into_tensor(full, chunk, group=intra, tag="dp_parameter_intra",
-                                            validate=not self._validated)
+            full = m.detach() if not self.sharded else self.gather_bucket(b, m)  # unsharded: the master is whole
             with torch.no_grad():
                 for p, o in zip(b.params, b.offsets):
                     p.copy_(full[o:o + p.numel()].view_as(p))
+
+    def gather_bucket(self, b: Bucket, master: torch.Tensor) -> torch.Tensor:
+        """The whole bucket ``b`` (length ``b.padded``, the parameters' dtype) all-gathered from every rank's
+        ``master`` shard over the group (``param_codec`` when the bucket is compressed), without touching the
+        model (megacomp.optimizer.acco gathers into side buffers while the model computes)."""
+        dtype = b.params[0].dtype
+        full = torch.empty(b.padded, dtype=dtype, device=master.device)
+        ch = self.param_channel if b.compressed else self._param_plain
+        if self.hierarchy is None:
+            ch.all_gather_into_tensor(full, master.detach().to(dtype), group=self.group, validate=not self._validated)
+        else:  # across nodes with the codec, then full precision inside the node (qwZ + hpZ)
+            intra, inter = self.hierarchy
+            chunk = torch.empty(b.padded // dist.get_world_size(intra), dtype=dtype, device=master.device)
+            ch.all_gather_into_tensor(chunk, master.detach().to(dtype), group=inter, validate=not self._validated)
+            comm.all_gather_into_tensor(full, chunk, group=intra, tag="dp_parameter_intra",
+                                        validate=not self._validated)
+        return full
 
     @property
     def param_groups(self):

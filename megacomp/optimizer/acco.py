@@ -1,0 +1,308 @@
+"""ACCO (Accumulate while you Communicate; Nabli et al. 2024): the sharded optimizer's communication and update of
+one half of the batch run in a background thread while the other half's gradients are computed.
+
+Each optimizer step t splits the step's micro-batches into two halves, A and B. With θ_t the parameters after
+step t (θ_0 the initial ones) and θ̃_t an estimate of them (θ̃_0 = θ_0), on every data-parallel rank:
+
+  half A of step t    model at θ̃_t: gradients G_A = Σ_A ∇ℓ(θ̃_t)      background: real update of step t - 1
+                                                                       (reduce-scatter, update, all-gather θ_t)
+  ``estimate(scale)``  waits for θ_t; puts θ_t into the model; starts the estimate in the background:
+                      θ̃_{t+1} = Opt(θ_t, scale · mean_ranks G_A) on a copy of the masters and optimizer state
+                      (the state is not advanced), all-gathered into a side buffer
+  half B of step t    model at θ_t:  gradients G_B = Σ_B ∇ℓ(θ_t)       background: the estimate
+  ``step()``          waits for θ̃_{t+1}; puts it into the model; starts the real update in the background:
+                      θ_{t+1} = Opt(θ_t, mean_ranks (G_A + G_B)), masters and optimizer state advanced,
+                      all-gathered into a second side buffer
+
+So the update of step t is the optimizer's step on the gradient of the whole batch (with the loss divided by the
+number of micro-batches M, as for DistributedOptimizer), whose half B is evaluated at θ_t and half A at θ̃_t, the
+parameters the half-batch update predicted: the delay of the overlap is compensated by the estimate, and with
+θ̃_t = θ_t the step is DistributedOptimizer's. ``scale`` (M / |A|) turns the half sum into a mean for the estimate.
+Every wait happens between halves, so the wire time of both collectives is hidden when a half's computation is
+longer than a reduce-scatter + update + all-gather. Bytes on the wire per step: two reduce-scatters and two
+all-gathers, i.e. twice DistributedOptimizer's dp_gradient and dp_parameter bytes (both counted there). Memory: a
+second full fp32 gradient buffer (the reduction's input while the next half accumulates) and two full parameter
+buffers per bucket, plus a copy of the shard's masters and optimizer state during an estimate.
+
+Error bound: with codecs the real update's reduce-scatter keeps the gradient channel's error feedback (key per
+bucket, as DistributedOptimizer); the estimate's is the same codec without error feedback (its error affects only
+θ̃, never the committed state). With no codecs ``step()`` is exact: tests/test_optimizer_acco.py compares it with an
+independent single-process restatement of the two formulas above, bit for bit on integer-valued data.
+
+Threads and groups: the background thread issues the optimizer's collectives (reduce-scatter, all-gather, the
+overflow and gradient-norm all-reduces) on private copies of its data-parallel and gradient-norm groups created
+here (collectively over each group's members: construct on every rank in the same order), so collectives of the
+model (TP, PP, the tied-embedding sum) on the main thread never interleave with them on one communicator.
+
+Checkpoints: :meth:`synchronized` (a context) waits for the update in flight and puts θ_t into the model, so a
+checkpoint written inside holds the real parameters; :meth:`state_dict` adds this rank's shard of θ̃ (as all ranks
+received it) to the optimizer's; :meth:`load_state_dict` restores both, so a resumed run continues bit for bit. A
+checkpoint without the estimate (written without ACCO) resumes with θ̃ = θ, ACCO's own start.
+
+Failure behaviour: a DistributedOptimizer that is unsharded, ZeRO-2, hierarchical, PowerSGD / Accordion, fp16 with a
+loss scaler or a subclass (1-bit family) raises ValueError; calls out of order (``step`` before ``estimate``,
+``estimate`` twice) raise RuntimeError; an exception in the background thread is raised again at the next wait.
+Inf/NaN gradients: the real update is skipped on every rank (counted in ``skipped_steps``, error feedback reset, as
+DistributedOptimizer), an estimate from them is θ_t itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..comm import AccordionChannel, LowRankChannel
+from ..comm.common import global_ranks
+from ..comm.transport import _transport, use_duplex
+from .distributed_optimizer import DistributedOptimizer
+
+log = logging.getLogger("megacomp")
+
+
+def private_group(group):
+    """A new communicator over the members of ``group`` (created by the members only, in the same order on each),
+    with its gloo direction groups made now, on the calling thread, not lazily on a background one."""
+    if group is None and dist.get_world_size() == 1:
+        return group
+    clone = dist.new_group(global_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True)
+    if use_duplex(clone, None):
+        _transport(clone).direction_groups()
+    return clone
+
+
+class ACCO:
+    """Overlaps a :class:`DistributedOptimizer`'s communication and update with the next half-batch's gradients (see
+    the module docstring). ``optimizer``: ZeRO-1, sharded, flat (no hierarchy), a value codec or none, no loss
+    scaler. Its hooks then only accumulate; drive it with :meth:`estimate` after half A and :meth:`step` after half
+    B of every step, instead of ``optimizer.step()``."""
+
+    def __init__(self, optimizer: DistributedOptimizer) -> None:
+        opt = optimizer
+        if type(opt) is not DistributedOptimizer:
+            raise ValueError(f"ACCO overlaps DistributedOptimizer's AdamW-style update; {type(opt).__name__} has its "
+                             f"own reduction (1-bit family): use it without ACCO")
+        why = ("unsharded (shard=False)" if not opt.sharded else "ZeRO-2" if opt.zero_stage == 2 else
+               "hierarchical" if opt.hierarchy is not None else "fp16 with a loss scaler" if opt.scaler is not None
+               else "PowerSGD / Accordion" if isinstance(opt.grad_channel, (LowRankChannel, AccordionChannel))
+               else None)
+        if why:
+            raise ValueError(f"ACCO needs a ZeRO-1 sharded DistributedOptimizer with a value codec (or none), flat "
+                             f"data parallelism and bf16/fp32 parameters; this one is {why}")
+        if opt.step_count or opt.skipped_steps or any(b.ready for b in opt.buckets):
+            raise ValueError("ACCO must wrap a DistributedOptimizer before its first backward")
+        self.opt = opt
+        self._main_group = opt.group
+        opt.group = private_group(opt.group)
+        if opt.grad_norm_group is not None:
+            opt.grad_norm_group = private_group(opt.grad_norm_group)
+        opt._accumulating = True  # the hooks only accumulate; the reductions run in the background jobs
+        self._estimate_channel = opt.grad_channel.without_error_feedback()
+        self._reduced_input = [torch.zeros_like(b.grad) for b in opt.buckets]  # G_A, then G_A + G_B
+        flat = [opt._flat_params(b).to(b.params[0].dtype) for b in opt.buckets]
+        self._real = [f.clone() for f in flat]  # θ_t as all-gathered (the model's values)
+        self._estimate = flat  # θ̃_t as all-gathered
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megacomp-acco")
+        self._job: Optional[Future] = None
+        self._job_kind = ""
+        self.phase = "A"
+        self.last_stepped: Optional[bool] = None
+        """Whether the most recently finished real update stepped (False: skipped on inf/NaN); None before one."""
+
+    # -- the two calls per step -------------------------------------------------------------------------
+    def estimate(self, scale: float = 2.0) -> None:
+        """After half A: wait for the previous real update, put θ_t into the model, start the estimate from this
+        half's gradients times ``scale`` (M / micro-batches in A)."""
+        if self.phase != "A":
+            raise RuntimeError("ACCO.estimate() was already called for this step; call step() after half B")
+        if not (scale > 0):
+            raise ValueError(f"ACCO.estimate: scale must be > 0 (micro-batches per step / micro-batches in half A), "
+                             f"got {scale!r}")
+        self._wait()
+        for b, r in zip(self.opt.buckets, self._reduced_input):  # G_A leaves the accumulation buffers
+            b.grad, self._reduced_input[b.index] = r.zero_(), b.grad
+        self._submit(self._estimate_job, "estimate", float(scale))
+        self._load_model(self._real)
+        self.phase = "B"
+
+    def step(self) -> None:
+        """After half B: wait for the estimate, put θ̃_{t+1} into the model, start the real update of this step
+        from the gradients of both halves. The update lands by the next :meth:`estimate` (or :meth:`synchronized`)."""
+        if self.phase != "B":
+            raise RuntimeError("ACCO.step() needs ACCO.estimate() after the first half of the step")
+        self._wait()
+        for b, r in zip(self.opt.buckets, self._reduced_input):
+            r.add_(b.grad)
+            b.grad.zero_()
+        self._submit(self._real_job, "update")
+        self._load_model(self._estimate)
+        self.phase = "A"
+
+    @contextlib.contextmanager
+    def synchronized(self):
+        """Inside: the update in flight has landed and the model holds θ_t (to evaluate or checkpoint); on exit the
+        model goes back to θ̃_t for the next half A. Only between steps."""
+        if self.phase != "A":
+            raise RuntimeError("ACCO.synchronized() between estimate() and step(): call it between steps")
+        self._wait()
+        self._load_model(self._real)
+        try:
+            yield
+        finally:
+            self._load_model(self._estimate)
+
+    def finish(self) -> None:
+        """Wait for the last update and leave θ_T in the model (end of training); stops the background thread."""
+        if self.phase != "A":
+            raise RuntimeError("ACCO.finish() between estimate() and step(): finish the step first")
+        self._wait()
+        self._load_model(self._real)
+        self._estimate = [r.clone() for r in self._real]
+        self._pool.shutdown()
+
+    # -- background jobs ----------------------------------------------------------------------------------
+    def _submit(self, fn, kind: str, *args) -> None:
+        self._job, self._job_kind = self._pool.submit(fn, *args), kind
+
+    def _wait(self) -> None:
+        if self._job is not None:
+            job, kind, self._job = self._job, self._job_kind, None
+            try:
+                job.result()
+            except Exception as e:
+                raise RuntimeError(f"ACCO: the background {kind} failed: {e}") from e
+
+    def _reduce(self, estimate: bool) -> list[torch.Tensor]:
+        opt = self.opt
+        warm = opt.step_count + opt.skipped_steps < opt.grad_codec_warmup_steps
+        shards = []
+        for b, g in zip(opt.buckets, self._reduced_input):
+            out = torch.empty(b.padded // opt.world, dtype=torch.float32, device=opt.device)
+            if not b.compressed or warm:
+                ch, key = opt._grad_plain, None
+            else:
+                ch, key = (self._estimate_channel, None) if estimate else (opt.grad_channel, f"dp_gradient/b{b.index}")
+            ch.reduce_scatter_tensor(out, g, group=opt.group, key=key, validate=not opt._validated)
+            out.mul_(1.0 / opt.world)
+            start, end = b.shard_range(opt.shard_index, opt.parts)
+            if end > b.numel:  # padding carries no gradient (a sign codec would decode 0 as +scale)
+                out[max(b.numel - start, 0):].zero_()
+            shards.append(out)
+        return shards
+
+    def _update(self, shards: list[torch.Tensor]) -> bool:
+        """DistributedOptimizer.step's overflow check, clipping and inner step on the given averaged shards."""
+        opt = self.opt
+        if opt._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards))):
+            return False
+        if opt.max_grad_norm is not None:
+            opt.last_grad_norm = opt._global_norm(shards)
+            coef = opt.max_grad_norm / (opt.last_grad_norm + 1e-6)
+            if coef < 1.0:
+                for s in shards:
+                    s.mul_(coef)
+        for m, s in zip(opt.masters, shards):
+            m.grad = s
+        opt.optimizer.step()
+        for m in opt.masters:
+            m.grad = None
+        return True
+
+    @torch.no_grad()
+    def _estimate_job(self, scale: float) -> None:
+        opt = self.opt
+        shards = self._reduce(estimate=True)
+        for s in shards:
+            s.mul_(scale)
+        masters = [m.detach().clone() for m in opt.masters]
+        state = {p: {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+                 for p, st in opt.optimizer.state.items()}
+        norm = opt.last_grad_norm
+        try:
+            if self._update(shards):
+                self._estimate = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
+            else:  # inf/NaN in half A: no prediction, the estimate is θ_t
+                self._estimate = [r.clone() for r in self._real]
+        finally:  # the estimate never advances the committed state
+            for m, saved in zip(opt.masters, masters):
+                m.copy_(saved)
+            for p in list(opt.optimizer.state):
+                if p in state:
+                    opt.optimizer.state[p] = state[p]
+                else:
+                    del opt.optimizer.state[p]
+            opt.last_grad_norm = norm
+
+    @torch.no_grad()
+    def _real_job(self) -> None:
+        opt = self.opt
+        shards = self._reduce(estimate=False)
+        self.last_stepped = self._update(shards)
+        if self.last_stepped:
+            self._real = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
+            opt.step_count += 1
+            opt._validated = True
+        else:
+            opt.skipped_steps += 1
+            if opt.ef is not None:
+                opt.ef.reset()
+            log.debug("megacomp ACCO: inf/NaN gradients, step %d skipped", opt.step_count)
+
+    @torch.no_grad()
+    def _load_model(self, buffers: list[torch.Tensor]) -> None:
+        for b, full in zip(self.opt.buckets, buffers):
+            for p, o in zip(b.params, b.offsets):
+                p.copy_(full[o:o + p.numel()].view_as(p))
+
+    # -- checkpointing -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state_dict (call inside :meth:`synchronized`) plus this rank's shard of θ̃ per bucket."""
+        if self._job is not None or self.phase != "A":
+            raise RuntimeError("ACCO.state_dict() inside ACCO.synchronized() (the update in flight must land first)")
+        state = self.opt.state_dict()
+        local = state[f"dp_rank_{self.opt.rank}"]
+        local["acco_estimate"] = [e[slice(*b.shard_range(self.opt.shard_index, self.opt.parts))].clone()
+                                  for b, e in zip(self.opt.buckets, self._estimate)]
+        return state
+
+    def init_state(self) -> None:
+        """A fresh optimizer's state for the torch.distributed.checkpoint template (see DistributedOptimizer)."""
+        self.opt.init_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the optimizer (θ_t into the model) and θ̃_t (all-gathered from the saved shards; θ_t when the
+        checkpoint has none), then put θ̃_t into the model for the next half A."""
+        if self._job is not None or self.phase != "A":
+            raise RuntimeError("ACCO.load_state_dict() between steps only")
+        opt = self.opt
+        opt.load_state_dict(state)  # raises ValueError on a mismatched checkpoint; gathers θ_t into the model
+        self._real = [opt._flat_params(b).to(b.params[0].dtype) for b in opt.buckets]
+        saved = state[f"dp_rank_{opt.rank}"].get("acco_estimate")
+        if saved is None:
+            log.info("megacomp ACCO: the checkpoint has no ACCO estimate (written without ACCO): resuming with "
+                     "estimate = parameters, as ACCO starts")
+            self._estimate = [r.clone() for r in self._real]
+        else:
+            self._estimate = []
+            for b, shard in zip(opt.buckets, saved):
+                full = torch.empty(b.padded, dtype=shard.dtype, device=opt.device)
+                dist.all_gather_into_tensor(full, shard.to(opt.device), group=opt.group)
+                self._estimate.append(full)
+        self._load_model(self._estimate)
+
+    # -- what DistributedOptimizer users read --------------------------------------------------------------
+    @property
+    def param_groups(self):
+        """The inner optimizer's param groups (set ``lr`` here before ``estimate``: both updates of a step use it)."""
+        return self.opt.param_groups
+
+    def no_sync(self):
+        """A no-op context (ACCO's hooks never communicate), so code written for DistributedOptimizer runs."""
+        return contextlib.nullcontext()
+
+    def main_grad(self, param):
+        """The accumulated gradient of ``param`` in the current half (see DistributedOptimizer.main_grad)."""
+        return self.opt.main_grad(param)
