@@ -26,6 +26,12 @@ from test_optimizer_distributed import batch, loss_fn, make_model
 ADAM = dict(lr=1e-2, weight_decay=0.1)
 
 
+def lr_at(step):
+    """A schedule that changes every step: both updates of step t must use step t's value, even when the caller sets
+    step t + 1's while step t's update is still in flight."""
+    return 1e-2 * (1 + step % 3) / 3
+
+
 def grads_at(model, params, world, step, micro_range, micro_batches):
     """Per rank: Σ over the given micro-batches of ∇(loss / M), accumulated in order as the rank's fp32 bucket does."""
     with torch.no_grad():
@@ -72,12 +78,14 @@ def restated_acco(world, steps, micro_batches, max_norm):
     half = micro_batches // 2
     history = []
     for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
         ga = grads_at(model, estimate, world, step, range(half), micro_batches)
         gb = grads_at(model, [t.detach() for t in theta], world, step, range(half, micro_batches), micro_batches)
         # estimate on a copy of the parameters and state
         shadow = [t.detach().clone().requires_grad_() for t in theta]
         shadow_opt = torch.optim.AdamW(shadow, **ADAM)
-        shadow_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        shadow_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # carries this step's lr
         adamw_step(shadow, shadow_opt, [g / world * (micro_batches / half) for g in rank_sum(ga)], max_norm)
         # the real update on the whole batch (each rank adds its halves, then the ranks are summed)
         both = rank_sum([[a + b for a, b in zip(ra, rb)] for ra, rb in zip(ga, gb)])
@@ -92,6 +100,8 @@ def run_acco(rank, model, acco, steps, micro_batches, start=0):
     half = micro_batches // 2
     history = []
     for step in range(start, start + steps):
+        for g in acco.param_groups:
+            g["lr"] = lr_at(step)
         for m in range(half):
             (loss_fn(model, *batch(rank, step, m)) / micro_batches).backward()
         acco.estimate(micro_batches / half)

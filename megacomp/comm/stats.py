@@ -12,8 +12,11 @@ codec's saving on that path. Counts are local to the process; the demo and train
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
+
+_HELD = threading.local()  # per thread: a list while held_records() is active (see there)
 
 
 @dataclass
@@ -45,7 +48,12 @@ class StatsTable:
         self._stats: dict[str, WireStats] = {}
 
     def record(self, tag: str, wire_bytes: int, uncompressed_bytes: int) -> None:
-        """Add one call of ``tag``: bytes this rank sent and the uncompressed equivalent."""
+        """Add one call of ``tag``: bytes this rank sent and the uncompressed equivalent (held for later instead
+        while this thread is inside :func:`held_records`)."""
+        held = getattr(_HELD, "records", None)
+        if held is not None:
+            held.append((self, tag, int(wire_bytes), int(uncompressed_bytes)))
+            return
         with self._lock:
             s = self._stats.setdefault(tag, WireStats())
             s.calls += 1
@@ -75,3 +83,23 @@ def stats() -> dict[str, WireStats]:
 def reset_stats() -> None:
     """Zero the process's table (the trainer does after logging each iteration)."""
     PROCESS_STATS.reset()
+
+
+@contextlib.contextmanager
+def held_records():
+    """Inside, this thread's records go into the yielded list instead of their tables; :func:`replay` adds them
+    later. A background job (megacomp.optimizer.acco) holds its traffic so that the thread that waits for it books
+    the bytes at that point: per-iteration byte counts then do not depend on how far the job got by the time the
+    iteration's statistics are read."""
+    previous = getattr(_HELD, "records", None)
+    _HELD.records = out = []
+    try:
+        yield out
+    finally:
+        _HELD.records = previous
+
+
+def replay(records: list) -> None:
+    """Book records kept by :func:`held_records` into their tables."""
+    for table, tag, wire, uncompressed in records:
+        table.record(tag, wire, uncompressed)

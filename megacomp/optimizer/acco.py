@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ..comm import AccordionChannel, LowRankChannel
 from ..comm.common import global_ranks
+from ..comm.stats import held_records, replay
 from ..comm.transport import _transport, use_duplex
 from .distributed_optimizer import DistributedOptimizer
 
@@ -108,6 +109,12 @@ class ACCO:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megacomp-acco")
         self._job: Optional[Future] = None
         self._job_kind = ""
+        self._records: list = []  # the finished job's wire statistics, booked at the wait
+        # what callers set between steps (lr, weight decay, ...): the jobs of a step apply the values of its
+        # estimate() to the inner optimizer on their own thread, so a change for step t + 1 made while step t's
+        # update is in flight cannot reach it
+        self._param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
+        self._hyper: list[dict] = []
         self.phase = "A"
         self.last_stepped: Optional[bool] = None
         """Whether the most recently finished real update stepped (False: skipped on inf/NaN); None before one."""
@@ -122,22 +129,27 @@ class ACCO:
             raise ValueError(f"ACCO.estimate: scale must be > 0 (micro-batches per step / micro-batches in half A), "
                              f"got {scale!r}")
         self._wait()
+        self._hyper = [dict(g) for g in self._param_groups]  # this step's hyperparameters, for both of its jobs
         for b, r in zip(self.opt.buckets, self._reduced_input):  # G_A leaves the accumulation buffers
             b.grad, self._reduced_input[b.index] = r.zero_(), b.grad
         self._submit(self._estimate_job, "estimate", float(scale))
         self._load_model(self._real)
         self.phase = "B"
 
-    def step(self) -> None:
+    def step(self, scale: float = 1.0) -> None:
         """After half B: wait for the estimate, put θ̃_{t+1} into the model, start the real update of this step
-        from the gradients of both halves. The update lands by the next :meth:`estimate` (or :meth:`synchronized`)."""
+        from the gradients of both halves (times ``scale``: 1 when each micro-batch's loss was divided by the step's
+        M; 0.5 when each half divided by its own M / 2, as a pipeline schedule run per half does). The update lands
+        by the next :meth:`estimate` (or :meth:`synchronized`)."""
         if self.phase != "B":
             raise RuntimeError("ACCO.step() needs ACCO.estimate() after the first half of the step")
+        if not (scale > 0):
+            raise ValueError(f"ACCO.step: scale must be > 0, got {scale!r}")
         self._wait()
         for b, r in zip(self.opt.buckets, self._reduced_input):
             r.add_(b.grad)
             b.grad.zero_()
-        self._submit(self._real_job, "update")
+        self._submit(self._real_job, "update", float(scale))
         self._load_model(self._estimate)
         self.phase = "A"
 
@@ -155,25 +167,36 @@ class ACCO:
             self._load_model(self._estimate)
 
     def finish(self) -> None:
-        """Wait for the last update and leave θ_T in the model (end of training); stops the background thread."""
+        """Wait for the last update and leave θ_T in the model (end of training). Training may go on: the next half A
+        then runs at θ_T (estimate = parameters, as at the start)."""
         if self.phase != "A":
             raise RuntimeError("ACCO.finish() between estimate() and step(): finish the step first")
         self._wait()
         self._load_model(self._real)
         self._estimate = [r.clone() for r in self._real]
-        self._pool.shutdown()
 
     # -- background jobs ----------------------------------------------------------------------------------
     def _submit(self, fn, kind: str, *args) -> None:
-        self._job, self._job_kind = self._pool.submit(fn, *args), kind
+        def job():
+            with held_records() as records:  # booked by the waiting thread (see _wait)
+                try:
+                    fn(*args)
+                finally:
+                    self._records = records
+        self._job, self._job_kind = self._pool.submit(job), kind
 
     def _wait(self) -> None:
+        """Wait for the job in flight; its wire bytes are booked into comm.stats() now, on this thread, so an
+        iteration's statistics hold the jobs it waited for (the previous step's update and this step's estimate)."""
         if self._job is not None:
             job, kind, self._job = self._job, self._job_kind, None
             try:
                 job.result()
             except Exception as e:
                 raise RuntimeError(f"ACCO: the background {kind} failed: {e}") from e
+            finally:
+                replay(self._records)
+                self._records = []
 
     def _reduce(self, estimate: bool) -> list[torch.Tensor]:
         opt = self.opt
@@ -204,6 +227,8 @@ class ACCO:
             if coef < 1.0:
                 for s in shards:
                     s.mul_(coef)
+        for group, hyper in zip(opt.optimizer.param_groups, self._hyper):
+            group.update(hyper)
         for m, s in zip(opt.masters, shards):
             m.grad = s
         opt.optimizer.step()
@@ -237,9 +262,12 @@ class ACCO:
             opt.last_grad_norm = norm
 
     @torch.no_grad()
-    def _real_job(self) -> None:
+    def _real_job(self, scale: float) -> None:
         opt = self.opt
         shards = self._reduce(estimate=False)
+        if scale != 1.0:
+            for s in shards:
+                s.mul_(scale)
         self.last_stepped = self._update(shards)
         if self.last_stepped:
             self._real = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
@@ -279,6 +307,7 @@ class ACCO:
             raise RuntimeError("ACCO.load_state_dict() between steps only")
         opt = self.opt
         opt.load_state_dict(state)  # raises ValueError on a mismatched checkpoint; gathers θ_t into the model
+        self._param_groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
         self._real = [opt._flat_params(b).to(b.params[0].dtype) for b in opt.buckets]
         saved = state[f"dp_rank_{opt.rank}"].get("acco_estimate")
         if saved is None:
@@ -295,9 +324,24 @@ class ACCO:
 
     # -- what DistributedOptimizer users read --------------------------------------------------------------
     @property
-    def param_groups(self):
-        """The inner optimizer's param groups (set ``lr`` here before ``estimate``: both updates of a step use it)."""
-        return self.opt.param_groups
+    def last_grad_norm(self) -> Optional[float]:
+        """The gradient norm of the last real update that finished (one step behind while an update is in flight)."""
+        return self.opt.last_grad_norm
+
+    @torch.no_grad()
+    def load_params_from_model(self) -> None:
+        """After the model's weights were replaced (fine-tuning from a checkpoint): masters, θ and θ̃ from them."""
+        if self._job is not None or self.phase != "A":
+            raise RuntimeError("ACCO.load_params_from_model() between steps only (after synchronized() or finish())")
+        self.opt.load_params_from_model()
+        self._real = [self.opt._flat_params(b).to(b.params[0].dtype) for b in self.opt.buckets]
+        self._estimate = [r.clone() for r in self._real]
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """The inner optimizer's hyperparameters per param group (without ``params``): set ``lr`` here before
+        ``estimate``; both updates of the step use the values ``estimate`` saw."""
+        return self._param_groups
 
     def no_sync(self):
         """A no-op context (ACCO's hooks never communicate), so code written for DistributedOptimizer runs."""

@@ -22,7 +22,7 @@ from ..config import CommCompressionConfig, load_yaml
 from ..models.chunks import layers_per_virtual_stage_to_chunks
 from ..pipeline_parallel.interleaved import check_interleaving
 from .optimizer_args import (LOMO_OPTIMIZERS, ONEBIT_OPTIMIZERS, OPTIMIZERS, OUTER_ALGORITHMS,  # noqa: F401 (re-exported)
-                             SPARSELOCO_CODEC, check_lomo, check_zero_stage, loqt_kwargs, mt_dao_optimizer_kwargs,
+                             SPARSELOCO_CODEC, check_lomo, check_overlap, check_zero_stage, loqt_kwargs, mt_dao_optimizer_kwargs,
                              onebit_kwargs, outer_config)
 
 REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -124,6 +124,12 @@ class PretrainConfig:
     soon as a micro-batch's backward fills it and its full-size buffer freed, so only this rank's 1/DP shard of the
     gradients persists; every micro-batch is reduced, i.e. (micro-batches - 1) x ZeRO-1's dp_gradient bytes more per
     iteration. Checkpoints of either stage resume in the other."""
+    overlap_optimizer: str = "none"
+    """'acco' (megacomp.optimizer.acco): each iteration's micro-batches run in two halves; the sharded optimizer's
+    reduce-scatter, update and parameter all-gather of one half run in a background thread while the other half's
+    gradients are computed, with ACCO's estimate compensating the delay (twice the dp_gradient / dp_parameter bytes,
+    hidden behind compute). Needs --optimizer adamw, the sharded ZeRO-1 optimizer, an even number of micro-batches
+    (a multiple of 2 x PP), no outer loop, LoQT or error probe. 'none': the step waits for its communication."""
     demo_topk: int = 32
     """DeMo: coefficients kept per DCT tile (compression_topk)."""
     demo_chunk: int = 64
@@ -440,6 +446,7 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if cfg.optimizer in LOMO_OPTIMIZERS:
         check_lomo(cfg)
     check_zero_stage(cfg)
+    check_overlap(cfg)
     if cfg.loqt_rank:
         loqt_kwargs(cfg)  # raises on bad values
     virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage
@@ -480,6 +487,11 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"{micro} micro-batches per iteration (global_batch_size {cfg.global_batch_size} / "
                          f"(micro_batch_size {cfg.micro_batch_size} x DP {dp})) is not a multiple of the "
                          f"{cfg.pipeline_model_parallel_size} pipeline stages; raise global_batch_size")
+    if cfg.overlap_optimizer == "acco" and micro % (2 * cfg.pipeline_model_parallel_size):
+        raise ValueError(f"overlap_optimizer acco runs each iteration's {micro} micro-batches in two equal halves, each "
+                         f"a multiple of the {cfg.pipeline_model_parallel_size} pipeline stage(s): raise "
+                         f"global_batch_size to a multiple of 2 x {cfg.pipeline_model_parallel_size} x micro_batch_size "
+                         f"x DP")
     if cfg.pipeline_model_parallel_size > cfg.num_layers:
         raise ValueError(f"{cfg.pipeline_model_parallel_size} pipeline stages for {cfg.num_layers} layers: every stage "
                          f"needs at least one layer")

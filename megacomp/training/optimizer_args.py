@@ -164,3 +164,30 @@ def check_zero_stage(cfg: PretrainConfig) -> None:
         raise ValueError(f"zero_stage 2 reduce-scatters every micro-batch's buckets as they fill, but the compression "
                          f"config's dp_gradient {grad} all-reduces whole buckets in low rank or picks codecs on "
                          f"whole-step gradients: use --zero-stage 1 or a value codec (e.g. --compression loco4)")
+
+
+def check_overlap(cfg: PretrainConfig) -> None:
+    """``overlap_optimizer`` 'none' or 'acco', and 'acco' only around the sharded ZeRO-1 AdamW optimizer without an
+    outer loop, LoQT or the error probe (megacomp.optimizer.acco). Raises ValueError naming the fix."""
+    if cfg.overlap_optimizer not in ("none", "acco"):
+        raise ValueError(f"overlap_optimizer must be 'none' or 'acco', got {cfg.overlap_optimizer!r}")
+    if cfg.overlap_optimizer == "none":
+        return
+    why = (f"optimizer {cfg.optimizer} has its own exchange (use --optimizer adamw)" if cfg.optimizer != "adamw" else
+           "needs the sharded optimizer (drop --no-shard-optimizer)" if not cfg.shard_optimizer else
+           "overlaps ZeRO-1's whole-step reduce-scatter (use --zero-stage 1)" if cfg.zero_stage != 1 else
+           f"does not combine with --outer-algorithm {cfg.outer_algorithm}" if cfg.outer_algorithm != "none" else
+           "does not combine with LoQT (its merges replace optimizer steps)" if cfg.loqt_rank else None)
+    if why is None:
+        from ..compression import is_accordion, is_low_rank
+
+        comp = cfg.compression_config()
+        if is_low_rank(comp.dp_gradient) or is_accordion(comp.dp_gradient):
+            why = f"reduce-scatters with a value codec; dp_gradient {comp.dp_gradient} all-reduces in low rank"
+        elif comp.pp_activation_delta:
+            why = ("does not combine with AQ-SGD activation deltas (pp_activation_delta: its per-sample caches are "
+                   "indexed by the whole iteration's micro-batches)")
+        elif comp.error_probe_interval:
+            why = "does not run the error probe on its background collectives (set error_probe_interval: 0)"
+    if why:
+        raise ValueError(f"overlap_optimizer acco {why}")

@@ -15,6 +15,7 @@ boundary and return normally. ``--load DIR`` with no checkpoint in DIR starts fr
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -32,6 +33,7 @@ from ..launch import init_distributed
 from ..models.chunks import GPTChunks
 from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer import DeMo, DistributedOptimizer, FrozenVarianceAdamW, MultiTimescaleAdamW, OneBitOptimizer
+from ..optimizer.acco import ACCO
 from ..outer import DiLoCo, ReplicaWatch, build_replica_groups
 from ..outer.mt_dao import average_optimizer_state
 from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
@@ -42,6 +44,7 @@ from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, 
                          save_checkpoint)
 from .fused import FusedStep, build_fused, lomo_summary
 from .guard import DivergenceGuard, TrainingDiverged
+from .acco import acco_halves, acco_summary, book_acco_tail
 from .aqsgd import build_activation_delta, summary as aqsgd_summary
 from .loqt import LoQTDriver
 from .metrics import MetricsLogger, gather_probe, gather_traffic
@@ -166,6 +169,8 @@ class Trainer:
                 print(f"  optimizer: {lomo_summary(self.optimizer, cfg)}", flush=True)
             if cfg.zero_stage == 2:
                 print(f"  optimizer: {zero2_summary(self.optimizer, self.num_microbatches)}", flush=True)
+            if isinstance(self.optimizer, ACCO):
+                print(f"  optimizer: {acco_summary(self.num_microbatches)}", flush=True)
             if self.loqt is not None:
                 print(f"  weights: {self.loqt.summary()}", flush=True)
             if self.activation_delta is not None:
@@ -223,13 +228,14 @@ class Trainer:
             optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(cfg))
         if cfg.adam_freeze_variance_step:
             optimizer_class = functools.partial(FrozenVarianceAdamW, freeze_step=cfg.adam_freeze_variance_step)
-        return DistributedOptimizer(
+        opt = DistributedOptimizer(
             groups, optimizer_class, self.replicas.inner if self.replicas is not None else g.dp,
             grad_channel=self.channels.dp_gradient, param_channel=self.channels.dp_parameter,
             grad_codec_warmup_steps=c.dp_gradient_warmup_steps,
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             shard=cfg.shard_optimizer, zero_stage=cfg.zero_stage)
+        return ACCO(opt) if cfg.overlap_optimizer == "acco" else opt
 
     def _after_outer_sync(self) -> None:
         """The model's parameters were replaced by the outer step: reload the optimizer's fp32 masters; under
@@ -282,9 +288,11 @@ class Trainer:
 
     def save(self) -> None:
         """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it), say
-        where (rank 0), and keep only the newest ``keep_checkpoints`` when that is set."""
-        path = save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(),
-                               self.groups, self.run_info(), replica=self._replica())
+        where (rank 0), and keep only the newest ``keep_checkpoints`` when that is set. Under ACCO the update in
+        flight lands first and the checkpoint holds the real parameters (and the estimate, in the optimizer's)."""
+        with (self.optimizer.synchronized() if isinstance(self.optimizer, ACCO) else contextlib.nullcontext()):
+            path = save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(),
+                                   self.groups, self.run_info(), replica=self._replica())
         if self.is_logger:
             removed = prune_checkpoints(self.cfg.save, self.cfg.keep_checkpoints) if self.cfg.keep_checkpoints else []
             extra = f" (removed {len(removed)} older: --keep-checkpoints {self.cfg.keep_checkpoints})" if removed else ""
@@ -300,7 +308,10 @@ class Trainer:
         return [(ids.to(self.device), labels.to(self.device)) for ids, labels in batches]
 
     def _forward_backward(self, batches) -> list[float]:
-        m, M = self.model, self.num_microbatches
+        """Forward and backward of ``batches`` (all of the iteration's micro-batches, or one ACCO half); each
+        micro-batch's loss is divided by the iteration's M (by the pipeline schedule's len(batches) under PP)."""
+        m, M = self.model, len(batches)
+        scale = self.num_microbatches
         if isinstance(self.optimizer, FusedStep):  # LOMO / AdaLomo: the update happens inside backward
             return self.optimizer.forward_backward(m, batches)
         if self.communicator is None:
@@ -308,7 +319,7 @@ class Trainer:
             for k, (ids, labels) in enumerate(batches):
                 with (self.optimizer.no_sync() if k < M - 1 else torch.enable_grad()):
                     loss = m(ids, labels)
-                    (loss / M).backward()
+                    (loss / scale).backward()
                 losses.append(loss.item())
             return losses
 
@@ -368,12 +379,15 @@ class Trainer:
         t0 = time.perf_counter()
         merging = self.loqt is not None and self.loqt.begin(self.iteration)  # captures full weight gradients
         batches = self._micro_batches()
-        losses = self._forward_backward(batches)
-        self._finalize_grads()
-        if merging:  # LoQT: merge and re-initialise instead of an optimizer step (as the reference)
-            stepped = self.loqt.finish(self.iteration, self.optimizer)  # False: inf/NaN, merged next iteration
+        if isinstance(self.optimizer, ACCO):
+            losses, stepped = acco_halves(self, batches)
         else:
-            stepped = self.optimizer.step()
+            losses = self._forward_backward(batches)
+            self._finalize_grads()
+            if merging:  # LoQT: merge and re-initialise instead of an optimizer step (as the reference)
+                stepped = self.loqt.finish(self.iteration, self.optimizer)  # False: inf/NaN, merged next iteration
+            else:
+                stepped = self.optimizer.step()
         if self.outer is not None:
             # replicas skip steps independently; the verdict and the outer cycle must be the same everywhere
             flag = torch.tensor([0.0 if stepped else 1.0], device=self.device)
@@ -462,8 +476,12 @@ class Trainer:
             if signals is not None:
                 signals.restore()
             self.metrics.close()
+        if isinstance(self.optimizer, ACCO) and history and self.iteration < cfg.train_iters:
+            book_acco_tail(self, history[-1])  # stopped early: the last update lands now
         if cfg.save and history and saved_at != self.iteration:  # the last iteration, once
             self.save()
+        if isinstance(self.optimizer, ACCO):
+            self.optimizer.finish()  # the model ends on θ, not on the estimate a resume continues from
         elif stopped and not cfg.save and self.is_logger:
             print("megacomp-pretrain: no --save directory: nothing was checkpointed", flush=True)
         if self.is_logger and history:
