@@ -388,3 +388,14 @@ SUITES["ablation_tp2pp2dp2"] = {
                     "dp_gradient", "dp_parameter"],
     "variants": {"none": {}, "all (fp8 TP)": SUITES["ablation_tp2pp2"]["variants"]["all (fp8 TP)"],
                  "all_int8": {**ALL_INT8, **PROBE}}}
+
+# issue #18: ACCO (megacomp.optimizer.acco) against the sharded AdamW step it overlaps, uncompressed and with int4 +
+# LoCo gradients / int8 parameters; two micro-batches of 2 per DP rank (ACCO's two halves), the same global batch
+LOCO4_QWZ = {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco", "dp_parameter": {"name": "int8", "block_size": 256}}
+ACCO_FLAGS = ["--overlap-optimizer", "acco"]
+SUITES["acco"] = {"layout": ["--micro-batch-size", "2"], "bytes_kinds": ["dp_gradient", "dp_parameter"], "variants": {
+    "none": {},
+    "ACCO": {"args": ACCO_FLAGS},
+    "int4+LoCo, int8 params": dict(LOCO4_QWZ),
+    "ACCO, int4+LoCo, int8 params": {**LOCO4_QWZ, "args": ACCO_FLAGS},
+}}

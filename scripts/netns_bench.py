@@ -160,6 +160,10 @@ LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accord
 # during the warm-up, the first 20% of the iterations, then 1-bit momentum); wire bytes are the mean per
 # iteration after the warm-up, measured
 ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_onebit_lamb")
+# megacomp's sharded optimizer without a DDP wrapper (ZeRO-1, int4 + LoCo gradients, int8 parameter all-gathers), and
+# the same overlapped by ACCO (two halves of the batch, megacomp.optimizer.acco), also uncompressed; wire bytes are
+# the last iteration's, every dp_* kind (ACCO: an estimate and an update per step)
+SHARDED_METHODS = ("megacomp_zero1_int4_loco_int8", "megacomp_acco_int4_loco_int8", "megacomp_acco_fp32")
 ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "high": {"name": "powersgd", "rank": 1},
                   "eta": 0.5, "interval": 15}
 
@@ -204,7 +208,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     params = sum(p.numel() for p in model.parameters())
     one_bucket = method.startswith("ddp_powersgd")  # torch's PowerSGD hook breaks with several buckets on gloo
     freeze = max(1, iters // 5)
-    ddp = model if method in ONEBIT_METHODS else DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
+    bare = method in ONEBIT_METHODS or method in SHARDED_METHODS  # the optimizer does the exchange, no DDP wrapper
+    ddp = model if bare else DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
     wire = {"ddp_fp32": 4, "zero_redundancy": 4, "ddp_fp16_hook": 2, "ddp_bf16_hook": 2}.get(method, 0) * params
     wire = int(wire * 2 * (world - 1) / world)  # ring all-reduce
     if method == "zero_redundancy":
@@ -242,6 +247,18 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
                # LAMB's step is relative to the weight norm: lr 1e-2 (docs/convergence_onebit)
                OneBitLamb(model.parameters(), freeze_step=freeze, **{**kw, "lr": 1e-2}) if method == "megacomp_onebit_lamb" else
                ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10), **kw))
+    elif method in SHARDED_METHODS:
+        from megacomp.optimizer import DistributedOptimizer
+        from megacomp.optimizer.acco import ACCO
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, 0)
+        codecs = {} if method.endswith("fp32") else dict(
+            grad_codec={"name": "int4", "block_size": 128}, error_feedback="loco",
+            param_codec={"name": "int8", "block_size": 256}, min_compress_numel=4096)
+        opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                                   bucket_size=int(bucket_mb * (1 << 20) / 4), **codecs)
+        if "acco" in method:
+            opt = ACCO(opt)
     elif method == "zero_redundancy":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:
@@ -254,11 +271,21 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
             comm.reset_stats()
         dist.barrier()
         t0 = time.perf_counter()
-        loss = ddp(ids, labels)
-        if method not in ONEBIT_METHODS:
-            opt.zero_grad()
-        loss.backward()
-        opt.step()
+        if "acco" in method:  # half A at the estimate, half B at the parameters (megacomp.optimizer.acco)
+            h = ids.shape[0] // 2
+            first = ddp(ids[:h], labels[:h])
+            (first / 2).backward()
+            opt.estimate(2.0)
+            second = ddp(ids[h:], labels[h:])
+            (second / 2).backward()
+            opt.step()
+            loss = (first + second) / 2
+        else:
+            loss = ddp(ids, labels)
+            if not bare:
+                opt.zero_grad()
+            loss.backward()
+            opt.step()
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         l = loss.detach().reshape(1)
@@ -267,6 +294,10 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         losses.append(l.item() / world)
     if method in ONEBIT_METHODS:  # measured: mean per iteration after the warm-up, every dp_* kind
         wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_")) // (iters - freeze)
+    elif method in SHARDED_METHODS:  # measured, last iteration, gradients and parameters
+        wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_"))
+        if "acco" in method:
+            opt.finish()
     elif method.startswith("megacomp"):
         wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
     if dist.get_rank() == 0:
@@ -317,8 +348,10 @@ def ddp_table(records: list[dict]) -> list[str]:
     lines = [f"## DP training step: torch DDP, its comm hooks, ZeroRedundancyOptimizer and megacomp's hook (GPT "
              f"h={first['hidden']}, {first['layers']} layers, DP 2 across the link, {len(first['all_times_s'])} "
              f"iterations, DDP buckets {first['bucket_mb']:g} MB; torch's PowerSGD one bucket)", "",
-             "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | wire MB/step/rank | "
-             f"loss at iteration {len(first['all_times_s'])} | s to DDP fp32's final loss |", "|---|---|---|---|---|---|---|"]
+             "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | x no-communication step | "
+             f"wire MB/step/rank | loss at iteration {len(first['all_times_s'])} | s to DDP fp32's final loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    floors = {r["rate"]: statistics.median(r["times_s"]) for r in records if r["method"] == "no_communication"}
     base, rate, target = None, None, None
     for r in records:
         if r["rate"] != rate:
@@ -327,7 +360,8 @@ def ddp_table(records: list[dict]) -> list[str]:
         if r["method"] == "ddp_fp32":
             base, target = med, running_mean(r["losses"], TIME_TO_WINDOW)[-1]
         speed = f"{base / med:.2f}x" if base else "-"
-        lines.append(f"| {r['rate']} | {r['method']} | {median_spread(r['times_s'])} | {speed} | "
+        floor = f"{med / floors[r['rate']]:.2f}" if r["rate"] in floors else "-"
+        lines.append(f"| {r['rate']} | {r['method']} | {median_spread(r['times_s'])} | {speed} | {floor} | "
                      f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} | {_seconds_to(r, target)} |")
     return lines + [""]
 
@@ -473,7 +507,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--compression", default="none,loco4,dp_int8")
     p.add_argument("--methods", default=",".join(DDP_METHODS),
-                   help="comma list of " + ",".join(DDP_METHODS + LOW_RANK_METHODS + ONEBIT_METHODS))
+                   help="comma list of " + ",".join(DDP_METHODS + LOW_RANK_METHODS + ONEBIT_METHODS + SHARDED_METHODS))
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-mb", type=float, default=25.0,
