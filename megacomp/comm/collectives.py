@@ -35,6 +35,8 @@ AVG are supported with a lossy codec; dtypes other than float32/bfloat16/float16
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional
 
 import torch
@@ -44,7 +46,30 @@ from ..compression.ef_encoder import chunk_encoder
 from . import common as _common
 from .common import (CompressedWork, all_gather_base, all_reduce_bytes, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
                       reduce_scatter_base, split_sizes)
+from .spans import enabled as _spans_on, span
 from .transport import all_gather_bytes, all_to_all_bytes, next_tags, pipeline_segments, use_duplex
+
+
+def _spanned(name: str):
+    """Time every call of the decorated helper as phase ``name`` (megacomp.comm.spans; free when off)."""
+    def deco(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            if not _spans_on():
+                return fn(*args, **kwargs)
+            with span(name):
+                return fn(*args, **kwargs)
+        return inner
+    return deco
+
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+def _wait(work) -> None:
+    """Wait for an exchange's bytes (phase ``wire``)."""
+    with span("wire"):
+        work.wait()
 
 
 def _check_lossy(what: str, codec, tensor: torch.Tensor, op=None) -> None:
@@ -56,12 +81,14 @@ def _check_lossy(what: str, codec, tensor: torch.Tensor, op=None) -> None:
                          f"use codec=None for other ops")
 
 
+@_spanned("encode")
 def _encode_chunks(src, base: int, sizes):
     """Encode consecutive chunks of the input from element ``base`` (one buffer per chunk); ``src``: the
     call's chunk encoder (megacomp.compression.ef_encoder)."""
     return [src.encode(base + o, s) for o, s in zip(offsets(sizes), sizes)]
 
 
+@_spanned("decode")
 def _decode_into(codec, buf: torch.Tensor, numel: int, dst: torch.Tensor) -> None:
     """Decode ``buf`` into the 1-D view ``dst`` (any float dtype; cast like ``Tensor.copy_``), in place
     when a kernel can write fp32 directly: no temporary of the decoded size."""
@@ -71,6 +98,7 @@ def _decode_into(codec, buf: torch.Tensor, numel: int, dst: torch.Tensor) -> Non
         dst.copy_(vals)
 
 
+@_spanned("decode")
 def _decode_sum(codec, recv: torch.Tensor, numel: int, world: int, avg: bool,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Sum the ``world`` encodings in ``recv`` in fp32 (in the rotated basis for Hadamard codecs, which is
@@ -100,7 +128,8 @@ def _all_reduce_direct(ch, tensor, src, codec, group, avg, segs):
     duplex = use_duplex(group, ch.options.duplex)
     tag = next_tags(group)
     for length in segs:
-        enc = src.encode(base, length)
+        with span("encode"):
+            enc = src.encode(base, length)
         gathered = torch.empty(2 * enc.numel(), dtype=torch.uint8, device=tensor.device)
         gathers.append((gathered, all_gather_bytes(gathered, enc, group, tag, duplex)))
         wire += enc.numel()
@@ -112,7 +141,7 @@ def _all_reduce_direct(ch, tensor, src, codec, group, avg, segs):
         pos = 0
         with torch.no_grad():
             for length, (gathered, work) in zip(segs, gathers):
-                work.wait()
+                _wait(work)
                 seg = dst[pos:pos + length]
                 total = _decode_sum(codec, gathered, length, 2, avg, out=seg)
                 if total.data_ptr() != seg.data_ptr():
@@ -155,12 +184,13 @@ def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
         gathers, o = [], 0
         with chunk_encoder(ef, skey, shard, codec, ch.generator) as src_srv:  # commits after the last segment
             for ss, recv, work in zip(segs, recvs, works):
-                work.wait()
+                _wait(work)
                 seg = shard[o:o + ss[rank]]
                 hs = _decode_sum(codec, recv, ss[rank], world, avg, out=seg)
                 if hs.data_ptr() != seg.data_ptr():
                     seg.copy_(hs)
-                enc = src_srv.encode(o, ss[rank])
+                with span("encode"):
+                    enc = src_srv.encode(o, ss[rank])
                 o += ss[rank]
                 wmax = max(codec.wire_bytes(s) for s in ss)
                 padded = torch.zeros(wmax, dtype=torch.uint8, device=tensor.device)
@@ -172,7 +202,7 @@ def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
         pos = 0
         with torch.no_grad():  # also for tensors that require grad, as torch's in-place collectives
             for ss, (gathered, wmax, work) in zip(segs, gathers):
-                work.wait()
+                _wait(work)
                 for j, s in enumerate(ss):
                     _decode_into(codec, gathered[j * wmax:j * wmax + codec.wire_bytes(s)], s, dst[pos:pos + s])
                     pos += s
@@ -221,7 +251,8 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
     uncompressed = all_reduce_bytes(n, tensor.element_size(), world, rank)
     if codec.is_identity or world == 1:
         ch.stats.record(label, uncompressed, uncompressed)
-        return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        with span("wire") if not async_op else _NO_SPAN:
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     ef = ch.error_feedback
     src = chunk_encoder(ef, key + "/worker", tensor.reshape(-1), codec, ch.generator)  # h = g + e, chunk by chunk
@@ -262,7 +293,8 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
     raw = (world - 1) * m * input.element_size()
     if codec.is_identity or world == 1:
         ch.stats.record(label, raw, raw)
-        return reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
+        with span("wire") if not async_op else _NO_SPAN:
+            return reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
 
     src = chunk_encoder(ch.error_feedback, key + "/worker", input.reshape(-1), codec, ch.generator)
     # pipeline: piece k of every destination chunk travels in exchange k, encoded while k-1 is on the wire
@@ -272,8 +304,9 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
     enc = [[None] * len(pieces) for _ in range(world)]  # enc[j][k]: piece k of the chunk for rank j
     with src:  # error feedback: commit (the new error from the bytes sent) after the last piece
         for k, (o, s) in enumerate(zip(offsets(pieces), pieces)):
-            for j in range(world):
-                enc[j][k] = src.encode(j * m + o, s)
+            with span("encode"):
+                for j in range(world):
+                    enc[j][k] = src.encode(j * m + o, s)
             w = codec.wire_bytes(s)
             recv = torch.empty(world * w, dtype=torch.uint8, device=input.device)
             exchanges.append((recv, all_to_all_bytes(recv, torch.cat([enc[j][k] for j in range(world)]), [w] * world,
@@ -285,7 +318,7 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
         dst = output.view(-1) if output.is_contiguous() else torch.empty(m, dtype=output.dtype, device=output.device)
         with torch.no_grad():
             for (recv, work), o, s in zip(exchanges, offsets(pieces), pieces):
-                work.wait()
+                _wait(work)
                 seg = dst[o:o + s]
                 total = _decode_sum(codec, recv, s, world, op_name(op) == "AVG", out=seg)
                 if total.data_ptr() != seg.data_ptr():
@@ -320,14 +353,16 @@ def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: to
     raw = (world - 1) * m * input_tensor.element_size()
     if codec.is_identity or world == 1:
         ch.stats.record(label, raw, raw)
-        return all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
+        with span("wire") if not async_op else _NO_SPAN:
+            return all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
 
     flat = input_tensor.reshape(-1)
     pieces = split_sizes(m, len(pipeline_segments(world * m, ch.options.segment_numel)))  # encoded, sent, decoded in turn
     duplex = use_duplex(group, ch.options.duplex)
     msg_tag, exchanges, wire = next_tags(group), [], 0
     for o, s in zip(offsets(pieces), pieces):
-        enc = codec.encode_flat(flat[o:o + s], ch.generator, strict=False)
+        with span("encode"):
+            enc = codec.encode_flat(flat[o:o + s], ch.generator, strict=False)
         gathered = torch.empty(world * enc.numel(), dtype=torch.uint8, device=input_tensor.device)
         exchanges.append((gathered, enc.numel(), all_gather_bytes(gathered, enc, group, msg_tag, duplex)))
         wire += (world - 1) * enc.numel()
@@ -338,7 +373,7 @@ def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: to
         dst = out.view(-1) if out.is_contiguous() else torch.empty(world * m, dtype=out.dtype, device=out.device)
         with torch.no_grad():
             for (gathered, w, work), o, s in zip(exchanges, offsets(pieces), pieces):
-                work.wait()
+                _wait(work)
                 for j in range(world):
                     _decode_into(codec, gathered[j * w:(j + 1) * w], s, dst[j * m + o:j * m + o + s])
             if not out.is_contiguous():
@@ -405,7 +440,7 @@ def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_
                             use_duplex(group, ch.options.duplex))
 
     def finish() -> None:
-        work.wait()
+        _wait(work)
         parts = [codec.decode_flat(recv[o:o + b], s * row) for o, b, s in zip(offsets(out_bytes), out_bytes, out_splits)]
         with torch.no_grad():
             output.copy_(torch.cat(parts).view(output.shape))

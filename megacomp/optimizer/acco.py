@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ..comm import AccordionChannel, LowRankChannel
 from ..comm.common import global_ranks
+from ..comm.spans import span
 from ..comm.stats import held_records, replay
 from ..comm.transport import _transport, use_duplex
 from .distributed_optimizer import DistributedOptimizer
@@ -178,7 +179,7 @@ class ACCO:
     # -- background jobs ----------------------------------------------------------------------------------
     def _submit(self, fn, kind: str, *args) -> None:
         def job():
-            with held_records() as records:  # booked by the waiting thread (see _wait)
+            with held_records() as records, span(f"acco_{kind}"):  # bytes booked by the waiting thread (_wait)
                 try:
                     fn(*args)
                 finally:
@@ -191,7 +192,8 @@ class ACCO:
         if self._job is not None:
             job, kind, self._job = self._job, self._job_kind, None
             try:
-                job.result()
+                with span("acco_wait"):
+                    job.result()
             except Exception as e:
                 raise RuntimeError(f"ACCO: the background {kind} failed: {e}") from e
             finally:
@@ -231,7 +233,8 @@ class ACCO:
             group.update(hyper)
         for m, s in zip(opt.masters, shards):
             m.grad = s
-        opt.optimizer.step()
+        with span("update"):
+            opt.optimizer.step()
         for m in opt.masters:
             m.grad = None
         return True
@@ -248,7 +251,8 @@ class ACCO:
         norm = opt.last_grad_norm
         try:
             if self._update(shards):
-                self._estimate = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
+                with span("param_all_gather"):
+                    self._estimate = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
             else:  # inf/NaN in half A: no prediction, the estimate is θ_t
                 self._estimate = [r.clone() for r in self._real]
         finally:  # the estimate never advances the committed state
@@ -270,7 +274,8 @@ class ACCO:
                 s.mul_(scale)
         self.last_stepped = self._update(shards)
         if self.last_stepped:
-            self._real = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
+            with span("param_all_gather"):
+                self._real = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
             opt.step_count += 1
             opt._validated = True
         else:

@@ -74,6 +74,7 @@ from torch import nn
 from .. import comm
 from ..comm import AccordionChannel, Channel, LowRankChannel
 from ..comm import all_gather_base
+from ..comm.spans import span
 from ..compression import CodecLike, is_accordion, is_low_rank, make_codec
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
@@ -302,7 +303,8 @@ class DistributedOptimizer(GradientReduction):
                     s.mul_(coef)
         for m, s in zip(self.masters, shards):
             m.grad = s
-        self.optimizer.step()
+        with span("update"):
+            self.optimizer.step()
         return self._finish_step()
 
     def _skip_step(self) -> bool:
@@ -321,7 +323,8 @@ class DistributedOptimizer(GradientReduction):
 
     def _finish_step(self) -> bool:
         """After the inner step: parameters into the model, loss scale, buffers cleared, the step counted."""
-        self.sync_params()
+        with span("param_all_gather"):
+            self.sync_params()
         if self.scaler is not None:
             self.scaler.update(False)
         self._reset()

@@ -50,6 +50,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import AccordionChannel, Channel, LowRankChannel
+from ..comm.spans import span
 from .buckets import Bucket
 
 
@@ -257,16 +258,18 @@ class GradientReduction:
             for b in self.buckets:  # deferred buckets, and buckets that got no gradient this step
                 if b.reduced is None:
                     self._launch(b)
-            self._finish_in_flight()
+            with span("reduce_wait"):
+                self._finish_in_flight()
             if self.ef is not None:
                 self.ef.count_deferred()  # one error-feedback update per bucket and step (see _counting_per_step)
         else:
             for b in self.buckets:  # buckets whose params got no gradient this step: launch in a fixed order
                 if b.work is None:
                     self._launch(b)
-            for b in self.buckets:
-                b.work.wait()
-                b.work = None
+            with span("reduce_wait"):
+                for b in self.buckets:
+                    b.work.wait()
+                    b.work = None
         shards = []
         for b in self.buckets:
             shard = b.reduced.mul_(1.0 / self.world)

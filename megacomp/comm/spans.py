@@ -1,0 +1,80 @@
+"""Timed spans of the communication path, for profiles of where a step's time goes (scripts/netns_bench.py profile).
+
+Names (one per phase; which thread a span ran on says whether it was on the step's critical path):
+  ``encode``            a codec encoding a message (error feedback included), in a compressed collective
+  ``wire``              waiting for bytes: a compressed collective's exchange, or a whole uncompressed collective
+                        called synchronously
+  ``decode``            decoding received bytes (and summing them, for reductions)
+  ``reduce_wait``       the sharded optimizer waiting for its gradient reductions in ``step()``
+  ``update``            the inner optimizer's step on this rank's shard
+  ``param_all_gather``  the sharded optimizer's parameter all-gather
+  ``acco_estimate``, ``acco_update``   ACCO's background jobs (megacomp.optimizer.acco); ``acco_wait``: the main
+                        thread waiting for one
+  ``forward_backward``  the caller's compute (benchmarks mark it)
+Spans nest (``wire`` inside ``reduce_wait`` inside ...); summaries count each name on its own.
+
+Off by default: :func:`span` is then one global check, no clock read. :func:`enable` turns recording on (also as
+``torch.profiler.record_function`` ranges, so a torch.profiler trace shows the same phases). Records are
+(thread name, span name, start ns, end ns) on the perf_counter clock of this process.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+_ENABLED = False
+_RECORDS: list[tuple[str, str, int, int]] = []
+_LOCK = threading.Lock()
+
+
+def enable(on: bool = True) -> None:
+    """Start (or stop) recording spans in this process."""
+    global _ENABLED
+    _ENABLED = bool(on)
+
+
+def enabled() -> bool:
+    """Whether spans are being recorded."""
+    return _ENABLED
+
+
+@contextlib.contextmanager
+def span(name: str):
+    """Time the body as phase ``name`` on the calling thread (nothing when recording is off)."""
+    if not _ENABLED:
+        yield
+        return
+    t0 = time.perf_counter_ns()
+    try:
+        with torch.profiler.record_function(f"megacomp.{name}"):
+            yield
+    finally:
+        t1 = time.perf_counter_ns()
+        with _LOCK:
+            _RECORDS.append((threading.current_thread().name, name, t0, t1))
+
+
+def records() -> list[tuple[str, str, int, int]]:
+    """A copy of the spans recorded so far."""
+    with _LOCK:
+        return list(_RECORDS)
+
+
+def reset() -> None:
+    """Forget the recorded spans."""
+    with _LOCK:
+        _RECORDS.clear()
+
+
+def totals(recs: list[tuple[str, str, int, int]], start_ns: int = 0, end_ns: int = 1 << 62) -> dict[str, dict[str, float]]:
+    """Seconds per thread kind ('main' for the main thread, 'background' for any other) and span name, of the spans
+    that start inside [start_ns, end_ns)."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for thread, name, t0, t1 in recs:
+        if start_ns <= t0 < end_ns:
+            out["main" if thread == "MainThread" else "background"][name] += (t1 - t0) / 1e9
+    return {k: dict(v) for k, v in out.items()}
