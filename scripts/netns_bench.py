@@ -20,6 +20,9 @@ bf16 compress hooks, PowerSGD ranks 1 and 4 (one bucket: torch's hook breaks wit
 ZeroRedundancyOptimizer, and megacomp's int4 + LoCo DDP hook, plus a no-communication floor (buckets
 not averaged): median step time, wire bytes per step (measured for megacomp, from the algorithms'
 byte counts for torch's), the loss after the same iterations.
+``profile``: the ``ddp`` workload's runs (``--methods``) with megacomp.comm.spans recorded: per method, rank 0's
+milliseconds per step in compute, codec work, waiting for the wire and the optimizer on the main thread, what ran
+in background threads, and the phase that bounds the step.
 ``--ops`` picks the collectives (all_reduce, reduce_scatter, all_gather). scripts/bench_report.py runs
 all workloads and writes the report.
 Output: Markdown tables on stdout and in ``--out`` (default results/netns): ``<workload>.md`` and the
@@ -183,8 +186,9 @@ def _powersgd_bytes(model, rank: int, world: int) -> int:
     return int(elems * 4 * 2 * (world - 1) / world)
 
 
-def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0) -> None:
-    """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication."""
+def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0, profile: bool = False) -> None:
+    """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication. ``profile``: record
+    megacomp.comm.spans from iteration 3 on and report rank 0's exclusive seconds per phase and thread, per step."""
     import torch
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -264,28 +268,35 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), world, seed=1))
-    times, losses = [], []
+    from megacomp.comm import spans
+    times, losses, windows = [], [], []
     for it in range(iters):
         ids, labels = get_batch(data, next(sampler))
         if it == (freeze if method in ONEBIT_METHODS else iters - 1):
             comm.reset_stats()
+        if profile and it == 2:
+            spans.enable()
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, t0_ns = time.perf_counter(), time.perf_counter_ns()
         if "acco" in method:  # half A at the estimate, half B at the parameters (megacomp.optimizer.acco)
             h = ids.shape[0] // 2
-            first = ddp(ids[:h], labels[:h])
-            (first / 2).backward()
+            with spans.span("forward_backward"):
+                first = ddp(ids[:h], labels[:h])
+                (first / 2).backward()
             opt.estimate(2.0)
-            second = ddp(ids[h:], labels[h:])
-            (second / 2).backward()
+            with spans.span("forward_backward"):
+                second = ddp(ids[h:], labels[h:])
+                (second / 2).backward()
             opt.step()
             loss = (first + second) / 2
         else:
-            loss = ddp(ids, labels)
             if not bare:
                 opt.zero_grad()
-            loss.backward()
+            with spans.span("forward_backward"):  # under torch DDP this includes the reducer's all-reduce waits
+                loss = ddp(ids, labels)
+                loss.backward()
             opt.step()
+        windows.append((t0_ns, time.perf_counter_ns()))
         dt = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         l = loss.detach().reshape(1)
@@ -300,8 +311,18 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
             opt.finish()
     elif method.startswith("megacomp"):
         wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
+    result = {"times": times, "losses": losses, "params": params, "wire": wire}
+    if profile:  # mean exclusive seconds per step of each phase, iterations 3..
+        recs, prof = spans.records(), {}
+        for start, end in windows[2:]:
+            for kind, phases in spans.totals(recs, start, end, exclusive=True).items():
+                for name, sec in phases.items():
+                    prof.setdefault(kind, {}).setdefault(name, 0.0)
+                    prof[kind][name] += sec / len(windows[2:])
+        result["profile"] = prof
+        spans.enable(False)
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({"times": times, "losses": losses, "params": params, "wire": wire}))
+        print("RESULT " + json.dumps(result))
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 
@@ -366,21 +387,54 @@ def ddp_table(records: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def bench_ddp(args, records: Optional[list] = None) -> list[str]:
+def bench_ddp(args, records: Optional[list] = None, profile: bool = False) -> list[str]:
     records = [] if records is None else records
     start = len(records)
     for rate in args.rates.split(","):
         setup(rate)
         for method in args.methods.split(","):
             out = run_pair([sys.executable, __file__, "_ddp", method, str(args.iters), str(args.hidden),
-                            str(args.layers), str(args.bucket_mb)], args.port, args.timeout)[0]
+                            str(args.layers), str(args.bucket_mb), *(["profile"] if profile else [])],
+                           args.port, args.timeout)[0]
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
             records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "method": method, "world": 2,
                             "params": res["params"], "hidden": args.hidden, "layers": args.layers,
                             "bucket_mb": args.bucket_mb, "times_s": res["times"][2:], "all_times_s": res["times"],
-                            "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"]})
-            print(ddp_table(records[start:])[-2], flush=True)
-    return ddp_table(records[start:])
+                            "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"],
+                            **({"profile": res["profile"]} if profile else {})})
+            print((profile_table if profile else ddp_table)(records[start:])[-2], flush=True)
+    return (profile_table if profile else ddp_table)(records[start:])
+
+
+PHASES = {"compute": ("forward_backward",), "codec": ("encode", "decode"),
+          "wire wait": ("wire", "reduce_wait", "acco_wait"), "optimizer": ("update", "param_all_gather")}
+
+
+def profile_table(records: list[dict]) -> list[str]:
+    """Where a DP step's time goes, from megacomp.comm.spans (rank 0, exclusive times, mean per step, iterations 3..):
+    the main thread's phases (what the step waits for), what ran in background threads (hidden unless the main
+    thread waited for it: ``acco_wait``), and the phase that bounds the step."""
+    first = records[0]
+    lines = [f"## Profile of a DP step from measured spans (GPT h={first['hidden']}, {first['layers']} layers, DP 2 "
+             f"across the link, rank 0, ms per step, iterations 3..{len(first['all_times_s'])})", "",
+             "main thread: compute = forward + backward (under torch DDP also the reducer's waits, which it does not "
+             "expose), codec = encode + decode, wire wait = waiting for bytes (collectives, the sharded optimizer's "
+             "reduce-scatters, ACCO's jobs), optimizer = update + parameter all-gather outside their own wire/codec "
+             "time, other = the rest of the step; background = span time in other threads (ACCO's jobs with their "
+             "wire and codec time), overlapped with the main thread.", "",
+             "| link | method | median step ms | compute | codec | wire wait | optimizer | other | background "
+             "(of which wire) | bound by |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        step = statistics.median(r["times_s"]) * 1e3
+        main = r["profile"].get("main", {})
+        bg = r["profile"].get("background", {})
+        parts = {k: sum(main.get(n, 0.0) for n in names) * 1e3 for k, names in PHASES.items()}
+        parts["other"] = max(0.0, step - sum(parts.values()))
+        bound = max(parts, key=parts.get)
+        cells = " | ".join(f"{parts[k]:.0f}" for k in (*PHASES, "other"))
+        lines.append(f"| {r['rate']} | {r['method']} | {step:.0f} | {cells} | {sum(bg.values()) * 1e3:.0f} "
+                     f"({bg.get('wire', 0.0) * 1e3:.0f}) | {bound} |")
+    return lines + [""]
 
 
 BITS = {"none": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.25, "int4": 4.25, "int2": 2.25}
@@ -475,6 +529,8 @@ def tables(workload: str, records: list[dict]) -> list[str]:
         return [line for op in dict.fromkeys(r["op"] for r in records) for line in collectives_table(records, op)]
     if workload == "ddp":
         return ddp_table(records)
+    if workload == "profile":
+        return profile_table(records)
     return [line for layout in dict.fromkeys(r["layout"] for r in records) for line in train_table(records, layout)]
 
 
@@ -492,10 +548,11 @@ def main() -> None:
         collective_worker(float(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), sys.argv[5])
         return
     if len(sys.argv) > 1 and sys.argv[1] == "_ddp":
-        ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]))
+        ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
+                   len(sys.argv) > 7 and sys.argv[7] == "profile")
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("workload", choices=["collectives", "train", "ddp"])
+    p.add_argument("workload", choices=["collectives", "train", "ddp", "profile"])
     p.add_argument("--rates", default="1gbit,100mbit")
     p.add_argument("--mib", default="25,100")
     p.add_argument("--codecs", default="none,bf16,int8,int4")
@@ -542,7 +599,8 @@ def main() -> None:
     t0 = time.time()
     records: list = []
     try:
-        {"collectives": bench_collectives, "train": bench_train, "ddp": bench_ddp}[args.workload](args, records)
+        {"collectives": bench_collectives, "train": bench_train, "ddp": bench_ddp,
+         "profile": lambda a, r: bench_ddp(a, r, profile=True)}[args.workload](args, records)
     finally:
         teardown()
     results = {"workload": args.workload, "command": f"python {' '.join(sys.argv)}", "elapsed_s": time.time() - t0,

@@ -96,3 +96,16 @@ def test_sharded_optimizer_and_acco_phases():
         assert {"acco_estimate", "acco_update", "update", "param_all_gather", "encode", "wire", "decode"} \
             <= by_thread["background"]
         assert nested  # every phase of a job lies inside the job's span
+
+
+def test_exclusive_totals_subtract_nested_spans():
+    ms = 1_000_000
+    recs = [("MainThread", "reduce_wait", 0, 10 * ms), ("MainThread", "wire", 1 * ms, 7 * ms),
+            ("MainThread", "decode", 7 * ms, 9 * ms), ("MainThread", "update", 10 * ms, 13 * ms),
+            ("megacomp-acco_0", "acco_update", 2 * ms, 12 * ms), ("megacomp-acco_0", "wire", 3 * ms, 8 * ms)]
+    inclusive = spans.totals(recs)
+    exclusive = spans.totals(recs, exclusive=True)
+    assert inclusive["main"] == {"reduce_wait": 0.010, "wire": 0.006, "decode": 0.002, "update": 0.003}
+    assert exclusive["main"] == {"reduce_wait": 0.002, "wire": 0.006, "decode": 0.002, "update": 0.003}
+    assert exclusive["background"] == {"acco_update": 0.005, "wire": 0.005}
+    assert spans.totals(recs, start_ns=10 * ms)["main"] == {"update": 0.003}

@@ -70,11 +70,28 @@ def reset() -> None:
         _RECORDS.clear()
 
 
-def totals(recs: list[tuple[str, str, int, int]], start_ns: int = 0, end_ns: int = 1 << 62) -> dict[str, dict[str, float]]:
+def totals(recs: list[tuple[str, str, int, int]], start_ns: int = 0, end_ns: int = 1 << 62,
+           exclusive: bool = False) -> dict[str, dict[str, float]]:
     """Seconds per thread kind ('main' for the main thread, 'background' for any other) and span name, of the spans
-    that start inside [start_ns, end_ns)."""
+    that start inside [start_ns, end_ns). ``exclusive``: a span's time less that of the spans nested in it on the same
+    thread (e.g. ``reduce_wait`` without the ``wire`` and ``decode`` inside it), so a thread's names add up to the
+    time it spent inside spans."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for thread, name, t0, t1 in recs:
-        if start_ns <= t0 < end_ns:
-            out["main" if thread == "MainThread" else "background"][name] += (t1 - t0) / 1e9
+    by_thread: dict[str, list] = defaultdict(list)
+    for rec in recs:
+        if start_ns <= rec[2] < end_ns:
+            by_thread[rec[0]].append(rec)
+    for thread, rows in by_thread.items():
+        kind = "main" if thread == "MainThread" else "background"
+        rows.sort(key=lambda r: (r[2], -r[3]))  # parents before the children they contain
+        child_time = [0] * len(rows)
+        stack: list[int] = []
+        for i, (_, _, t0, t1) in enumerate(rows):
+            while stack and rows[stack[-1]][3] <= t0:
+                stack.pop()
+            if stack and t1 <= rows[stack[-1]][3]:
+                child_time[stack[-1]] += t1 - t0
+            stack.append(i)
+        for i, (_, name, t0, t1) in enumerate(rows):
+            out[kind][name] += ((t1 - t0) - (child_time[i] if exclusive else 0)) / 1e9
     return {k: dict(v) for k, v in out.items()}
