@@ -168,6 +168,12 @@ stage_torchrun() {
   # LoCo, residuals counted once per step) as soon as backward fills it, then free it; int8 parameter all-gathers
   launch torchrun_zero2_tp2_dp2 torchrun "TP2xDP2" loco4_qwz dp_gradient,dp_parameter \
     TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --zero-stage 2
+  # ACCO on TP 2 x PP 2 x DP 2 with sequence parallelism (8 ranks): 4 micro-batches per DP rank in two 1F1B halves,
+  # each half's tied-embedding and SP-norm gradients summed over their groups, then reduce-scattered (int4 + LoCo),
+  # updated and all-gathered (int8) in a background thread while the other half computes
+  launch torchrun_acco_tp2_pp2_dp2 torchrun "TP2xPP2xDP2" loco4_qwz dp_gradient,dp_parameter \
+    TP=2 PP=2 NPROC=8 bash scripts/pretrain_gpt.sh --log-interval 1 --overlap-optimizer acco --sequence-parallel \
+    --global-batch-size 32
 }
 
 # ---- (b) Slurm ---------------------------------------------------------------------------------------

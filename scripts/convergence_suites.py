@@ -398,4 +398,7 @@ SUITES["acco"] = {"layout": ["--micro-batch-size", "2"], "bytes_kinds": ["dp_gra
     "ACCO": {"args": ACCO_FLAGS},
     "int4+LoCo, int8 params": dict(LOCO4_QWZ),
     "ACCO, int4+LoCo, int8 params": {**LOCO4_QWZ, "args": ACCO_FLAGS},
+    # DPU: the same background update without halves or estimate, one step late (ZeRO-1's bytes)
+    "DPU": {"args": ["--overlap-optimizer", "dpu"]},
+    "DPU, int4+LoCo, int8 params": {**LOCO4_QWZ, "args": ["--overlap-optimizer", "dpu"]},
 }}

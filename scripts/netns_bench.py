@@ -164,9 +164,11 @@ LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accord
 # iteration after the warm-up, measured
 ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_onebit_lamb")
 # megacomp's sharded optimizer without a DDP wrapper (ZeRO-1, int4 + LoCo gradients, int8 parameter all-gathers), and
-# the same overlapped by ACCO (two halves of the batch, megacomp.optimizer.acco), also uncompressed; wire bytes are
-# the last iteration's, every dp_* kind (ACCO: an estimate and an update per step)
-SHARDED_METHODS = ("megacomp_zero1_int4_loco_int8", "megacomp_acco_int4_loco_int8", "megacomp_acco_fp32")
+# the same overlapped by ACCO (two halves of the batch, megacomp.optimizer.acco), also uncompressed, and by DPU (the
+# update one step late, no halves); wire bytes are the last iteration's, every dp_* kind (ACCO: an estimate and an
+# update per step)
+SHARDED_METHODS = ("megacomp_zero1_int4_loco_int8", "megacomp_acco_int4_loco_int8", "megacomp_acco_fp32",
+                   "megacomp_dpu_int4_loco_int8")
 ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "high": {"name": "powersgd", "rank": 1},
                   "eta": 0.5, "interval": 15}
 
@@ -261,8 +263,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
             param_codec={"name": "int8", "block_size": 256}, min_compress_numel=4096)
         opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
                                    bucket_size=int(bucket_mb * (1 << 20) / 4), **codecs)
-        if "acco" in method:
-            opt = ACCO(opt)
+        if "acco" in method or "dpu" in method:
+            opt = ACCO(opt, delay_compensation="acco" in method)  # dpu: the update one step late, no halves
     elif method == "zero_redundancy":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:
@@ -307,7 +309,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_")) // (iters - freeze)
     elif method in SHARDED_METHODS:  # measured, last iteration, gradients and parameters
         wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_"))
-        if "acco" in method:
+        if "acco" in method or "dpu" in method:
             opt.finish()
     elif method.startswith("megacomp"):
         wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration

@@ -294,3 +294,50 @@ def test_bad_configurations_and_calls_raise_naming_the_fix():
         assert "already called" in msgs["estimate twice"]
         assert "between steps" in msgs["synchronized mid-step"]
         assert "background update failed" in msgs["background"] and "division by zero" in msgs["background"]
+
+
+def restated_dpu(world, steps):
+    """DPU restated: θ_{t+1} = AdamW(θ_t, mean G_t(θ_{t-1})), θ_{-1} = θ_0 (step t's gradients are computed while
+    θ_t is being made)."""
+    model = make_model()
+    theta = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(theta, **ADAM)
+    previous = [t.detach().clone() for t in theta]
+    history = []
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        grads = rank_sum(grads_at(model, previous, world, step, range(2), 2))
+        previous = [t.detach().clone() for t in theta]  # θ_t: where the next step's gradients are computed
+        adamw_step(theta, opt, [g / world for g in grads], None)
+        history.append([t.detach().clone() for t in theta])
+    return history
+
+
+def _dpu_body(rank, world):
+    model = make_model()
+    acco = ACCO(DistributedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size=50, **ADAM),
+                delay_compensation=False)
+    history = []
+    for step in range(4):
+        for g in acco.param_groups:
+            g["lr"] = lr_at(step)
+        for m in range(2):
+            (loss_fn(model, *batch(rank, step, m)) / 2).backward()
+        acco.step()
+        with acco.synchronized():
+            history.append([p.detach().clone() for p in model.parameters()])
+    try:
+        acco.estimate(2.0)
+    except RuntimeError as e:
+        message = str(e)
+    return history, message
+
+
+def test_dpu_equals_restated_delayed_update_bit_for_bit():
+    want = restated_dpu(2, 4)
+    for hist, message in run_ranks(_dpu_body, 2):
+        for step, (got, ref) in enumerate(zip(hist, want)):
+            for a, b in zip(got, ref):
+                assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3g}"
+        assert "no estimate" in message

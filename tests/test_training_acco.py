@@ -35,6 +35,17 @@ def _run_body(rank, world, cfg):
     return [h["loss"] for h in history], traffic, final, [h["skipped"] for h in history]
 
 
+def test_dpu_trains_with_the_bytes_of_zero1(base):
+    """DPU (--overlap-optimizer dpu) on PP 2 x DP 2: the same first loss, training, exactly ZeRO-1's DP bytes."""
+    cfg = replace(base, pipeline_model_parallel_size=2)
+    plain = run_ranks(_run_body, 4, cfg)
+    dpu = run_ranks(_run_body, 4, replace(cfg, overlap_optimizer="dpu"))
+    for (l0, t0, _, _), (l1, t1, _, s1) in zip(plain, dpu):
+        assert l1[0] == l0[0]  # the first step computes at θ_0 either way
+        assert l1[-1] < l1[0] and not any(s1)
+        assert t1 == t0
+
+
 @pytest.mark.parametrize("tp,pp,sp", [(2, 1, False), (1, 2, False), (2, 1, True)], ids=["tp2-dp2", "pp2-dp2", "tp2-sp"])
 def test_acco_trains_under_tp_pp_sp_with_twice_the_dp_bytes(base, tp, pp, sp):
     cfg = replace(base, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sp,
@@ -50,23 +61,27 @@ def test_acco_trains_under_tp_pp_sp_with_twice_the_dp_bytes(base, tp, pp, sp):
                {k: v for k, v in t0.items() if not k.startswith("dp_")}
 
 
-def test_resume_continues_the_uninterrupted_run_bit_for_bit(base, tmp_path):
+@pytest.mark.parametrize("overlap", ["acco", "dpu"])
+def test_resume_continues_the_uninterrupted_run_bit_for_bit(base, tmp_path, overlap):
     """int4 + LoCo gradients and int8 parameters, DP 2: stopped at iteration 3 (the update in flight lands and the
-    estimate is saved) and resumed, the losses and final weights equal the uninterrupted run's."""
-    cfg = replace(base, train_iters=6, compression="loco4_qwz", overlap_optimizer="acco", save=str(tmp_path / "ckpt"))
+    parameters the next step computes at are saved: ACCO's estimate, DPU's previous parameters) and resumed, the
+    losses and final weights equal the uninterrupted run's."""
+    cfg = replace(base, train_iters=6, compression="loco4_qwz", overlap_optimizer=overlap, save=str(tmp_path / "ckpt"))
     full = run_ranks(_run_body, 2, replace(cfg, save=None))[0]
     first = run_ranks(_run_body, 2, replace(cfg, exit_interval=3))[0]
     rest = run_ranks(_run_body, 2, replace(cfg, load=str(tmp_path / "ckpt")))[0]
     assert len(first[0]) == 3 and first[0] + rest[0] == full[0]
     assert all(a.equal(b) for a, b in zip(rest[2], full[2]))
     # the stopped run booked its last update too; the resumed one all-gathers the loaded parameters once more (as
-    # any resume of the sharded optimizer does): 13 parameter all-gathers of the same size instead of 12
+    # any resume of the sharded optimizer does): 13 parameter all-gathers of the same size instead of 12 (ACCO: 2
+    # per step), 7 instead of 6 (DPU: 1 per step)
+    gathers = 12 if overlap == "acco" else 6
     assert first[1]["dp_gradient"] + rest[1]["dp_gradient"] == full[1]["dp_gradient"]
-    assert (first[1]["dp_parameter"] + rest[1]["dp_parameter"]) * 12 == full[1]["dp_parameter"] * 13
+    assert (first[1]["dp_parameter"] + rest[1]["dp_parameter"]) * gathers == full[1]["dp_parameter"] * (gathers + 1)
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(overlap_optimizer="zero_bubble"), "must be 'none' or 'acco'"),
+    (dict(overlap_optimizer="zero_bubble"), "must be .none., .acco. or .dpu."),
     (dict(optimizer="onebit_adam"), "use --optimizer adamw"),
     (dict(shard_optimizer=False), "drop --no-shard-optimizer"),
     (dict(zero_stage=2), "use --zero-stage 1"),

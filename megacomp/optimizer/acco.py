@@ -24,6 +24,11 @@ all-gathers, i.e. twice DistributedOptimizer's dp_gradient and dp_parameter byte
 second full fp32 gradient buffer (the reduction's input while the next half accumulates) and two full parameter
 buffers per bucket, plus a copy of the shard's masters and optimizer state during an estimate.
 
+Without delay compensation (``delay_compensation=False``: DPU, the delayed parameter update of ZeRO-Offload) there
+are no halves and no estimate: ``step()`` after each step's whole backward waits for the previous update, puts θ_t
+into the model and starts θ_{t+1} = Opt(θ_t, mean G(θ_{t-1})) in the background, so the next step's whole compute
+overlaps one reduce-scatter + update + all-gather: DistributedOptimizer's bytes, gradients one step stale.
+
 Error bound: with codecs the real update's reduce-scatter keeps the gradient channel's error feedback (key per
 bucket, as DistributedOptimizer); the estimate's is the same codec without error feedback (its error affects only
 θ̃, never the committed state). With no codecs ``step()`` is exact: tests/test_optimizer_acco.py compares it with an
@@ -82,8 +87,9 @@ class ACCO:
     scaler. Its hooks then only accumulate; drive it with :meth:`estimate` after half A and :meth:`step` after half
     B of every step, instead of ``optimizer.step()``."""
 
-    def __init__(self, optimizer: DistributedOptimizer) -> None:
+    def __init__(self, optimizer: DistributedOptimizer, delay_compensation: bool = True) -> None:
         opt = optimizer
+        self.compensated = bool(delay_compensation)
         if type(opt) is not DistributedOptimizer:
             raise ValueError(f"ACCO overlaps DistributedOptimizer's AdamW-style update; {type(opt).__name__} has its "
                              f"own reduction (1-bit family): use it without ACCO")
@@ -124,6 +130,8 @@ class ACCO:
     def estimate(self, scale: float = 2.0) -> None:
         """After half A: wait for the previous real update, put θ_t into the model, start the estimate from this
         half's gradients times ``scale`` (M / micro-batches in A)."""
+        if not self.compensated:
+            raise RuntimeError("ACCO(delay_compensation=False) (DPU) has no estimate: call step() once per step")
         if self.phase != "A":
             raise RuntimeError("ACCO.estimate() was already called for this step; call step() after half B")
         if not (scale > 0):
@@ -142,11 +150,19 @@ class ACCO:
         from the gradients of both halves (times ``scale``: 1 when each micro-batch's loss was divided by the step's
         M; 0.5 when each half divided by its own M / 2, as a pipeline schedule run per half does). The update lands
         by the next :meth:`estimate` (or :meth:`synchronized`)."""
-        if self.phase != "B":
+        if self.compensated and self.phase != "B":
             raise RuntimeError("ACCO.step() needs ACCO.estimate() after the first half of the step")
         if not (scale > 0):
             raise ValueError(f"ACCO.step: scale must be > 0, got {scale!r}")
         self._wait()
+        if not self.compensated:  # DPU: this step's gradients (computed at θ_{t-1}) update θ_t in the background
+            self._hyper = [dict(g) for g in self._param_groups]
+            for b, r in zip(self.opt.buckets, self._reduced_input):
+                b.grad, self._reduced_input[b.index] = r.zero_(), b.grad
+            self._submit(self._real_job, "update", float(scale))
+            self._estimate = self._real  # the next step computes at θ_t (the job makes a new list for θ_{t+1})
+            self._load_model(self._estimate)
+            return
         for b, r in zip(self.opt.buckets, self._reduced_input):
             r.add_(b.grad)
             b.grad.zero_()

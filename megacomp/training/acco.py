@@ -14,8 +14,12 @@ from __future__ import annotations
 from .metrics import gather_traffic
 
 
-def acco_summary(num_microbatches: int) -> str:
+def acco_summary(num_microbatches: int, compensated: bool = True) -> str:
     """The start-up banner's line."""
+    if not compensated:
+        return ("DPU (ACCO without delay compensation): each step's gradient reduce-scatter, update and parameter "
+                "all-gather run in a background thread during the next step, whose gradients are computed at the "
+                "parameters before that update (one step stale); DistributedOptimizer's bytes, overlapped")
     half = num_microbatches // 2
     return (f"ACCO: {num_microbatches} micro-batches per iteration in two halves of {half}; each half's gradient "
             f"reduce-scatter, update and parameter all-gather run in a background thread while the other half "
@@ -29,6 +33,13 @@ def acco_halves(trainer, batches) -> tuple[list[float], bool]:
     update stepped (the verdict on this step's update arrives with the next iteration). The last iteration of the run
     waits for its update, so the run ends on θ_T with every byte booked."""
     acco, half, M = trainer.optimizer, len(batches) // 2, len(batches)
+    if not acco.compensated:  # DPU: the whole step's gradients, applied one step late
+        losses = trainer._forward_backward(batches)
+        trainer._finalize_grads()
+        acco.step()
+        if trainer.iteration + 1 == trainer.cfg.train_iters:
+            acco.finish()
+        return losses, acco.last_stepped is not False
     pipelined = trainer.communicator is not None  # the 1F1B schedule divides each half's losses by M / 2
     losses = trainer._forward_backward(batches[:half])
     trainer._finalize_grads()

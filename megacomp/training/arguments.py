@@ -129,7 +129,9 @@ class PretrainConfig:
     reduce-scatter, update and parameter all-gather of one half run in a background thread while the other half's
     gradients are computed, with ACCO's estimate compensating the delay (twice the dp_gradient / dp_parameter bytes,
     hidden behind compute). Needs --optimizer adamw, the sharded ZeRO-1 optimizer, an even number of micro-batches
-    (a multiple of 2 x PP), no outer loop, LoQT or error probe. 'none': the step waits for its communication."""
+    (a multiple of 2 x PP), no outer loop, LoQT or error probe. 'dpu': the same background update without the
+    halves and the estimate (DistributedOptimizer's bytes; each step's gradients are applied one step late).
+    'none': the step waits for its communication."""
     demo_topk: int = 32
     """DeMo: coefficients kept per DCT tile (compression_topk)."""
     demo_chunk: int = 64
@@ -487,7 +489,7 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         raise ValueError(f"{micro} micro-batches per iteration (global_batch_size {cfg.global_batch_size} / "
                          f"(micro_batch_size {cfg.micro_batch_size} x DP {dp})) is not a multiple of the "
                          f"{cfg.pipeline_model_parallel_size} pipeline stages; raise global_batch_size")
-    if cfg.overlap_optimizer == "acco" and micro % (2 * cfg.pipeline_model_parallel_size):
+    if cfg.overlap_optimizer == "acco" and micro % (2 * cfg.pipeline_model_parallel_size):  # dpu: no halves
         raise ValueError(f"overlap_optimizer acco runs each iteration's {micro} micro-batches in two equal halves, each "
                          f"a multiple of the {cfg.pipeline_model_parallel_size} pipeline stage(s): raise "
                          f"global_batch_size to a multiple of 2 x {cfg.pipeline_model_parallel_size} x micro_batch_size "

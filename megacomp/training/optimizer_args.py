@@ -169,8 +169,8 @@ def check_zero_stage(cfg: PretrainConfig) -> None:
 def check_overlap(cfg: PretrainConfig) -> None:
     """``overlap_optimizer`` 'none' or 'acco', and 'acco' only around the sharded ZeRO-1 AdamW optimizer without an
     outer loop, LoQT or the error probe (megacomp.optimizer.acco). Raises ValueError naming the fix."""
-    if cfg.overlap_optimizer not in ("none", "acco"):
-        raise ValueError(f"overlap_optimizer must be 'none' or 'acco', got {cfg.overlap_optimizer!r}")
+    if cfg.overlap_optimizer not in ("none", "acco", "dpu"):
+        raise ValueError(f"overlap_optimizer must be 'none', 'acco' or 'dpu', got {cfg.overlap_optimizer!r}")
     if cfg.overlap_optimizer == "none":
         return
     why = (f"optimizer {cfg.optimizer} has its own exchange (use --optimizer adamw)" if cfg.optimizer != "adamw" else
@@ -190,4 +190,4 @@ def check_overlap(cfg: PretrainConfig) -> None:
         elif comp.error_probe_interval:
             why = "does not run the error probe on its background collectives (set error_probe_interval: 0)"
     if why:
-        raise ValueError(f"overlap_optimizer acco {why}")
+        raise ValueError(f"overlap_optimizer {cfg.overlap_optimizer} {why}")

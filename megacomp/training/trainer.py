@@ -170,7 +170,7 @@ class Trainer:
             if cfg.zero_stage == 2:
                 print(f"  optimizer: {zero2_summary(self.optimizer, self.num_microbatches)}", flush=True)
             if isinstance(self.optimizer, ACCO):
-                print(f"  optimizer: {acco_summary(self.num_microbatches)}", flush=True)
+                print(f"  optimizer: {acco_summary(self.num_microbatches, self.optimizer.compensated)}", flush=True)
             if self.loqt is not None:
                 print(f"  weights: {self.loqt.summary()}", flush=True)
             if self.activation_delta is not None:
@@ -235,7 +235,7 @@ class Trainer:
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             shard=cfg.shard_optimizer, zero_stage=cfg.zero_stage)
-        return ACCO(opt) if cfg.overlap_optimizer == "acco" else opt
+        return opt if cfg.overlap_optimizer == "none" else ACCO(opt, delay_compensation=cfg.overlap_optimizer == "acco")
 
     def _after_outer_sync(self) -> None:
         """The model's parameters were replaced by the outer step: reload the optimizer's fp32 masters; under
