@@ -121,6 +121,25 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
     return pm.compact_run(records, suite=suite, variant=name, seed=seed, compression=compression, args=extra, **labels)
 
 
+def split_variants(text: str, known: set) -> tuple[set, set]:
+    """The variant names of a ``--variants`` comma list whose names may hold commas themselves ("ACCO, int4+LoCo, int8
+    params"): from each position the longest run of comma-separated pieces that names a known variant; a piece that
+    starts no known name is returned as unknown."""
+    pieces, only, unknown, i = text.split(","), set(), set(), 0
+    while i < len(pieces):
+        for j in range(len(pieces), i, -1):
+            name = ",".join(pieces[i:j])
+            if name in known:
+                only.add(name)
+                i = j
+                break
+        else:
+            if pieces[i].strip():
+                unknown.add(pieces[i])
+            i += 1
+    return only, unknown
+
+
 def prepare(suite: str, args) -> None:
     """Run a suite's ``prepare`` pretraining once (e.g. the checkpoint a fine-tuning suite loads), unless its
     directory already holds a checkpoint."""
@@ -382,8 +401,8 @@ def main() -> None:
         seeds = [int(x) for x in args.seeds.split(",") if x] or [None]
         for suite in args.suites.split(","):
             prepare(suite, args)
-        only = {v for v in args.variants.split(",") if v}
-        unknown = only - {name for suite in args.suites.split(",") for name in SUITES[suite]["variants"]}
+        known = {name for suite in args.suites.split(",") for name in SUITES[suite]["variants"]}
+        only, unknown = split_variants(args.variants, known)
         if unknown:
             raise SystemExit(f"--variants: {sorted(unknown)} not in suites {args.suites}")
         runs = [run_variant(suite, name, comp, args, seed) for suite in args.suites.split(",")

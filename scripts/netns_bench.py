@@ -155,178 +155,10 @@ def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "al
     dist.destroy_process_group()
 
 
-DDP_METHODS = ("no_communication", "ddp_fp32", "ddp_fp16_hook", "ddp_bf16_hook", "ddp_powersgd1", "ddp_powersgd4",
-               "zero_redundancy", "megacomp_hook_int4_loco")
-# megacomp's PowerSGD hook (default buckets: it works on gloo with several) and Accordion over its ranks 4 / 1
-LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accordion")
-# the 1-bit family (megacomp.optimizer.onebit, unsharded: no DDP wrapper, the optimizer exchanges gradients
-# during the warm-up, the first 20% of the iterations, then 1-bit momentum); wire bytes are the mean per
-# iteration after the warm-up, measured
-ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_onebit_lamb")
-# megacomp's sharded optimizer without a DDP wrapper (ZeRO-1, int4 + LoCo gradients, int8 parameter all-gathers), and
-# the same overlapped by ACCO (two halves of the batch, megacomp.optimizer.acco), also uncompressed, and by DPU (the
-# update one step late, no halves); wire bytes are the last iteration's, every dp_* kind (ACCO: an estimate and an
-# update per step)
-SHARDED_METHODS = ("megacomp_zero1_int4_loco_int8", "megacomp_acco_int4_loco_int8", "megacomp_acco_fp32",
-                   "megacomp_dpu_int4_loco_int8")
-ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "high": {"name": "powersgd", "rank": 1},
-                  "eta": 0.5, "interval": 15}
+from netns_dp_worker import (ACCORDION_HOOK, DDP_METHODS, LOW_RANK_METHODS, ONEBIT_METHODS,  # noqa: E402,F401
+                             SHARDED_METHODS, _powersgd_bytes, ddp_worker)
 
-
-def _powersgd_bytes(model, rank: int, world: int) -> int:
-    """Bytes each rank sends per step under torch's PowerSGD hook (one bucket; ring all-reduces, as gloo
-    runs them): matrices with m*n > (m+n)*rank*2 send P (n x r) and Q (m x r) in fp32, the rest is
-    all-reduced uncompressed (torch's min_compression_rate rule)."""
-    elems = 0
-    for p in model.parameters():
-        if p.dim() > 1:
-            m, n = p.shape[0], p.numel() // p.shape[0]
-            r = min(m, n, rank)
-            elems += (m + n) * r if m * n > (m + n) * r * 2 else m * n
-        else:
-            elems += p.numel()
-    return int(elems * 4 * 2 * (world - 1) / world)
-
-
-def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0, profile: bool = False) -> None:
-    """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication. ``profile``: record
-    megacomp.comm.spans from iteration 3 on and report rank 0's exclusive seconds per phase and thread, per step."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from megacomp import comm, parallel_state
-    from megacomp.config import ModelParallelConfig
-    from megacomp.data import DistributedBatchSampler, get_batch, prepare_data
-    from megacomp.launch import init_distributed
-    from megacomp.models.gpt import GPTConfig, GPTModel
-    from megacomp.optimizer import CompressedHookState, compressed_allreduce_hook
-
-    torch.set_num_threads(1)
-    init_distributed()
-    world = dist.get_world_size()
-    groups = parallel_state.initialize_model_parallel(1, 1)
-    tok, data = prepare_data(None, 1024, 64)
-    cfg = GPTConfig(hidden_size=hidden, num_attention_heads=4, num_layers=layers, vocab_size=1024, max_seq_length=64)
-    model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
-    params = sum(p.numel() for p in model.parameters())
-    one_bucket = method.startswith("ddp_powersgd")  # torch's PowerSGD hook breaks with several buckets on gloo
-    freeze = max(1, iters // 5)
-    bare = method in ONEBIT_METHODS or method in SHARDED_METHODS  # the optimizer does the exchange, no DDP wrapper
-    ddp = model if bare else DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
-    wire = {"ddp_fp32": 4, "zero_redundancy": 4, "ddp_fp16_hook": 2, "ddp_bf16_hook": 2}.get(method, 0) * params
-    wire = int(wire * 2 * (world - 1) / world)  # ring all-reduce
-    if method == "zero_redundancy":
-        wire += int(4 * params * (world - 1) / world)  # each rank's updated shard broadcast to the others
-    if method == "ddp_fp16_hook":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif method == "ddp_bf16_hook":
-        # DDP refuses the hook by name without CUDA/NCCL; gloo all-reduces bf16 on CPU, so call it through
-        # a wrapper (same function, same bytes)
-        ddp.register_comm_hook(None, lambda st, bucket: default_hooks.bf16_compress_hook(st, bucket))
-    elif method.startswith("ddp_powersgd"):
-        rank = int(method[len("ddp_powersgd"):])
-        ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
-                                                           start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
-        wire = _powersgd_bytes(model, rank, world)
-    elif method == "no_communication":  # the compute floor: buckets are not averaged (timing only)
-        def no_comm(_state, bucket):
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
-        ddp.register_comm_hook(None, no_comm)
-    elif method == "megacomp_hook_int4_loco":
-        ddp.register_comm_hook(CompressedHookState(codec="int4", error_feedback="loco"), compressed_allreduce_hook)
-    elif method.startswith("megacomp_powersgd"):
-        rank = int(method[len("megacomp_powersgd"):])
-        ddp.register_comm_hook(CompressedHookState(codec={"name": "powersgd", "rank": rank}), compressed_allreduce_hook)
-    elif method == "megacomp_accordion":
-        ddp.register_comm_hook(CompressedHookState(codec=ACCORDION_HOOK), compressed_allreduce_hook)
-    if method in ONEBIT_METHODS:
-        from megacomp.optimizer import OneBitAdam, OneBitLamb, ZeroOneAdam
-        for p in model.parameters():  # what DDP's constructor does: every rank starts from rank 0's weights
-            dist.broadcast(p.data, 0)
-        kw = dict(lr=1e-3, shard=False, bucket_size=int(bucket_mb * (1 << 20) / 4))
-        opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_adam" else
-               # LAMB's step is relative to the weight norm: lr 1e-2 (docs/convergence_onebit)
-               OneBitLamb(model.parameters(), freeze_step=freeze, **{**kw, "lr": 1e-2}) if method == "megacomp_onebit_lamb" else
-               ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10), **kw))
-    elif method in SHARDED_METHODS:
-        from megacomp.optimizer import DistributedOptimizer
-        from megacomp.optimizer.acco import ACCO
-        for p in model.parameters():  # every rank starts from rank 0's weights
-            dist.broadcast(p.data, 0)
-        codecs = {} if method.endswith("fp32") else dict(
-            grad_codec={"name": "int4", "block_size": 128}, error_feedback="loco",
-            param_codec={"name": "int8", "block_size": 256}, min_compress_numel=4096)
-        opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
-                                   bucket_size=int(bucket_mb * (1 << 20) / 4), **codecs)
-        if "acco" in method or "dpu" in method:
-            opt = ACCO(opt, delay_compensation="acco" in method)  # dpu: the update one step late, no halves
-    elif method == "zero_redundancy":
-        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
-    else:
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), world, seed=1))
-    from megacomp.comm import spans
-    times, losses, windows = [], [], []
-    for it in range(iters):
-        ids, labels = get_batch(data, next(sampler))
-        if it == (freeze if method in ONEBIT_METHODS else iters - 1):
-            comm.reset_stats()
-        if profile and it == 2:
-            spans.enable()
-        dist.barrier()
-        t0, t0_ns = time.perf_counter(), time.perf_counter_ns()
-        if "acco" in method:  # half A at the estimate, half B at the parameters (megacomp.optimizer.acco)
-            h = ids.shape[0] // 2
-            with spans.span("forward_backward"):
-                first = ddp(ids[:h], labels[:h])
-                (first / 2).backward()
-            opt.estimate(2.0)
-            with spans.span("forward_backward"):
-                second = ddp(ids[h:], labels[h:])
-                (second / 2).backward()
-            opt.step()
-            loss = (first + second) / 2
-        else:
-            if not bare:
-                opt.zero_grad()
-            with spans.span("forward_backward"):  # under torch DDP this includes the reducer's all-reduce waits
-                loss = ddp(ids, labels)
-                loss.backward()
-            opt.step()
-        windows.append((t0_ns, time.perf_counter_ns()))
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        l = loss.detach().reshape(1)
-        dist.all_reduce(l)
-        times.append(dt.item())
-        losses.append(l.item() / world)
-    if method in ONEBIT_METHODS:  # measured: mean per iteration after the warm-up, every dp_* kind
-        wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_")) // (iters - freeze)
-    elif method in SHARDED_METHODS:  # measured, last iteration, gradients and parameters
-        wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_"))
-        if "acco" in method or "dpu" in method:
-            opt.finish()
-    elif method.startswith("megacomp"):
-        wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
-    result = {"times": times, "losses": losses, "params": params, "wire": wire}
-    if profile:  # mean exclusive seconds per step of each phase, iterations 3..
-        recs, prof = spans.records(), {}
-        for start, end in windows[2:]:
-            for kind, phases in spans.totals(recs, start, end, exclusive=True).items():
-                for name, sec in phases.items():
-                    prof.setdefault(kind, {}).setdefault(name, 0.0)
-                    prof[kind][name] += sec / len(windows[2:])
-        result["profile"] = prof
-        spans.enable(False)
-    if dist.get_rank() == 0:
-        print("RESULT " + json.dumps(result))
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+DP_WORKER = str(Path(__file__).resolve().parent / "netns_dp_worker.py")
 
 
 def median_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> str:
@@ -368,7 +200,7 @@ def _seconds_to(record: dict, target: Optional[float]) -> str:
 def ddp_table(records: list[dict]) -> list[str]:
     """The DP-step table of ``bench_ddp``'s records (in run order; hidden, layers, bucket_mb from the first)."""
     first = records[0]
-    lines = [f"## DP training step: torch DDP, its comm hooks, ZeroRedundancyOptimizer and megacomp's hook (GPT "
+    lines = [f"## DP training step: torch DDP, its comm hooks, ZeroRedundancyOptimizer, megacomp's hook and sharded optimizer (ZeRO-1, ACCO, DPU) (GPT "
              f"h={first['hidden']}, {first['layers']} layers, DP 2 across the link, {len(first['all_times_s'])} "
              f"iterations, DDP buckets {first['bucket_mb']:g} MB; torch's PowerSGD one bucket)", "",
              "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | x no-communication step | "
@@ -395,7 +227,7 @@ def bench_ddp(args, records: Optional[list] = None, profile: bool = False) -> li
     for rate in args.rates.split(","):
         setup(rate)
         for method in args.methods.split(","):
-            out = run_pair([sys.executable, __file__, "_ddp", method, str(args.iters), str(args.hidden),
+            out = run_pair([sys.executable, DP_WORKER, method, str(args.iters), str(args.hidden),
                             str(args.layers), str(args.bucket_mb), *(["profile"] if profile else [])],
                            args.port, args.timeout)[0]
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
@@ -424,8 +256,13 @@ def profile_table(records: list[dict]) -> list[str]:
              "reduce-scatters, ACCO's jobs), optimizer = update + parameter all-gather outside their own wire/codec "
              "time, other = the rest of the step; background = span time in other threads (ACCO's jobs with their "
              "wire and codec time), overlapped with the main thread.", "",
+             "compute vs floor: this method's compute less the no-communication run's on the same link, i.e. what "
+             "communication work in other threads (codec, gloo, the background update) costs the compute sharing the "
+             "rank's cores.", "",
              "| link | method | median step ms | compute | codec | wire wait | optimizer | other | background "
-             "(of which wire) | bound by |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "(of which wire) | compute vs floor | bound by |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    floors = {r["rate"]: r["profile"].get("main", {}).get("forward_backward", 0.0) * 1e3 for r in records
+              if r["method"] == "no_communication"}
     for r in records:
         step = statistics.median(r["times_s"]) * 1e3
         main = r["profile"].get("main", {})
@@ -434,8 +271,9 @@ def profile_table(records: list[dict]) -> list[str]:
         parts["other"] = max(0.0, step - sum(parts.values()))
         bound = max(parts, key=parts.get)
         cells = " | ".join(f"{parts[k]:.0f}" for k in (*PHASES, "other"))
+        inflation = f"{parts['compute'] - floors[r['rate']]:+.0f}" if r["rate"] in floors else "-"
         lines.append(f"| {r['rate']} | {r['method']} | {step:.0f} | {cells} | {sum(bg.values()) * 1e3:.0f} "
-                     f"({bg.get('wire', 0.0) * 1e3:.0f}) | {bound} |")
+                     f"({bg.get('wire', 0.0) * 1e3:.0f}) | {inflation} | {bound} |")
     return lines + [""]
 
 
