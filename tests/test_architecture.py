@@ -22,6 +22,7 @@ KERNELS = REPO / "kernels"  # installed as megacomp.kernels
 ALLOWED_MODULE_STATE = {
     ("megacomp/comm/transport.py", "_TRANSPORTS"),   # per-group direction groups and p2p tag counters
     ("megacomp/comm/stats.py", "PROCESS_STATS"),     # the default wire-statistics table (counters)
+    ("megacomp/comm/spans.py", "RECORDER"),          # the profiler's switch and timed spans (timing only)
     ("megacomp/compression/formats.py", "FORMATS"),  # the format registry (register_format adds names only)
     ("kernels/triton/codec_triton.py", "_backends"),  # compiled Triton kernel handles
     ("kernels/triton/codec_triton.py", "_lock"),      # a threading.Lock: builds _backends once

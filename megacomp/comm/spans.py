@@ -26,26 +26,48 @@ from collections import defaultdict
 
 import torch
 
-_ENABLED = False
-_RECORDS: list[tuple[str, str, int, int]] = []
-_LOCK = threading.Lock()
+class SpanRecorder:
+    """Whether spans are recorded, and the records (thread-safe: background jobs record too)."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._records: list[tuple[str, str, int, int]] = []
+        self._lock = threading.Lock()
+
+    def add(self, record: tuple[str, str, int, int]) -> None:
+        """Append one (thread, name, start ns, end ns)."""
+        with self._lock:
+            self._records.append(record)
+
+    def records(self) -> list[tuple[str, str, int, int]]:
+        """A copy of the records so far."""
+        with self._lock:
+            return list(self._records)
+
+    def reset(self) -> None:
+        """Forget the records."""
+        with self._lock:
+            self._records.clear()
+
+
+RECORDER = SpanRecorder()
+"""The process's recorder (a profiler's switch and buffer: timing only, never an input to the numbers)."""
 
 
 def enable(on: bool = True) -> None:
     """Start (or stop) recording spans in this process."""
-    global _ENABLED
-    _ENABLED = bool(on)
+    RECORDER.enabled = bool(on)
 
 
 def enabled() -> bool:
     """Whether spans are being recorded."""
-    return _ENABLED
+    return RECORDER.enabled
 
 
 @contextlib.contextmanager
 def span(name: str):
     """Time the body as phase ``name`` on the calling thread (nothing when recording is off)."""
-    if not _ENABLED:
+    if not RECORDER.enabled:
         yield
         return
     t0 = time.perf_counter_ns()
@@ -53,21 +75,17 @@ def span(name: str):
         with torch.profiler.record_function(f"megacomp.{name}"):
             yield
     finally:
-        t1 = time.perf_counter_ns()
-        with _LOCK:
-            _RECORDS.append((threading.current_thread().name, name, t0, t1))
+        RECORDER.add((threading.current_thread().name, name, t0, time.perf_counter_ns()))
 
 
 def records() -> list[tuple[str, str, int, int]]:
     """A copy of the spans recorded so far."""
-    with _LOCK:
-        return list(_RECORDS)
+    return RECORDER.records()
 
 
 def reset() -> None:
     """Forget the recorded spans."""
-    with _LOCK:
-        _RECORDS.clear()
+    RECORDER.reset()
 
 
 def totals(recs: list[tuple[str, str, int, int]], start_ns: int = 0, end_ns: int = 1 << 62,
