@@ -27,9 +27,9 @@ ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_on
 # megacomp's sharded optimizer without a DDP wrapper (ZeRO-1, int4 + LoCo gradients, int8 parameter all-gathers), and
 # the same overlapped by ACCO (two halves of the batch, megacomp.optimizer.acco), also uncompressed, and by DPU (the
 # update one step late, no halves); wire bytes are the last iteration's, every dp_* kind (ACCO: an estimate and an
-# update per step)
+# update per step); and ZeRO-1 with its parameter all-gather overlapped with the next forward
 SHARDED_METHODS = ("megacomp_zero1_int4_loco_int8", "megacomp_acco_int4_loco_int8", "megacomp_acco_fp32",
-                   "megacomp_dpu_int4_loco_int8")
+                   "megacomp_dpu_int4_loco_int8", "megacomp_zero1_overlap_gather_int4_loco_int8")
 ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "high": {"name": "powersgd", "rank": 1},
                   "eta": 0.5, "interval": 15}
 
@@ -126,6 +126,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
                                    bucket_size=int(bucket_mb * (1 << 20) / 4), **codecs)
         if "acco" in method or "dpu" in method:
             opt = ACCO(opt, delay_compensation="acco" in method)  # dpu: the update one step late, no halves
+        elif "overlap_gather" in method:  # the parameter all-gather finishes per bucket in the next forward
+            opt.overlap_param_gather(model)
     elif method == "zero_redundancy":
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:

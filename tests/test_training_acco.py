@@ -1,7 +1,7 @@
 """Pretraining with ``--overlap-optimizer acco`` (megacomp.optimizer.acco inside megacomp.training): it trains under
 TP, PP (the tied embedding deferred and summed over the embedding group per half) and SP; it puts twice ZeRO-1's
 gradient and parameter bytes on the wire, every byte booked in some iteration's record; a run stopped and resumed
-continues the uninterrupted curve bit for bit (the estimate is checkpointed); the flags it refuses name the fix."""
+continues the uninterrupted curve bit for bit (the estimate is checkpointed); the flags it refuses name the fix. Also --overlap-param-gather (the same run as the synchronous all-gather) and DPU."""
 from dataclasses import replace
 
 import pytest
@@ -94,3 +94,24 @@ def test_acco_refusals_name_the_fix(base, change, match):
     with pytest.raises(ValueError, match=match):
         check(replace(replace(base, overlap_optimizer="acco"), **change), world_size=2)
     check(replace(base, overlap_optimizer="acco", compression="loco4"), world_size=2)
+
+
+def test_overlap_param_gather_gives_the_same_run(base):
+    """--overlap-param-gather on TP 2 x DP 2 with int4 + LoCo gradients and int8 parameters: the same losses, bytes
+    and final weights as the synchronous all-gather (the forward pre-hooks wait per bucket)."""
+    cfg = replace(base, tensor_model_parallel_size=2, compression="loco4_qwz")
+    sync = run_ranks(_run_body, 4, cfg)
+    over = run_ranks(_run_body, 4, replace(cfg, overlap_param_gather=True))
+    for (l0, t0, w0, _), (l1, t1, w1, _) in zip(sync, over):
+        assert l0 == l1 and t0 == t1
+        assert all(a.equal(b) for a, b in zip(w0, w1))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(optimizer="onebit_adam"), "use --optimizer adamw"),
+    (dict(overlap_optimizer="dpu"), "overlap-optimizer dpu"),
+    (dict(outer_algorithm="diloco", num_replicas=2), "outer-algorithm diloco"),
+])
+def test_overlap_param_gather_refusals(base, change, match):
+    with pytest.raises(ValueError, match=match):
+        check(replace(replace(base, overlap_param_gather=True), **change), world_size=2)

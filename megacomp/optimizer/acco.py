@@ -100,6 +100,11 @@ class ACCO:
         if why:
             raise ValueError(f"ACCO needs a ZeRO-1 sharded DistributedOptimizer with a value codec (or none), flat "
                              f"data parallelism and bf16/fp32 parameters; this one is {why}")
+        if opt._prefetch:
+            why = "overlapping its parameter all-gather with the next forward (ACCO gathers into its own buffers)"
+        if why:
+            raise ValueError(f"ACCO needs a ZeRO-1 sharded DistributedOptimizer with a value codec (or none), flat "
+                             f"data parallelism and bf16/fp32 parameters; this one is {why}")
         if opt.step_count or opt.skipped_steps or any(b.ready for b in opt.buckets):
             raise ValueError("ACCO must wrap a DistributedOptimizer before its first backward")
         self.opt = opt

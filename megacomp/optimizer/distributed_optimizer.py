@@ -78,6 +78,7 @@ from ..comm.spans import span
 from ..compression import CodecLike, is_accordion, is_low_rank, make_codec
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
+from .param_gather import ParamGather
 from .params import default_optimizer_class, param_groups_of, plain_data
 from .reduction import GradientReduction
 
@@ -85,7 +86,7 @@ log = logging.getLogger("megacomp")
 STATE_FORMAT = "megacomp.DistributedOptimizer/1"
 
 
-class DistributedOptimizer(GradientReduction):
+class DistributedOptimizer(GradientReduction, ParamGather):
     """Sharded optimizer over ``process_group`` (default: the world); see the module docstring.
 
     ``error_feedback``: None, 'ef', 'loco', an ErrorFeedbackConfig or ErrorFeedback (one error per
@@ -202,6 +203,7 @@ class DistributedOptimizer(GradientReduction):
         self._accumulating, self._validated = False, False
         self._in_flight: list = []  # ZeRO-2: (bucket, backend handle) of the reduce-scatter on the wire
         self._end_queued = False  # ZeRO-2: the end-of-backward callback is queued for the running backward
+        self._prefetch, self._pending, self._gather_order = False, {}, []  # overlap_param_gather (param_gather.py)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.params)]
 
@@ -287,6 +289,7 @@ class DistributedOptimizer(GradientReduction):
         """Reduce, update the local shard, all-gather parameters. Returns False when the step was skipped."""
         if closure is not None:
             raise ValueError("DistributedOptimizer.step does not take a closure")
+        self.wait_params()  # a bucket whose parameters no forward used since the last step
         shards = self._finish_reduction()
         overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards)))
         if self._accordion_active():  # decided on the reduced gradients, before clipping (every rank alike)
@@ -323,8 +326,11 @@ class DistributedOptimizer(GradientReduction):
 
     def _finish_step(self) -> bool:
         """After the inner step: parameters into the model, loss scale, buffers cleared, the step counted."""
-        with span("param_all_gather"):
-            self.sync_params()
+        if self._prefetch:  # left in flight: the next forward waits per bucket (param_gather.py)
+            self._launch_param_gathers()
+        else:
+            with span("param_all_gather"):
+                self.sync_params()
         if self.scaler is not None:
             self.scaler.update(False)
         self._reset()
@@ -336,11 +342,13 @@ class DistributedOptimizer(GradientReduction):
     def load_params_from_model(self) -> None:
         """Set this rank's fp32 master shards from the model parameters, after something other than this
         optimizer changed them (an outer step of megacomp.outer); the inner optimizer state is kept."""
+        self.wait_params()
         for b, m in zip(self.buckets, self.masters):
             m.copy_(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.parts))])
 
     def sync_params(self) -> None:
         """All-gather the master shards into the model parameters (``param_codec`` on compressed buckets)."""
+        self.wait_params()  # collectives in flight go first, in the order every rank issued them
         for b, m in zip(self.buckets, self.masters):
             full = m.detach() if not self.sharded else self.gather_bucket(b, m)  # unsharded: the master is whole
             with torch.no_grad():
@@ -409,6 +417,7 @@ class DistributedOptimizer(GradientReduction):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard, under a key naming the DP rank (so torch.distributed.checkpoint keeps every
         rank's shard): masters, inner optimizer state, error feedback, counters, loss scale, codecs, layout."""
+        self.wait_params()
         self._init_ef_keys()
         local = {
             "format": STATE_FORMAT, "dp_size": self.world, "layout": self._layout(), "sharded": self.sharded,
@@ -427,6 +436,7 @@ class DistributedOptimizer(GradientReduction):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore this rank's shard and all-gather the parameters. Raises ValueError when the checkpoint has no
         shard for this DP rank, or its format, DP size, bucket layout, codecs or error-feedback setting differ."""
+        self.wait_params()
         key = f"dp_rank_{self.rank}"
         if key not in state:
             raise ValueError(f"optimizer state has no shard for data-parallel rank {self.rank} (keys: {sorted(state)}); "

@@ -83,6 +83,8 @@ class GradientReduction:
         def hook(param: torch.Tensor) -> None:
             if param.grad is None:
                 return
+            if self._pending:  # overlap_param_gather: this parameter's forward must have waited for its bucket
+                self._check_not_pending(b)
             scale = 1.0 / self.scaler.scale if self.scaler is not None else 1.0
             if stage2 and not b.deferred:
                 if i in b.ready:

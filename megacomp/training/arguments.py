@@ -124,6 +124,11 @@ class PretrainConfig:
     soon as a micro-batch's backward fills it and its full-size buffer freed, so only this rank's 1/DP shard of the
     gradients persists; every micro-batch is reduced, i.e. (micro-batches - 1) x ZeRO-1's dp_gradient bytes more per
     iteration. Checkpoints of either stage resume in the other."""
+    overlap_param_gather: bool = False
+    """Megatron's flag: the sharded optimizer's parameter all-gather (dp_parameter) is left in flight at the end of
+    the step, and each module's forward waits only for the buckets it needs (megacomp.optimizer.param_gather), so
+    later buckets travel while earlier layers compute. Same results and bytes. --optimizer adamw with the sharded
+    optimizer; not with an outer loop, LoQT or --overlap-optimizer."""
     overlap_optimizer: str = "none"
     """'acco' (megacomp.optimizer.acco): each iteration's micro-batches run in two halves; the sharded optimizer's
     reduce-scatter, update and parameter all-gather of one half run in a background thread while the other half's

@@ -169,6 +169,16 @@ def check_zero_stage(cfg: PretrainConfig) -> None:
 def check_overlap(cfg: PretrainConfig) -> None:
     """``overlap_optimizer`` 'none' or 'acco', and 'acco' only around the sharded ZeRO-1 AdamW optimizer without an
     outer loop, LoQT or the error probe (megacomp.optimizer.acco). Raises ValueError naming the fix."""
+    if cfg.overlap_param_gather:
+        why = (f"optimizer {cfg.optimizer} (use --optimizer adamw)" if cfg.optimizer != "adamw" else
+               "--no-shard-optimizer (there is no parameter all-gather)" if not cfg.shard_optimizer else
+               f"--outer-algorithm {cfg.outer_algorithm} (the outer step reads the parameters right after the inner "
+               f"step)" if cfg.outer_algorithm != "none" else
+               "LoQT (its merges read the parameters after the step)" if cfg.loqt_rank else
+               f"--overlap-optimizer {cfg.overlap_optimizer} (it gathers in its own background thread)"
+               if cfg.overlap_optimizer != "none" else None)
+        if why:
+            raise ValueError(f"overlap_param_gather does not combine with {why}; drop --overlap-param-gather or that")
     if cfg.overlap_optimizer not in ("none", "acco", "dpu"):
         raise ValueError(f"overlap_optimizer must be 'none', 'acco' or 'dpu', got {cfg.overlap_optimizer!r}")
     if cfg.overlap_optimizer == "none":

@@ -235,6 +235,8 @@ class Trainer:
             max_grad_norm=cfg.clip_grad or None, grad_norm_group=norm_group,
             grad_norm_weight=norm_weight, deferred_params=deferred, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             shard=cfg.shard_optimizer, zero_stage=cfg.zero_stage)
+        if cfg.overlap_param_gather:
+            opt.overlap_param_gather(self.model)
         return opt if cfg.overlap_optimizer == "none" else ACCO(opt, delay_compensation=cfg.overlap_optimizer == "acco")
 
     def _after_outer_sync(self) -> None:
@@ -290,6 +292,8 @@ class Trainer:
         """Write a checkpoint of this iteration under ``cfg.save`` (a collective: every rank calls it), say
         where (rank 0), and keep only the newest ``keep_checkpoints`` when that is set. Under ACCO the update in
         flight lands first and the checkpoint holds the real parameters (and the estimate, in the optimizer's)."""
+        if hasattr(self.optimizer, "wait_params"):  # --overlap-param-gather: the last step's all-gathers land first
+            self.optimizer.wait_params()
         with (self.optimizer.synchronized() if isinstance(self.optimizer, ACCO) else contextlib.nullcontext()):
             path = save_checkpoint(self.cfg.save, self.iteration, self.model, self.optimizer, self._extra_state(),
                                    self.groups, self.run_info(), replica=self._replica())
@@ -482,6 +486,8 @@ class Trainer:
             self.save()
         if isinstance(self.optimizer, ACCO):
             self.optimizer.finish()  # the model ends on θ, not on the estimate a resume continues from
+        elif hasattr(self.optimizer, "wait_params"):
+            self.optimizer.wait_params()  # --overlap-param-gather: the model ends on the last step's parameters
         elif stopped and not cfg.save and self.is_logger:
             print("megacomp-pretrain: no --save directory: nothing was checkpointed", flush=True)
         if self.is_logger and history:
