@@ -166,8 +166,9 @@ stage_torchrun() {
     --global-batch-size 32 --dataset-samples 32
   # ZeRO-2 on TP 2 x DP 2: the tiny config's 2 micro-batches per DP rank each reduce-scatter every bucket (int4 +
   # LoCo, residuals counted once per step) as soon as backward fills it, then free it; int8 parameter all-gathers
+  # left in flight at the end of the step and finished per bucket by the next forward (--overlap-param-gather)
   launch torchrun_zero2_tp2_dp2 torchrun "TP2xDP2" loco4_qwz dp_gradient,dp_parameter \
-    TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --zero-stage 2
+    TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --zero-stage 2 --overlap-param-gather
   # ACCO on TP 2 x PP 2 x DP 2 with sequence parallelism (8 ranks): 4 micro-batches per DP rank in two 1F1B halves,
   # each half's tied-embedding and SP-norm gradients summed over their groups, then reduce-scattered (int4 + LoCo),
   # updated and all-gathered (int8) in a background thread while the other half computes

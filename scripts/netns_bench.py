@@ -206,35 +206,76 @@ def ddp_table(records: list[dict]) -> list[str]:
              "| link | method | median step s (min-max), iterations 3.. | speedup vs DDP fp32 | x no-communication step | "
              f"wire MB/step/rank | loss at iteration {len(first['all_times_s'])} | s to DDP fp32's final loss |",
              "|---|---|---|---|---|---|---|---|"]
-    floors = {r["rate"]: statistics.median(r["times_s"]) for r in records if r["method"] == "no_communication"}
+    floors = {(r["rate"], r.get("seed")): statistics.median(r["times_s"]) for r in records
+              if r["method"] == "no_communication"}
     base, rate, target = None, None, None
     for r in records:
-        if r["rate"] != rate:
-            base, rate, target = None, r["rate"], None
+        key = (r["rate"], r.get("seed"))
+        if key != rate:
+            base, rate, target = None, key, None
         med = statistics.median(r["times_s"])
         if r["method"] == "ddp_fp32":
             base, target = med, running_mean(r["losses"], TIME_TO_WINDOW)[-1]
         speed = f"{base / med:.2f}x" if base else "-"
-        floor = f"{med / floors[r['rate']]:.2f}" if r["rate"] in floors else "-"
-        lines.append(f"| {r['rate']} | {r['method']} | {median_spread(r['times_s'])} | {speed} | {floor} | "
+        floor = f"{med / floors[key]:.2f}" if key in floors else "-"
+        name = r["method"] + (f" (seed {r['seed']})" if "seed" in r else "")
+        lines.append(f"| {r['rate']} | {name} | {median_spread(r['times_s'])} | {speed} | {floor} | "
                      f"{r['wire_bytes_per_step'] / 1e6:.2f} | {r['losses'][-1]:.4f} | {_seconds_to(r, target)} |")
+    if any("seed" in r for r in records):
+        lines += [""] + seeds_table(records)
     return lines + [""]
+
+
+def seeds_table(records: list[dict]) -> list[str]:
+    """Over seeds, per link and method: the median step (the median of the seeds' medians, min-max of them), its
+    ratio to the no-communication step of the same seed, the loss at the last iteration (mean ± std) and its gap to
+    DDP fp32's of the same seed, and the seconds to DDP fp32's final loss (per seed)."""
+    lines = ["### Over seeds", "", "| link | method | seeds | median step s (seeds' min-max) | x no-communication | "
+             "loss at last iteration, mean ± std | vs DDP fp32, paired mean ± std | s to DDP fp32's final loss, per "
+             "seed |", "|---|---|---|---|---|---|---|---|"]
+    by = {(r["rate"], r["method"], r.get("seed")): r for r in records}
+    for rate in dict.fromkeys(r["rate"] for r in records):
+        for method in dict.fromkeys(r["method"] for r in records if r["rate"] == rate):
+            rows = [r for r in records if r["rate"] == rate and r["method"] == method]
+            meds = [statistics.median(r["times_s"]) for r in rows]
+            ratios, gaps, reach = [], [], []
+            for r, med in zip(rows, meds):
+                floor = by.get((rate, "no_communication", r.get("seed")))
+                if floor:
+                    ratios.append(med / statistics.median(floor["times_s"]))
+                ddp = by.get((rate, "ddp_fp32", r.get("seed")))
+                if ddp:
+                    gaps.append((r["loss"] / ddp["loss"] - 1) * 100)
+                    reach.append(_seconds_to(r, running_mean(ddp["losses"], TIME_TO_WINDOW)[-1]))
+            sd = lambda xs: statistics.stdev(xs) if len(xs) > 1 else 0.0  # noqa: E731
+            losses = [r["loss"] for r in rows]
+            lines.append(f"| {rate} | {method} | {len(rows)} | {statistics.median(meds):.3f} ({min(meds):.3f}-"
+                         f"{max(meds):.3f}) | {statistics.median(ratios):.2f} | " if ratios else
+                         f"| {rate} | {method} | {len(rows)} | {statistics.median(meds):.3f} ({min(meds):.3f}-"
+                         f"{max(meds):.3f}) | - | ")
+            lines[-1] += (f"{statistics.mean(losses):.4f} ± {sd(losses):.4f} | "
+                          + (f"{statistics.mean(gaps):+.2f}% ± {sd(gaps):.2f}% | " if gaps else "- | ")
+                          + (", ".join(reach) if reach else "-") + " |")
+    return lines
 
 
 def bench_ddp(args, records: Optional[list] = None, profile: bool = False) -> list[str]:
     records = [] if records is None else records
     start = len(records)
+    seeds = [int(x) for x in getattr(args, "seeds", "").split(",") if x] or [None]
     for rate in args.rates.split(","):
         setup(rate)
-        for method in args.methods.split(","):
+        for seed, method in [(sd, m) for sd in seeds for m in args.methods.split(",")]:
             out = run_pair([sys.executable, DP_WORKER, method, str(args.iters), str(args.hidden),
-                            str(args.layers), str(args.bucket_mb), *(["profile"] if profile else [])],
+                            str(args.layers), str(args.bucket_mb), *(["profile"] if profile else []),
+                            *([f"seed={seed}"] if seed is not None else [])],
                            args.port, args.timeout)[0]
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
             records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "method": method, "world": 2,
                             "params": res["params"], "hidden": args.hidden, "layers": args.layers,
                             "bucket_mb": args.bucket_mb, "times_s": res["times"][2:], "all_times_s": res["times"],
                             "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"],
+                            **({"seed": seed} if seed is not None else {}),
                             **({"profile": res["profile"]} if profile else {})})
             print((profile_table if profile else ddp_table)(records[start:])[-2], flush=True)
     return (profile_table if profile else ddp_table)(records[start:])
@@ -409,6 +450,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="DDP bucket_cap_mb for every method but PowerSGD (one bucket: torch's hook breaks with more on gloo)")
+    p.add_argument("--seeds", default="", help="ddp / profile: comma list of seeds (weights and data order), each "
+                                               "method run once per seed, with a table over seeds")
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/netns")

@@ -1,7 +1,7 @@
 """One rank of scripts/netns_bench.py's DP-step workloads (``ddp``, ``profile``): a small GPT (TP 1) trained with one
 method's data-parallel communication, on two ranks that torchrun-style environment variables describe.
 
-    python scripts/netns_dp_worker.py METHOD ITERS HIDDEN LAYERS BUCKET_MB [profile]
+    python scripts/netns_dp_worker.py METHOD ITERS HIDDEN LAYERS BUCKET_MB [profile] [seed=N]
 
 Methods: torch DDP (fp32, its fp16/bf16 and PowerSGD hooks), ZeroRedundancyOptimizer, a no-communication floor,
 megacomp's DDP hook (int4 + LoCo, PowerSGD, Accordion), the 1-bit family, megacomp's sharded optimizer and ACCO / DPU
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Optional
 
 
 DDP_METHODS = ("no_communication", "ddp_fp32", "ddp_fp16_hook", "ddp_bf16_hook", "ddp_powersgd1", "ddp_powersgd4",
@@ -49,7 +50,8 @@ def _powersgd_bytes(model, rank: int, world: int) -> int:
     return int(elems * 4 * 2 * (world - 1) / world)
 
 
-def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0, profile: bool = False) -> None:
+def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0, profile: bool = False,
+               seed: Optional[int] = None) -> None:
     """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication. ``profile``: record
     megacomp.comm.spans from iteration 3 on and report rank 0's exclusive seconds per phase and thread, per step."""
     import torch
@@ -70,7 +72,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     world = dist.get_world_size()
     groups = parallel_state.initialize_model_parallel(1, 1)
     tok, data = prepare_data(None, 1024, 64)
-    cfg = GPTConfig(hidden_size=hidden, num_attention_heads=4, num_layers=layers, vocab_size=1024, max_seq_length=64)
+    cfg = GPTConfig(hidden_size=hidden, num_attention_heads=4, num_layers=layers, vocab_size=1024, max_seq_length=64,
+                    **({"seed": 1234 + seed} if seed is not None else {}))  # seed: weights and data order
     model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
     params = sum(p.numel() for p in model.parameters())
     one_bucket = method.startswith("ddp_powersgd")  # torch's PowerSGD hook breaks with several buckets on gloo
@@ -132,7 +135,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
     else:
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
-    sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), world, seed=1))
+    sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), world, seed=1 if seed is None else seed))
     from megacomp.comm import spans
     times, losses, windows = [], [], []
     for it in range(iters):
@@ -193,5 +196,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
 
 
 if __name__ == "__main__":
+    extra = sys.argv[6:]  # "profile", "seed=N"
+    seeds = [int(a[5:]) for a in extra if a.startswith("seed=")]
     ddp_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-               len(sys.argv) > 6 and sys.argv[6] == "profile")
+               "profile" in extra, seeds[0] if seeds else None)
