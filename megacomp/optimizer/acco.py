@@ -45,8 +45,9 @@ received it) to the optimizer's; :meth:`load_state_dict` restores both, so a res
 checkpoint without the estimate (written without ACCO) resumes with θ̃ = θ, ACCO's own start.
 
 Failure behaviour: a DistributedOptimizer that is unsharded, ZeRO-2, hierarchical, PowerSGD / Accordion, fp16 with a
-loss scaler or a subclass (1-bit family) raises ValueError; calls out of order (``step`` before ``estimate``,
-``estimate`` twice) raise RuntimeError; an exception in the background thread is raised again at the next wait.
+loss scaler, overlapping its parameter all-gather, or a subclass (1-bit family) raises ValueError; calls out of
+order (``step`` before ``estimate``, ``estimate`` twice) raise RuntimeError; an exception in the background thread
+is raised again at the next wait.
 Inf/NaN gradients: the real update is skipped on every rank (counted in ``skipped_steps``, error feedback reset, as
 DistributedOptimizer), an estimate from them is θ_t itself.
 """
@@ -84,8 +85,9 @@ def private_group(group):
 class ACCO:
     """Overlaps a :class:`DistributedOptimizer`'s communication and update with the next half-batch's gradients (see
     the module docstring). ``optimizer``: ZeRO-1, sharded, flat (no hierarchy), a value codec or none, no loss
-    scaler. Its hooks then only accumulate; drive it with :meth:`estimate` after half A and :meth:`step` after half
-    B of every step, instead of ``optimizer.step()``."""
+    scaler, no overlapped parameter all-gather. Its hooks then only accumulate; drive it with :meth:`estimate` after
+    half A and :meth:`step` after half B of every step, instead of ``optimizer.step()``
+    (``delay_compensation=False``, DPU: :meth:`step` after each step's whole backward)."""
 
     def __init__(self, optimizer: DistributedOptimizer, delay_compensation: bool = True) -> None:
         opt = optimizer
@@ -96,19 +98,14 @@ class ACCO:
         why = ("unsharded (shard=False)" if not opt.sharded else "ZeRO-2" if opt.zero_stage == 2 else
                "hierarchical" if opt.hierarchy is not None else "fp16 with a loss scaler" if opt.scaler is not None
                else "PowerSGD / Accordion" if isinstance(opt.grad_channel, (LowRankChannel, AccordionChannel))
-               else None)
-        if why:
-            raise ValueError(f"ACCO needs a ZeRO-1 sharded DistributedOptimizer with a value codec (or none), flat "
-                             f"data parallelism and bf16/fp32 parameters; this one is {why}")
-        if opt._prefetch:
-            why = "overlapping its parameter all-gather with the next forward (ACCO gathers into its own buffers)"
+               else "overlapping its parameter all-gather with the next forward (ACCO gathers into its own buffers)"
+               if opt._prefetch else None)
         if why:
             raise ValueError(f"ACCO needs a ZeRO-1 sharded DistributedOptimizer with a value codec (or none), flat "
                              f"data parallelism and bf16/fp32 parameters; this one is {why}")
         if opt.step_count or opt.skipped_steps or any(b.ready for b in opt.buckets):
             raise ValueError("ACCO must wrap a DistributedOptimizer before its first backward")
         self.opt = opt
-        self._main_group = opt.group
         opt.group = private_group(opt.group)
         if opt.grad_norm_group is not None:
             opt.grad_norm_group = private_group(opt.grad_norm_group)
