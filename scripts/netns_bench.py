@@ -302,8 +302,8 @@ def profile_table(records: list[dict]) -> list[str]:
              "rank's cores.", "",
              "| link | method | median step ms | compute | codec | wire wait | optimizer | other | background "
              "(of which wire) | compute vs floor | bound by |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    floors = {r["rate"]: r["profile"].get("main", {}).get("forward_backward", 0.0) * 1e3 for r in records
-              if r["method"] == "no_communication"}
+    floors = {(r["rate"], r.get("seed")): r["profile"].get("main", {}).get("forward_backward", 0.0) * 1e3
+              for r in records if r["method"] == "no_communication"}
     for r in records:
         step = statistics.median(r["times_s"]) * 1e3
         main = r["profile"].get("main", {})
@@ -312,7 +312,8 @@ def profile_table(records: list[dict]) -> list[str]:
         parts["other"] = max(0.0, step - sum(parts.values()))
         bound = max(parts, key=parts.get)
         cells = " | ".join(f"{parts[k]:.0f}" for k in (*PHASES, "other"))
-        inflation = f"{parts['compute'] - floors[r['rate']]:+.0f}" if r["rate"] in floors else "-"
+        key = (r["rate"], r.get("seed"))
+        inflation = f"{parts['compute'] - floors[key]:+.0f}" if key in floors else "-"
         lines.append(f"| {r['rate']} | {r['method']} | {step:.0f} | {cells} | {sum(bg.values()) * 1e3:.0f} "
                      f"({bg.get('wire', 0.0) * 1e3:.0f}) | {inflation} | {bound} |")
     return lines + [""]

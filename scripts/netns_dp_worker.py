@@ -5,7 +5,8 @@ method's data-parallel communication, on two ranks that torchrun-style environme
 
 Methods: torch DDP (fp32, its fp16/bf16 and PowerSGD hooks), ZeroRedundancyOptimizer, a no-communication floor,
 megacomp's DDP hook (int4 + LoCo, PowerSGD, Accordion), the 1-bit family, megacomp's sharded optimizer and ACCO / DPU
-over it. Rank 0 prints one ``RESULT {json}`` line: per-iteration step times (max over ranks) and losses, the
+over it. Rank 0 prints one ``RESULT {json}`` line: per-iteration step times (barrier to barrier, everything
+included) and losses, the
 parameter count, wire bytes per step, and with ``profile`` the mean exclusive seconds per step of each
 megacomp.comm.spans phase, per thread kind.
 """
@@ -138,14 +139,18 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     sampler = iter(DistributedBatchSampler(len(data), 8, dist.get_rank(), world, seed=1 if seed is None else seed))
     from megacomp.comm import spans
     times, losses, windows = [], [], []
+    # Each iteration is timed from one barrier to the next and includes everything in between (the batch, the loss
+    # all-reduce): communication left in flight by one step (an overlapped all-gather, ACCO's jobs) is then paid
+    # inside some iteration, never in an untimed gap; the last iteration waits for it before its barrier.
+    overlapped = "acco" in method or "dpu" in method or "overlap_gather" in method
+    dist.barrier()
+    t_prev, t_prev_ns = time.perf_counter(), time.perf_counter_ns()
     for it in range(iters):
-        ids, labels = get_batch(data, next(sampler))
         if it == (freeze if method in ONEBIT_METHODS else iters - 1):
             comm.reset_stats()
         if profile and it == 2:
             spans.enable()
-        dist.barrier()
-        t0, t0_ns = time.perf_counter(), time.perf_counter_ns()
+        ids, labels = get_batch(data, next(sampler))
         if "acco" in method:  # half A at the estimate, half B at the parameters (megacomp.optimizer.acco)
             h = ids.shape[0] // 2
             with spans.span("forward_backward"):
@@ -164,19 +169,24 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
                 loss = ddp(ids, labels)
                 loss.backward()
             opt.step()
-        windows.append((t0_ns, time.perf_counter_ns()))
-        dt = torch.tensor([time.perf_counter() - t0])
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
         l = loss.detach().reshape(1)
         dist.all_reduce(l)
-        times.append(dt.item())
+        if it == iters - 1 and overlapped:
+            # wire bytes of one step (ACCO: an estimate and an update; the gather: the one launched by this step),
+            # then the last step's communication lands inside this iteration
+            last_step_wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_"))
+            opt.finish() if ("acco" in method or "dpu" in method) else opt.wait_params()
+        dist.barrier()
+        now, now_ns = time.perf_counter(), time.perf_counter_ns()
+        times.append(now - t_prev)
+        windows.append((t_prev_ns, now_ns))
+        t_prev, t_prev_ns = now, now_ns
         losses.append(l.item() / world)
     if method in ONEBIT_METHODS:  # measured: mean per iteration after the warm-up, every dp_* kind
         wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_")) // (iters - freeze)
     elif method in SHARDED_METHODS:  # measured, last iteration, gradients and parameters
-        wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_"))
-        if "acco" in method or "dpu" in method:
-            opt.finish()
+        wire = last_step_wire if overlapped else sum(s.wire_bytes for k, s in comm.stats().items()
+                                                     if k.startswith("dp_"))
     elif method.startswith("megacomp"):
         wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
     result = {"times": times, "losses": losses, "params": params, "wire": wire}

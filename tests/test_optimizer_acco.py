@@ -252,7 +252,8 @@ def test_zero1_checkpoint_resumes_with_estimate_equal_to_parameters():
 def _errors_body(rank, world):
     msgs = {}
     for name, kw in [("zero2", dict(zero_stage=2)), ("unsharded", dict(shard=False)),
-                     ("powersgd", dict(grad_codec={"name": "powersgd", "rank": 1}))]:
+                     ("powersgd", dict(grad_codec={"name": "powersgd", "rank": 1})),
+                     ("stochastic", dict(grad_codec={"name": "int4", "rounding": "stochastic", "seed": 3}))]:
         model = make_model()
         try:
             ACCO(DistributedOptimizer(model.parameters(), torch.optim.AdamW, **kw, **ADAM))
@@ -289,6 +290,7 @@ def test_bad_configurations_and_calls_raise_naming_the_fix():
         assert "ZeRO-2" in msgs["zero2"]
         assert "shard=False" in msgs["unsharded"]
         assert "PowerSGD" in msgs["powersgd"]
+        assert "rounding: nearest" in msgs["stochastic"]
         assert "estimate()" in msgs["step first"]
         assert "scale must be > 0" in msgs["bad scale"]
         assert "already called" in msgs["estimate twice"]

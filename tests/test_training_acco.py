@@ -115,3 +115,13 @@ def test_overlap_param_gather_gives_the_same_run(base):
 def test_overlap_param_gather_refusals(base, change, match):
     with pytest.raises(ValueError, match=match):
         check(replace(replace(base, overlap_param_gather=True), **change), world_size=2)
+
+
+def test_a_zero1_checkpoint_resumes_under_acco(base, tmp_path):
+    """A ZeRO-1 run stopped at iteration 3 resumes with --overlap-optimizer acco (the checkpoint has no estimate:
+    θ̃ = θ, ACCO's own start), so its first resumed loss is the uninterrupted ZeRO-1 run's (both halves at θ_3)."""
+    cfg = replace(base, train_iters=5, save=str(tmp_path / "ckpt"))
+    full = run_ranks(_run_body, 2, replace(cfg, save=None))[0][0]
+    first = run_ranks(_run_body, 2, replace(cfg, exit_interval=3))[0][0]
+    rest = run_ranks(_run_body, 2, replace(cfg, overlap_optimizer="acco", load=str(tmp_path / "ckpt")))[0][0]
+    assert first == full[:3] and rest[0] == full[3] and len(rest) == 2

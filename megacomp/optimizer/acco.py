@@ -45,7 +45,8 @@ received it) to the optimizer's; :meth:`load_state_dict` restores both, so a res
 checkpoint without the estimate (written without ACCO) resumes with θ̃ = θ, ACCO's own start.
 
 Failure behaviour: a DistributedOptimizer that is unsharded, ZeRO-2, hierarchical, PowerSGD / Accordion, fp16 with a
-loss scaler, overlapping its parameter all-gather, or a subclass (1-bit family) raises ValueError; calls out of
+loss scaler, overlapping its parameter all-gather, with stochastic rounding on its codecs, or a subclass (1-bit
+family) raises ValueError; calls out of
 order (``step`` before ``estimate``, ``estimate`` twice) raise RuntimeError; an exception in the background thread
 is raised again at the next wait.
 Inf/NaN gradients: the real update is skipped on every rank (counted in ``skipped_steps``, error feedback reset, as
@@ -99,7 +100,11 @@ class ACCO:
                "hierarchical" if opt.hierarchy is not None else "fp16 with a loss scaler" if opt.scaler is not None
                else "PowerSGD / Accordion" if isinstance(opt.grad_channel, (LowRankChannel, AccordionChannel))
                else "overlapping its parameter all-gather with the next forward (ACCO gathers into its own buffers)"
-               if opt._prefetch else None)
+               if opt._prefetch else
+               "stochastic rounding on its gradient or parameter codec (the background jobs would draw from a stream "
+               "the estimate shares and a checkpoint does not hold; use rounding: nearest)"
+               if any(ch.lossy and ch.codec.to_dict().get("rounding") == "stochastic"
+                      for ch in (opt.grad_channel, opt.param_channel)) else None)
         if why:
             raise ValueError(f"ACCO needs a ZeRO-1 sharded DistributedOptimizer with a value codec (or none), flat "
                              f"data parallelism and bf16/fp32 parameters; this one is {why}")
@@ -115,7 +120,11 @@ class ACCO:
         flat = [opt._flat_params(b).to(b.params[0].dtype) for b in opt.buckets]
         self._real = [f.clone() for f in flat]  # θ_t as all-gathered (the model's values)
         self._estimate = flat  # θ̃_t as all-gathered
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megacomp-acco")
+        device = opt.device
+        # a new thread starts on CUDA device 0: kernels that launch on the current device (Triton codecs) must see
+        # this rank's
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megacomp-acco", initializer=init)
         self._job: Optional[Future] = None
         self._job_kind = ""
         self._records: list = []  # the finished job's wire statistics, booked at the wait
@@ -126,7 +135,10 @@ class ACCO:
         self._hyper: list[dict] = []
         self.phase = "A"
         self.last_stepped: Optional[bool] = None
-        """Whether the most recently finished real update stepped (False: skipped on inf/NaN); None before one."""
+        """Whether the most recently waited-for real update stepped (False: skipped on inf/NaN); None before one.
+        Jobs return what they produce and :meth:`_wait` sets it on the calling thread, so every rank reads the same
+        value at the same point, whatever the job's timing."""
+        self._last_norm: Optional[float] = None
 
     # -- the two calls per step -------------------------------------------------------------------------
     def estimate(self, scale: float = 2.0) -> None:
@@ -162,7 +174,7 @@ class ACCO:
             for b, r in zip(self.opt.buckets, self._reduced_input):
                 b.grad, self._reduced_input[b.index] = r.zero_(), b.grad
             self._submit(self._real_job, "update", float(scale))
-            self._estimate = self._real  # the next step computes at θ_t (the job makes a new list for θ_{t+1})
+            self._estimate = self._real  # the next step computes at θ_t (θ_{t+1} replaces _real at the next wait)
             self._load_model(self._estimate)
             return
         for b, r in zip(self.opt.buckets, self._reduced_input):
@@ -199,24 +211,37 @@ class ACCO:
         def job():
             with held_records() as records, span(f"acco_{kind}"):  # bytes booked by the waiting thread (_wait)
                 try:
-                    fn(*args)
+                    return fn(*args)
                 finally:
                     self._records = records
         self._job, self._job_kind = self._pool.submit(job), kind
 
     def _wait(self) -> None:
-        """Wait for the job in flight; its wire bytes are booked into comm.stats() now, on this thread, so an
-        iteration's statistics hold the jobs it waited for (the previous step's update and this step's estimate)."""
+        """Wait for the job in flight and take what it produced (a job returns its results instead of setting this
+        object's attributes, so they change only here, on the calling thread, at the same point on every rank); its
+        wire bytes are booked into comm.stats() now, so an iteration's statistics hold the jobs it waited for (the
+        previous step's update and this step's estimate)."""
         if self._job is not None:
             job, kind, self._job = self._job, self._job_kind, None
             try:
                 with span("acco_wait"):
-                    job.result()
+                    results = job.result()
             except Exception as e:
                 raise RuntimeError(f"ACCO: the background {kind} failed: {e}") from e
             finally:
                 replay(self._records)
                 self._records = []
+            for name, value in results.items():
+                setattr(self, name, value)
+
+    def close(self) -> None:
+        """Wait for the job in flight (ignoring its failure: the caller is already handling another) and stop the
+        background thread, so no collective of a job outlives the process groups."""
+        try:
+            self._wait()
+        except Exception:  # noqa: BLE001 (reported by the failure that made the caller close)
+            pass
+        self._pool.shutdown(wait=True)
 
     def _reduce(self, estimate: bool) -> list[torch.Tensor]:
         opt = self.opt
@@ -258,7 +283,7 @@ class ACCO:
         return True
 
     @torch.no_grad()
-    def _estimate_job(self, scale: float) -> None:
+    def _estimate_job(self, scale: float) -> dict:
         opt = self.opt
         shards = self._reduce(estimate=True)
         for s in shards:
@@ -270,9 +295,9 @@ class ACCO:
         try:
             if self._update(shards):
                 with span("param_all_gather"):
-                    self._estimate = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
+                    estimate = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
             else:  # inf/NaN in half A: no prediction, the estimate is θ_t
-                self._estimate = [r.clone() for r in self._real]
+                estimate = [r.clone() for r in self._real]
         finally:  # the estimate never advances the committed state
             for m, saved in zip(opt.masters, masters):
                 m.copy_(saved)
@@ -282,18 +307,20 @@ class ACCO:
                 else:
                     del opt.optimizer.state[p]
             opt.last_grad_norm = norm
+        return {"_estimate": estimate}
 
     @torch.no_grad()
-    def _real_job(self, scale: float) -> None:
+    def _real_job(self, scale: float) -> dict:
         opt = self.opt
         shards = self._reduce(estimate=False)
         if scale != 1.0:
             for s in shards:
                 s.mul_(scale)
-        self.last_stepped = self._update(shards)
-        if self.last_stepped:
+        stepped = self._update(shards)
+        results = {"last_stepped": stepped, "_last_norm": opt.last_grad_norm}
+        if stepped:
             with span("param_all_gather"):
-                self._real = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
+                results["_real"] = [opt.gather_bucket(b, m) for b, m in zip(opt.buckets, opt.masters)]
             opt.step_count += 1
             opt._validated = True
         else:
@@ -301,6 +328,7 @@ class ACCO:
             if opt.ef is not None:
                 opt.ef.reset()
             log.debug("megacomp ACCO: inf/NaN gradients, step %d skipped", opt.step_count)
+        return results
 
     @torch.no_grad()
     def _load_model(self, buffers: list[torch.Tensor]) -> None:
@@ -348,8 +376,8 @@ class ACCO:
     # -- what DistributedOptimizer users read --------------------------------------------------------------
     @property
     def last_grad_norm(self) -> Optional[float]:
-        """The gradient norm of the last real update that finished (one step behind while an update is in flight)."""
-        return self.opt.last_grad_norm
+        """The gradient norm of the last real update waited for (one step behind while an update is in flight)."""
+        return self._last_norm
 
     @torch.no_grad()
     def load_params_from_model(self) -> None:

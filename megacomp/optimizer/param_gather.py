@@ -37,6 +37,8 @@ class ParamGather:
         """From now on, ``step()`` leaves the parameter all-gather in flight and ``model``'s forward waits for each
         bucket where it needs it. Raises ValueError for an unsharded or hierarchical optimizer, or when some managed
         parameter is not in ``model``."""
+        if self._prefetch:
+            raise ValueError("overlap_param_gather was already called on this optimizer (its hooks are in place)")
         if not self.sharded or self.hierarchy is not None:
             raise ValueError("overlap_param_gather needs the sharded, flat DistributedOptimizer (shard=True, no "
                              "hierarchy): there is nothing to all-gather otherwise, or it runs in two stages")

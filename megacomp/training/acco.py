@@ -31,15 +31,13 @@ def acco_halves(trainer, batches) -> tuple[list[float], bool]:
     """One iteration under ACCO: half A at the estimate while the previous update finishes, ``estimate``, half B at
     the parameters while the estimate is computed, ``step``. Returns the losses and whether the previous step's
     update stepped (the verdict on this step's update arrives with the next iteration). The last iteration of the run
-    waits for its update, so the run ends on θ_T with every byte booked."""
+    waits for its update, so every byte is booked; the trainer then leaves θ_T in the model (``finish``)."""
     acco, half, M = trainer.optimizer, len(batches) // 2, len(batches)
     if not acco.compensated:  # DPU: the whole step's gradients, applied one step late
         losses = trainer._forward_backward(batches)
         trainer._finalize_grads()
         acco.step()
-        if trainer.iteration + 1 == trainer.cfg.train_iters:
-            acco.finish()
-        return losses, acco.last_stepped is not False
+        return losses, _last_iteration_waits(trainer, acco)
     pipelined = trainer.communicator is not None  # the 1F1B schedule divides each half's losses by M / 2
     losses = trainer._forward_backward(batches[:half])
     trainer._finalize_grads()
@@ -47,9 +45,17 @@ def acco_halves(trainer, batches) -> tuple[list[float], bool]:
     losses += trainer._forward_backward(batches[half:])
     trainer._finalize_grads()
     acco.step(half / M if pipelined else 1.0)
+    return losses, _last_iteration_waits(trainer, acco)
+
+
+def _last_iteration_waits(trainer, acco) -> bool:
+    """The run's last iteration waits for its own update (its bytes go into this iteration's record) but keeps the
+    estimate for the final checkpoint, so a resume with more iterations continues bit for bit; returns whether the
+    update waited for last stepped."""
     if trainer.iteration + 1 == trainer.cfg.train_iters:
-        acco.finish()
-    return losses, acco.last_stepped is not False
+        with acco.synchronized():
+            pass
+    return acco.last_stepped is not False
 
 
 def book_acco_tail(trainer, record: dict) -> None:

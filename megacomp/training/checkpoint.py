@@ -389,6 +389,22 @@ def check_compatible(saved: dict, run_info: dict, path: str) -> None:
                          f"the same model, parallel layout, world size and compression, or start a new --save dir")
 
 
+# optimizer state an option adds (ACCO's estimate): a checkpoint written without the option has none, and the
+# optimizer then starts it fresh (ACCO: estimate = parameters), so the load template leaves it out
+OPTIONAL_OPTIMIZER_STATE = ("acco_estimate",)
+
+
+def _drop_optional_state(state: dict, metadata: dcp_md.Metadata) -> None:
+    saved = list(metadata.state_dict_metadata)
+    for key, value in state.items():
+        if not key.startswith("optim/") or not isinstance(value, dict):
+            continue
+        for local in value.values():
+            for name in OPTIONAL_OPTIMIZER_STATE:
+                if isinstance(local, dict) and name in local and not any(f".{name}" in k for k in saved):
+                    del local[name]
+
+
 def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
                     replica: Optional[int] = None) -> tuple[int, dict]:
     """Load the latest checkpoint under ``root``; returns (iteration, this rank's extra state). Raises ValueError
@@ -405,6 +421,7 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
     check_compatible(saved, run_info, path)
     optimizer.init_state()
     state = _state(model, optimizer, b"", groups, replica)
+    _drop_optional_state(state, metadata)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
     except CheckpointException as e:  # DCP gathered the failures of every rank: report the lowest rank's

@@ -484,12 +484,12 @@ class Trainer:
             book_acco_tail(self, history[-1])  # stopped early: the last update lands now
         if cfg.save and history and saved_at != self.iteration:  # the last iteration, once
             self.save()
+        elif stopped and not cfg.save and self.is_logger:
+            print("megacomp-pretrain: no --save directory: nothing was checkpointed", flush=True)
         if isinstance(self.optimizer, ACCO):
             self.optimizer.finish()  # the model ends on θ, not on the estimate a resume continues from
         elif hasattr(self.optimizer, "wait_params"):
             self.optimizer.wait_params()  # --overlap-param-gather: the model ends on the last step's parameters
-        elif stopped and not cfg.save and self.is_logger:
-            print("megacomp-pretrain: no --save directory: nothing was checkpointed", flush=True)
         if self.is_logger and history:
             print(self.totals.summary(self.iteration, stopped), flush=True)
         return history
@@ -499,5 +499,7 @@ class Trainer:
         group stays: its owner destroys it)."""
         if self.outer is not None:
             self.outer.finish()
+        if isinstance(self.optimizer, ACCO):  # no background collective may outlive the groups
+            self.optimizer.close()
         parallel_state.destroy_model_parallel()
 
