@@ -156,7 +156,7 @@ def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "al
 
 
 from netns_dp_worker import (ACCORDION_HOOK, DDP_METHODS, LOW_RANK_METHODS, ONEBIT_METHODS,  # noqa: E402,F401
-                             SHARDED_METHODS, _powersgd_bytes, ddp_worker)
+                             SHARDED_METHODS, _powersgd_bytes)  # re-exported: bench_report, ddp_convergence
 
 DP_WORKER = str(Path(__file__).resolve().parent / "netns_dp_worker.py")
 
@@ -428,10 +428,6 @@ def markdown(results: dict, out: str) -> list[str]:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_collective":
         collective_worker(float(sys.argv[2]), sys.argv[3].split(","), int(sys.argv[4]), sys.argv[5])
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "_ddp":
-        ddp_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]),
-                   len(sys.argv) > 7 and sys.argv[7] == "profile")
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("workload", choices=["collectives", "train", "ddp", "profile"])

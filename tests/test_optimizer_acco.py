@@ -343,3 +343,62 @@ def test_dpu_equals_restated_delayed_update_bit_for_bit():
             for a, b in zip(got, ref):
                 assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3g}"
         assert "no estimate" in message
+
+
+class RecordingAdamW(torch.optim.AdamW):
+    """torch AdamW that keeps a copy of the gradients each step is given (ACCO: the estimate's, then the update's)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
+def _codec_bound_body(rank, world):
+    from codec_bounds import FP32_ULP, reduce_scatter_bound
+    from megacomp.compression import make_codec
+
+    codec = make_codec("int8", block_size=16)
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), RecordingAdamW, grad_codec=codec, bucket_size=60,
+                               min_compress_numel=0, **ADAM)
+    acco = ACCO(opt)
+    run_acco(rank, model, acco, 1, 2)  # step 0: both halves at θ_0 (θ̃_0 = θ_0)
+    estimate_seen, update_seen = opt.optimizer.seen
+    # every rank's half gradients at θ_0, as each rank's bucket accumulated them
+    ga = grads_at(make_model(), [p.detach() for p in make_model().parameters()], world, 0, range(1), 2)
+    gb = grads_at(make_model(), [p.detach() for p in make_model().parameters()], world, 0, range(1, 2), 2)
+    param_index = {id(p): i for i, p in enumerate(model.parameters())}
+    worst = []
+    for b, est, upd in zip(opt.buckets, estimate_seen, update_seen):
+        if not b.compressed:
+            continue
+
+        def flat(per_param):
+            out = torch.zeros(b.padded)
+            for p, o in zip(b.params, b.offsets):
+                out[o:o + p.numel()] = per_param[param_index[id(p)]].reshape(-1)
+            return out
+        start, end = b.shard_range(opt.rank, world)
+        real = slice(0, max(0, min(end, b.numel) - start))  # padding carries no gradient
+        for got, inputs, scale in ((est, [flat(g) for g in ga], 2.0),
+                                   (upd, [flat(a) + flat(c) for a, c in zip(ga, gb)], 1.0)):
+            chunks = [x[start:end] for x in inputs]  # each rank encodes the chunk for this rank on its own
+            exact = sum(c.double() for c in chunks) * scale / world
+            bound = reduce_scatter_bound(codec, chunks).double() * scale / world
+            mass = sum(c.double().abs() for c in chunks) * scale / world
+            limit = bound * (1 + 8 * FP32_ULP) + 4 * FP32_ULP * mass
+            err = (got.double() - exact)[real].abs()
+            worst.append(float((err / limit[real].clamp_min(1e-30)).max()))
+    return worst
+
+
+def test_compressed_estimate_and_update_are_within_the_codec_bound():
+    """int8 gradients (one scale per 16, no error feedback): the averaged gradient the estimate and the update hand
+    to AdamW differs from the exact mean by at most the sum over ranks of the codec's per-element bound on each
+    rank's encoded chunk, times the step's scale (estimate: M / |A| = 2) over the world size, plus fp32 round-off."""
+    for worst in run_ranks(_codec_bound_body, 2):
+        assert worst and max(worst) <= 1.0, worst

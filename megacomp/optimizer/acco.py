@@ -262,22 +262,14 @@ class ACCO:
         return shards
 
     def _update(self, shards: list[torch.Tensor]) -> bool:
-        """DistributedOptimizer.step's overflow check, clipping and inner step on the given averaged shards."""
+        """DistributedOptimizer.step's overflow check, clipping and inner step on the given averaged shards, with this
+        step's hyperparameters; False (nothing updated) on inf/NaN."""
         opt = self.opt
-        if opt._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards))):
+        if opt._overflowed(shards):
             return False
-        if opt.max_grad_norm is not None:
-            opt.last_grad_norm = opt._global_norm(shards)
-            coef = opt.max_grad_norm / (opt.last_grad_norm + 1e-6)
-            if coef < 1.0:
-                for s in shards:
-                    s.mul_(coef)
         for group, hyper in zip(opt.optimizer.param_groups, self._hyper):
             group.update(hyper)
-        for m, s in zip(opt.masters, shards):
-            m.grad = s
-        with span("update"):
-            opt.optimizer.step()
+        opt._clip_and_update(shards)
         for m in opt.masters:
             m.grad = None
         return True

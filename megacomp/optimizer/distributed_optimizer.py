@@ -291,13 +291,22 @@ class DistributedOptimizer(GradientReduction, ParamGather):
             raise ValueError("DistributedOptimizer.step does not take a closure")
         self.wait_params()  # a bucket whose parameters no forward used since the last step
         shards = self._finish_reduction()
-        overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards)))
+        overflow = self._overflowed(shards)
         if self._accordion_active():  # decided on the reduced gradients, before clipping (every rank alike)
             if overflow:
                 self.grad_channel.discard_step()
             self.grad_channel.end_step(self.group)
         if overflow:
             return self._skip_step()
+        self._clip_and_update(shards)
+        return self._finish_step()
+
+    def _overflowed(self, shards: list[torch.Tensor]) -> bool:
+        """Whether any rank's (or, with ``grad_norm_group``, any model-parallel rank's) averaged shards hold inf/NaN."""
+        return bool(self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards))))
+
+    def _clip_and_update(self, shards: list[torch.Tensor]) -> None:
+        """Clip ``shards`` by the global gradient norm (``max_grad_norm``) and step the inner optimizer on them."""
         if self.max_grad_norm is not None:
             self.last_grad_norm = self._global_norm(shards)
             coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
@@ -308,7 +317,6 @@ class DistributedOptimizer(GradientReduction, ParamGather):
             m.grad = s
         with span("update"):
             self.optimizer.step()
-        return self._finish_step()
 
     def _skip_step(self) -> bool:
         """An overflow step on every rank: count it, drop the residuals of the discarded gradient (they must not
