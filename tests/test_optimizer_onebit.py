@@ -247,6 +247,43 @@ def test_onebit_lamb_matches_fp64_restatement(world, shard):
     assert all(run_ranks(_lamb_case, world, shard))
 
 
+# -- compression off, freeze never reached: an fp32 LAMB written from the paper, bit for bit ----------------
+def _lamb_fp32_step(p, m, v, g, t, lr, b1, b2, eps, wd, min_c, max_c):
+    """One LAMB step (You et al. 2020, Algorithm 2, with DeepSpeed's clamp of the trust ratio) on one fp32 tensor:
+    Adam's moments, the bias-corrected ratio r = m^ / (sqrt(v^) + eps), u = r + wd p, and p -= lr c u with the
+    layer's trust ratio c = clamp(|p| / |u|, min_c, max_c) (1 where either norm is 0), the norms in fp64."""
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+    u = (m / (1 - b1 ** t)).div_(denom) + p * wd
+    wn, un = p.double().square().sum().sqrt(), u.double().square().sum().sqrt()
+    c = float((wn / un).clamp(min_c, max_c)) if wn > 0 and un > 0 else 1.0
+    p.add_(u, alpha=-lr * c)
+
+
+def _lamb_fp32_case(rank, world, shard):
+    params = _params()
+    opt = OneBitLamb(params, lr=0.05, freeze_step=100, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, shard=shard,
+                     bucket_size=20, min_compress_numel=0, **OFF)
+    ref = [p.detach().clone() for p in _params()]
+    m, v = [torch.zeros_like(p) for p in ref], [torch.zeros_like(p) for p in ref]
+    for t in range(6):
+        _backward(params, rank, t)
+        assert opt.step()
+        for i, p in enumerate(ref):
+            g = sum(_grads(r, t)[i] for r in range(world)).mul_(1.0 / world)  # exact: multiples of 1/16
+            _lamb_fp32_step(p, m[i], v[i], g, t + 1, 0.05, 0.8, 0.9, 1e-6, 0.1, 0.01, 10.0)
+        for a, b in zip(params, ref):
+            assert torch.equal(a.detach(), b), (t, shard)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("shard", [True, False])
+def test_compression_off_is_lamb_bit_for_bit(world, shard):
+    assert all(run_ranks(_lamb_fp32_case, world, shard))
+
+
 # -- compressed: the exchange keeps the codec's promise and every rank the same bits ----------------------
 def _sign_exchange_case(rank, world):
     params = _params()
