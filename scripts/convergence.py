@@ -45,6 +45,9 @@ the learning rate; ``aqsgd_sweep``: 2-bit settings on one seed;
 ``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
 int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
 MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
+``diloco_sweep``: DiLoCo's outer and inner learning rates, momentum and H on one seed; ``diloco_regime``:
+where the gap to DDP comes from (no synchronisation, plain averaging every 50, 5 and 1 steps, the effective learning rate, 4x the
+per-replica batch and 2x the width, each against DDP at the same batch or width).
 The table and the plots are drawn from ``results.json`` only, so ``--from-results`` regenerates them
 without training. Numbers are measured, never asserted: the tests bound codec errors, this script shows
 training quality.
@@ -117,7 +120,7 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
         print(f"  {suite:3s} {name:28s} {'' if seed is None else f'seed {seed}':9s} {time.time() - t0:6.1f} s",
               flush=True)
     records = pm.read_run(done)
-    labels = {"baseline": baseline, "rounds": _rounds(records[-1])} if baseline is not None or suite.startswith("onebit") else {}
+    labels = {"rounds": _rounds(records), **({"baseline": baseline} if baseline is not None else {})}
     return pm.compact_run(records, suite=suite, variant=name, seed=seed, compression=compression, args=extra, **labels)
 
 
@@ -154,10 +157,13 @@ def prepare(suite: str, args) -> None:
         raise SystemExit(f"{suite}: preparing {spec['dir']} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
 
 
-def _rounds(last: dict) -> Optional[int]:
-    """The optimizer's rounds of data-parallel communication at the end of the run (1-bit family; ``last``: the
-    last record), else the iterations (every step of AdamW reduces gradients)."""
-    return last.get("dp_rounds") if last.get("dp_rounds") is not None else last.get("iteration")
+def _rounds(records: list[dict]) -> Optional[int]:
+    """The rounds of data-parallel communication over the run: the optimizer's own count at the end (1-bit family),
+    else the iterations that sent any DP or outer traffic (AdamW: every one; a local-step loop: its exchanges)."""
+    if records[-1].get("dp_rounds") is not None:
+        return records[-1]["dp_rounds"]
+    return sum(1 for r in records if any(w for k, (w, _) in r.get("traffic", {}).items()
+                                         if k.startswith("dp_") or k in DP_KINDS))
 
 
 def frozen(run: dict) -> bool:
@@ -224,7 +230,7 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
 def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dict[str, dict]) -> list[str]:
     """Per variant over seeds: final loss, its paired gap to the variant's own baseline, the DP bytes over every
     iteration of the run (warm-ups included) and per iteration after the warm-up (the last iteration), each
-    against AdamW's ('none'), and the rounds of communication."""
+    against the baseline's (a variant without traffic: inf), and the rounds of communication."""
     tail = max(1, len(runs["none"][0]) // 10)
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
 
@@ -239,9 +245,8 @@ def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dic
              "count every data-parallel message of every iteration (warm-up, switch and all-gathers included), "
              "all ranks; `after warm-up` is the mean per iteration over the second half of the run.", "",
              "| variant | baseline | final loss, mean ± std | vs baseline, paired mean ± std | per seed | "
-             "DP MB over the run | x fewer than AdamW | DP MB/iter after warm-up | x fewer than AdamW | rounds / iterations |",
+             "DP MB over the run | x fewer than baseline | DP MB/iter after warm-up | x fewer than baseline | rounds / iterations |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    base_total, base_last = dp(runs["none"][0]), dp_last(runs["none"][0])
     iters = len(runs["none"][0])
     for name, vals in final.items():
         ref = meta[name].get("baseline") or "none"
@@ -249,10 +254,11 @@ def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dic
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0
         total, last = dp(runs[name][0]), dp_last(runs[name][0])
+        base_total, base_last = dp(runs[ref][0]), dp_last(runs[ref][0])
         rounds = meta[name].get("rounds")
         lines.append(f"| {name} | {ref if name != ref else '-'} | {statistics.mean(vals):.4f} ± {sd:.4f} | "
                      f"{statistics.mean(rel):+.2f}% ± {rsd:.2f}% | {', '.join(f'{x:+.2f}%' for x in rel)} | "
-                     f"{total / 1e6:.2f} | {base_total / total:.1f}x | {last / 1e6:.4f} | {(base_last / last) if last else float('inf'):.1f}x | "
+                     f"{total / 1e6:.2f} | {(base_total / total) if total else float('inf'):.1f}x | {last / 1e6:.4f} | {(base_last / last) if last else float('inf'):.1f}x | "
                      f"{rounds if rounds is not None else '-'} / {iters} |")
     return lines + [""]
 
@@ -377,7 +383,7 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
     p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen, zero (issue #4 set, use --seeds) "
-                        "and/or diloco (issue #16)")
+                        "and/or diloco, diloco_sweep, diloco_regime (issue #16)")
     p.add_argument("--out", default="results/convergence", help="the study: results.json, convergence.md, plots")
     p.add_argument("--runs", default="results/convergence_runs",
                    help="the runs' own logs (metrics.jsonl, stdout, preset), one directory per suite/variant/seed")

@@ -139,6 +139,28 @@ SUITES["diloco_sweep"] = {"layout": [], "variants": {
     "DiLoCo H=5": {"args": [*DILOCO[:-1], "5"]},
     "DDP, inner lr x2": {"args": ["--lr", "6e-3", "--min-lr", "6e-4"]},
 }}
+# Where the gap comes from (one seed ranks): four replicas that never synchronise (H beyond the run), plain parameter
+# averaging (outer lr 1, no momentum) every 50, 5 and 1 steps, the effective learning rate (DDP at half the lr;
+# averaging every step at twice the inner lr), and DiLoCo H=50 with 4x the per-replica batch and with 2x the width,
+# each against DDP at the same batch or width.
+AVERAGING = ["--outer-algorithm", "diloco", "--num-replicas", "4", "--outer-lr", "1", "--outer-momentum", "0",
+             "--outer-steps"]
+BATCH64 = ["--micro-batch-size", "16", "--global-batch-size", "64"]
+WIDTH128 = ["--hidden-size", "128"]
+SUITES["diloco_regime"] = {"layout": [], "variants": {
+    "none": {},
+    "DiLoCo H=50": {"args": DILOCO},
+    "no synchronisation": {"args": [*AVERAGING, "1000000"]},
+    "averaging H=1": {"args": [*AVERAGING, "1"]},
+    "averaging H=5": {"args": [*AVERAGING, "5"]},
+    "averaging H=50": {"args": [*AVERAGING, "50"]},
+    "averaging H=1, inner lr x2": {"args": [*AVERAGING, "1", "--lr", "6e-3", "--min-lr", "6e-4"]},
+    "DDP, lr /2": {"args": ["--lr", "1.5e-3", "--min-lr", "1.5e-4"]},
+    "none, batch 64": {"args": BATCH64},
+    "DiLoCo H=50, batch 64": {"args": [*DILOCO, *BATCH64], "baseline": "none, batch 64"},
+    "none, hidden 128": {"args": WIDTH128},
+    "DiLoCo H=50, hidden 128": {"args": [*DILOCO, *WIDTH128], "baseline": "none, hidden 128"},
+}}
 
 # issue #17: DeMo (no gradient all-reduce; each DP rank all-gathers its top-k DCT momentum components) against
 # DDP-AdamW on 4 DP ranks; DeMo's --lr is its sign-SGD step. The sweep ranks learning rates and decays on one seed.
@@ -253,6 +275,11 @@ SUITES["onebit"] = {"layout": [], "variants": {
                                         "--no-shard-optimizer"),
     "0/1 Adam, clipper 4 (from onebit_sweep)": onebit(
         "zero_one_adam", "--var-freeze-step", "@0.2", "--var-update-scaler", "16", "--local-step-scaler", "@0.1",
+        "--local-step-clipper", "4", "--no-shard-optimizer"),
+    # the variance refreshed every step until its freeze (DeepSpeed's var_update_scaler: after that many refreshes
+    # the interval doubles; 16 refreshes the variance at 49 of the first 120 steps of a 600-step run, 128 at all 120)
+    "0/1 Adam, clipper 4, var scaler 128": onebit(
+        "zero_one_adam", "--var-freeze-step", "@0.2", "--var-update-scaler", "128", "--local-step-scaler", "@0.1",
         "--local-step-clipper", "4", "--no-shard-optimizer"),
     "LAMB (lr 1e-2)": onebit("onebit_lamb", "--freeze-step", "100000000", *OFF, "--no-shard-optimizer", *LAMB_LR),
     "1-bit LAMB (freeze 20%, lr 1e-2)": onebit("onebit_lamb", "--freeze-step", "@0.2", "--no-shard-optimizer",
