@@ -421,6 +421,9 @@ def main() -> None:
                                  f"{old['config']}/{old['nproc']}/{old['iters']}, not {args.config}/{args.nproc}/{args.iters}")
             new = {(r["suite"], r["variant"], r["seed"]) for r in runs}
             runs = [r for r in old["runs"] if (r["suite"], r["variant"], r["seed"]) not in new] + runs
+            # the tables list variants in run order: keep the suite's own order (a re-run baseline stays first)
+            order = {(s, v): i for s, spec in SUITES.items() for i, v in enumerate(spec["variants"])}
+            runs.sort(key=lambda r: order.get((r["suite"], r["variant"]), len(order)))
             command = f"{old['command']}; then {command}"
         results = {"study": "convergence", "command": command,
                    "config": args.config, "nproc": args.nproc, "iters": args.iters, "runs": runs}
