@@ -25,7 +25,12 @@ LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accord
 # the 1-bit family (megacomp.optimizer.onebit, unsharded: no DDP wrapper, the optimizer exchanges gradients
 # during the warm-up, the first 20% of the iterations, then 1-bit momentum); wire bytes are the mean per
 # iteration after the warm-up, measured
-ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_onebit_lamb")
+ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_zero_one_adam_c4v128",
+                  "megacomp_onebit_lamb")
+# 0/1 Adam at DeepSpeed's interval shape, and at the setting docs/convergence_onebit finds within 2% of AdamW:
+# sync interval clipped at 4, the variance refreshed at every step until its freeze (var_update_scaler 128)
+ZERO_ONE_SETTINGS = {"megacomp_zero_one_adam": {}, "megacomp_zero_one_adam_c4v128": {"local_step_clipper": 4,
+                                                                                     "var_update_scaler": 128}}
 # megacomp's sharded optimizer without a DDP wrapper (ZeRO-1, int4 + LoCo gradients, int8 parameter all-gathers), and
 # the same overlapped by ACCO (two halves of the batch, megacomp.optimizer.acco), also uncompressed, and by DPU (the
 # update one step late, no halves); wire bytes are the last iteration's, every dp_* kind (ACCO: an estimate and an
@@ -117,7 +122,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_adam" else
                # LAMB's step is relative to the weight norm: lr 1e-2 (docs/convergence_onebit)
                OneBitLamb(model.parameters(), freeze_step=freeze, **{**kw, "lr": 1e-2}) if method == "megacomp_onebit_lamb" else
-               ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10), **kw))
+               ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10),
+                           **ZERO_ONE_SETTINGS[method], **kw))
     elif method in SHARDED_METHODS:
         from megacomp.optimizer import DistributedOptimizer
         from megacomp.optimizer.acco import ACCO
