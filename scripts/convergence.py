@@ -73,6 +73,11 @@ from convergence_suites import SUITES  # noqa: E402  (the variants, data only)
 DP_KINDS = ("outer", "loqt_merge")  # data-parallel traffic whose kind does not start with dp_ (LoQT's merge gradients)
 
 
+def is_dp(kind: str) -> bool:
+    """Whether a traffic kind is data-parallel (or outer-loop) traffic, the bytes the studies compare."""
+    return kind.startswith("dp_") or kind in DP_KINDS
+
+
 def slug(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
 
@@ -162,8 +167,7 @@ def _rounds(records: list[dict]) -> Optional[int]:
     else the iterations that sent any DP or outer traffic (AdamW: every one; a local-step loop: its exchanges)."""
     if records[-1].get("dp_rounds") is not None:
         return records[-1]["dp_rounds"]
-    return sum(1 for r in records if any(w for k, (w, _) in r.get("traffic", {}).items()
-                                         if k.startswith("dp_") or k in DP_KINDS))
+    return sum(1 for r in records if any(w for k, (w, _) in r.get("traffic", {}).items() if is_dp(k)))
 
 
 def frozen(run: dict) -> bool:
@@ -198,7 +202,7 @@ def summarise_seeds(suite: str, runs: dict[str, list[list[dict]]], frozen_names:
     bytes_ref = SUITES.get(suite, {}).get("bytes_reference", "none")
     kinds = SUITES.get(suite, {}).get("bytes_kinds")  # e.g. ["pp_activation"]; default: DP and outer traffic
     label = ", ".join(kinds) if kinds else "DP"
-    counted = (lambda k: k in kinds) if kinds else (lambda k: k.startswith("dp_") or k in DP_KINDS)
+    counted = (lambda k: k in kinds) if kinds else is_dp
     tail = max(1, len(runs["none"][0]) // 10)
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
     lines = [f"### {suite}: final loss (mean of the last {tail} iterations) over {len(final['none'])} seeds", "",
@@ -235,7 +239,7 @@ def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dic
     final = {name: [sum(r["loss"] for r in recs[-tail:]) / tail for recs in per_seed] for name, per_seed in runs.items()}
 
     def dp(recs):
-        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if k.startswith("dp_") or k in DP_KINDS)
+        return sum(w for r in recs for k, (w, _) in r["traffic"].items() if is_dp(k))
 
     def dp_last(recs):  # per iteration over the second half of the run (after every warm-up of the suite)
         return dp(recs[len(recs) // 2:]) / max(1, len(recs) - len(recs) // 2)
@@ -248,13 +252,13 @@ def summarise_baselines(suite: str, runs: dict[str, list[list[dict]]], meta: dic
              "DP MB over the run | x fewer than baseline | DP MB/iter after warm-up | x fewer than baseline | rounds / iterations |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     iters = len(runs["none"][0])
+    dp_bytes = {name: (dp(per_seed[0]), dp_last(per_seed[0])) for name, per_seed in runs.items()}
     for name, vals in final.items():
         ref = meta[name].get("baseline") or "none"
         rel = [100 * (v - b) / b for v, b in zip(vals, final[ref])]
         sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
         rsd = statistics.stdev(rel) if len(rel) > 1 else 0.0
-        total, last = dp(runs[name][0]), dp_last(runs[name][0])
-        base_total, base_last = dp(runs[ref][0]), dp_last(runs[ref][0])
+        (total, last), (base_total, base_last) = dp_bytes[name], dp_bytes[ref]
         rounds = meta[name].get("rounds")
         lines.append(f"| {name} | {ref if name != ref else '-'} | {statistics.mean(vals):.4f} ± {sd:.4f} | "
                      f"{statistics.mean(rel):+.2f}% ± {rsd:.2f}% | {', '.join(f'{x:+.2f}%' for x in rel)} | "

@@ -21,7 +21,7 @@ from torch import nn
 from distributed import run_ranks
 from megacomp.optimizer import DistributedOptimizer
 from megacomp.optimizer.acco import ACCO
-from test_optimizer_distributed import batch, loss_fn, make_model
+from test_optimizer_distributed import RecordingAdamW, batch, loss_fn, make_model
 
 ADAM = dict(lr=1e-2, weight_decay=0.1)
 
@@ -343,18 +343,6 @@ def test_dpu_equals_restated_delayed_update_bit_for_bit():
             for a, b in zip(got, ref):
                 assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3g}"
         assert "no estimate" in message
-
-
-class RecordingAdamW(torch.optim.AdamW):
-    """torch AdamW that keeps a copy of the gradients each step is given (ACCO: the estimate's, then the update's)."""
-
-    def __init__(self, params, **kw):
-        super().__init__(params, **kw)
-        self.seen = []
-
-    def step(self, closure=None):
-        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
-        return super().step(closure)
 
 
 def _codec_bound_body(rank, world):

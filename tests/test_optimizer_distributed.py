@@ -19,6 +19,19 @@ from megacomp import comm
 from megacomp.optimizer import DistributedOptimizer, DynamicLossScaler
 
 
+class RecordingAdamW(torch.optim.AdamW):
+    """torch AdamW that keeps a copy of the gradients each step is given (the averaged, clipped shards; under ACCO the
+    estimate's, then the update's)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
+        return super().step(closure)
+
+
 def make_model(seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 3)).to(dtype)

@@ -27,25 +27,13 @@ from distributed import run_ranks
 from megacomp import comm
 from megacomp.compression import ErrorFeedbackConfig, make_codec
 from megacomp.optimizer import DistributedOptimizer, DynamicLossScaler, OneBitAdam
-from test_optimizer_distributed import batch, loss_fn, make_model, reference_run
+from test_optimizer_distributed import RecordingAdamW, batch, loss_fn, make_model, reference_run
 
 U = 2.0 ** -24  # unit round-off of fp32
 
 
 def gamma(k):
     return k * U / (1 - k * U)
-
-
-class RecordingAdamW(torch.optim.AdamW):
-    """torch AdamW that keeps a copy of the gradients it is given (the averaged, clipped shards)."""
-
-    def __init__(self, params, **kw):
-        super().__init__(params, **kw)
-        self.seen = []
-
-    def step(self, closure=None):
-        self.seen.append([p.grad.clone() for g in self.param_groups for p in g["params"]])
-        return super().step(closure)
 
 
 def stage2_invariant(opt):
