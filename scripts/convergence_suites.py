@@ -186,7 +186,7 @@ SUITES["demo_sweep"] = {"layout": [], "variants": {
 # and DCT-momentum DiLoCo (the same rule with a chunked-DCT top-k codec) against DiLoCo at equal tokens
 SPARSELOCO = ["--outer-algorithm", "sparseloco", "--num-replicas", "4", "--outer-steps", "50"]
 DCT_CODEC = '{name: bf16, transform: dct, chunk: 64, k: 4}'
-# and DeMo at the sweep's best learning rate, the reference's fp32 values (top-32 of 64 x 64) and bf16 top-16
+# and DeMo at the sweep's best learning rate, the reference's fp32 values (top-32 of 64 x 64), bf16 top-16 and top-24
 SUITES["structured"] = {"layout": [], "variants": {
     "none": {},
     "DiLoCo H=50": {"args": DILOCO},
@@ -194,6 +194,8 @@ SUITES["structured"] = {"layout": [], "variants": {
     "DCT-DiLoCo H=50 (bf16, DCT top-4/64)": {"args": [*SPARSELOCO, "--outer-codec", DCT_CODEC]},
     "DeMo lr 6e-3 (fp32, top-32)": demo(6e-3),
     "DeMo lr 6e-3 (bf16, top-16)": demo(6e-3, "--demo-topk", "16", values="bf16"),
+    # bf16 top-24 of 4096: 96 bytes per chunk and rank instead of 64, about 53x fewer DP bytes than DDP-AdamW
+    "DeMo lr 6e-3 (bf16, top-24)": demo(6e-3, "--demo-topk", "24", values="bf16"),
 }}
 
 
@@ -210,6 +212,9 @@ SUITES["powersgd"] = {"layout": [], "variants": {
     "torch PowerSGD r1 (1 bucket)": {"hook": "torch_powersgd:1"},
     "megacomp PowerSGD r1+EF": {"hook": "megacomp:{name: powersgd, rank: 1}"},
     "Accordion r4/r1 (eta 0.5, every 15)": {"hook": "megacomp:" + ACCORDION},
+    # the reference's pair (rank 2 in critical regimes, rank 1 otherwise) and its static low
+    "megacomp PowerSGD r2+EF": {"hook": "megacomp:{name: powersgd, rank: 2}"},
+    "Accordion r2/r1 (eta 0.5, every 15)": {"hook": "megacomp:" + ACCORDION.replace("rank: 4", "rank: 2")},
     "megacomp PowerSGD r4, sharded optimizer": {"dp_gradient": {"name": "powersgd", "rank": 4}},
 }}
 
@@ -228,6 +233,13 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
     "Accordion eta 0.1, every 15": accordion(0.1, 15),
     "Accordion eta 0.2, every 5": accordion(0.2, 5),
     "Accordion eta 0.05, every 30": accordion(0.05, 30),
+    # the reference's granularity and pair: a decision per layer (DDP buckets of 0.25 MB, about one transformer
+    # layer of this model each, instead of one bucket for the model) and PowerSGD rank 2 (critical) / rank 1
+    "megacomp PowerSGD r2+EF": SUITES["powersgd"]["variants"]["megacomp PowerSGD r2+EF"],
+    "Accordion r4/r1, per layer": {**accordion(0.5, 15), "args": ["--bucket-mb", "0.25"]},
+    "Accordion r2/r1": SUITES["powersgd"]["variants"]["Accordion r2/r1 (eta 0.5, every 15)"],
+    "Accordion r2/r1, per layer": {"hook": "megacomp:" + ACCORDION.replace("rank: 4", "rank: 2"),
+                                   "args": ["--bucket-mb", "0.25"]},
 }}
 
 

@@ -12,7 +12,8 @@ data-parallel gradients go through torch DDP and ``--hook``:
   torch_powersgd:R     torch's PowerSGD hook, rank R, error feedback and warm start on, start at iteration 2,
                        one bucket (with several it races on gloo: ../shared/research/platform.md)
   megacomp:SPEC        megacomp's hook (megacomp.optimizer.ddp_hook) with the YAML codec SPEC, e.g.
-                       ``'{name: powersgd, rank: 4}'`` or an Accordion mapping; DDP's default buckets
+                       ``'{name: powersgd, rank: 4}'`` or an Accordion mapping; DDP's default buckets, or
+                       ``--bucket-mb`` MB ones
   fsdp2:none           no DDP: stock FSDP2 (``fully_shard`` on every transformer layer and on the model)
   fsdp2:SPEC           the same FSDP2 with megacomp.integrations.fsdp.FSDPCompression built from the YAML
                        mapping SPEC (a CommCompressionConfig: dp_gradient, dp_gradient_error_feedback,
@@ -72,8 +73,14 @@ def main() -> None:
 
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--hook", default="none")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb for megacomp's hooks (default: DDP's 25); Accordion decides per bucket, "
+                        "so small buckets give it a decision per layer as the reference's per-layer norms")
     known, rest = p.parse_known_args()
     cfg = parse_args(rest)
+    if known.bucket_mb is not None and (known.hook.startswith("fsdp2:") or known.hook.startswith("torch_powersgd:")):
+        p.error(f"--bucket-mb applies to megacomp's hooks (and none); {known.hook} keeps its own buckets "
+                f"(torch's PowerSGD one, FSDP2 one per fully_shard module)")
     torch.set_num_threads(1)
     init_distributed()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -105,7 +112,7 @@ def main() -> None:
         ddp.register_comm_hook(*_torch_powersgd_counting(int(known.hook.split(":")[1])))
         hook_state = None
     else:
-        ddp = DDP(model)
+        ddp = DDP(model) if known.bucket_mb is None else DDP(model, bucket_cap_mb=known.bucket_mb)
         spec = None if known.hook == "none" else yaml.safe_load(known.hook[len("megacomp:"):])
         hook_state = CompressedHookState(codec=spec, min_compress_numel=4096)
         ddp.register_comm_hook(hook_state, compressed_allreduce_hook)

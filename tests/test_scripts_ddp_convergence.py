@@ -40,3 +40,12 @@ def test_megacomp_and_torch_powersgd_hooks_train_and_count_alike(tmp_path, cache
         assert first[0] == first[1]  # the two uncompressed warm-up iterations
         assert last[0] < 0.5 * last[1]  # then the factors only
     assert ours[0]["loss"] == theirs[0]["loss"]  # same model, data and first (uncompressed) step
+
+
+@pytest.mark.parametrize("hook", ["torch_powersgd:2", "fsdp2:none"])
+def test_bucket_mb_is_refused_where_the_engine_keeps_its_own_buckets(hook):
+    # the check runs before the process group starts, so a plain python launch reaches it
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "ddp_convergence.py"), "--hook", hook, "--bucket-mb",
+                        "0.25"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert r.returncode == 2
+    assert "--bucket-mb applies to megacomp's hooks" in r.stderr and hook in r.stderr
