@@ -35,8 +35,9 @@ DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replica
 LoCo gradients against themselves;
 ``fsdp``: issue #19's FSDP2 with megacomp's reduce-scatter / all-gather (LoCo int4 gradients, int8 parameters)
 against stock FSDP2, paired by seed.
-``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, Accordion
-(rank 4 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
+``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, megacomp's
+rank 2, Accordion (rank 4 / rank 1 and rank 2 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
+``accordion_sweep``: Accordion's eta, interval, level pair and per-layer decisions on one seed;
 ``aqsgd``: issue #20's AQ-SGD on a pipeline (PP 2, run with --nproc 2): fine-tuning-style epochs over 256
 samples, 2- and 4-bit activation deltas against direct 2- and 4-bit quantisation and the uncompressed pipeline,
 with the pp_activation bytes of every iteration (warm-up epoch included); ``aqsgd_finetune``: the same variants
