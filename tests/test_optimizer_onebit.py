@@ -409,10 +409,11 @@ def _overflow_case(rank, world):
     opt = OneBitAdam(params, lr=0.05, freeze_step=1, shard=True, bucket_size=20, min_compress_numel=0)
     _run(opt, params, rank, range(3))
     before = [p.detach().clone() for p in params]
-    _backward(params, rank, 3)
-    if rank == 1:  # one rank's gradient overflows: every rank skips, nothing moves
-        for b in opt.buckets:
-            b.grad[0] = math.inf
+    grads = _grads(rank, 3)
+    if rank == 1:  # one rank's gradient overflows in backward (its momentum exchange starts there): every rank
+        for c in grads:  # skips, nothing moves
+            c[0] = math.inf
+    sum((p * c).sum() for p, c in zip(params, grads)).backward()
     assert not opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, params)) and opt.skipped_steps == 1
     _run(opt, params, rank, range(4, 5))
@@ -424,13 +425,31 @@ def test_overflow_on_one_rank_skips_everywhere():
     assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
-def _shard_case(rank, world, shard, which):
+def _shard_case(rank, world, shard, which, overlap=True):
     params = _params()
     cls = OneBitAdam if which == "onebit_adam" else OneBitLamb
     opt = cls(params, lr=0.05, freeze_step=2, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, shard=shard,
-              bucket_size=20, min_compress_numel=0)
-    _run(opt, params, rank, range(8))
-    return [p.detach().clone() for p in params]
+              bucket_size=20, min_compress_numel=0, overlap_momentum=overlap)
+    in_backward = []
+    for t in range(8):
+        _backward(params, rank, t)
+        # the momentum exchanges started in backward (in the warm-up b.reduced is the gradient reduction's)
+        in_backward.append(opt._action() == "momentum" and all(b.reduced is not None for b in opt.buckets))
+        assert opt.step()
+    return [p.detach().clone() for p in params], in_backward
+
+
+@pytest.mark.parametrize("which,shard,world", [("onebit_adam", False, 2), ("onebit_adam", False, 3),
+                                               ("onebit_adam", True, 3), ("onebit_lamb", True, 2)])
+def test_momentum_exchanged_in_backward_equals_in_step_bit_for_bit(which, shard, world):
+    """overlap_momentum starts each bucket's 1-bit momentum all-reduce in backward; the numbers are those of the
+    exchange in step(). Steps 1-2 are the warm-up; step 3 exchanges in step() where the momentum is first
+    gathered (sharded) or LAMB's scales are fixed, and in backward otherwise."""
+    on, where = run_ranks(_shard_case, world, shard, which, True)[0]
+    off, never = run_ranks(_shard_case, world, shard, which, False)[0]
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+    first = 3 if which == "onebit_adam" and not shard else 4
+    assert where == [t >= first for t in range(1, 9)] and not any(never)
 
 
 @pytest.mark.parametrize("which", ["onebit_adam", "onebit_lamb"])
@@ -438,6 +457,6 @@ def _shard_case(rank, world, shard, which):
 def test_sharded_equals_unsharded_bit_for_bit_with_the_sign_codec(which, world):
     """The same 1-bit exchange whatever the sharding (exact gradient sums): sharding changes where the update is
     computed (and adds the parameter all-gather), never the numbers."""
-    sharded = run_ranks(_shard_case, world, True, which)[0]
-    whole = run_ranks(_shard_case, world, False, which)[0]
+    sharded = run_ranks(_shard_case, world, True, which)[0][0]
+    whole = run_ranks(_shard_case, world, False, which)[0][0]
     assert all(torch.equal(a, b) for a, b in zip(sharded, whole))

@@ -9,10 +9,17 @@ Per step ``t``, by action:
       (reduce-scatter when sharded, all-reduce when not), started in backward; clipping by the global norm.
   ``grad_1bit`` (0/1 Adam): the gradient all-reduced through the momentum channel (1-bit, worker and server
       error feedback), started in backward.
-  ``momentum`` (1-bit Adam / LAMB after ``freeze_step``): in ``step()``: every rank forms its local momentum
+  ``momentum`` (1-bit Adam / LAMB after ``freeze_step``): every rank forms its local momentum
       ``x = b1 M + (1-b1) g_local`` from the last exchanged momentum ``M`` (identical on every rank; LAMB scales
       each parameter's slice by its momentum scale first), all-reduces ``x`` through the momentum channel
       (compressed buckets) or in fp32 (the rest), and the rule updates its masters with the average ``M``.
+      ``x`` of a bucket needs only that bucket's gradient and ``M``, so with ``overlap_momentum`` (the default)
+      it is formed and its all-reduce started in backward, as soon as the bucket's gradients are complete, and
+      the transfer overlaps the rest of backward, as the warm-up's gradient reduction does. The arithmetic is
+      the same as in ``step()`` (a test compares the two bit for bit); ``step()`` forms and exchanges instead
+      when the local gradient must be clipped first (``max_grad_norm``), at 1-bit LAMB's first compressed step
+      (its momentum scales are fixed then) and, sharded, at the first compressed step after the switch or a
+      resume (the full momentum is all-gathered in ``step()``).
   ``local`` (0/1 Adam after ``var_freeze_step``): no exchange; at the schedule's synchronisation steps the
       accumulated update goes through the momentum channel (:class:`~.rules.ZeroOneAdamRule`).
 
@@ -86,7 +93,8 @@ class OneBitOptimizer(DistributedOptimizer):
 
     def __init__(self, params: Iterable, rule_class, rule_kwargs: dict, schedule, process_group=None, *,
                  momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
-                 shard: bool = True, min_compress_numel: int = 65536, grad_norm_weight=None, **base: Any) -> None:
+                 shard: bool = True, min_compress_numel: int = 65536, grad_norm_weight=None,
+                 overlap_momentum: bool = True, **base: Any) -> None:
         if base.get("zero_stage", 1) != 1:
             raise ValueError(f"{rule_class.__name__.replace('Rule', '')} exchanges each rank's whole local gradient or "
                              f"momentum in step(), so its gradient buckets cannot be sharded in backward: use "
@@ -95,6 +103,8 @@ class OneBitOptimizer(DistributedOptimizer):
             raise ValueError("0/1 Adam takes local steps that update every parameter on every rank, so its masters "
                              "cannot be sharded; pass shard=False (pretraining: --no-shard-optimizer)")
         self.schedule, self.rounds, self._full_m = schedule, 0, {}
+        self.overlap_momentum = bool(overlap_momentum)
+        self._local_finite: dict[int, torch.Tensor] = {}  # per bucket launched in backward: its local grad finite
         self.momentum_channel = momentum_channel(momentum_codec, momentum_error_feedback, process_group,
                                                  min_compress_numel, rule_class.__name__.replace("Rule", ""))
         self._momentum_plain = self.momentum_channel.uncompressed()
@@ -141,8 +151,29 @@ class OneBitOptimizer(DistributedOptimizer):
             b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_momentum/b{b.index}",
                                    tag="dp_gradient_1bit", validate=not self._validated) or comm.CompressedWork(lambda: None)
             return None
+        if action == "momentum" and self._momentum_in_backward():
+            # read before the gradient becomes the momentum; a 0-dim tensor, so no device sync in backward
+            self._local_finite[b.index] = torch.isfinite(b.grad).all()
+            x, _ = self._form_momentum(b)
+            ch = self.momentum_channel if b.compressed else self._momentum_plain
+            b.reduced = x  # marks the bucket as exchanged in backward
+            b.work = ch.all_reduce(x, group=self.group, async_op=True, key=f"dp_momentum/b{b.index}",
+                                   tag="dp_momentum", validate=not self._validated) or comm.CompressedWork(lambda: None)
+            return None
         b.work, b.reduced = comm.CompressedWork(lambda: None), None  # momentum / local: in step()
         return None
+
+    def _momentum_in_backward(self) -> bool:
+        """Whether this step's momentum exchange starts in backward (the same answer for every bucket of a step
+        and on every rank: it reads settings and state that only ``step()`` changes)."""
+        if not self.overlap_momentum or self.max_grad_norm is not None:
+            return False  # clipping needs the whole local gradient's norm before any momentum is formed
+        if self.sharded and len(self._full_m) < len(self.buckets):
+            return False  # the full momentum is all-gathered in step() first (the switch, a resume)
+        if isinstance(self.optimizer, OneBitLambRule):
+            scaled = self.optimizer.state[self.masters[0]].get("scaled")
+            return scaled is not None and bool(float(scaled))  # the scales are fixed at the first compressed step
+        return True
 
     def step(self, closure=None) -> bool:
         """One step of the schedule's action (module docstring). Returns False when the step was skipped."""
@@ -170,13 +201,19 @@ class OneBitOptimizer(DistributedOptimizer):
                 self._launch(b)
             b.work.wait()
             b.work = None
-        overflow = self._all_reduce_max(float(any(not bool(torch.isfinite(b.grad).all()) for b in self.buckets)))
+        in_backward = action == "momentum" and all(b.reduced is not None for b in self.buckets)
+        if in_backward:  # the buckets now hold the exchanged momentum: the local gradients' flags were kept
+            bad = any(not bool(f) for f in self._local_finite.values())
+        else:
+            bad = any(not bool(torch.isfinite(b.grad).all()) for b in self.buckets)
+        self._local_finite.clear()
+        overflow = self._all_reduce_max(float(bad))
         if overflow:
             return self._skip_step()
         if self.max_grad_norm is not None:
             self._clip_local()
         if action == "momentum":
-            self._exchange_momentum()
+            self._exchange_momentum(in_backward)
         else:
             self._local(t)
         return self._finish_step()
@@ -218,17 +255,27 @@ class OneBitOptimizer(DistributedOptimizer):
         j0 = self._first_param[b.index]
         return first["scaling_coeff"][j0:j0 + len(b.params)].tolist()
 
-    def _exchange_momentum(self) -> None:
+    def _form_momentum(self, b):
+        """This rank's ``b1 M + (1-b1) g_local`` of bucket ``b``, in place of its gradient (LAMB: scaled per
+        parameter); returns it and LAMB's scales (None for Adam)."""
+        beta1 = self.optimizer.param_groups[b.group]["betas"][0]
+        x, m_prev, scales = b.grad, self._full_momentum(b), self._scales(b)
+        x.mul_(1 - beta1).add_(m_prev, alpha=beta1)
+        if scales is not None:
+            for (p, o), s in zip(zip(b.params, b.offsets), scales):
+                x[o:o + p.numel()].mul_(s)
+        return x, scales
+
+    def _exchange_momentum(self, in_backward: bool = False) -> None:
+        """Average every bucket's local momentum (exchanged here, or already in backward) and update."""
         for b in self.buckets:
-            beta1 = self.optimizer.param_groups[b.group]["betas"][0]
-            x, m_prev, scales = b.grad, self._full_momentum(b), self._scales(b)
-            x.mul_(1 - beta1).add_(m_prev, alpha=beta1)  # this rank's b1 M + (1-b1) g_local
-            if scales is not None:
-                for (p, o), s in zip(zip(b.params, b.offsets), scales):
-                    x[o:o + p.numel()].mul_(s)
-            ch = self.momentum_channel if b.compressed else self._momentum_plain
-            ch.all_reduce(x, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",
-                          validate=not self._validated)
+            if in_backward:
+                x, scales = b.reduced, self._scales(b)
+            else:
+                x, scales = self._form_momentum(b)
+                ch = self.momentum_channel if b.compressed else self._momentum_plain
+                ch.all_reduce(x, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",
+                              validate=not self._validated)
             x.mul_(1.0 / self.world)
             x[b.numel:].zero_()  # padding carries nothing (a sign codec decodes 0 as +scale)
             if scales is not None:
