@@ -26,7 +26,12 @@ LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accord
 # during the warm-up, the first 20% of the iterations, then 1-bit momentum); wire bytes are the mean per
 # iteration after the warm-up, measured
 ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_zero_one_adam_c4v128",
-                  "megacomp_onebit_lamb")
+                  "megacomp_onebit_lamb", "megacomp_onebit_adam_in_step", "megacomp_onebit_adam_bf16_warmup")
+# 1-bit Adam variants: the momentum exchanged in step() (overlap_momentum=False; the default starts it in backward),
+# and the warm-up's gradient all-reduce in bf16 instead of fp32 (the variance frozen after it stays nonzero: an integer
+# codec rounds small entries to 0, their frozen variance is 0 and the update divides by eps)
+ONEBIT_ADAM_OPTIONS = {"megacomp_onebit_adam": {}, "megacomp_onebit_adam_in_step": {"overlap_momentum": False},
+                       "megacomp_onebit_adam_bf16_warmup": {"grad_codec": "bf16"}}
 # 0/1 Adam at DeepSpeed's interval shape, and at the setting docs/convergence_onebit finds within 2% of AdamW:
 # sync interval clipped at 4, the variance refreshed at every step until its freeze (var_update_scaler 128)
 ZERO_ONE_SETTINGS = {"megacomp_zero_one_adam": {}, "megacomp_zero_one_adam_c4v128": {"local_step_clipper": 4,
@@ -119,7 +124,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         for p in model.parameters():  # what DDP's constructor does: every rank starts from rank 0's weights
             dist.broadcast(p.data, 0)
         kw = dict(lr=1e-3, shard=False, bucket_size=int(bucket_mb * (1 << 20) / 4))
-        opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw) if method == "megacomp_onebit_adam" else
+        opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw, **ONEBIT_ADAM_OPTIONS[method])
+               if method in ONEBIT_ADAM_OPTIONS else
                # LAMB's step is relative to the weight norm: lr 1e-2 (docs/convergence_onebit)
                OneBitLamb(model.parameters(), freeze_step=freeze, **{**kw, "lr": 1e-2}) if method == "megacomp_onebit_lamb" else
                ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10),

@@ -62,6 +62,11 @@ DEFAULT_MOMENTUM_CODEC = make_codec("sign", block_size=0)
 """1-bit Adam's wire format: signs with one mean-magnitude scale per encoded chunk (DeepSpeed uses the RMS)."""
 
 
+WARMUP_GRAD_CODECS = ("bf16", "fp16")
+"""Gradient codecs the full-precision phase may use: they round every entry to a nearby nonzero value (bf16 keeps
+fp32's exponent range), so the variance estimated there keeps every entry's scale."""
+
+
 def check_momentum_codec(codec: Any, error_feedback: bool, what: str):
     """The momentum codec as a Codec. Raises ValueError for a structured codec, or error feedback with a lossless
     codec (compression off needs ``error_feedback=False``)."""
@@ -87,8 +92,8 @@ class OneBitOptimizer(DistributedOptimizer):
     :func:`OneBitAdam`, :func:`ZeroOneAdam` or :func:`OneBitLamb`.
 
     Raises:
-        ValueError: 0/1 Adam with ``shard=True``; ``zero_stage=2``; bad codecs (see :func:`momentum_channel`); the
-            base class's.
+        ValueError: 0/1 Adam with ``shard=True``; ``zero_stage=2``; bad codecs (see :func:`momentum_channel`); a
+            gradient codec other than :data:`WARMUP_GRAD_CODECS` for the full-precision phase; the base class's.
     """
 
     def __init__(self, params: Iterable, rule_class, rule_kwargs: dict, schedule, process_group=None, *,
@@ -111,6 +116,13 @@ class OneBitOptimizer(DistributedOptimizer):
         self._rule_class, self._rule_kwargs = rule_class, rule_kwargs
         super().__init__(params, self._make_rule, process_group, shard=shard, min_compress_numel=min_compress_numel,
                          grad_norm_weight=grad_norm_weight, **base)
+        ch = self.grad_channel
+        if ch.lossy and not (isinstance(ch, Channel) and ch.codec.name in WARMUP_GRAD_CODECS):
+            raise ValueError(f"{rule_class.__name__.replace('Rule', '')}: gradient codec {getattr(ch, 'codec', ch)} in "
+                             f"the full-precision phase (warm-up, variance updates) rounds small gradient entries to "
+                             f"0, so the variance frozen afterwards is 0 there and the update divides by eps (1-bit "
+                             f"Adam with int4 + LoCo diverged to a loss of 1e13 in 20 steps); use grad_codec None or "
+                             f"one of {', '.join(WARMUP_GRAD_CODECS)}")
         self._local_weights = self._build_norm_weights(grad_norm_weight, whole=True)  # local-gradient clipping
         self._master = {b.index: m for b, m in zip(self.buckets, self.masters)}
 
