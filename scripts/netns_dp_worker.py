@@ -26,12 +26,14 @@ LOW_RANK_METHODS = ("megacomp_powersgd1", "megacomp_powersgd4", "megacomp_accord
 # during the warm-up, the first 20% of the iterations, then 1-bit momentum); wire bytes are the mean per
 # iteration after the warm-up, measured
 ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_zero_one_adam_c4v128",
-                  "megacomp_onebit_lamb", "megacomp_onebit_adam_in_step", "megacomp_onebit_adam_bf16_warmup")
+                  "megacomp_onebit_lamb", "megacomp_onebit_adam_in_step", "megacomp_onebit_adam_bf16_warmup",
+                  "megacomp_onebit_adam_bf16_warmup_in_step")
 # 1-bit Adam variants: the momentum exchanged in step() (overlap_momentum=False; the default starts it in backward),
 # and the warm-up's gradient all-reduce in bf16 instead of fp32 (the variance frozen after it stays nonzero: an integer
 # codec rounds small entries to 0, their frozen variance is 0 and the update divides by eps)
 ONEBIT_ADAM_OPTIONS = {"megacomp_onebit_adam": {}, "megacomp_onebit_adam_in_step": {"overlap_momentum": False},
-                       "megacomp_onebit_adam_bf16_warmup": {"grad_codec": "bf16"}}
+                       "megacomp_onebit_adam_bf16_warmup": {"grad_codec": "bf16"},
+                       "megacomp_onebit_adam_bf16_warmup_in_step": {"grad_codec": "bf16", "overlap_momentum": False}}
 # 0/1 Adam at DeepSpeed's interval shape, and at the setting docs/convergence_onebit finds within 2% of AdamW:
 # sync interval clipped at 4, the variance refreshed at every step until its freeze (var_update_scaler 128)
 ZERO_ONE_SETTINGS = {"megacomp_zero_one_adam": {}, "megacomp_zero_one_adam_c4v128": {"local_step_clipper": 4,
