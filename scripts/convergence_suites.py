@@ -238,7 +238,7 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
     "megacomp PowerSGD r2+EF": SUITES["powersgd"]["variants"]["megacomp PowerSGD r2+EF"],
     "Accordion r4/r1, per layer": {**accordion(0.5, 15), "args": ["--bucket-mb", "0.25"]},
     "Accordion r2/r1": SUITES["powersgd"]["variants"]["Accordion r2/r1 (eta 0.5, every 15)"],
-    "Accordion r2/r1, per layer": {"hook": "megacomp:" + ACCORDION.replace("rank: 4", "rank: 2"),
+    "Accordion r2/r1, per layer": {**SUITES["powersgd"]["variants"]["Accordion r2/r1 (eta 0.5, every 15)"],
                                    "args": ["--bucket-mb", "0.25"]},
 }}
 

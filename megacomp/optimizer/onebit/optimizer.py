@@ -158,22 +158,26 @@ class OneBitOptimizer(DistributedOptimizer):
         if action == "grad":
             return super()._launch(b)
         if action == "grad_1bit":  # 0/1 Adam, unsharded: the 1-bit average gradient, started in backward
-            ch = self.momentum_channel if b.compressed else self._momentum_plain
             b.reduced = b.grad
-            b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_momentum/b{b.index}",
-                                   tag="dp_gradient_1bit", validate=not self._validated) or comm.CompressedWork(lambda: None)
+            b.work = self._momentum_all_reduce(b, b.grad, tag="dp_gradient_1bit", async_op=True)
             return None
         if action == "momentum" and self._momentum_in_backward():
             # read before the gradient becomes the momentum; a 0-dim tensor, so no device sync in backward
             self._local_finite[b.index] = torch.isfinite(b.grad).all()
             x, _ = self._form_momentum(b)
-            ch = self.momentum_channel if b.compressed else self._momentum_plain
             b.reduced = x  # marks the bucket as exchanged in backward
-            b.work = ch.all_reduce(x, group=self.group, async_op=True, key=f"dp_momentum/b{b.index}",
-                                   tag="dp_momentum", validate=not self._validated) or comm.CompressedWork(lambda: None)
+            b.work = self._momentum_all_reduce(b, x, async_op=True)
             return None
         b.work, b.reduced = comm.CompressedWork(lambda: None), None  # momentum / local: in step()
         return None
+
+    def _momentum_all_reduce(self, b, x: torch.Tensor, tag: str = "dp_momentum", async_op: bool = False):
+        """Sum ``x`` (bucket ``b``'s message) over the group through the momentum channel (compressed buckets) or
+        in fp32; with ``async_op`` returns a work handle (never None)."""
+        ch = self.momentum_channel if b.compressed else self._momentum_plain
+        work = ch.all_reduce(x, group=self.group, async_op=async_op, key=f"dp_momentum/b{b.index}", tag=tag,
+                             validate=not self._validated)
+        return (work or comm.CompressedWork(lambda: None)) if async_op else None
 
     def _momentum_in_backward(self) -> bool:
         """Whether this step's momentum exchange starts in backward (the same answer for every bucket of a step
@@ -285,9 +289,7 @@ class OneBitOptimizer(DistributedOptimizer):
                 x, scales = b.reduced, self._scales(b)
             else:
                 x, scales = self._form_momentum(b)
-                ch = self.momentum_channel if b.compressed else self._momentum_plain
-                ch.all_reduce(x, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",
-                              validate=not self._validated)
+                self._momentum_all_reduce(b, x)
             x.mul_(1.0 / self.world)
             x[b.numel:].zero_()  # padding carries nothing (a sign codec decodes 0 as +scale)
             if scales is not None:
@@ -311,9 +313,7 @@ class OneBitOptimizer(DistributedOptimizer):
         for b in self.buckets:
             m = self._master[b.index]
             w = self.optimizer.sync_buffer(m)
-            ch = self.momentum_channel if b.compressed else self._momentum_plain
-            ch.all_reduce(w, group=self.group, key=f"dp_momentum/b{b.index}", tag="dp_momentum",
-                          validate=not self._validated)
+            self._momentum_all_reduce(b, w)
             w.mul_(1.0 / self.world)
             w[b.numel:].zero_()
             self.optimizer.finish_sync(m, w)
