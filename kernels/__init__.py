@@ -98,7 +98,7 @@ def _load_announced(build):
         print(f"megacomp: {what} the CPU codec kernels (one time, {when}{where})", file=sys.stderr, flush=True)
     start = time.perf_counter()
     hint = threading.Timer(LOCK_HINT_AFTER_S, _lock_hint, (build, start)) if announces() else None
-    if hint is not None:  # torch waits on another process's build lock forever, silently: say what to check
+    if hint is not None:  # a build, or a wait on another process's build, is silent: say what to check
         hint.daemon = True
         hint.start()
     try:
@@ -118,16 +118,15 @@ LOCK_HINT_AFTER_S = 180.0
 
 
 def _lock_hint(build, start: float) -> None:
-    """Printed once when ``build.load()`` is still running after LOCK_HINT_AFTER_S: torch's extension loader
-    waits on a ``lock`` file in the cache folder as long as it exists, and a build that was killed (a test
-    timeout, Ctrl-C) leaves it behind, so every later run would wait forever without a word."""
+    """Printed once when ``build.load()`` is still running after LOCK_HINT_AFTER_S: a slow build, or another
+    live process building or loading on the same cache (``build.load`` waits for its ``flock``; a killed
+    build's lock is no longer waited on, see kernels/cpu/build.py)."""
     folder = build.build_directory()
-    lock = os.path.join(folder, "lock") if folder else None
-    if lock is None or not os.path.exists(lock):
+    if folder is None:
         return
-    print(f"megacomp: the CPU codec kernels are not ready after {time.perf_counter() - start:.0f} s and {lock} exists: "
-          f"another process is building them, or a killed build left the lock behind. If no compiler is running "
-          f"(ps aux | grep -e ninja -e c++), delete that file. Checkouts at different paths sharing one cache "
+    print(f"megacomp: the CPU codec kernels are not ready after {time.perf_counter() - start:.0f} s: a slow "
+          f"compile, or another process building them in {folder} (it holds {build.FLOCK_NAME} there; "
+          f"ps aux | grep -e ninja -e c++ shows a compiler). Checkouts at different paths sharing one cache "
           f"rebuild it in turn: give each its own TORCH_EXTENSIONS_DIR.", file=sys.stderr, flush=True)
 
 

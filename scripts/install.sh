@@ -2,8 +2,9 @@
 # Install megacomp in editable mode. If torch is missing, install the pinned CPU wheel first
 # (seconds, instead of a multi-GB CUDA download); an existing torch (e.g. a CUDA build) is never replaced.
 #   bash scripts/install.sh          # the package
-#   bash scripts/install.sh test     # the package + test requirements (pytest, hypothesis, and triton on Linux
-#                                      x86_64 so that the Triton kernel tests run under its interpreter)
+#   bash scripts/install.sh test     # the package + test requirements (pytest, pytest-timeout, hypothesis, and
+#                                      triton on Linux x86_64 so that the Triton kernel tests run under its
+#                                      interpreter), then builds the C++ codec kernels once
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -27,4 +28,12 @@ fi
 if [ "${1:-}" = "test" ] && ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --no-deps "megatron-core==0.16.1"
 fi
-echo "install.sh: done. The C++ codec kernels build on first use (about a minute, once; it says so)."
+# the C++ codec kernels: built here for the tests, once, in one process and outside any test's time limit
+# (tests fork ranks that would otherwise all wait on the first build); a failed build only warns, and the
+# eager reference is used (the kernel tests then say so)
+if [ "${1:-}" = "test" ]; then
+  "$PY" -c "from megacomp import kernels; print('install.sh: CPU codec kernels:', kernels.backend_name('cpu'))"
+  echo "install.sh: done."
+else
+  echo "install.sh: done. The C++ codec kernels build on first use (about a minute, once; it says so)."
+fi

@@ -16,7 +16,9 @@ for name in "${NAMES[@]}"; do
   esac
   echo "== examples: $name (torchrun, 2 ranks)"
   t0=$SECONDS
-  python -m torch.distributed.run --standalone --nproc-per-node 2 "${cmd[@]}" 2>&1 \
+  # a limit per example (EXAMPLE_TIMEOUT s, default 600; each takes well under a minute here), so that a
+  # hang fails CI with the example's name instead of holding it until its own limit
+  timeout --kill-after=20 "${EXAMPLE_TIMEOUT:-600}" python -m torch.distributed.run --standalone --nproc-per-node 2 "${cmd[@]}" 2>&1 \
     | grep -v -E "^W[0-9]{4} |warnings.warn|UserWarning" || { echo "examples: $name FAILED" >&2; exit 1; }
   echo "== examples: $name ok ($((SECONDS - t0)) s)"
 done

@@ -1,9 +1,11 @@
 """Build (once, cached by torch under TORCH_EXTENSIONS_DIR) and load the C++ codec kernels."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
+import sys
 from typing import Optional
 
 from torch.utils.cpp_extension import load as _load
@@ -69,7 +71,40 @@ def build_needed() -> Optional[bool]:
         return None
 
 
+FLOCK_NAME = "megacomp.flock"
+"""The file in the cache folder whose ``flock`` serialises megacomp's builds and loads (see :func:`load`)."""
+
+
 def load():
     """Build the extension if torch's cache is not current (about a minute), then import it; returns the
-    module. Raises whatever torch's ``cpp_extension.load`` raises (no compiler, no ninja, a compile error)."""
+    module. Raises whatever torch's ``cpp_extension.load`` raises (no compiler, no ninja, a compile error).
+
+    Steps: take an exclusive ``flock`` on ``megacomp.flock`` in the cache folder (other processes building
+    or loading wait here), remove torch's ``lock`` file if one is left there, call torch's loader, release.
+    Why: torch's loader guards a build with a ``lock`` file that it creates and deletes, and waits, silently
+    and forever, while that file exists; a build that was killed (a test or job timeout, Ctrl-C, a
+    preempted node) leaves it behind, and every later process on that cache would hang. A ``flock`` is
+    dropped by the kernel when its holder dies, so a ``lock`` file found while holding it belongs to no
+    live megacomp build: it is removed, with one line on stderr."""
+    folder = build_directory()
+    if folder is None:
+        return _load_unlocked()
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, FLOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        stale = os.path.join(folder, "lock")
+        if os.path.exists(stale):
+            print(f"megacomp: removing {stale}, left by a CPU codec kernel build that did not finish (killed?); "
+                  f"building again", file=sys.stderr, flush=True)
+            try:
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+        return _load_unlocked()
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
+
+
+def _load_unlocked():
     return _load(name=NAME, sources=SOURCES, extra_cflags=_cflags(), extra_ldflags=["-fopenmp"], verbose=False)
