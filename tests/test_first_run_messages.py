@@ -319,3 +319,18 @@ def test_a_killed_build_does_not_hang_the_next_load(fresh_kernels, monkeypatch, 
     lines = _lines(capsys.readouterr().err)
     assert len(lines) == 1 and os.path.join(folder, "lock") in lines[0] and "did not finish" in lines[0]
     assert not os.path.exists(os.path.join(folder, "lock"))
+
+
+def test_without_flock_the_load_leaves_torchs_lock_alone(fresh_kernels, monkeypatch, capsys, tmp_path):
+    """Where the file system refuses flock (some network mounts) nothing tells a live build from a dead one,
+    so torch's lock file is left to torch's loader, as before, and nothing is printed."""
+    kernels, build = fresh_kernels
+    (tmp_path / "lock").write_text("")
+
+    def no_flock(fd, op):
+        raise OSError(37, "No locks available")
+    monkeypatch.setattr(build.fcntl, "flock", no_flock)
+    monkeypatch.setattr(build, "build_directory", lambda: str(tmp_path))
+    monkeypatch.setattr(build, "_load_unlocked", lambda: "module")
+    assert build.load() == "module"
+    assert (tmp_path / "lock").exists() and capsys.readouterr().err == ""

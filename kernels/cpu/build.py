@@ -85,14 +85,21 @@ def load():
     and forever, while that file exists; a build that was killed (a test or job timeout, Ctrl-C, a
     preempted node) leaves it behind, and every later process on that cache would hang. A ``flock`` is
     dropped by the kernel when its holder dies, so a ``lock`` file found while holding it belongs to no
-    live megacomp build: it is removed, with one line on stderr."""
+    live megacomp build: it is removed, with one line on stderr. On a file system without ``flock`` (some
+    network mounts) only torch's lock file guards the build, as before."""
     folder = build_directory()
     if folder is None:
         return _load_unlocked()
-    os.makedirs(folder, exist_ok=True)
-    fd = os.open(os.path.join(folder, FLOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, FLOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # a cache folder we cannot write: torch's loader says what is wrong, if anything is
+        return _load_unlocked()
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:  # a file system without flock (some network mounts): torch's own lock file only
+            return _load_unlocked()
         stale = os.path.join(folder, "lock")
         if os.path.exists(stale):
             print(f"megacomp: removing {stale}, left by a CPU codec kernel build that did not finish (killed?); "
