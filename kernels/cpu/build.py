@@ -88,29 +88,37 @@ def load():
     live megacomp build: it is removed, with one line on stderr. On a file system without ``flock`` (some
     network mounts) only torch's lock file guards the build, as before."""
     folder = build_directory()
-    if folder is None:
+    fd = _flock(folder) if folder is not None else None
+    if fd is None:
         return _load_unlocked()
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(os.path.join(folder, FLOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError:  # a cache folder we cannot write: torch's loader says what is wrong, if anything is
-        return _load_unlocked()
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:  # a file system without flock (some network mounts): torch's own lock file only
-            return _load_unlocked()
         stale = os.path.join(folder, "lock")
-        if os.path.exists(stale):
-            print(f"megacomp: removing {stale}, left by a CPU codec kernel build that did not finish (killed?); "
+        try:
+            os.remove(stale)
+            print(f"megacomp: removed {stale}, left by a CPU codec kernel build that did not finish (killed?); "
                   f"building again", file=sys.stderr, flush=True)
-            try:
-                os.remove(stale)
-            except FileNotFoundError:
-                pass
+        except FileNotFoundError:
+            pass
         return _load_unlocked()
     finally:
         os.close(fd)  # closing the descriptor releases the flock
+
+
+def _flock(folder: str) -> Optional[int]:
+    """A descriptor holding the exclusive flock on ``folder/FLOCK_NAME`` (blocks while another process holds
+    it), or None where the folder cannot hold one: not writable (torch's loader then says what is wrong, if
+    anything is) or a file system without flock (some network mounts)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, FLOCK_NAME), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _load_unlocked():
