@@ -12,10 +12,9 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megacomp", "megacomp.*"])
-    + ["megacomp.kernels", "megacomp.kernels.cpu", "megacomp.kernels.triton"],
-    package_dir={"megacomp.kernels": "kernels"},  # kernels/ lives at the top level, installed as megacomp.kernels
-    package_data={"megacomp.kernels": ["cpu/*.cpp", "cpu/*.h"]},
+    packages=find_packages(include=["megacomp", "megacomp.*"]),
+    # the C++ kernels are compiled on first use from their installed sources (megacomp/kernels/cpu/build.py)
+    package_data={"megacomp.kernels": ["README.md", "cpu/*.cpp", "cpu/*.h"]},
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece", "einops>=0.7"],
     extras_require={
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib"],

@@ -73,7 +73,7 @@ def codec_throughput(numel: int, repeats: int) -> dict:
 def throughput_section(tp: dict, numel: int, measured: str, note: str = "") -> list[str]:
     lines = [f"## Codec throughput on this CPU (one thread, {numel / 1e6:.0f}M fp32 elements, reused buffers)", "",
              f"Measured {measured}, with that code's kernels; the alpha-beta model below uses these numbers. "
-             "The kernels' own CPU benchmark and its latest table: `kernels/README.md` (Speed)." + (f" {note}" if note else ""),
+             "The kernels' own CPU benchmark and its latest table: `megacomp/kernels/README.md` (Speed)." + (f" {note}" if note else ""),
              "", "| codec | encode GB/s | decode GB/s | encode / memcpy |", "|---|---|---|---|"]
     mem = tp["memcpy"]["encode_Bps"]
     for name, r in tp.items():

@@ -1,7 +1,7 @@
 """The structure docs/architecture.md promises, checked on the source (issue 14).
 
 - No hidden module state: module-level mutable containers, instances of non-builtin classes and
-  ``functools.lru_cache``/``cache`` functions in megacomp/ and kernels/ are the listed caches only, and
+  ``functools.lru_cache``/``cache`` functions in megacomp/ (kernels included) are the listed caches only, and
   nothing is keyed by call site (no ``sys._getframe``).
 - Every public function and class in megacomp/ has a docstring.
 - ``compression`` and ``kernels`` do not import each other in a cycle (kernels never import megacomp's
@@ -16,7 +16,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "megacomp"
-KERNELS = REPO / "kernels"  # installed as megacomp.kernels
+KERNELS = PKG / "kernels"
 
 # (file, name): module-level mutable objects that cannot change a result (see docs/architecture.md)
 ALLOWED_MODULE_STATE = {
@@ -24,8 +24,8 @@ ALLOWED_MODULE_STATE = {
     ("megacomp/comm/stats.py", "PROCESS_STATS"),     # the default wire-statistics table (counters)
     ("megacomp/comm/spans.py", "RECORDER"),          # the profiler's switch and timed spans (timing only)
     ("megacomp/compression/formats.py", "FORMATS"),  # the format registry (register_format adds names only)
-    ("kernels/triton/codec_triton.py", "_backends"),  # compiled Triton kernel handles
-    ("kernels/triton/codec_triton.py", "_lock"),      # a threading.Lock: builds _backends once
+    ("megacomp/kernels/triton/codec_triton.py", "_backends"),  # compiled Triton kernel handles
+    ("megacomp/kernels/triton/codec_triton.py", "_lock"),      # a threading.Lock: builds _backends once
 }
 ALLOWED_CACHED_FUNCTIONS = {  # functools.lru_cache/cache on pure functions whose results callers never modify
     ("megacomp/compression/dct.py", "_matrix"),         # DCT-II matrix per (size, dtype, device)
@@ -33,16 +33,17 @@ ALLOWED_CACHED_FUNCTIONS = {  # functools.lru_cache/cache on pure functions whos
 }
 ALLOWED_GLOBAL_REBINDS = {
     ("megacomp/parallel_state.py", "_GROUPS"),  # the Megatron-style facade's groups (layers never read it)
-    ("kernels/__init__.py", "_cpu"), ("kernels/__init__.py", "_cpu_failed"),  # compiled C++ kernels, once
-    ("kernels/__init__.py", "_triton"), ("kernels/__init__.py", "_triton_failed"),  # Triton kernels, once
+    # compiled C++ and Triton kernels, built once
+    ("megacomp/kernels/__init__.py", "_cpu"), ("megacomp/kernels/__init__.py", "_cpu_failed"),
+    ("megacomp/kernels/__init__.py", "_triton"), ("megacomp/kernels/__init__.py", "_triton_failed"),
 }
 _CONSTANT_TABLES = {  # module-level dicts/lists/sets only read after import (lookup tables, presets)
     ("megacomp/config.py", "_DTYPES"), ("megacomp/compression/error_feedback.py", "PRESETS"),
     ("megacomp/comm/common.py", "_DTYPES"), ("megacomp/comm/common.py", "_OPS"),
     ("megacomp/launch.py", "_RANK_VARS"), ("megacomp/demo.py", "CODECS"),
     ("megacomp/data/tokenizer.py", "TRAINER_OPTIONS"), ("megacomp/training/checkpoint.py", "METADATA_GLOBALS"),
-    ("kernels/triton/codec_triton.py", "_F8"), ("kernels/cpu/build.py", "SOURCES"),
-    ("kernels/cpu/build.py", "HEADERS"),
+    ("megacomp/kernels/triton/codec_triton.py", "_F8"), ("megacomp/kernels/cpu/build.py", "SOURCES"),
+    ("megacomp/kernels/cpu/build.py", "HEADERS"),
 }
 
 
@@ -60,7 +61,7 @@ def _callee(node) -> str:
 
 def test_no_module_level_mutable_state_and_nothing_keyed_by_call_site():
     found, cached = set(), set()
-    for f, tree in _sources((PKG, KERNELS)):
+    for f, tree in _sources():
         rel = f.relative_to(REPO).as_posix()
         assert "_getframe" not in f.read_text(encoding="utf-8"), f"{rel}: state keyed by call site"
         for node in tree.body:
@@ -104,7 +105,7 @@ def test_every_public_definition_has_a_docstring():
 
 
 def test_kernels_do_not_import_the_codec_layer():
-    for f in sorted((REPO / "kernels").rglob("*.py")):
+    for f in sorted(KERNELS.rglob("*.py")):
         for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -113,14 +114,12 @@ def test_kernels_do_not_import_the_codec_layer():
 
 
 def test_a_plain_checkout_on_pythonpath_imports_megacomp_with_its_kernels(tmp_path):
-    """No install: megacomp/ and kernels/ side by side on PYTHONPATH (the editable install's finder is
-    removed in the child so that it cannot supply megacomp.kernels)."""
-    for name in ("megacomp", "kernels"):
-        shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", "build"))
+    """No install: a copy of megacomp/ alone on PYTHONPATH brings its kernels along (the editable install's
+    finder is removed in the child so that it cannot supply megacomp or megacomp.kernels)."""
+    shutil.copytree(PKG, tmp_path / "megacomp", ignore=shutil.ignore_patterns("__pycache__", "build"))
     code = (
         "import sys\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
-        f"sys.path.insert(0, {str(tmp_path)!r})\n"
         "import torch, megacomp\n"
         "from megacomp.compression import make_codec\n"
         "import megacomp.kernels, megacomp.kernels.scales\n"
@@ -129,7 +128,8 @@ def test_a_plain_checkout_on_pythonpath_imports_megacomp_with_its_kernels(tmp_pa
         "c = make_codec('int4', block_size=64)\n"
         "assert (c.decode(c.encode(x)) - x).abs().max() <= x.abs().max() / 14 * 1.0001  # half a step of 7 levels\n"
         "print('ok')\n")
-    env = {**os.environ, "MEGACOMP_KERNELS": "reference"}  # the C++ build is tested elsewhere
+    # the C++ build is tested elsewhere
+    env = {**os.environ, "MEGACOMP_KERNELS": "reference", "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

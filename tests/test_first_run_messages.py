@@ -28,10 +28,10 @@ CORPUS_BYTES = 150_000
 
 
 def _kernels_of_this_checkout(name):
-    """A fresh copy of this checkout's kernels/ package under its own name: its own ``_cpu`` state (the
+    """A fresh copy of this checkout's megacomp/kernels/ package under its own name: its own ``_cpu`` state (the
     shared ``megacomp.kernels`` keeps its built module), and this checkout's code even where an editable
     install elsewhere supplies ``megacomp.kernels``."""
-    folder = REPO / "kernels"
+    folder = REPO / "megacomp" / "kernels"
     spec = importlib.util.spec_from_file_location(name, folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)

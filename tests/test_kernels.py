@@ -1,4 +1,4 @@
-"""Fused codec kernels are bit-identical to the eager reference (megacomp.kernels, kernels/cpu).
+"""Fused codec kernels are bit-identical to the eager reference (megacomp.kernels, megacomp/kernels/cpu).
 
 The CPU extension is built on first use; where it cannot be built the dispatch falls back to the
 reference, which a test checks. The Triton kernels are tested in test_kernels_triton.py.

@@ -1,4 +1,4 @@
-"""Triton codec kernels are bit-identical to the eager reference (kernels/triton).
+"""Triton codec kernels are bit-identical to the eager reference (megacomp/kernels/triton).
 
 Without a GPU the kernels run under triton's interpreter (``codec_triton.interpreted()``, TRITON_INTERPRET
 semantics) on tiny CPU tensors (~1 MB/s) and are compared with the reference on CPU; the tests on CUDA

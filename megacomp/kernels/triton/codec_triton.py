@@ -1,4 +1,4 @@
-"""Launchers for the Triton codec kernels (kernels/triton/kernels.py): the same three entry points as the
+"""Launchers for the Triton codec kernels (megacomp/kernels/triton/kernels.py): the same three entry points as the
 C++ extension (``encode_into``, ``decode_into``, ``ef_update_into``), for fp32/bf16/fp16 inputs on the
 device the tensors live on, each bit-identical to the eager reference run on that device.
 
@@ -223,7 +223,7 @@ class TritonCodecs:
 
     def sign_encode_into(self, x: torch.Tensor, out: torch.Tensor, block: int, key: torch.Tensor | None = None) -> None:
         """The sign codec (the C++ entry point's signature). Nearest: bits and exact block sums in Triton, the
-        scale formula on the sums with the reference's torch ops (kernels/scales.py: sign_scale_from_sums). Stochastic
+        scale formula on the sums with the reference's torch ops (../scales.py: sign_scale_from_sums). Stochastic
         (``key``: the call's counter_rng key): block maxima, then the bits from the counter-based draws."""
         from ..scales import sign_scale_exponents, sign_scale_from_sums
 

@@ -314,6 +314,8 @@ def amax_segments(x_ptr, part_ptr, n, B, nseg, SEG, T: tl.constexpr, BF16: tl.co
 def dec_rows(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, flag_ptr, n, B, nrows, offset, coarse_ptr,
              beta, omb, R: tl.constexpr, W: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr,
              DUAL: tl.constexpr, EPI: tl.constexpr, FULL: tl.constexpr):
+    """Decode R whole blocks per program: codes times each block's scale (DUAL: coarse scale times the
+    block's power of two), then the epilogue EPI (write, accumulate, or an error-feedback residual)."""
     pid = tl.program_id(0)
     idx, m, bidx, bm = _row_index(pid, n, B, R, W, P, FULL)
     code = _unpack(tl.load(pay_ptr + bidx, mask=bm, other=0).to(tl.int32), W // P, P, BITS)
@@ -333,6 +335,8 @@ def dec_rows(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, fla
 def dec_flat(pay_ptr, scale_ptr, down_ptr, table_ptr, out_ptr, h_ptr, e_ptr, flag_ptr, n, B, offset, coarse_ptr, beta, omb,
              T: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, KIND: tl.constexpr, DUAL: tl.constexpr,
              ONE: tl.constexpr, EPI: tl.constexpr):
+    """Decode T payload bytes (T * P elements) per program, each element scaled by its block's scale (ONE:
+    a single scale for the whole tensor), then the epilogue EPI as in :func:`dec_rows`."""
     pid = tl.program_id(0)
     b1 = pid * T + tl.arange(0, T)
     code = _unpack(tl.load(pay_ptr + b1, mask=b1 * P < n, other=0).to(tl.int32), T, P, BITS)

@@ -1,15 +1,15 @@
-"""Fused codec kernels behind one dispatch (installed as ``megacomp.kernels``); see kernels/README.md.
+"""Fused codec kernels behind one dispatch; see megacomp/kernels/README.md.
 
 Backends, each bit-identical to the eager reference in megacomp/compression/quantize.py (the oracle) run
 on the same device; the codec layer (quantize.encode_scaled / decode_scaled / ef_update_scaled) picks:
-  ``triton``     CUDA tensors (fp32, bf16, fp16 inputs): Triton kernels in kernels/triton/ for the int8,
+  ``triton``     CUDA tensors (fp32, bf16, fp16 inputs): Triton kernels in megacomp/kernels/triton/ for the int8,
                  int4, int2, fp8 and sign codecs: encode, decode (into fp32/bf16/fp16), decode-accumulate, the
                  fused error-feedback update and the one-pass error-feedback step (per-block scales on byte
                  boundaries, no dual scaling); per-tensor, per-block and dual scaling; round to nearest and
                  stochastic rounding. Compiled by triton on first launch per configuration and cached. Needs
                  the ``triton`` package; ``codec_triton.interpreted()`` runs the same kernels on CPU tensors
                  under triton's interpreter (tests).
-  ``cpu``        contiguous fp32 CPU tensors: a C++ extension (kernels/cpu/) built on first use with
+  ``cpu``        contiguous fp32 CPU tensors: a C++ extension (megacomp/kernels/cpu/) built on first use with
                  torch.utils.cpp_extension and cached; the same codecs, and error feedback's whole step
                  (h = g + e, encode, update) in one pass (quantize.ef_encode_scaled).
   ``reference``  the eager torch code: always available; everything else (other devices and dtypes, the
@@ -46,6 +46,7 @@ _triton_failed = False
 
 
 def forced_reference() -> bool:
+    """Whether ``MEGACOMP_KERNELS=reference`` asks for the eager reference everywhere (no compiled kernels)."""
     return os.environ.get("MEGACOMP_KERNELS", "auto").lower() == "reference"
 
 
@@ -120,7 +121,7 @@ LOCK_HINT_AFTER_S = 180.0
 def _lock_hint(build, start: float) -> None:
     """Printed once when ``build.load()`` is still running after LOCK_HINT_AFTER_S: a slow build, or another
     live process building or loading on the same cache (``build.load`` waits for its ``flock``; a killed
-    build's lock is no longer waited on, see kernels/cpu/build.py)."""
+    build's lock is no longer waited on, see megacomp/kernels/cpu/build.py)."""
     folder = build.build_directory()
     if folder is None:
         return

@@ -1,1 +1,0 @@
-"""C++ CPU kernels (see kernels/__init__.py)."""

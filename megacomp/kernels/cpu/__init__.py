@@ -1,0 +1,1 @@
+"""C++ CPU kernels (see megacomp/kernels/__init__.py)."""
