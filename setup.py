@@ -12,7 +12,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=find_packages(include=["megacomp", "megacomp.*"]),
+    # benchmarks: the benchmark and study drivers, run as ``python -m benchmarks.<name>``
+    packages=find_packages(include=["megacomp", "megacomp.*", "benchmarks", "benchmarks.*"]),
     # the C++ kernels are compiled on first use from their installed sources (megacomp/kernels/cpu/build.py)
     package_data={"megacomp.kernels": ["README.md", "cpu/*.cpp", "cpu/*.h"]},
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece", "einops>=0.7"],

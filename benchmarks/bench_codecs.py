@@ -26,7 +26,7 @@ Part B, collectives (--world ranks via torch.multiprocessing spawn, gloo over fi
   "int4 + loco" rows (reductions only): the same calls with error_feedback, one ErrorFeedback("loco") state
   per rank kept across the warm-up and timed calls (its steady state: an error stored, updated each call).
 
-Run:  python scripts/bench_codecs.py [--quick] [--numel 64M] [--coll-mib 4,32] [--ops all_reduce,...] [--out DIR]
+Run:  python -m benchmarks.bench_codecs [--quick] [--numel 64M] [--coll-mib 4,32] [--ops all_reduce,...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ import warnings
 
 import torch
 
+from benchmarks import invocation
 from megacomp.compression import ErrorFeedback, make_codec, relative_error
 
 CODEC_SPECS = [dict(name=n) for n in ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "int8", "int4", "int2", "sign")] + [
@@ -95,7 +96,7 @@ def machine_info(threads: int) -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
             "threads": threads, "LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
-            "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)}
+            "command": " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + invocation())}
 
 
 # -- part A: codec throughput -----------------------------------------------------------------------------

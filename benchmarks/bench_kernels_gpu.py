@@ -14,7 +14,7 @@ and is reported separately), then the median of --repeats. ratio = kernel GB/s /
 Before timing, the encode and decode of the first --check elements are compared bit for bit with the eager
 reference on the GPU. MEGACOMP_KERNELS=reference times the eager reference instead.
 
-Run:  python scripts/bench_kernels_gpu.py [--numel 256M] [--dtype bf16] [--codecs int8,int4] [--block 128]
+Run:  python -m benchmarks.bench_kernels_gpu [--numel 256M] [--dtype bf16] [--codecs int8,int4] [--block 128]
       [--rounding stochastic]   (the counter-based draws computed in the encode kernel)
 """
 from __future__ import annotations

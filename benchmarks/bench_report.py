@@ -1,10 +1,10 @@
 """One command for the whole bandwidth-limited performance report (issue #7).
 
-    python scripts/bench_report.py --iters 80 --out docs/benchmarks   # docs/benchmarks: ~23 min on the 2-core dev machine
-    python scripts/bench_report.py --quick --out /tmp/report       # smoke run, ~4 min
-    python scripts/bench_report.py --from-results --out docs/benchmarks   # no measurement: redraw from results.json
+    python -m benchmarks.bench_report --iters 80 --out docs/benchmarks   # docs/benchmarks: ~23 min on the 2-core dev machine
+    python -m benchmarks.bench_report --quick --out /tmp/report       # smoke run, ~4 min
+    python -m benchmarks.bench_report --from-results --out docs/benchmarks   # no measurement: redraw from results.json
 
-Runs, over shaped veth links between two network namespaces (scripts/netns_bench.py; root needed):
+Runs, over shaped veth links between two network namespaces (benchmarks/netns_bench.py; root needed):
   1. codec throughput on this CPU (one thread, preallocated buffers): the compute side of every codec;
   2. collectives: all-reduce of 4-100 MiB, reduce-scatter and all-gather of 25 MiB, per codec and link
      rate, against the fp32 collective and the ideal time (wire bytes / link rate);
@@ -13,7 +13,7 @@ Runs, over shaped veth links between two network namespaces (scripts/netns_bench
      step times, wire bytes, loss after the same iterations, and loss against wall time;
   4. megacomp pretraining steps across the link: its ZeRO-1 optimizer (DP 2, the DDP workload's GPT:
      uncompressed, int4+LoCo gradients, plus int8 parameter gathers) and tensor and pipeline parallelism;
-  5. the alpha-beta model (scripts/perf_model.py) fitted to these measurements, its validation error
+  5. the alpha-beta model (benchmarks/perf_model.py) fitted to these measurements, its validation error
      against them, and its projection to larger clusters.
 Writes ``results.json`` (every measurement: one record per line, with the run's command, date and commit),
 and, drawn from it alone, ``report.md`` and PNG plots into ``--out``; ``--from-results`` redraws them from
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netns_bench as nb  # noqa: E402
-from plot_metrics import dump_results  # noqa: E402
+from benchmarks import invocation
+from benchmarks import netns_bench as nb
+from benchmarks.plot_metrics import dump_results
 
 CODEC_SPECS = ("int8", "int4", "fp8_e4m3", "bf16")
 
@@ -197,7 +197,7 @@ def plots(records: dict, out: Path) -> list[str]:
 
 def model_section(records: dict, out: Path) -> list[str]:
     try:
-        import perf_model
+        from benchmarks import perf_model
     except ImportError as e:
         return [f"(alpha-beta model unavailable: {e})", ""]
     model = perf_model.fit(records)
@@ -256,7 +256,7 @@ def main() -> None:
                    help="no measurement: redraw report.md and the plots from --out/results.json")
     args = p.parse_args()
     out = Path(args.out)
-    regenerate = f"python scripts/bench_report.py --from-results --out {args.out}"
+    regenerate = f"python -m benchmarks.bench_report --from-results --out {args.out}"
     if args.from_results:
         records = json.loads((out / "results.json").read_text())
     else:
@@ -275,7 +275,7 @@ def measure(args, out: Path) -> dict:
     q = args.quick
     common = dict(port=args.port, timeout=1800, model_args=[], config="configs/gpt_tiny.yaml")
     numel = (1 << 22) if q else (1 << 24)
-    records: dict = {"meta": {"command": "python " + " ".join(sys.argv), "measured": _measured(),
+    records: dict = {"meta": {"command": "python " + " ".join(invocation()), "measured": _measured(),
                               "codec_throughput_numel": numel},
                      "codec_throughput": codec_throughput(numel, 3 if q else 7), "collectives": [], "ddp": [], "train": []}
     try:

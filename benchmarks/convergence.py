@@ -1,7 +1,7 @@
 """Loss curves of compressed vs uncompressed pretraining (same seed, same data, same layout).
 
-    python scripts/convergence.py --iters 300 --out docs/convergence
-    python scripts/convergence.py --from-results --out docs/convergence   # tables and plots only
+    python -m benchmarks.convergence --iters 300 --out docs/convergence
+    python -m benchmarks.convergence --from-results --out docs/convergence   # tables and plots only
 
 Runs ``python -m megacomp.pretrain`` under torchrun once per variant on the tiny GPT config (real text:
 the Python standard library's sources), keeps each run's logs under ``--runs`` (``<suite>/<variant>/
@@ -11,7 +11,7 @@ the Python standard library's sources), keeps each run's logs under ``--runs`` (
                                               seed, compression preset and extra pretrain arguments,
                                               the loss at every logged iteration and the wire and
                                               uncompressed bytes (per traffic kind, and in total); the
-                                              format is scripts/plot_metrics.py's (``compact_run``),
+                                              format is benchmarks/plot_metrics.py's (``compact_run``),
   - ``convergence.md``                        a table per suite: final loss (mean of the last 10% of
                                               iterations), its gap to the uncompressed run, wire bytes
                                               per iteration of the compressed traffic kinds (the mean
@@ -67,9 +67,9 @@ from typing import Optional
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import plot_metrics as pm  # noqa: E402  (the results-file format, shared with plot_metrics.py)
-from convergence_suites import SUITES  # noqa: E402  (the variants, data only)
+from benchmarks import invocation
+from benchmarks import plot_metrics as pm  # the results-file format, shared with plot_metrics
+from benchmarks.convergence_suites import SUITES  # the variants, data only
 
 DP_KINDS = ("outer", "loqt_merge")  # data-parallel traffic whose kind does not start with dp_ (LoQT's merge gradients)
 
@@ -110,8 +110,8 @@ def run_variant(suite: str, name: str, compression: dict, args, seed: Optional[i
         preset = run_dir / "compression.yaml"
         preset.write_text(yaml.safe_dump(compression))
         entry = ["-m", "megacomp.pretrain", "--compression", str(preset), "--log-interval", "1"]
-        if hook is not None:  # a torch-DDP run with that gradient hook (scripts/ddp_convergence.py)
-            entry = [str(Path(__file__).resolve().parent / "ddp_convergence.py"), "--hook", hook]
+        if hook is not None:  # a torch-DDP run with that gradient hook (benchmarks/ddp_convergence.py)
+            entry = ["-m", "benchmarks.ddp_convergence", "--hook", hook]
         cmd = ["torchrun", "--standalone", "--nproc-per-node", str(args.nproc), *entry,
                "--config", args.config, "--train-iters", str(args.iters),
                "--lr-warmup-iters", str(max(1, args.iters // 20)), "--log-dir", str(run_dir),
@@ -404,7 +404,7 @@ def main() -> None:
                         "instead of starting a new one; the commands are recorded one after the other")
     args = p.parse_args()
     out = Path(args.out)
-    regenerate = f"python scripts/convergence.py --from-results --out {args.out}"
+    regenerate = f"python -m benchmarks.convergence --from-results --out {args.out}"
     if args.from_results:
         results = pm.read_results(out / "results.json")
     else:
@@ -418,7 +418,7 @@ def main() -> None:
             raise SystemExit(f"--variants: {sorted(unknown)} not in suites {args.suites}")
         runs = [run_variant(suite, name, comp, args, seed) for suite in args.suites.split(",")
                 for name, comp in SUITES[suite]["variants"].items() if not only or name in only for seed in seeds]
-        command = shlex.join([sys.executable.split("/")[-1]] + sys.argv)  # quoted: variant names have spaces
+        command = shlex.join([sys.executable.split("/")[-1]] + invocation())  # quoted: variant names have spaces
         if args.merge and (out / "results.json").exists():
             old = pm.read_results(out / "results.json")
             if (old["config"], old["nproc"], old["iters"]) != (args.config, args.nproc, args.iters):

@@ -1,8 +1,8 @@
-"""The variants of scripts/convergence.py, per suite: each is a compression preset (a mapping of
+"""The variants of benchmarks/convergence.py, per suite: each is a compression preset (a mapping of
 CommCompressionConfig fields) with optional keys ``args`` (more pretrain flags; "@f" = that fraction of the
 run's iterations), ``baseline`` (the variant it is compared with), ``hook`` (a torch-DDP run through
-scripts/ddp_convergence.py), ``freeze`` / ``warmup`` (fractions of the run). Data only; the suites are described
-in scripts/convergence.py's docstring."""
+benchmarks/ddp_convergence.py), ``freeze`` / ``warmup`` (fractions of the run). Data only; the suites are described
+in benchmarks/convergence.py's docstring."""
 from __future__ import annotations
 
 from typing import Optional
@@ -202,7 +202,7 @@ SUITES["structured"] = {"layout": [], "variants": {
 # issue #17: PowerSGD inside torch DDP, megacomp's hook (any number of buckets, error feedback with each rank's own
 # approximation, QR) side by side with torch's (one bucket: it races on gloo with more), ranks 4 and 1; Accordion
 # switching rank 4 (critical regimes) and rank 1; and megacomp's PowerSGD rank 4 on the sharded optimizer in
-# pretraining. Run by scripts/ddp_convergence.py (same model, data, schedule and AdamW as megacomp.pretrain).
+# pretraining. Run by benchmarks/ddp_convergence.py (same model, data, schedule and AdamW as megacomp.pretrain).
 ACCORDION = ("{name: accordion, low: {name: powersgd, rank: 4}, high: {name: powersgd, rank: 1}, eta: 0.5, "
              "interval: 15}")
 SUITES["powersgd"] = {"layout": [], "variants": {
@@ -246,7 +246,7 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
 # issue #19: PyTorch FSDP2 (fully_shard on every transformer layer and the model) with megacomp's codecs as its
 # custom reduce-scatter / all-gather (megacomp.integrations.fsdp), against stock FSDP2 ("none"). The "off" row
 # runs megacomp's collectives with identity codecs: bit-identical to stock (its loss must equal it), and it counts
-# the uncompressed bytes stock FSDP2 sends. Run by scripts/ddp_convergence.py.
+# the uncompressed bytes stock FSDP2 sends. Run by benchmarks/ddp_convergence.py.
 FSDP_LOSSY = "dp_gradient: {name: int4}, dp_gradient_error_feedback: loco, min_compress_numel: 4096"
 SUITES["fsdp"] = {"layout": [], "bytes_reference": "megacomp FSDP2, compression off", "variants": {
     "none": {"hook": "fsdp2:none"},

@@ -1,6 +1,6 @@
 """One rank of a torch-DDP or FSDP2 pretraining run with a chosen gradient communication (run under torchrun).
 
-    torchrun --standalone --nproc-per-node 4 scripts/ddp_convergence.py --config configs/gpt_tiny.yaml \
+    torchrun --standalone --nproc-per-node 4 -m benchmarks.ddp_convergence --config configs/gpt_tiny.yaml \
         --train-iters 500 --log-dir runs/x --hook torch_powersgd:4
 
 It trains the same model on the same data as ``python -m megacomp.pretrain`` at TP 1 x PP 1 (the tiny GPT,
@@ -20,7 +20,7 @@ data-parallel gradients go through torch DDP and ``--hook``:
                        dp_parameter, min_compress_numel), e.g. ``'{dp_gradient: int4, dp_parameter: int8}'``
 
 It writes ``metrics.jsonl`` (iteration, loss, wire_bytes, uncompressed_bytes, traffic) in the format of
-megacomp.training.metrics, so scripts/convergence.py and scripts/plot_metrics.py read it like a pretraining
+megacomp.training.metrics, so benchmarks/convergence.py and benchmarks/plot_metrics.py read it like a pretraining
 log. Bytes: megacomp's hooks are counted by megacomp.comm.stats; torch's PowerSGD hook by the same
 all-reduce model applied to the factors it sends (P and Q of every matrix it compresses, the rest dense)
 in every iteration, its two uncompressed warm-up iterations included.
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ def _torch_powersgd_counting(rank: int):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from megacomp.comm.stats import PROCESS_STATS
-    from netns_bench import _powersgd_bytes  # this script's directory is on sys.path
+    from benchmarks.netns_dp_worker import powersgd_bytes
 
     state = powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2,
                                         use_error_feedback=True, warm_start=True)
@@ -54,7 +53,7 @@ def _torch_powersgd_counting(rank: int):
         dense = int(4 * sum(p.numel() for p in bucket.parameters()) * 2 * (world - 1) / world)
         compressing = st.iter >= st.start_powerSGD_iter  # read before the hook advances it
         # netns_bench's count of torch's PowerSGD factors (its min_compression_rate rule), for this bucket
-        PROCESS_STATS.record("dp_gradient", _powersgd_bytes(bucket, rank, world) if compressing else dense, dense)
+        PROCESS_STATS.record("dp_gradient", powersgd_bytes(bucket, rank, world) if compressing else dense, dense)
         return powerSGD_hook.powerSGD_hook(st, bucket)
 
     return state, hook
@@ -161,6 +160,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()

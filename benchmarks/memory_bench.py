@@ -2,9 +2,9 @@
 communication buffers, for AdamW (torch DDP), megacomp's DistributedOptimizer as ZeRO-1 and ZeRO-2, LOMO and
 AdaLomo (issue 21, "Memory accounting"; ZeRO-2: issue 18).
 
-    python scripts/memory_bench.py                 # 125M config, DP 2 gloo ranks, writes docs/memory/
-    python scripts/memory_bench.py --dp 1 --methods lomo,adalomo --out /tmp/mem
-    python scripts/memory_bench.py --dp 4 --methods zero1,zero2 --out docs/memory/zero2
+    python -m benchmarks.memory_bench                 # 125M config, DP 2 gloo ranks, writes docs/memory/
+    python -m benchmarks.memory_bench --dp 1 --methods lomo,adalomo --out /tmp/mem
+    python -m benchmarks.memory_bench --dp 4 --methods zero1,zero2 --out docs/memory/zero2
 
 Every rank builds the GPT of ``--config`` (all parameter shapes of that config: vocabulary padded to a
 multiple of 8 as the trainer does, the position table of the config's context length), runs ``--warmup``
@@ -24,7 +24,7 @@ largest message the method's DP gradient channel sent). PASS / FAIL comes from t
 
 The ZeRO check (issue 18's acceptance): with both ZeRO rows, a further table compares the peak of the optimizer's
 own gradient storage (its full-size bucket buffers plus its reduced shards, measured as tracker label groups) with
-ZeRO-1's buffers / DP + the largest bucket (scripts/memory_report.py renders the tables).
+ZeRO-1's buffers / DP + the largest bucket (benchmarks/memory_report.py renders the tables).
 """
 from __future__ import annotations
 
@@ -42,17 +42,14 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Callable, Optional
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch starts its thread pool
+REPO = Path(__file__).resolve().parents[1]  # the checkout: default config and output folder
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks.memory_report import ZERO_GROUPS, grad_detail, plot, table, zero_table  # noqa: E402
 from megacomp.training.memory import PARTIAL, MemoryTracker, reset_rss_peak, rss  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory_report import LABELS, ZERO_GROUPS, grad_detail, plot, table, zero_table  # noqa: E402,F401 (the report)
 
 
 # -- methods ----------------------------------------------------------------------------------------

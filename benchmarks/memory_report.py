@@ -1,4 +1,4 @@
-"""The report of scripts/memory_bench.py: its rows (one dict per method and rank, from
+"""The report of benchmarks/memory_bench.py: its rows (one dict per method and rank, from
 megacomp.training.memory.MemoryTracker.summary() plus the bench's fields) as markdown tables and a bar plot. Split
 out of memory_bench.py to keep it under 500 lines; it only formats numbers, it measures nothing."""
 from __future__ import annotations

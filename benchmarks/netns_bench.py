@@ -1,7 +1,7 @@
 """Benchmarks over a bandwidth-limited link between two network namespaces (one rank in each).
 
-    python scripts/netns_bench.py collectives --rates 1gbit,100mbit --mib 25,100
-    python scripts/netns_bench.py train --rates 100mbit --iters 20 --compression none,loco4,dp_int8
+    python -m benchmarks.netns_bench collectives --rates 1gbit,100mbit --mib 25,100
+    python -m benchmarks.netns_bench train --rates 100mbit --iters 20 --compression none,loco4,dp_int8
 
 Creates two namespaces joined by a veth pair whose both ends are shaped with ``tc tbf`` (netem is not
 available here; burst 1mbit, as research/platform.md §2 found smaller bursts cost CPU and rate), runs
@@ -23,7 +23,7 @@ byte counts for torch's), the loss after the same iterations.
 ``profile``: the ``ddp`` workload's runs (``--methods``) with megacomp.comm.spans recorded: per method, rank 0's
 milliseconds per step in compute, codec work, waiting for the wire and the optimizer on the main thread, what ran
 in background threads, and the phase that bounds the step.
-``--ops`` picks the collectives (all_reduce, reduce_scatter, all_gather). scripts/bench_report.py runs
+``--ops`` picks the collectives (all_reduce, reduce_scatter, all_gather). benchmarks/bench_report.py runs
 all workloads and writes the report.
 Output: Markdown tables on stdout and in ``--out`` (default results/netns): ``<workload>.md`` and the
 measurements it is drawn from, ``<workload>.json`` (one record per line); ``--from-results`` rewrites the
@@ -43,6 +43,10 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+from benchmarks import invocation
+from benchmarks.netns_dp_worker import DDP_METHODS, LOW_RANK_METHODS, ONEBIT_METHODS, SHARDED_METHODS
+from benchmarks.plot_metrics import dump_results
 
 NS = ("mcbenchA", "mcbenchB")
 DEV = ("mcvA", "mcvB")
@@ -110,7 +114,7 @@ def run_pair(argv: list[str], port: int, timeout: float) -> list[str]:
     return outs
 
 
-# -- workload run inside the namespaces (python scripts/netns_bench.py _collective ...) ------------------
+# -- workload run inside the namespaces (python -m benchmarks.netns_bench _collective ...) ------------------
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
@@ -154,11 +158,6 @@ def collective_worker(mib: float, codecs: list[str], repeats: int, op: str = "al
         print("RESULT " + json.dumps(results))
     dist.destroy_process_group()
 
-
-from netns_dp_worker import (ACCORDION_HOOK, DDP_METHODS, LOW_RANK_METHODS, ONEBIT_METHODS,  # noqa: E402,F401
-                             SHARDED_METHODS, _powersgd_bytes)  # re-exported: bench_report, ddp_convergence
-
-DP_WORKER = str(Path(__file__).resolve().parent / "netns_dp_worker.py")
 
 
 def median_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:.3f}") -> str:
@@ -266,7 +265,7 @@ def bench_ddp(args, records: Optional[list] = None, profile: bool = False) -> li
     for rate in args.rates.split(","):
         setup(rate)
         for seed, method in [(sd, m) for sd in seeds for m in args.methods.split(",")]:
-            out = run_pair([sys.executable, DP_WORKER, method, str(args.iters), str(args.hidden),
+            out = run_pair([sys.executable, "-m", "benchmarks.netns_dp_worker", method, str(args.iters), str(args.hidden),
                             str(args.layers), str(args.bucket_mb), *(["profile"] if profile else []),
                             *([f"seed={seed}"] if seed is not None else [])],
                            args.port, args.timeout)[0]
@@ -347,7 +346,7 @@ def bench_collectives(args, records: Optional[list] = None) -> list[str]:
             setup(rate)
             bps = rate_bytes_per_s(rate)
             for mib in [float(m) for m in args.mib.split(",")]:
-                out = run_pair([sys.executable, __file__, "_collective", str(mib), args.codecs, str(args.repeats), op],
+                out = run_pair([sys.executable, "-m", "benchmarks.netns_bench", "_collective", str(mib), args.codecs, str(args.repeats), op],
                                args.port, args.timeout)[0]
                 res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
                 for name in codecs:
@@ -421,7 +420,7 @@ def markdown(results: dict, out: str) -> list[str]:
     return [f"# netns benchmark: {results['workload']}", "", f"Command: `{results['command']}` "
             f"({results['elapsed_s']:.0f} s; tbf burst 1mbit on both veth ends)", "",
             "Raw numbers: `" + results["workload"] + ".json`; this page is regenerated from them by "
-            f"`python scripts/netns_bench.py {results['workload']} --from-results --out {out}`.", "",
+            f"`python -m benchmarks.netns_bench {results['workload']} --from-results --out {out}`.", "",
             *tables(results["workload"], results["records"])]
 
 
@@ -483,11 +482,9 @@ def main() -> None:
          "profile": lambda a, r: bench_ddp(a, r, profile=True)}[args.workload](args, records)
     finally:
         teardown()
-    results = {"workload": args.workload, "command": f"python {' '.join(sys.argv)}", "elapsed_s": time.time() - t0,
+    results = {"workload": args.workload, "command": f"python {' '.join(invocation())}", "elapsed_s": time.time() - t0,
                "records": records}
     out.mkdir(parents=True, exist_ok=True)
-    from plot_metrics import dump_results  # one line per record (this script's directory is on sys.path)
-
     (out / f"{args.workload}.json").write_text(dump_results(results))
     lines = markdown(results, args.out)
     (out / f"{args.workload}.md").write_text("\n".join(lines))

@@ -1,7 +1,7 @@
-"""One rank of scripts/netns_bench.py's DP-step workloads (``ddp``, ``profile``): a small GPT (TP 1) trained with one
+"""One rank of benchmarks/netns_bench.py's DP-step workloads (``ddp``, ``profile``): a small GPT (TP 1) trained with one
 method's data-parallel communication, on two ranks that torchrun-style environment variables describe.
 
-    python scripts/netns_dp_worker.py METHOD ITERS HIDDEN LAYERS BUCKET_MB [profile] [seed=N]
+    python -m benchmarks.netns_dp_worker METHOD ITERS HIDDEN LAYERS BUCKET_MB [profile] [seed=N]
 
 Methods: torch DDP (fp32, its fp16/bf16 and PowerSGD hooks), ZeroRedundancyOptimizer, a no-communication floor,
 megacomp's DDP hook (int4 + LoCo, PowerSGD, Accordion), the 1-bit family, megacomp's sharded optimizer and ACCO / DPU
@@ -48,7 +48,7 @@ ACCORDION_HOOK = {"name": "accordion", "low": {"name": "powersgd", "rank": 4}, "
                   "eta": 0.5, "interval": 15}
 
 
-def _powersgd_bytes(model, rank: int, world: int) -> int:
+def powersgd_bytes(model, rank: int, world: int) -> int:
     """Bytes each rank sends per step under torch's PowerSGD hook (one bucket; ring all-reduces, as gloo
     runs them): matrices with m*n > (m+n)*rank*2 send P (n x r) and Q (m x r) in fp32, the rest is
     all-reduced uncompressed (torch's min_compression_rate rule)."""
@@ -107,7 +107,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         rank = int(method[len("ddp_powersgd"):])
         ddp.register_comm_hook(powerSGD_hook.PowerSGDState(None, matrix_approximation_rank=rank,
                                                            start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
-        wire = _powersgd_bytes(model, rank, world)
+        wire = powersgd_bytes(model, rank, world)
     elif method == "no_communication":  # the compute floor: buckets are not averaged (timing only)
         def no_comm(_state, bucket):
             fut = torch.futures.Future()

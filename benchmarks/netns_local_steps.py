@@ -1,15 +1,15 @@
 """Local-step training over a shaped link: time to DDP fp32's final loss (issue #16's shaped-link report).
 
-    python scripts/netns_local_steps.py --rates 100mbit,10mbit --iters 300
+    python -m benchmarks.netns_local_steps --rates 100mbit,10mbit --iters 300
 
-Two network namespaces joined by a tc-shaped veth pair (scripts/netns_bench.py: the same setup and teardown,
+Two network namespaces joined by a tc-shaped veth pair (benchmarks/netns_bench.py: the same setup and teardown,
 addresses only inside the namespaces it creates), one rank in each: the tiny GPT trained by
 ``python -m megacomp.pretrain`` with DP 2 across the link, per variant:
 
     DDP fp32                  every step all-reduces (reduce-scatters and all-gathers) fp32 gradients
     LoCo int4                 the same with the loco4 preset (int4 + LoCo on the DP gradients)
     PowerSGD r4+EF            the powersgd4 preset (rank-4 factors of every DP gradient matrix, error feedback)
-    DeMo, SparseLoCo, DCT-DiLoCo   issue #17's methods with scripts/convergence.py's settings
+    DeMo, SparseLoCo, DCT-DiLoCo   issue #17's methods with benchmarks/convergence.py's settings
     DiLoCo H=50 (+ int4+EF)   2 replicas (one rank each), one pseudo-gradient exchange every 50 steps
     Streaming DiLoCo          4 fragments at staggered steps, each overlapped with 5 inner steps, int4+EF
 
@@ -37,8 +37,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import netns_bench as nb  # noqa: E402  (namespaces, shaping, the two-rank runner)
+from benchmarks import invocation
+from benchmarks import netns_bench as nb  # namespaces, shaping, the two-rank runner
+from benchmarks.plot_metrics import dump_results  # one line per record
 
 TWO = ["--num-replicas", "2", "--outer-steps", "50"]
 INT4_EF = ["--outer-codec", "int4", "--outer-error-feedback", "ef"]
@@ -92,7 +93,7 @@ def markdown(results: dict, out: str) -> list[str]:
     return ["# netns benchmark: local-step training", "", f"Command: `{results['command']}` "
             f"({results['elapsed_s']:.0f} s; tbf burst 1mbit on both veth ends)", "",
             f"Raw numbers: `local_steps.json`; this page is regenerated from them by "
-            f"`python scripts/netns_local_steps.py --from-results --out {out}`.", "", *table(results["records"])]
+            f"`python -m benchmarks.netns_local_steps --from-results --out {out}`.", "", *table(results["records"])]
 
 
 def main() -> None:
@@ -136,10 +137,8 @@ def main() -> None:
                 print(table(records)[-3], flush=True)
     finally:
         nb.teardown()
-    results = {"command": f"python {' '.join(sys.argv)}", "elapsed_s": time.time() - t0, "records": records}
+    results = {"command": f"python {' '.join(invocation())}", "elapsed_s": time.time() - t0, "records": records}
     out.mkdir(parents=True, exist_ok=True)
-    from plot_metrics import dump_results  # one line per record
-
     (out / "local_steps.json").write_text(dump_results(results))
     lines = markdown(results, args.out)
     (out / "local_steps.md").write_text("\n".join(lines))

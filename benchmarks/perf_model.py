@@ -1,6 +1,6 @@
 """Analytical alpha-beta model of collective and data-parallel step time, calibrated on the netns benchmark.
 
-    python scripts/perf_model.py results.json [--out section.md] [--plot proj.png]
+    python -m benchmarks.perf_model results.json [--out section.md] [--plot proj.png]
 
 Notation: S = fp32 bytes of the tensor (nccl-tests convention: all_reduce in/out S, reduce_scatter in S,
 all_gather out S), p = ranks, B = nominal link rate (bytes/s), b = wire bits per element of a codec
@@ -403,7 +403,7 @@ def plot(projection: Projection, path: str, codec: str = "int4", baseline: str =
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="JSON written by scripts/bench_report.py")
+    ap.add_argument("results", help="JSON written by benchmarks/bench_report.py")
     ap.add_argument("--out", help="write the Markdown section here (default: stdout)")
     ap.add_argument("--plot", help="PNG of projected speedup vs link rate per cluster size")
     ap.add_argument("--refit-codecs", action="store_true", help="fit codec throughput even when measured")

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Plot training loss against iterations and against cumulative wire bytes for one or several runs.
 
-    python scripts/plot_metrics.py results/runs/a results/runs/b --labels none int4+LoCo --out plots/
-    python scripts/plot_metrics.py results/ci_launchers/latest      # every metrics.jsonl below a folder
-    python scripts/plot_metrics.py docs/convergence_zero/results.json --match seed1 --out plots/
+    python -m benchmarks.plot_metrics results/runs/a results/runs/b --labels none int4+LoCo --out plots/
+    python -m benchmarks.plot_metrics results/ci_launchers/latest      # every metrics.jsonl below a folder
+    python -m benchmarks.plot_metrics docs/convergence_zero/results.json --match seed1 --out plots/
 
 Inputs are metrics.jsonl files (written by ``python -m megacomp.pretrain --log-dir DIR``), study results
 files (``results.json``, see below) or directories: a directory holding metrics.jsonl is one run;
@@ -13,7 +13,7 @@ Labels default to the run directory's name (``suite/variant/seedN`` for a result
 and ``loss_vs_wire_bytes.png`` to ``--out`` (default: the current directory) and prints a one-line
 summary per run; ``--save FILE`` also writes the runs read into one results file.
 
-Study results file (``results.json``; scripts/convergence.py writes one per study and regenerates its
+Study results file (``results.json``; benchmarks/convergence.py writes one per study and regenerates its
 tables and plots from it): a JSON object with the study's settings and ``runs``, one run per line, each
 holding what tables and plots use and nothing else: ``iterations`` as ranges ``[first, last, step]``,
 ``loss`` per logged iteration, ``traffic`` as segments ``[first_iteration, wire_bytes,

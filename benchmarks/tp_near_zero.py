@@ -20,7 +20,7 @@ and dual (coarse x fine) scaling. This script measures that claim on a real, if 
    bytes/elem  codec.wire_bytes(numel) / numel, scales (and Hadamard padding) included.
    Hadamard blocks (128) run over the flat row-major tensor, i.e. along the hidden dim when it is a multiple of 128.
 
-Run:  python scripts/tp_near_zero.py [--steps 200] [--hidden 128] [--seq 128] [--batch 8] [--seed 0] [--out FILE]
+Run:  python -m benchmarks.tp_near_zero [--steps 200] [--hidden 128] [--seq 128] [--batch 8] [--seed 0] [--out FILE]
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import invocation
 from megacomp import launch, parallel_state
 from megacomp.compression import make_codec, transforms
 from megacomp.compression.metrics import relative_error, underflow_fraction
@@ -244,7 +245,7 @@ def main() -> None:
     results = {name: evaluate(ts) for name, ts in sets.items()}
 
     md = ["# TP traffic near-zero study", "",
-          f"Command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`", "",
+          f"Command: `python {' '.join(shlex.quote(a) for a in invocation())}`", "",
           f"Model: byte-level GPT, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, "
           f"{n_params} params, seq {args.seq}, batch {args.batch}, AdamW lr {args.lr}, {args.steps} steps, "
           f"seed {args.seed}; data {len(data)} bytes of Python stdlib sources (90/10 split). "

@@ -21,7 +21,7 @@
 # the last iteration, show a falling loss (last < first), log wire bytes (> 0, and fewer than the
 # uncompressed bytes since every run compresses something), and each traffic kind its compression
 # preset covers (for the run's layout) must travel in fewer bytes than uncompressed. Prints a summary
-# table; exit status 1 when anything failed. Also draws the runs with scripts/plot_metrics.py when matplotlib is there.
+# table; exit status 1 when anything failed. Also draws the runs with benchmarks.plot_metrics when matplotlib is there.
 #
 # Environment: CI_ITERS [8] iterations per run; CI_OUT [results/ci_launchers/<date>] (a `latest` link
 # points at it); CI_RUN_TIMEOUT [300] s per run; CI_KEEP_SLURM=1 leaves the Slurm cluster running;
@@ -299,9 +299,9 @@ for s in "${STAGES[@]}"; do "stage_$s"; done
 
 # ---- plots and summary -------------------------------------------------------------------------------
 if "$PYTHON" -c "import matplotlib" 2>/dev/null && compgen -G "$OUT/*/metrics.jsonl" >/dev/null; then
-  "$PYTHON" scripts/plot_metrics.py "$OUT"/*/metrics.jsonl --out "$OUT/plots" >"$OUT/plots.log" 2>&1 \
+  "$PYTHON" -m benchmarks.plot_metrics "$OUT"/*/metrics.jsonl --out "$OUT/plots" >"$OUT/plots.log" 2>&1 \
     && echo "plots: $OUT/plots/loss_vs_iteration.png, $OUT/plots/loss_vs_wire_bytes.png" \
-    || echo "plots: scripts/plot_metrics.py failed (see $OUT/plots.log); not a CI failure"
+    || echo "plots: benchmarks.plot_metrics failed (see $OUT/plots.log); not a CI failure"
 fi
 echo
 echo "ci_launchers summary ($((SECONDS - T_START)) s total; logs and metrics under $OUT):"

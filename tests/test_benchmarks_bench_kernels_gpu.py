@@ -1,4 +1,4 @@
-"""scripts/bench_kernels_gpu.py runs end to end (its ``--device cpu`` smoke mode), so the script kept for
+"""benchmarks.bench_kernels_gpu runs end to end (its ``--device cpu`` smoke mode), so the script kept for
 the occasional GPU session is not first exercised on the GPU's clock. Times are printed, never asserted."""
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "bench_kernels_gpu.py")
+SCRIPT = ["-m", "benchmarks.bench_kernels_gpu"]
 
 
 def _run(*args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", "--numel", "64k", "--check", "16k",
+    res = subprocess.run([sys.executable, *SCRIPT, "--device", "cpu", "--numel", "64k", "--check", "16k",
                           "--repeats", "1", "--warmup", "1", *args], capture_output=True, text=True, env=env,
                          timeout=300)
     assert res.returncode == 0, res.stderr
@@ -37,5 +37,5 @@ def test_table_for_nearest_and_stochastic_rounding():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed where there is no GPU")
 def test_without_cuda_the_default_device_refuses_clearly():
-    res = subprocess.run([sys.executable, SCRIPT, "--numel", "1k"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, *SCRIPT, "--numel", "1k"], capture_output=True, text=True, timeout=120)
     assert res.returncode != 0 and "needs a CUDA GPU" in res.stderr

@@ -1,9 +1,5 @@
-"""scripts/convergence.py helpers that need no training run."""
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from convergence import _rounds, split_variants, summarise_baselines  # noqa: E402
+"""benchmarks.convergence helpers that need no training run."""
+from benchmarks.convergence import _rounds, split_variants, summarise_baselines
 
 
 def test_variant_names_with_commas_split_by_longest_known_name():

@@ -1,4 +1,4 @@
-"""scripts/ddp_convergence.py (the torch-DDP side of the PowerSGD convergence study) launched for real with
+"""benchmarks.ddp_convergence (the torch-DDP side of the PowerSGD convergence study) launched for real with
 torchrun on 2 gloo ranks: it trains, logs metrics.jsonl in the pretraining format, and counts the bytes of
 megacomp's and torch's PowerSGD hooks alike (same factor sizes, the same all-reduce model)."""
 import json
@@ -16,7 +16,7 @@ def _launch(tmp: Path, hook: str, cache: Path) -> list[dict]:
     log = tmp / hook.replace(":", "_").replace("{", "").replace("}", "").replace(" ", "").replace(",", "_")
     log.mkdir()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(REPO / "scripts" / "ddp_convergence.py"), "--hook", hook, "--num-layers", "2", "--hidden-size", "32",
+           "-m", "benchmarks.ddp_convergence", "--hook", hook, "--num-layers", "2", "--hidden-size", "32",
            "--num-attention-heads", "4", "--seq-length", "32", "--vocab-size", "512", "--micro-batch-size", "2",
            "--global-batch-size", "4", "--train-iters", "5", "--lr-warmup-iters", "1", "--log-dir", str(log),
            "--data-cache-dir", str(cache), "--tokenizer-max-bytes", "400000"]
@@ -45,7 +45,7 @@ def test_megacomp_and_torch_powersgd_hooks_train_and_count_alike(tmp_path, cache
 @pytest.mark.parametrize("hook", ["torch_powersgd:2", "fsdp2:none"])
 def test_bucket_mb_is_refused_where_the_engine_keeps_its_own_buckets(hook):
     # the check runs before the process group starts, so a plain python launch reaches it
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "ddp_convergence.py"), "--hook", hook, "--bucket-mb",
-                        "0.25"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.ddp_convergence", "--hook", hook, "--bucket-mb", "0.25"],
+                       capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2
     assert "--bucket-mb applies to megacomp's hooks" in r.stderr and hook in r.stderr

@@ -1,19 +1,13 @@
-"""scripts/perf_model.py: calibration recovers known parameters from synthetic, noise-free measurements."""
+"""benchmarks.perf_model: calibration recovers known parameters from synthetic, noise-free measurements."""
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-_spec = importlib.util.spec_from_file_location("perf_model", os.path.join(HERE, "..", "scripts", "perf_model.py"))
-pm = importlib.util.module_from_spec(_spec)
-sys.modules["perf_model"] = pm  # dataclasses look their module up by name
-_spec.loader.exec_module(pm)
+from benchmarks import perf_model as pm
 
 ALPHA, ETA = 2.5e-3, 0.9
 CODECS = {"int4": (3.0e8, 6.0e8), "int8": (4.0e8, 8.0e8), "bf16": (1.5e9, 2.0e9)}  # encode, decode fp32 B/s
@@ -104,7 +98,7 @@ def test_markdown_and_cli(tmp_path):
     src = tmp_path / "r.json"
     src.write_text(json.dumps(res))
     out = tmp_path / "s.md"
-    r = subprocess.run([sys.executable, os.path.join(HERE, "..", "scripts", "perf_model.py"), str(src),
-                        "--out", str(out)], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.perf_model", str(src), "--out", str(out)],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "ASSUME" in r.stdout and "### Fitted parameters" in out.read_text()

@@ -1,9 +1,7 @@
 """megacomp.training.memory.MemoryTracker against allocations whose sizes are known by hand, and
-scripts/memory_bench.py's method builders on a tiny GPT at DP 2 (the LOMO / AdaLomo gradient bound checked
+benchmarks.memory_bench's method builders on a tiny GPT at DP 2 (the LOMO / AdaLomo gradient bound checked
 from the measurement) and, for ZeRO-1 vs ZeRO-2, at DP 4."""
 import argparse
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -130,13 +128,9 @@ def test_rss_helpers():
 
 # -- the benchmark's builders at DP 2 ---------------------------------------------------------------
 def _bench():
-    if "memory_bench" not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "scripts" / "memory_bench.py"
-        spec = importlib.util.spec_from_file_location("memory_bench", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["memory_bench"] = mod  # before executing: its dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return sys.modules["memory_bench"]
+    from benchmarks import memory_bench
+
+    return memory_bench
 
 
 HIDDEN = 32
