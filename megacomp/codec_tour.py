@@ -1,7 +1,7 @@
-"""Compressed collectives on several local ranks: error and bytes on the wire per codec.
+"""Codec tour: compressed collectives on several local ranks, with the error and bytes on the wire per codec.
 
-    python -m megacomp.demo --nproc 4              # spawns 4 gloo ranks itself
-    torchrun --standalone --nproc-per-node 4 -m megacomp.demo
+    python -m megacomp.codec_tour --nproc 4        # spawns 4 gloo ranks itself
+    torchrun --standalone --nproc-per-node 4 -m megacomp.codec_tour
 
 Every rank all-reduces (SUM) a gradient-like tensor (heavy-tailed, mixed magnitudes) with each codec
 and compares it with the exact fp64 sum. Then it repeats one all-reduce over several steps with int2

@@ -40,7 +40,7 @@ ALLOWED_GLOBAL_REBINDS = {
 _CONSTANT_TABLES = {  # module-level dicts/lists/sets only read after import (lookup tables, presets)
     ("megacomp/config.py", "_DTYPES"), ("megacomp/compression/error_feedback.py", "PRESETS"),
     ("megacomp/comm/common.py", "_DTYPES"), ("megacomp/comm/common.py", "_OPS"),
-    ("megacomp/launch.py", "_RANK_VARS"), ("megacomp/demo.py", "CODECS"),
+    ("megacomp/launch.py", "_RANK_VARS"), ("megacomp/codec_tour.py", "CODECS"),
     ("megacomp/data/tokenizer.py", "TRAINER_OPTIONS"), ("megacomp/training/checkpoint.py", "METADATA_GLOBALS"),
     ("megacomp/kernels/triton/codec_triton.py", "_F8"), ("megacomp/kernels/cpu/build.py", "SOURCES"),
     ("megacomp/kernels/cpu/build.py", "HEADERS"),
