@@ -165,12 +165,3 @@ def make_low_rank(spec: Any, **options: Any) -> PowerSGD:
     override fields. Raises ValueError naming unknown fields and the allowed ones."""
     return build_from_spec(PowerSGD, spec, options, "powersgd")
 
-
-def make_compressor(spec: Any):
-    """A :class:`~megacomp.compression.Codec`, or for a PowerSGD spec a :class:`PowerSGD`, or for an
-    Accordion spec a :class:`~megacomp.compression.accordion.Accordion` (the dp_gradient path accepts each)."""
-    from .accordion import is_accordion, make_accordion
-
-    if is_accordion(spec):
-        return make_accordion(spec)
-    return make_low_rank(spec) if is_low_rank(spec) else make_codec(spec)
