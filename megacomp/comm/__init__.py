@@ -5,6 +5,8 @@ Two ways in:
   ``CommOptions``, stats tag), built once and passed to whatever moves that traffic;
 - :class:`LowRankChannel`: the same for a PowerSGD path (low-rank factors instead of a codec);
 - :class:`AccordionChannel`: a path switched between two compression levels by Accordion's rule;
+- :func:`make_channel`: the one factory that picks among the three from a path's setting (a codec, PowerSGD
+  or Accordion settings) and applies the "PowerSGD keeps its own error feedback" rule;
 - the free functions, with the names and arguments of torch.distributed plus keyword-only ``codec=``
   (and ``error_feedback=``, an ``ErrorFeedback`` you own); ``codec=None`` is bit-identical to torch.distributed.
 
@@ -18,6 +20,7 @@ from .channel import Channel
 from .collectives import server_numel
 from .low_rank import LowRankChannel
 from .accordion import AccordionChannel
+from .factory import AnyChannel, make_channel
 from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
                          reduce_scatter_tensor, send)
 from .options import CommOptions
@@ -25,7 +28,7 @@ from .stats import StatsTable, WireStats, reset_stats, stats
 from .transport import use_duplex
 
 __all__ = [
-    "AccordionChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
-    "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "recv",
+    "AccordionChannel", "AnyChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
+    "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "make_channel", "recv",
     "reduce_scatter_tensor", "reset_stats", "send", "server_numel", "stats", "use_duplex",
 ]

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..compression import ErrorFeedback, make_accordion
+from ..compression import ErrorFeedback, check_own_error_feedback, make_accordion
 from .channel import Channel
 from .low_rank import LowRankChannel
 from .options import CommOptions
@@ -52,10 +52,8 @@ class AccordionChannel:
         self.name, self.codec, self.group = name, make_accordion(codec), group
         self.options = options if options is not None else CommOptions.from_env()
         c = self.codec
+        check_own_error_feedback(c, error_feedback, f"megacomp channel {name!r}")
         if c.low_rank:
-            if error_feedback is not None:
-                raise ValueError("accordion with PowerSGD levels keeps PowerSGD's own error feedback; leave "
-                                 "error_feedback at None")
             self.low = LowRankChannel(name, c.low, group=group, min_compress_numel=min_compress_numel,
                                       options=self.options, stats=stats)
             self.high = LowRankChannel(name, c.high, group=group, min_compress_numel=min_compress_numel,
@@ -83,6 +81,29 @@ class AccordionChannel:
     # -- the Channel surface -------------------------------------------------------------------------
     lossy = True
     """Both levels compress."""
+    reduces_whole_buckets = True
+    """Its decision reads each bucket's whole-step reduced gradient, and its regimes are state of its own."""
+    adaptive = True
+    """Picks a level per key and interval (:meth:`channel_for`, :meth:`observe`, :meth:`end_step`)."""
+
+    @property
+    def keeps_own_error_feedback(self) -> bool:
+        """Whether the levels are PowerSGD (their residuals are PowerSGD's own)."""
+        return self.codec.low_rank
+
+    @property
+    def low_rank(self) -> bool:
+        """Whether the levels are PowerSGD ranks (reduced with ``all_reduce_coalesced``)."""
+        return self.codec.low_rank
+
+    @property
+    def levels(self) -> tuple:
+        """The two level channels, ``(low, high)``."""
+        return (self.low, self.high)
+
+    def level_for(self, key: str):
+        """The level that reduces tensor ``key`` in this interval (:meth:`channel_for`)."""
+        return self.channel_for(key)
 
     @property
     def error_feedback(self) -> Optional[ErrorFeedback]:

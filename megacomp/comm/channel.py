@@ -109,6 +109,28 @@ class Channel:
         """Whether the channel's codec loses information (everything but the identity)."""
         return not self.codec.is_identity
 
+    # -- what owners ask instead of testing the class (LowRankChannel and AccordionChannel answer too) ----------
+    keeps_own_error_feedback = False
+    """Whether the compressor brings its own error feedback (PowerSGD), so an owner adds none: never for a codec."""
+    reduces_whole_buckets = False
+    """Whether the path must see each bucket whole, once per optimizer step, and keeps state beyond error
+    feedback that its owner checkpoints (``state_dict(error_feedback=False)``): PowerSGD's warm-start Q,
+    Accordion's regimes. Such a path cannot be split across nodes, per micro-batch or unsharded. Not a codec's."""
+    low_rank = False
+    """Whether the path reduces matrices in low rank (``all_reduce_coalesced`` of a bucket's tensors): PowerSGD."""
+    adaptive = False
+    """Whether the path picks a level per key and interval from the reduced gradients (Accordion's
+    ``observe``/``end_step``/``discard_step``/``init_key``)."""
+
+    @property
+    def levels(self) -> tuple:
+        """The channels that carry this path's bytes: itself (Accordion: its two levels)."""
+        return (self,)
+
+    def level_for(self, key: str) -> "Channel":
+        """The channel that reduces tensor ``key`` now: itself (Accordion: the level of the key's regime)."""
+        return self
+
     def validates(self, validate: Optional[bool] = None) -> bool:
         """A call's ``validate`` argument, or the channel's ``options.validate`` when it is None."""
         return self.options.validate if validate is None else validate

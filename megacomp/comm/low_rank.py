@@ -89,6 +89,23 @@ class LowRankChannel:
     # -- the Channel surface the optimizer and hook read -------------------------------------------------
     lossy = True
     """Always lossy (PowerSGD never sends the dense tensor)."""
+    keeps_own_error_feedback = True
+    """PowerSGD's residuals are its own (the ``error_feedback`` field of the settings)."""
+    reduces_whole_buckets = True
+    """A bucket's matrices are all-reduced whole, and the warm-start Q is state of its own."""
+    low_rank = True
+    """Reduces with :meth:`all_reduce_coalesced`."""
+    adaptive = False
+    """One compression level."""
+
+    @property
+    def levels(self) -> tuple:
+        """Itself: the one channel that carries this path's bytes."""
+        return (self,)
+
+    def level_for(self, key: str) -> "LowRankChannel":
+        """Itself, for every key."""
+        return self
 
     def compresses(self, numel: int) -> bool:
         """Whether a call of ``numel`` elements in total is compressed (``numel >= min_compress_numel``)."""
