@@ -62,7 +62,6 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import AccordionChannel, LowRankChannel
 from ..comm.common import global_ranks
 from ..comm.spans import span
 from ..comm.stats import held_records, replay
@@ -98,7 +97,7 @@ class ACCO:
                              f"own reduction (1-bit family): use it without ACCO")
         why = ("unsharded (shard=False)" if not opt.sharded else "ZeRO-2" if opt.zero_stage == 2 else
                "hierarchical" if opt.hierarchy is not None else "fp16 with a loss scaler" if opt.scaler is not None
-               else "PowerSGD / Accordion" if isinstance(opt.grad_channel, (LowRankChannel, AccordionChannel))
+               else "PowerSGD / Accordion" if opt.grad_channel.reduces_whole_buckets
                else "overlapping its parameter all-gather with the next forward (ACCO gathers into its own buffers)"
                if opt._prefetch else
                "stochastic rounding on its gradient or parameter codec (the background jobs would draw from a stream "

@@ -38,7 +38,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import AccordionChannel, Channel, LowRankChannel, use_duplex
+from ..comm import make_channel, use_duplex
 from ..compression import CodecLike, is_accordion, is_low_rank, make_low_rank
 
 log = logging.getLogger("megacomp")
@@ -73,23 +73,9 @@ class CompressedHookState:
             raise ValueError(f"powersgd/accordion keep state per bucket and parameter (residual, Q), and DDP rebuilds its "
                              f"buckets after iteration 1: start_iter must be >= 2, got {self.start_iter} (or turn off "
                              f"error_feedback and warm_start)")
-        if is_accordion(self.codec):
-            self.channel = AccordionChannel("dp_gradient", self.codec, group=self.process_group,
-                                            error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel)
-            self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
-            self.plain = self.channel.uncompressed()
-            return
-        if is_low_rank(self.codec):
-            if self.error_feedback is not None:
-                raise ValueError("powersgd keeps its own error feedback (PowerSGD(error_feedback=True), the default); "
-                                 "leave the hook's error_feedback at None")
-            self.channel = LowRankChannel("dp_gradient", self.codec, group=self.process_group,
-                                          min_compress_numel=self.min_compress_numel)
-            self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
-            self.plain = self.channel.uncompressed()
-            return
-        self.channel = Channel("dp_gradient", self.codec, group=self.process_group, error_feedback=self.error_feedback,
-                               min_compress_numel=self.min_compress_numel)
+        self.channel = make_channel("dp_gradient", self.codec, group=self.process_group,
+                                    error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
+                                    error_feedback_arg="the hook's error_feedback")
         self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
         self.plain = self.channel.uncompressed()
 
@@ -97,7 +83,7 @@ class CompressedHookState:
         """Iteration count, codec and error-feedback state (load with :meth:`load_state_dict`)."""
         out = {"iteration": self.iteration, "codec": self.codec.to_dict(),
                "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None}
-        if isinstance(self.channel, (LowRankChannel, AccordionChannel)):
+        if self.channel.reduces_whole_buckets:  # Q matrices, regimes (the residuals above)
             out["low_rank"] = self.channel.state_dict(error_feedback=False)
         return out
 
@@ -108,7 +94,7 @@ class CompressedHookState:
         self.iteration = state["iteration"]
         if self.error_feedback is not None and state["error_feedback"] is not None:
             self.error_feedback.load_state_dict(state["error_feedback"])
-        if isinstance(self.channel, (LowRankChannel, AccordionChannel)):
+        if self.channel.reduces_whole_buckets:
             self.channel.load_state_dict(state["low_rank"])
 
 
@@ -117,7 +103,7 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     buf = bucket.buffer()
     if bucket.index() == 0:
         state.iteration += 1
-        if isinstance(state.channel, AccordionChannel) and state.iteration > state.start_iter + 1:
+        if state.channel.adaptive and state.iteration > state.start_iter + 1:
             state.channel.end_step(state.process_group)  # the previous iteration is complete on every rank
     world = dist.get_world_size(state.process_group)
     lossy = state.channel.compresses(buf.numel()) and state.iteration > state.start_iter
@@ -127,18 +113,18 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     if not lossy:
         work = state.plain.all_reduce(buf, validate=False, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
-    channel = state.channel.channel_for(key) if isinstance(state.channel, AccordionChannel) else state.channel
+    channel = state.channel.level_for(key)  # Accordion: the level of this bucket's regime
     fut = torch.futures.Future()
-    if isinstance(channel, LowRankChannel):
+    if channel.low_rank:
         channel.all_reduce_coalesced(_param_views(bucket, buf), key=key, validate=validate)
         work = None
     else:
         work = channel.all_reduce(buf, key=key, validate=validate, async_op=True)
-    if isinstance(state.channel, AccordionChannel):  # the policy reads the reduced bucket: finish here
+    if state.channel.adaptive:  # the policy reads the reduced bucket: finish here
         if work is not None:
             work.wait()
         state.channel.observe(key, buf, replicated=True)
-    if work is None or isinstance(state.channel, AccordionChannel):
+    if work is None or state.channel.adaptive:
         fut.set_result(buf)
     elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex)):
         threading.Thread(target=_finish, args=(work, buf, fut), daemon=True,

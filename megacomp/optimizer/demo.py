@@ -49,7 +49,7 @@ from typing import Any, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Channel
+from ..comm import Channel, make_channel
 from ..compression import CodecLike, make_codec
 from ..compression import dct, sparse
 from .params import plain_data
@@ -101,7 +101,7 @@ class DeMo(torch.optim.Optimizer):
         self.compression_topk = compression_topk
         self.compression_chunk = compression_chunk
         self.value_codec = values
-        self.channel = channel if channel is not None else Channel("dp_gradient", None, group=process_group)
+        self.channel = channel if channel is not None else make_channel("dp_gradient", group=process_group)
         self.group = self.channel.group
         self.world = dist.get_world_size(self.group)
         self.rank = dist.get_rank(self.group)

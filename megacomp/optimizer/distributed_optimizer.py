@@ -72,10 +72,9 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..comm import AccordionChannel, Channel, LowRankChannel
-from ..comm import all_gather_base
+from ..comm import AnyChannel, Channel, all_gather_base, make_channel
 from ..comm.spans import span
-from ..compression import CodecLike, is_accordion, is_low_rank, make_codec
+from ..compression import CodecLike, make_codec
 from .buckets import Bucket, build_buckets
 from .loss_scaler import DynamicLossScaler
 from .param_gather import ParamGather
@@ -118,7 +117,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
                  bucket_size: int = 1 << 22, min_compress_numel: int = 65536, max_grad_norm: Optional[float] = None,
                  grad_norm_group=None, grad_norm_weight=None, deferred_params: Iterable = (), hierarchy=None,
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
-                 grad_codec_warmup_steps: int = 0, grad_channel: Optional[Channel] = None,
+                 grad_codec_warmup_steps: int = 0, grad_channel: Optional[AnyChannel] = None,
                  param_channel: Optional[Channel] = None, shard: bool = True, zero_stage: int = 1,
                  **defaults: Any) -> None:
         if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
@@ -153,26 +152,17 @@ class DistributedOptimizer(GradientReduction, ParamGather):
             raise ValueError("DistributedOptimizer: pass either grad_channel or grad_codec/error_feedback, not both")
         if param_channel is not None and param_codec is not None:
             raise ValueError("DistributedOptimizer: pass either param_channel or param_codec, not both")
-        if grad_channel is None and is_accordion(grad_codec):
-            grad_channel = AccordionChannel("dp_gradient", grad_codec, group=process_group, error_feedback=error_feedback,
-                                            min_compress_numel=min_compress_numel)
-            error_feedback = None
-        if grad_channel is None and is_low_rank(grad_codec):
-            if error_feedback is not None:
-                raise ValueError("DistributedOptimizer: powersgd keeps its own error feedback (PowerSGD(error_feedback="
-                                 "True), the default); leave error_feedback at None")
-            grad_channel = LowRankChannel("dp_gradient", grad_codec, group=process_group,
-                                          min_compress_numel=min_compress_numel)
-        self.grad_channel = grad_channel if grad_channel is not None else Channel(
+        self.grad_channel = grad_channel if grad_channel is not None else make_channel(
             "dp_gradient", grad_codec, group=process_group, error_feedback=error_feedback,
             min_compress_numel=min_compress_numel)
+        # parameters are gathered, never summed: only a value codec applies (Channel rejects PowerSGD settings)
         self.param_channel = param_channel if param_channel is not None else Channel(
             "dp_parameter", param_codec, group=process_group, min_compress_numel=min_compress_numel)
         self._grad_plain, self._param_plain = self.grad_channel.uncompressed(), self.param_channel.uncompressed()
-        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)) and (hierarchy is not None or not shard):
+        if self.grad_channel.reduces_whole_buckets and (hierarchy is not None or not shard):
             raise ValueError("DistributedOptimizer: a powersgd or accordion gradient channel does not combine with "
                              "hierarchy or shard=False; drop those or use a codec such as int4")
-        if zero_stage == 2 and isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)):
+        if zero_stage == 2 and self.grad_channel.reduces_whole_buckets:
             raise ValueError("DistributedOptimizer(zero_stage=2) reduces every micro-batch's buckets as they fill; a "
                              "powersgd or accordion gradient channel all-reduces whole buckets (nothing saved) and "
                              "decides on whole-step gradients: use zero_stage=1, or a value codec such as int4")
@@ -354,6 +344,26 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         for b, m in zip(self.buckets, self.masters):
             m.copy_(self._flat_params(b)[slice(*b.shard_range(self.shard_index, self.parts))])
 
+    @torch.no_grad()
+    def reload_params(self, params: Iterable[nn.Parameter], *, reset_state: bool = False) -> None:
+        """These parameters were replaced in place by something other than this optimizer (LoQT's merge resets its
+        factors): copy their slices of this rank's fp32 master shards from the model (only theirs, so the other
+        parameters' masters are not replaced by a lossy all-gathered copy), and with ``reset_state`` zero their
+        slices of every inner-optimizer state tensor shaped like the master (a step count, shared by the whole
+        bucket, stays). Parameters this optimizer does not manage are ignored. Local: no communication."""
+        ids = {id(p) for p in params}
+        for b, master in zip(self.buckets, self.masters):
+            start, end = b.shard_range(self.shard_index, self.parts)
+            for p, off in zip(b.params, b.offsets):
+                lo, hi = max(off, start), min(off + p.numel(), end)
+                if id(p) not in ids or lo >= hi:  # not replaced, or not in this rank's shard
+                    continue
+                master[lo - start:hi - start].copy_(p.detach().reshape(-1)[lo - off:hi - off])
+                state = self.optimizer.state.get(master, {}) if reset_state else {}
+                for v in state.values():
+                    if torch.is_tensor(v) and v.shape == master.shape:
+                        v[lo - start:hi - start].zero_()
+
     def sync_params(self) -> None:
         """All-gather the master shards into the model parameters (``param_codec`` on compressed buckets)."""
         self.wait_params()  # collectives in flight go first, in the order every rank issued them
@@ -401,16 +411,15 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         """Zero errors for every compressed bucket that has none yet (same behaviour as no error), so saved
         and template state dicts have the same keys whatever the group sizes or steps taken (PowerSGD: also
         the start Q matrices)."""
-        levels = [self.grad_channel]
-        if isinstance(self.grad_channel, AccordionChannel):
-            levels = [self.grad_channel.low, self.grad_channel.high]
+        ch = self.grad_channel
+        if ch.adaptive:  # Accordion's regime state per compressed bucket
             for b in self.buckets:
                 if b.compressed:
-                    self.grad_channel.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, self.device)
-        if isinstance(levels[0], LowRankChannel):
+                    ch.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, self.device)
+        if ch.low_rank:  # PowerSGD (each level of Accordion's): residuals and start Q per matrix
             for b in self.buckets:
-                for ch in levels if b.compressed else ():
-                    ch.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params], self.device)
+                for level in ch.levels if b.compressed else ():
+                    level.init_keys(f"dp_gradient/b{b.index}", [p.shape for p in b.params], self.device)
             return
         if self.ef is None:
             return
@@ -437,7 +446,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
             "step": self.step_count, "skipped": self.skipped_steps,
             "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
-        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)):  # Q matrices, regimes (residuals above)
+        if self.grad_channel.reduces_whole_buckets:  # Q matrices, regimes (residuals above)
             local["low_rank"] = self.grad_channel.state_dict(error_feedback=False)
         return {f"dp_rank_{self.rank}": local}
 
@@ -471,7 +480,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         self.optimizer.load_state_dict(s["optimizer"])
         if self.ef is not None:
             self.ef.load_state_dict(s["error_feedback"])
-        if isinstance(self.grad_channel, (LowRankChannel, AccordionChannel)):
+        if self.grad_channel.reduces_whole_buckets:
             self.grad_channel.load_state_dict(s["low_rank"])
         self.step_count, self.skipped_steps = int(s["step"]), int(s["skipped"])
         if self.scaler is not None and s["loss_scaler"] is not None:

@@ -70,7 +70,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..comm import Channel
+from ..comm import Channel, make_channel
 from .loss_scaler import DynamicLossScaler
 
 
@@ -102,7 +102,7 @@ class Lomo:
         self.clip_grad_norm, self.clip_grad_value = clip_grad_norm, clip_grad_value
         self.dp_group = dp_group
         self.world = dist.get_world_size(dp_group) if dist.is_initialized() else 1
-        self.channel = channel if channel is not None else Channel("dp_gradient", None, group=dp_group)
+        self.channel = channel if channel is not None else make_channel("dp_gradient", group=dp_group)
         # the norm pass: the same codec, no error feedback (the residuals advance once per step, in the update pass)
         self._norm_channel = self.channel.without_error_feedback()
         self.tp_group = tp_group
@@ -316,6 +316,11 @@ class Lomo:
         return True
 
     # -- checkpointing ------------------------------------------------------------------------------
+    def reload_params(self, params, *, reset_state: bool = False) -> None:
+        """These parameters were replaced in place by something other than this optimizer (LoQT's merge): LOMO updates
+        the model's parameters themselves and keeps no per-parameter state, so there is nothing to reload or reset
+        (AdaLomo zeroes their statistics with ``reset_state``)."""
+
     def init_state(self) -> None:
         """Create a zero error-feedback residual for every parameter the channel compresses (the same behaviour
         as none), so a fresh optimizer's :meth:`state_dict` has the keys of a trained one and can serve as the
@@ -375,6 +380,15 @@ class AdaLomo(Lomo):
                                                        device=p.device)}
             else:
                 self.state[name] = {"v": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
+
+    def reload_params(self, params, *, reset_state: bool = False) -> None:
+        """These parameters were replaced in place (LoQT's merge): the model holds them, so nothing to reload; with
+        ``reset_state`` their second-moment statistics are zeroed (parameters it does not manage are ignored)."""
+        if not reset_state:
+            return
+        for p in params:
+            for v in self.state.get(self.names.get(id(p)), {}).values():
+                v.zero_()
 
     def _mean(self, name: str, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Mean of ``t`` over ``dim`` of the whole parameter: a TP sum of the partial sums when ``dim`` is the

@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..comm import AccordionChannel, Channel, LowRankChannel
+from ..comm import Channel
 from ..comm.spans import span
 from .buckets import Bucket
 
@@ -141,8 +141,7 @@ class GradientReduction:
         # counted in attempted steps (skipped ones too), so every rank switches on the same step
         warm = self.step_count + self.skipped_steps < self.grad_codec_warmup_steps
         ch = self.grad_channel if b.compressed and not warm else self._grad_plain
-        if isinstance(ch, AccordionChannel):
-            ch = ch.channel_for(f"dp_gradient/b{b.index}")
+        ch = ch.level_for(f"dp_gradient/b{b.index}")  # Accordion: the level of this bucket's regime
         if not self.sharded:  # every rank reduces (and later updates) the whole bucket
             b.reduced = b.grad
             b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_gradient/b{b.index}",
@@ -159,7 +158,7 @@ class GradientReduction:
         else:
             b.reduced = out
         with self._counting_per_step(stage2):
-            if isinstance(ch, LowRankChannel):
+            if ch.low_rank:
                 self._launch_low_rank(b, ch, out)
             elif self.hierarchy is not None:
                 self._launch_hierarchical(b, ch, out)
@@ -217,7 +216,7 @@ class GradientReduction:
             return self.ef.deferred_count()
         return contextlib.nullcontext()
 
-    def _launch_low_rank(self, b: Bucket, ch: LowRankChannel, out: torch.Tensor) -> None:
+    def _launch_low_rank(self, b: Bucket, ch, out: torch.Tensor) -> None:
         """PowerSGD: all-reduce the bucket's matrices in low rank (in this thread, so it cannot race another
         bucket's collective on gloo), then keep this rank's shard."""
         views = [b.grad[o:o + p.numel()].view(p.shape) for p, o in zip(b.params, b.offsets)]
@@ -285,7 +284,7 @@ class GradientReduction:
 
     def _accordion_active(self) -> bool:
         """Accordion counts the steps its codecs run (not the uncompressed warm-up)."""
-        return (isinstance(self.grad_channel, AccordionChannel)
+        return (self.grad_channel.adaptive
                 and self.step_count + self.skipped_steps >= self.grad_codec_warmup_steps)
 
     def _reset(self) -> None:

@@ -1,12 +1,14 @@
 """The 1-bit optimizer family on the data-parallel optimizer: 1-bit Adam, 0/1 Adam and 1-bit LAMB.
 
 ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` take DeepSpeed's hyperparameter names and defaults plus the
-data-parallel group, the momentum codec (default: signs with one scale per chunk) and ``shard``; see
+data-parallel group, the momentum codec (default: signs with one scale per chunk) or a ready momentum channel
+(``momentum_channel``) and ``shard``; see
 megacomp.optimizer.onebit.optimizer for the exchange, the bytes per step and the failure behaviour.
 """
-from .optimizer import DEFAULT_MOMENTUM_CODEC, OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam
+from .optimizer import (DEFAULT_MOMENTUM_CODEC, OneBitAdam, OneBitLamb, OneBitOptimizer, ZeroOneAdam,
+                        resolve_momentum_setting)
 from .rules import OneBitAdamRule, OneBitLambRule, ZeroOneAdamRule
 from .schedule import FreezeSchedule, ZeroOneSchedule
 
 __all__ = ["DEFAULT_MOMENTUM_CODEC", "FreezeSchedule", "OneBitAdam", "OneBitAdamRule", "OneBitLamb", "OneBitLambRule",
-           "OneBitOptimizer", "ZeroOneAdam", "ZeroOneAdamRule", "ZeroOneSchedule"]
+           "OneBitOptimizer", "ZeroOneAdam", "ZeroOneAdamRule", "ZeroOneSchedule", "resolve_momentum_setting"]

@@ -40,6 +40,10 @@ group before it enters the momentum (``last_grad_norm`` is then this rank's). Ov
 rank's gradient) is detected by an all-reduce of one flag over both groups on every step, skips the step on
 every rank, and resets the momentum channel's error feedback.
 
+The momentum channel is built from ``momentum_codec`` / ``momentum_error_feedback`` (classic error feedback on the
+worker and the server side), or handed in whole as ``momentum_channel`` (megacomp.comm.make_channel; e.g. the
+``dp_momentum`` path of a CommCompressionConfig, whose unset values :func:`resolve_momentum_setting` resolves).
+
 Traffic: the momentum channel's messages are counted under ``dp_momentum`` (0/1 Adam's 1-bit gradients under
 ``dp_gradient_1bit``), full-precision gradients under ``reduce_scatter``/``all_reduce``; ``rounds`` counts the
 steps that sent a model-sized message (checkpointed).
@@ -52,8 +56,8 @@ import torch
 import torch.distributed as dist
 
 from ... import comm
-from ...comm import Channel
-from ...compression import make_codec
+from ...comm import AnyChannel, Channel, make_channel
+from ...compression import Codec, make_codec
 from ..distributed_optimizer import DistributedOptimizer
 from .rules import OneBitAdamRule, OneBitLambRule, ZeroOneAdamRule
 from .schedule import FreezeSchedule, ZeroOneSchedule
@@ -80,11 +84,33 @@ def check_momentum_codec(codec: Any, error_feedback: bool, what: str):
     return c
 
 
-def momentum_channel(codec: Any, error_feedback: bool, group, min_compress_numel: int, what: str) -> Channel:
-    """The ``dp_momentum`` channel of a 1-bit optimizer; raises as :func:`check_momentum_codec`."""
+def resolve_momentum_setting(codec: Any = None, error_feedback: Optional[bool] = None) -> tuple[Codec, bool]:
+    """The momentum path's codec and error-feedback switch from settings where None means *not set* (the
+    ``dp_momentum`` / ``dp_momentum_error_feedback`` fields of megacomp.config.CommCompressionConfig): codec
+    unset -> :data:`DEFAULT_MOMENTUM_CODEC`; error feedback unset -> on for a lossy codec, off for ``none``; an
+    explicit True / False wins. (The optimizers' own ``momentum_codec=None`` means ``none``, as it always did.)
+    Raises ValueError as :func:`check_momentum_codec`."""
+    c = DEFAULT_MOMENTUM_CODEC if codec is None else make_codec(codec)
+    ef = (not c.is_identity) if error_feedback is None else bool(error_feedback)
+    return check_momentum_codec(c, ef, "dp_momentum"), ef
+
+
+def build_momentum_channel(codec: Any, error_feedback: bool, group, min_compress_numel: int, what: str) -> Channel:
+    """The ``dp_momentum`` channel of a 1-bit optimizer (megacomp.comm.make_channel; classic error feedback when
+    ``error_feedback``); raises as :func:`check_momentum_codec`."""
     c = check_momentum_codec(codec, error_feedback, what)
-    return Channel("dp_momentum", c, group=group, error_feedback="ef" if error_feedback else None,
-                   min_compress_numel=min_compress_numel)
+    return make_channel("dp_momentum", c, group=group, error_feedback="ef" if error_feedback else None,
+                        min_compress_numel=min_compress_numel, error_feedback_arg="momentum_error_feedback")
+
+
+def check_momentum_channel(channel: AnyChannel, what: str) -> AnyChannel:
+    """A momentum channel handed in: it must carry a value codec (the exchange all-reduces whole momentum buckets
+    element by element). Raises ValueError for PowerSGD / Accordion channels and as :func:`check_momentum_codec`."""
+    if channel.reduces_whole_buckets:
+        raise ValueError(f"{what}: momentum_channel {channel!r} compresses by structure (PowerSGD / Accordion); the "
+                         f"1-bit family needs a value codec (sign, int2, int4, int8, fp8_*, bf16)")
+    check_momentum_codec(channel.codec, channel.error_feedback is not None, what)
+    return channel
 
 
 class OneBitOptimizer(DistributedOptimizer):
@@ -92,14 +118,16 @@ class OneBitOptimizer(DistributedOptimizer):
     :func:`OneBitAdam`, :func:`ZeroOneAdam` or :func:`OneBitLamb`.
 
     Raises:
-        ValueError: 0/1 Adam with ``shard=True``; ``zero_stage=2``; bad codecs (see :func:`momentum_channel`); a
-            gradient codec other than :data:`WARMUP_GRAD_CODECS` for the full-precision phase; the base class's.
+        ValueError: 0/1 Adam with ``shard=True``; ``zero_stage=2``; bad codecs (see :func:`build_momentum_channel`,
+            :func:`check_momentum_channel`); ``momentum_channel`` together with ``momentum_codec`` or
+            ``momentum_error_feedback``; a gradient codec other than :data:`WARMUP_GRAD_CODECS` for the
+            full-precision phase; the base class's.
     """
 
     def __init__(self, params: Iterable, rule_class, rule_kwargs: dict, schedule, process_group=None, *,
                  momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
-                 shard: bool = True, min_compress_numel: int = 65536, grad_norm_weight=None,
-                 overlap_momentum: bool = True, **base: Any) -> None:
+                 momentum_channel: Optional[AnyChannel] = None, shard: bool = True, min_compress_numel: int = 65536,
+                 grad_norm_weight=None, overlap_momentum: bool = True, **base: Any) -> None:
         if base.get("zero_stage", 1) != 1:
             raise ValueError(f"{rule_class.__name__.replace('Rule', '')} exchanges each rank's whole local gradient or "
                              f"momentum in step(), so its gradient buckets cannot be sharded in backward: use "
@@ -110,14 +138,19 @@ class OneBitOptimizer(DistributedOptimizer):
         self.schedule, self.rounds, self._full_m = schedule, 0, {}
         self.overlap_momentum = bool(overlap_momentum)
         self._local_finite: dict[int, torch.Tensor] = {}  # per bucket launched in backward: its local grad finite
-        self.momentum_channel = momentum_channel(momentum_codec, momentum_error_feedback, process_group,
-                                                 min_compress_numel, rule_class.__name__.replace("Rule", ""))
+        what = rule_class.__name__.replace("Rule", "")
+        if momentum_channel is None:
+            momentum_channel = build_momentum_channel(momentum_codec, momentum_error_feedback, process_group,
+                                                      min_compress_numel, what)
+        elif momentum_codec is not DEFAULT_MOMENTUM_CODEC or momentum_error_feedback is not True:
+            raise ValueError(f"{what}: pass either momentum_channel or momentum_codec/momentum_error_feedback, not both")
+        self.momentum_channel = check_momentum_channel(momentum_channel, what)
         self._momentum_plain = self.momentum_channel.uncompressed()
         self._rule_class, self._rule_kwargs = rule_class, rule_kwargs
         super().__init__(params, self._make_rule, process_group, shard=shard, min_compress_numel=min_compress_numel,
                          grad_norm_weight=grad_norm_weight, **base)
         ch = self.grad_channel
-        if ch.lossy and not (isinstance(ch, Channel) and ch.codec.name in WARMUP_GRAD_CODECS):
+        if ch.lossy and ch.codec.name not in WARMUP_GRAD_CODECS:
             raise ValueError(f"{rule_class.__name__.replace('Rule', '')}: gradient codec {getattr(ch, 'codec', ch)} in "
                              f"the full-precision phase (warm-up, variance updates) rounds small gradient entries to "
                              f"0, so the variance frozen afterwards is 0 there and the update divides by eps (1-bit "
@@ -360,16 +393,18 @@ class OneBitOptimizer(DistributedOptimizer):
 
 def OneBitAdam(params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True, betas=(0.9, 0.999),
                eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0, *, process_group=None,
-               momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True, shard: bool = True,
-               **kwargs: Any) -> OneBitOptimizer:
+               momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
+               momentum_channel: Optional[AnyChannel] = None, shard: bool = True, **kwargs: Any) -> OneBitOptimizer:
     """1-bit Adam with DeepSpeed's hyperparameter names and defaults (``max_grad_norm=0``: no clipping).
+    ``momentum_channel``: a ready ``dp_momentum`` channel instead of ``momentum_codec`` / ``momentum_error_feedback``.
     Further keyword arguments go to :class:`OneBitOptimizer` / DistributedOptimizer (param_codec, loss_scaler,
     grad_norm_group, bucket_size, ...). Raises ValueError for ``freeze_step < 1`` and bad hyperparameters."""
     from .rules import _check_freeze
     _check_freeze(freeze_step)
     return OneBitOptimizer(params, OneBitAdamRule, dict(freeze_step=freeze_step, bias_correction=bias_correction),
                            FreezeSchedule(freeze_step), process_group, momentum_codec=momentum_codec,
-                           momentum_error_feedback=momentum_error_feedback, shard=shard,
+                           momentum_error_feedback=momentum_error_feedback, momentum_channel=momentum_channel,
+                           shard=shard,
                            max_grad_norm=max_grad_norm or None, lr=lr, betas=tuple(betas), eps=eps,
                            weight_decay=weight_decay, **kwargs)
 
@@ -378,27 +413,30 @@ def ZeroOneAdam(params, lr: float = 1e-3, bias_correction: bool = True, betas=(0
                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, var_freeze_step: int = 100000,
                 var_update_scaler: int = 16, local_step_scaler: int = 32678, local_step_clipper: int = 16, *,
                 process_group=None, momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
-                shard: bool = False, **kwargs: Any) -> OneBitOptimizer:
-    """0/1 Adam with DeepSpeed's names and defaults; unsharded (``shard=True`` raises ValueError)."""
+                momentum_channel: Optional[AnyChannel] = None, shard: bool = False, **kwargs: Any) -> OneBitOptimizer:
+    """0/1 Adam with DeepSpeed's names and defaults; unsharded (``shard=True`` raises ValueError).
+    ``momentum_channel``: as :func:`OneBitAdam`."""
     return OneBitOptimizer(params, ZeroOneAdamRule, dict(bias_correction=bias_correction),
                            ZeroOneSchedule(var_freeze_step, var_update_scaler, local_step_scaler, local_step_clipper),
                            process_group, momentum_codec=momentum_codec, momentum_error_feedback=momentum_error_feedback,
-                           shard=shard, max_grad_norm=max_grad_norm or None, lr=lr, betas=tuple(betas), eps=eps,
-                           weight_decay=weight_decay, **kwargs)
+                           momentum_channel=momentum_channel, shard=shard, max_grad_norm=max_grad_norm or None, lr=lr,
+                           betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
 
 
 def OneBitLamb(params, lr: float = 1e-3, freeze_step: int = 100000, bias_correction: bool = True, betas=(0.9, 0.999),
                eps: float = 1e-8, weight_decay: float = 0.0, max_grad_norm: float = 0.0, max_coeff: float = 10.0,
                min_coeff: float = 0.01, coeff_beta: float = 0.9, factor_max: float = 4.0, factor_min: float = 0.5,
                factor_threshold: float = 0.1, *, process_group=None, momentum_codec: Any = DEFAULT_MOMENTUM_CODEC,
-               momentum_error_feedback: bool = True, shard: bool = True, **kwargs: Any) -> OneBitOptimizer:
+               momentum_error_feedback: bool = True, momentum_channel: Optional[AnyChannel] = None, shard: bool = True,
+               **kwargs: Any) -> OneBitOptimizer:
     """1-bit LAMB with DeepSpeed's names and defaults. Per-layer norms are over each rank's local slice of a
-    tensor-parallel parameter (its own layer, as Megatron's per-rank optimizer sees it)."""
+    tensor-parallel parameter (its own layer, as Megatron's per-rank optimizer sees it). ``momentum_channel``: as
+    :func:`OneBitAdam`."""
     from .rules import _check_freeze
     _check_freeze(freeze_step)
     rule = dict(freeze_step=freeze_step, bias_correction=bias_correction, max_coeff=max_coeff, min_coeff=min_coeff,
                 coeff_beta=coeff_beta, factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
     return OneBitOptimizer(params, OneBitLambRule, rule, FreezeSchedule(freeze_step), process_group,
-                           momentum_codec=momentum_codec, momentum_error_feedback=momentum_error_feedback, shard=shard,
-                           max_grad_norm=max_grad_norm or None, lr=lr, betas=tuple(betas), eps=eps,
-                           weight_decay=weight_decay, **kwargs)
+                           momentum_codec=momentum_codec, momentum_error_feedback=momentum_error_feedback,
+                           momentum_channel=momentum_channel, shard=shard, max_grad_norm=max_grad_norm or None, lr=lr,
+                           betas=tuple(betas), eps=eps, weight_decay=weight_decay, **kwargs)
