@@ -23,7 +23,8 @@ Algorithm (a training loop drives it through :class:`LoQT`; see its docstring fo
      current weight ``deq(Q) + alpha*low-rank`` (summed over micro-batches, in fp32), then per layer:
      a. G is summed over the data-parallel group (``channel``, uncompressed unless the caller gives a codec);
      b. the Gram matrix of the full G (``sum_tp G_i^T G_i`` for column, ``sum_tp G_i G_i^T`` for row) is
-        all-reduced over TP in fp64 and ``torch.linalg.eigh`` gives its top-r eigenvectors = the top-r right
+        all-reduced over TP in fp64 (``tp_channel``, uncompressed unless the caller gives a codec: every TP rank
+        decodes the same bytes, so P stays identical across them, but carries the codec's error) and ``torch.linalg.eigh`` gives its top-r eigenvectors = the top-r right
         (column) / left (row) singular vectors of G, ordered by descending eigenvalue, each signed so that its
         entry of largest magnitude is positive (ties: the first): every rank derives the same P;
      c. merge: ``W = deq(Q) + alpha*low-rank`` (fp32); ``Q = quantise(W)``, ``B = 0`` (the first time, with B = 0
@@ -77,7 +78,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..comm import Channel
+from ..comm import AnyChannel, Channel, make_channel
 from ..compression import CodecLike, make_codec
 from .layers import ColumnParallelLinear, RowParallelLinear, _mark_sharded
 
@@ -284,7 +285,9 @@ class LoQTLinear(nn.Module):
 
     @torch.no_grad()
     def quantise(self, w: torch.Tensor, proj: torch.Tensor, channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
-        """(payload, B) for the merged weight ``w`` and projection ``proj`` (step 2c of the module docstring)."""
+        """(payload, B) for the merged weight ``w`` and projection ``proj`` (step 2c of the module docstring); the
+        compensation's error norms are TP all-reduced on ``channel``, which must be uncompressed (every rank must
+        pick the same round)."""
         col = self.kind == "column"
         zero = torch.zeros_like(self.factor)
         if self.compensate_iters == 0:
@@ -316,12 +319,12 @@ class LoQTLinear(nn.Module):
 
     @torch.no_grad()
     def reinit(self, step: int, grad: torch.Tensor, tp_channel: Channel) -> None:
-        """Steps 2b-2c of the module docstring from the DP-summed gradient: set P, Q and B (TP reductions on the
-        uncompressed ``tp_channel``)."""
+        """Steps 2b-2c of the module docstring from the DP-summed gradient: set P, Q and B (the Gram all-reduce on
+        ``tp_channel``, the error norms on its uncompressed sibling)."""
         proj = self.projection(grad, tp_channel)
         w = self.effective_weight().float()
         if self.initialized or self.compensate_iters:
-            payload, b = self.quantise(w, proj, tp_channel)
+            payload, b = self.quantise(w, proj, tp_channel.uncompressed())
             self.qweight.copy_(payload)
         else:  # first initialisation without compensation: Q is already quantise(W), B stays 0
             b = torch.zeros_like(self.factor)
@@ -428,12 +431,20 @@ class LoQT:
 
     ``dp_group``: the data-parallel group the captured gradients are summed over (None: no data parallelism,
     allowed only when every rank is in the layers' TP group or torch.distributed is not initialised).
-    ``channel``: a megacomp Channel for that sum (e.g. compressed; its error feedback is not used); default an
-    uncompressed one, counted as ``loqt_merge`` in comm.stats() (the TP Gram all-reduce as ``loqt_merge_tp``).
+    ``channel``: a megacomp Channel for that sum (e.g. compressed, built by megacomp.comm.make_channel from the
+    ``loqt_merge`` path of a CommCompressionConfig; its error feedback is not used); default an uncompressed one,
+    counted as ``loqt_merge`` in comm.stats(). ``tp_channel``: the channel of the TP Gram all-reduce (the
+    ``loqt_merge_tp`` path; a value codec, its error feedback not used); default the uncompressed sibling of
+    ``channel``. Both count their bytes under their traffic kind: ``loqt_merge`` (the channel's name when given)
+    and ``loqt_merge_tp``. The overflow flag and the error norms always travel uncompressed.
+
+    Raises:
+        ValueError: no LoQTLinear layers; dp_group together with a channel of another group; no dp_group under
+            TP x DP; a PowerSGD / Accordion channel (the merge sums need a value codec).
     """
 
     def __init__(self, model: Union[nn.Module, Iterable[LoQTLinear]], schedule: Optional[LoQTSchedule] = None, *,
-                 dp_group=None, channel: Optional[Channel] = None) -> None:
+                 dp_group=None, channel: Optional[AnyChannel] = None, tp_channel: Optional[AnyChannel] = None) -> None:
         mods = model.modules() if isinstance(model, nn.Module) else model
         self.layers = [m for m in mods if isinstance(m, LoQTLinear)]
         if not self.layers:
@@ -447,9 +458,10 @@ class LoQT:
                              "merge gradients are summed over data-parallel copies only")
         self.dp = group is not None and dist.get_world_size(group) > 1
         if channel is None:
-            channel = Channel("loqt_merge", None, group=dp_group)
-        self.channel = channel.without_error_feedback() if channel.error_feedback is not None else channel
-        self.tp_channel = self.channel.uncompressed()  # the Gram matrices and error norms travel exactly
+            channel = make_channel("loqt_merge", group=dp_group)
+        self.channel = _value_channel(channel, "channel")
+        # the Gram matrices: exact unless a codec is given (the flag and the error norms always travel exactly)
+        self.tp_channel = self.channel.uncompressed() if tp_channel is None else _value_channel(tp_channel, "tp_channel")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The trainable factors B (the layers' biases stay ordinary parameters of the model)."""
@@ -473,7 +485,7 @@ class LoQT:
         bad = torch.stack([~torch.isfinite(g).all() for g in grads]).any().to(torch.float32).reshape(1)
         tp = next((m for m in self.layers if m.tp_size > 1), None)
         if tp is not None:
-            self.tp_channel.all_reduce(bad, op=dist.ReduceOp.MAX, group=tp.tp_group, tag="loqt_merge_tp")
+            self.tp_channel.uncompressed().all_reduce(bad, op=dist.ReduceOp.MAX, group=tp.tp_group, tag="loqt_merge_tp")
         if bad.item():
             return False
         for m, g in zip(self.layers, grads):
@@ -485,34 +497,29 @@ class LoQT:
         return [m.stats() for m in self.layers]
 
 
+def _value_channel(channel: AnyChannel, what: str) -> Channel:
+    """``channel`` without error feedback (a merge's residual would enter the next merge's gradient, taken at
+    another weight many steps later); ValueError for a PowerSGD / Accordion channel."""
+    if channel.reduces_whole_buckets:
+        raise ValueError(f"LoQT: {what} {channel!r} compresses by structure (PowerSGD / Accordion); the merge sums "
+                         f"need a value codec (e.g. bf16, int8) or none")
+    return channel.without_error_feedback() if channel.error_feedback is not None else channel
+
+
 def sync_optimizer(optimizer, layers: Iterable[LoQTLinear], *, reset_state: bool = False) -> None:
     """After :meth:`LoQT.merge_and_reinit`: make ``optimizer`` see the new B of each layer.
 
-    megacomp's DistributedOptimizer keeps fp32 master shards: B's slice of them is copied from the model (only B's,
-    so other parameters' masters are not replaced by a lossy all-gathered copy). ``reset_state=True`` (not what the
-    reference does) also zeroes B's optimizer state: for torch optimizers its per-parameter state is dropped (fresh
-    moments and step count); for the DistributedOptimizer B's slice of every state tensor shaped like the master is
-    zeroed (its step count is shared with the bucket and stays); for AdaLomo its statistics are zeroed; LOMO has
-    no state."""
-    factors = {id(m.factor): m.factor for m in layers}
-    with torch.no_grad():
-        if hasattr(optimizer, "buckets") and hasattr(optimizer, "masters"):  # megacomp DistributedOptimizer
-            for b, master in zip(optimizer.buckets, optimizer.masters):
-                start, end = b.shard_range(optimizer.shard_index, optimizer.parts)
-                for p, off in zip(b.params, b.offsets):
-                    lo, hi = max(off, start), min(off + p.numel(), end)
-                    if id(p) not in factors or lo >= hi:
-                        continue
-                    master[lo - start:hi - start].copy_(p.detach().reshape(-1)[lo - off:hi - off])
-                    state = optimizer.optimizer.state.get(master, {}) if reset_state else {}
-                    for v in state.values():
-                        if torch.is_tensor(v) and v.shape == master.shape:
-                            v[lo - start:hi - start].zero_()
-        elif reset_state and getattr(optimizer, "state", None) is not None:  # LOMO has none
-            names = getattr(optimizer, "names", None)  # AdaLomo keys its state by parameter name
-            for pid, p in factors.items():
-                if names is not None:
-                    for v in optimizer.state.get(names.get(pid), {}).values():
-                        v.zero_()
-                else:
-                    optimizer.state.pop(p, None)
+    A torch optimizer steps the model's parameters themselves: nothing to reload. megacomp's optimizers are told
+    through their ``reload_params(params, reset_state=...)``: the DistributedOptimizer copies B's slice of its fp32
+    master shards from the model (only B's, so other parameters' masters are not replaced by a lossy all-gathered
+    copy); LOMO / AdaLomo hold no copy. ``reset_state=True`` (not what the reference does) also zeroes B's optimizer
+    state: for torch optimizers its per-parameter state is dropped (fresh moments and step count); for the
+    DistributedOptimizer B's slice of every state tensor shaped like the master is zeroed (its step count is shared
+    with the bucket and stays); for AdaLomo its statistics are zeroed; LOMO has no state."""
+    factors = [m.factor for m in layers]
+    if isinstance(optimizer, torch.optim.Optimizer):  # torch's (and DeMo): the model's parameters are its own
+        if reset_state:
+            for p in factors:
+                optimizer.state.pop(p, None)
+        return
+    optimizer.reload_params(factors, reset_state=reset_state)  # megacomp's sharded optimizer, LOMO / AdaLomo
