@@ -51,8 +51,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Channel
-from ..compression import CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config
+from ..comm import AnyChannel, Channel, make_channel
+from ..compression import (CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config,
+                           parse_codec_arg)
 from .liveness import ReplicaLost, ReplicaWatch
 from . import sparseloco
 from .noloco import gossip_groups, outer_update, start_exchange
@@ -115,7 +116,7 @@ class DiLoCoConfig:
                              "sets the accumulator's decay)")
         if self.algorithm == "noloco" and (not isinstance(self.group_size, int) or self.group_size < 2):
             raise ValueError(f"NoLoCo group_size must be an int >= 2, got {self.group_size!r}")
-        self.codec = make_codec(self.codec)
+        self.codec = make_codec(parse_codec_arg(self.codec))
         if self.error_feedback is not None:
             self.error_feedback = make_error_feedback_config(self.error_feedback)
         check_error_feedback_codec(self.codec, self.error_feedback, "DiLoCo error_feedback")
@@ -139,15 +140,18 @@ class DiLoCo:
         params: the model parameters this rank holds (any float dtype; the outer state is fp32).
         outer_group: one rank per replica (megacomp.outer.build_replica_groups' ``outer``).
         config: DiLoCoConfig.
-        channel: the pseudo-gradient channel (default: built from the config's codec and error feedback,
-            stats tag ``outer``).
+        channel: the pseudo-gradient channel, a value codec (e.g. built by megacomp.comm.make_channel from the
+            ``outer`` path of a CommCompressionConfig); default: built from the config's codec and error feedback,
+            stats tag ``outer``. When both are given, a lossy codec or error feedback in the config must equal the
+            channel's (the config is what a checkpoint records).
         after_sync: called after the parameters were replaced (the trainer reloads the sharded optimizer's
             masters from the model here).
         watch: arrival checks at every exchange (megacomp.outer.liveness.ReplicaWatch): a replica that died
             is named after the watch's timeout instead of hanging the others. None: no checks (the collective waits up to the process group's timeout).
 
     Raises:
-        ValueError: bad config values (DiLoCoConfig), an empty parameter list.
+        ValueError: bad config values (DiLoCoConfig), an empty parameter list, a PowerSGD / Accordion channel, a
+            channel whose codec or error feedback differs from the config's.
         ReplicaLost: (from step/sync) a replica did not reach an exchange within the watch's timeout.
     """
 
@@ -168,7 +172,7 @@ class DiLoCo:
         if config.algorithm == "noloco" and self.replicas % config.group_size:
             raise ValueError(f"NoLoCo group_size {config.group_size} does not divide the replica count {self.replicas}; "
                              f"use a divisor of {self.replicas}")
-        self.channel = channel if channel is not None else Channel(
+        self.channel = _check_channel(channel, config) if channel is not None else make_channel(
             "outer", config.codec, group=outer_group, error_feedback=config.error_feedback)
         self.plain = self.channel.uncompressed()  # NoLoCo's slow weights: same traffic kind, never quantised
         # DiLoCo with lr 1, no momentum, no mixing and no codec is parameter averaging: the weights themselves
@@ -344,6 +348,21 @@ class DiLoCo:
         self.exchanges = int(state.get("exchanges", 0))
         self.pending = {int(f): [int(at), [t.clone() for t in ts], None, None, members]
                         for f, (at, ts, members) in state["pending"].items()}
+
+
+def _check_channel(channel: AnyChannel, config: DiLoCoConfig) -> Channel:
+    """A pseudo-gradient channel handed in, checked against ``config`` (see :class:`DiLoCo`'s Raises)."""
+    if channel.reduces_whole_buckets:
+        raise ValueError(f"DiLoCo: channel {channel!r} compresses by structure (PowerSGD / Accordion); the outer "
+                         f"exchange needs a value codec (int4, or top-k codecs for SparseLoCo)")
+    if not config.codec.is_identity and config.codec != channel.codec:
+        raise ValueError(f"DiLoCo: the config's codec {config.codec} differs from the channel's {channel.codec}; set "
+                         f"the codec in one place (leave DiLoCoConfig.codec at None, or pass the same codec)")
+    ef = channel.error_feedback.config if channel.error_feedback is not None else None
+    if config.error_feedback is not None and config.error_feedback != ef:
+        raise ValueError(f"DiLoCo: the config's error feedback {config.error_feedback} differs from the channel's {ef}; "
+                         f"set it in one place")
+    return channel
 
 
 class _Works:

@@ -32,6 +32,11 @@ from __future__ import annotations
 import torch
 
 from ..comm import Channel
+from ..compression import make_codec
+
+DEFAULT_CODEC = make_codec("int2", k=64, chunk=4096)
+"""SparseLoCo's outer codec when none is set: top-64 of every 4096 entries (1.6% density, inside the paper's 1-3%),
+values in 2 bits (the ``outer`` path of a CommCompressionConfig left unset means this for SparseLoCo)."""
 
 
 def start_exchange(channel: Channel, accum: torch.Tensor, delta: torch.Tensor, beta: float, replicas: int,
