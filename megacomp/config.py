@@ -10,13 +10,22 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .comm import AccordionChannel, Channel, CommOptions, LowRankChannel
-from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec, make_codec,
-                          make_compressor, make_error_feedback_config)
+from .comm import AnyChannel, Channel, CommOptions, make_channel
+from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec,
+                          check_own_error_feedback, make_codec, make_compressor, make_error_feedback_config,
+                          parse_codec_arg)
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
 TRAFFIC_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",
                  "pp_activation", "pp_gradient", "dp_gradient", "dp_parameter")
+"""The paths every run has: always a codec after construction (identity when not set); one channel each
+in :class:`Channels`."""
+FEATURE_PATHS = ("dp_momentum", "outer", "loqt_merge", "loqt_merge_tp")
+"""The paths of optional training features (1-bit optimizers, outer loops, LoQT): None when not set, which
+means the feature's own default (see each field); the feature builds its channel with
+``megacomp.comm.make_channel``."""
+ALL_TRAFFIC_PATHS = TRAFFIC_PATHS + FEATURE_PATHS
+"""Every traffic path a config can set (what a banner lists)."""
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
@@ -32,9 +41,12 @@ def _check_keys(cls, data: Mapping[str, Any]) -> None:
 class CommCompressionConfig:
     """A codec per traffic path, error feedback, the small-tensor policy and the transport options.
 
-    Each path field accepts None, a name, a mapping or a Codec and holds a ``Codec`` after construction
-    (identity for None: normalised here, once); :meth:`build_channels` turns the config into one
-    :class:`megacomp.comm.Channel` per path. ``to_dict`` writes the identity as None.
+    Each path of TRAFFIC_PATHS accepts None, a name, a mapping, a string holding a YAML mapping or a Codec
+    (megacomp.compression.parse_codec_arg) and holds a ``Codec`` after construction (identity for None:
+    normalised here, once); :meth:`build_channels` turns them into one :class:`megacomp.comm.Channel` per path.
+    ``to_dict`` writes the identity as None. The FEATURE_PATHS (dp_momentum, outer, loqt_merge, loqt_merge_tp)
+    accept the same forms but keep None as *not set*, meaning the default of the feature that uses the path
+    (see each field); the training layer resolves them and builds their channels with :meth:`channel`.
     """
 
     tp_forward: Optional[CodecLike] = None
@@ -93,10 +105,36 @@ class CommCompressionConfig:
     """Compressed bytes as direction-split p2p (True), backend collectives (False) or by backend (None:
     p2p on gloo); same results either way. None also lets ``MEGACOMP_DUPLEX`` decide."""
 
+    # -- the paths of optional features: None = not set = the feature's own default (kept None here) -------------
+    dp_momentum: Optional[CodecLike] = None
+    """Momentum exchange of the 1-bit optimizers (1-bit Adam / LAMB after the freeze, 0/1 Adam's 1-bit gradients and
+    synchronisations; megacomp.optimizer.onebit), a value codec. Not set: the optimizers' default
+    ``{name: sign, block_size: 0}`` (megacomp.optimizer.onebit.DEFAULT_MOMENTUM_CODEC); ``none``: uncompressed."""
+    dp_momentum_error_feedback: Optional[bool] = None
+    """Worker and server error feedback (classic) on the dp_momentum exchange. Not set: on for a lossy codec
+    (including the default sign codec), off for ``none``; True / False decide explicitly (True needs a lossy
+    codec)."""
+    outer: Optional[CodecLike] = None
+    """Pseudo-gradient exchange of the outer loops over replicas (DiLoCo, Streaming DiLoCo, NoLoCo, MT-DAO,
+    SparseLoCo; megacomp.outer). Not set: uncompressed, except SparseLoCo's default
+    ``{name: int2, k: 64, chunk: 4096}`` (megacomp.outer.sparseloco.DEFAULT_CODEC); ``none``: uncompressed."""
+    outer_error_feedback: Optional[Any] = None
+    """Error feedback ('ef', 'loco' or a mapping) on the outer exchange, as the other ``*_error_feedback`` fields
+    (None: off). Needs ``outer`` set to a lossy codec; SparseLoCo refuses it (its accumulator is its error
+    feedback)."""
+    loqt_merge: Optional[CodecLike] = None
+    """LoQT's data-parallel sum of each layer's captured weight gradient at a merge step
+    (megacomp.tensor_parallel.loqt). Not set: uncompressed."""
+    loqt_merge_tp: Optional[CodecLike] = None
+    """LoQT's tensor-parallel all-reduce of each layer's Gram matrix at a merge step (fp64; its top eigenvectors
+    are the new projection). Not set: uncompressed. The overflow flag and the compensation's error norms
+    always travel uncompressed."""
+
     def __post_init__(self) -> None:
         for name in TRAFFIC_PATHS:
             make = make_compressor if name == "dp_gradient" else make_codec
-            setattr(self, name, make(getattr(self, name)))
+            setattr(self, name, make(parse_codec_arg(getattr(self, name))))
+        self._check_feature_paths()
         env = CommOptions.from_env()
         if self.segment_numel is None:
             self.segment_numel = env.segment_numel
@@ -117,14 +155,34 @@ class CommCompressionConfig:
         if not isinstance(self.pp_activation_delta_warmup_visits, int) or self.pp_activation_delta_warmup_visits < 1:
             raise ValueError(f"pp_activation_delta_warmup_visits must be an int >= 1 (the first visit fills AQ-SGD's "
                              f"cache), got {self.pp_activation_delta_warmup_visits!r}")
-        low_rank = isinstance(self.dp_gradient, PowerSGD) or (isinstance(self.dp_gradient, Accordion)
-                                                               and self.dp_gradient.low_rank)
-        if low_rank and self.dp_gradient_error_feedback is not None:
-            raise ValueError("dp_gradient powersgd keeps its own error feedback (its error_feedback field, on by "
-                             "default); drop dp_gradient_error_feedback")
+        check_own_error_feedback(self.dp_gradient, self.dp_gradient_error_feedback, "dp_gradient",
+                                 "dp_gradient_error_feedback")
         for path in _EF_PATHS:
             check_error_feedback_codec(getattr(self, path), getattr(self, path + "_error_feedback"),
                                        f"{path}_error_feedback (path {path})")
+
+    def _check_feature_paths(self) -> None:
+        """Build the codecs of the feature paths that are set (None stays None) and check their settings."""
+        for name in FEATURE_PATHS:
+            value = getattr(self, name)
+            if value is not None:
+                codec = make_codec(parse_codec_arg(value))
+                if codec.structured and name != "outer":  # only the outer loops' all-gather carries top-k / DCT
+                    raise ValueError(f"{name}: codec {codec} selects or transforms entries; this path needs a value "
+                                     f"codec (sign, int2, int4, int8, fp8_*, bf16, none)")
+                setattr(self, name, codec)
+        ef = self.dp_momentum_error_feedback
+        if ef is not None and not isinstance(ef, bool):
+            raise ValueError(f"dp_momentum_error_feedback must be true, false or unset (on for a lossy codec), got {ef!r}")
+        if ef and self.dp_momentum is not None and self.dp_momentum.is_identity:
+            raise ValueError("dp_momentum_error_feedback is true but dp_momentum is 'none': error feedback needs a lossy "
+                             "codec; set dp_momentum_error_feedback false (or leave it unset), or pick a codec such as sign")
+        if self.outer_error_feedback is not None:
+            self.outer_error_feedback = make_error_feedback_config(self.outer_error_feedback)
+            if self.outer is None:
+                raise ValueError("outer_error_feedback needs a lossy outer codec, and outer is not set (uncompressed, or "
+                                 "SparseLoCo's accumulator, which is its own error feedback); set outer, e.g. int4")
+            check_error_feedback_codec(self.outer, self.outer_error_feedback, "outer_error_feedback (path outer)")
 
     def options(self) -> CommOptions:
         """The transport options every channel of this config gets (validation on)."""
@@ -140,24 +198,30 @@ class CommCompressionConfig:
         dp = getattr(groups, "dp", None)
         group_of = {"tp_forward": tp, "tp_backward": tp, "sp_all_gather": tp, "sp_reduce_scatter": tp,
                     "pp_activation": None, "pp_gradient": None, "dp_gradient": dp, "dp_parameter": dp}
-        made = {path: Channel(path, getattr(self, path), group=group_of[path],
-                              error_feedback=getattr(self, path + "_error_feedback", None),
-                              min_compress_numel=self.min_compress_numel, options=opts)
-                for path in TRAFFIC_PATHS if isinstance(getattr(self, path), Codec)}
-        if isinstance(self.dp_gradient, PowerSGD):
-            made["dp_gradient"] = LowRankChannel("dp_gradient", self.dp_gradient, group=dp,
-                                                 min_compress_numel=self.min_compress_numel, options=opts)
-        elif isinstance(self.dp_gradient, Accordion):
-            made["dp_gradient"] = AccordionChannel("dp_gradient", self.dp_gradient, group=dp,
-                                                   error_feedback=self.dp_gradient_error_feedback,
-                                                   min_compress_numel=self.min_compress_numel, options=opts)
-        return Channels(**made)
+        return Channels(**{path: self.channel(path, getattr(self, path), group=group_of[path],
+                                              error_feedback=getattr(self, path + "_error_feedback", None),
+                                              options=opts)
+                           for path in TRAFFIC_PATHS})
+
+    def channel(self, path: str, spec: Any, *, group=None, error_feedback: Any = None,
+                options: Optional[CommOptions] = None) -> AnyChannel:
+        """The channel of ``path`` for the setting ``spec`` (megacomp.comm.make_channel) with this config's
+        small-tensor rule and, unless ``options`` is given, its transport options (:meth:`options`). For a
+        feature path pass its resolved setting (a field that is None means the feature's default, which only the
+        feature knows). Raises ValueError as make_channel."""
+        if path not in ALL_TRAFFIC_PATHS:
+            raise ValueError(f"unknown traffic path {path!r}; the paths are {', '.join(ALL_TRAFFIC_PATHS)}")
+        return make_channel(path, spec, group=group, error_feedback=error_feedback,
+                            min_compress_numel=self.min_compress_numel,
+                            options=options if options is not None else self.options(),
+                            error_feedback_arg=f"{path}_error_feedback")
 
     def for_rank(self, rank: int) -> "CommCompressionConfig":
         """This config with every seeded codec's seed offset by ``rank`` (seed + rank * 1000003): a YAML seed
         is the same on every rank, and equal seeds give every rank the same stochastic-rounding draws, so
         the ranks' rounding errors would add up coherently instead of averaging out. Rank 0 keeps the seed;
-        unseeded codecs are unchanged. Checkpoints record the config before this step."""
+        unseeded codecs are unchanged. Checkpoints record the config before this step. The FEATURE_PATHS keep
+        their seeds, as their features always did with the codecs they were given."""
         out = replace(self)
         for name in TRAFFIC_PATHS:
             codec = getattr(self, name)
@@ -172,8 +236,8 @@ class CommCompressionConfig:
 
     @property
     def enabled(self) -> bool:
-        """Whether any traffic path has a lossy codec."""
-        return any(not getattr(self, p).is_identity for p in TRAFFIC_PATHS)
+        """Whether any traffic path has a lossy codec (a feature path counts when it is set)."""
+        return any(getattr(self, p) is not None and not getattr(self, p).is_identity for p in ALL_TRAFFIC_PATHS)
 
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CommCompressionConfig":
@@ -183,10 +247,18 @@ class CommCompressionConfig:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (YAML/JSON) that rebuilds this config; identity codecs are written as None."""
+        """Plain data (YAML/JSON) that rebuilds this config; identity codecs of the TRAFFIC_PATHS are written as None.
+        A feature path (and its error-feedback field) is written only when set, an explicit identity as ``'none'``,
+        so an unset path stays unset and configs recorded before these fields existed stay equal."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name in FEATURE_PATHS or f.name in ("dp_momentum_error_feedback", "outer_error_feedback"):
+                if value is None:
+                    continue
+                if isinstance(value, Codec) and value.is_identity:
+                    out[f.name] = "none"
+                    continue
             if isinstance(value, Codec):
                 value = None if value.is_identity else value.to_dict()
             elif isinstance(value, (PowerSGD, Accordion)):
