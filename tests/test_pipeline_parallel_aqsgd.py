@@ -20,7 +20,7 @@ from megacomp.models.gpt import GPTConfig, GPTModel, split_layers
 from megacomp.pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
                                         forward_backward_pipelining_without_interleaving)
 from megacomp.pipeline_parallel.aqsgd import ActivationDeltaCache
-from megacomp.training.aqsgd import build_activation_delta, cache_sides
+from megacomp.training.features.aqsgd_caches import build_activation_delta, cache_sides
 
 CFG = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_layers=4, max_seq_length=16, seed=5)
 S, B, NSAMPLES = 16, 2, 8

@@ -85,7 +85,7 @@ def test_one_gradient_buffer_for_the_tied_weight(tp):
 
 def _lomo_body(rank, world, tp, kind):
     from megacomp.optimizer import AdaLomo, Lomo
-    from megacomp.training.fused import tie_for_fused_update
+    from megacomp.training.features.lomo_fused import tie_for_fused_update
 
     out = {}
     for in_place in (False, True):

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ..config import TRAFFIC_PATHS, CommCompressionConfig
 
-if TYPE_CHECKING:  # annotations only
-    from ..optimizer import DeMo, DistributedOptimizer, OneBitOptimizer
-    from .arguments import PretrainConfig
 
 def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
     """Traffic paths a layout never uses, with the reason (e.g. ``{"pp_activation": "PP 1"}``)."""
@@ -125,53 +122,3 @@ class RunTotals:
                      if "outer" in self.traffic else "")
             lines.append(f"    {'per token':<20} {total_w / self.tokens:10,.1f} bytes{split}")
         return "\n".join(lines)
-
-
-def outer_summary(oc, replicas: int, dp: int, algorithm: str = "") -> str:
-    """One line saying what the outer loop does (the banner's): algorithm, replicas, period, rule, codec."""
-    per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
-    codec = f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind 'outer')"
-    stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing {oc.mixing:g}"
-              if oc.fragments > 1 or oc.delay or oc.mixing else "")
-    if algorithm == "mt_dao":
-        return (f"MT-DAO over {per}: parameters averaged (outer lr {oc.outer_lr:g}, momentum {oc.outer_momentum:g}, "
-                f"{codec}) and every Adam moment averaged uncompressed; inner MultiTimescaleAdamW")
-    if oc.algorithm == "noloco":
-        return (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
-                f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")
-    if oc.algorithm == "sparseloco":
-        return (f"SparseLoCo over {per}: accumulator e <- {oc.outer_momentum:g} e + Delta, C(e) all-gathered and "
-                f"averaged, theta -= {oc.outer_lr:g} x mean, pseudo-gradient codec {oc.codec} (traffic kind 'outer')")
-    nesterov = " (Nesterov)" if oc.nesterov and oc.outer_momentum else ""
-    return (f"{'Streaming ' if stream else ''}DiLoCo{stream} over {per}, outer SGD lr {oc.outer_lr:g} momentum "
-            f"{oc.outer_momentum:g}{nesterov}, {codec}")
-
-
-def onebit_summary(opt: OneBitOptimizer, cfg: PretrainConfig) -> str:
-    """One line saying what a 1-bit optimizer sends and when (the banner's)."""
-    ch = opt.momentum_channel
-    ef = " + worker/server error feedback" if ch.error_feedback is not None else ""
-    when = (f"variance updates until step {cfg.var_freeze_step}, then local steps synchronised every 1..{cfg.local_step_clipper}"
-            if cfg.optimizer == "zero_one_adam" else f"full-precision gradients for {cfg.freeze_step} steps, then momentum")
-    shard = "masters sharded over DP, parameters all-gathered" if opt.sharded else "masters whole on every rank, no all-gather"
-    return f"{cfg.optimizer}: {when} over dp_momentum with {ch.codec}{ef}; {shard}"
-
-
-def demo_summary(opt: DeMo) -> str:
-    """One line saying what DeMo sends (the banner's)."""
-    dense = sum(p.numel() for p in opt.params) * 4
-    return (f"DeMo, top-{opt.compression_topk} of each DCT tile (up to {opt.compression_chunk}x{opt.compression_chunk}), "
-            f"momentum decay {opt.compression_decay:g}, kept values {opt.value_codec}: {opt.wire_bytes_per_step() / 1e6:.3f} "
-            f"MB per step to each DP peer vs {dense / 1e6:.3f} MB dense fp32 (dp_gradient; no dp_parameter all-gather)")
-
-
-def zero2_summary(opt: DistributedOptimizer, micro_batches: int) -> str:
-    """One line saying what ZeRO-2 keeps and sends (the banner's)."""
-    whole = [b for b in opt.buckets if b.deferred]
-    kept = (f"; {len(whole)} deferred bucket(s) ({sum(b.padded for b in whole) * 4 / 2**20:.2f} MiB, tied embeddings / "
-            f"sequence-parallel norms summed over another group first) stay whole until the step" if whole else "")
-    shard = sum(b.padded for b in opt.buckets) // opt.world * 4
-    largest = max(b.padded for b in opt.buckets) * 4
-    return (f"ZeRO-2: fp32 gradient shard {shard / 2**20:.2f} MiB per rank; each bucket (largest {largest / 2**20:.2f} MiB) "
-            f"reduce-scattered as soon as a micro-batch fills it and freed, {micro_batches} reduce-scatter(s) per "
-            f"bucket per iteration ({micro_batches}x ZeRO-1's dp_gradient messages){kept}")

@@ -1,4 +1,6 @@
-"""AQ-SGD in pretraining: size, check and build the activation caches of one pipeline rank.
+"""AQ-SGD in pretraining (the compression config's ``pp_activation_delta``; the algorithm is
+megacomp.pipeline_parallel.aqsgd): size, check and build the activation caches of one pipeline rank, hand them
+to the pipeline's communicator and checkpoint them.
 
 A rank holds, for each of its chunks (virtual stage ``vs``), the receiving side of boundary ``vs`` (unless
 ``vs`` is 0) and the sending side of boundary ``vs + 1`` (unless it is the last virtual stage). Each side
@@ -17,7 +19,8 @@ from typing import Optional
 
 import torch
 
-from ..pipeline_parallel.aqsgd import ActivationDeltaCache, cache_bytes
+from ...pipeline_parallel.aqsgd import ActivationDeltaCache, cache_bytes
+from .base import Feature
 
 
 def available_host_bytes() -> Optional[int]:
@@ -77,3 +80,32 @@ def summary(cache: ActivationDeltaCache, codec) -> str:
     return (f"AQ-SGD activation deltas with {codec} after {cache.warmup_visits} uncompressed visit(s) per sample; "
             f"caches {sides} of {cache.num_slots} samples x {cache.sample_shape}: {cache.nbytes / 2**20:.1f} MiB "
             f"host memory on this rank; data shards fixed per DP rank")
+
+
+class AQSGDCaches(Feature):
+    """AQ-SGD's per-sample activation caches (see the module docstring); the data shards stay fixed per DP rank."""
+
+    name = "aqsgd"
+    state_key = "aqsgd"
+
+    @classmethod
+    def selected(cls, cfg) -> bool:
+        return bool(cfg.compression_config().pp_activation_delta)
+
+    def build(self, run) -> None:
+        c = run.compression
+        self.cache = build_activation_delta(
+            num_samples=len(run.dataset), shard=run.sampler_at(0).shard(), pp_size=run.groups.pp_size,
+            pp_rank=run.groups.pp_rank, num_chunks=run.num_chunks,
+            sample_shape=(run.activation_shape()[0], self.cfg.model.hidden_size),
+            dtype=next(run.model.parameters()).dtype, warmup_visits=c.pp_activation_delta_warmup_visits)
+        run.activation_delta = self.cache
+
+    def banner(self, run) -> list[str]:
+        return [f"pipeline: {summary(self.cache, run.channels.pp_activation.codec)}"]
+
+    def state_dict(self):
+        return self.cache.state_dict()
+
+    def load_state_dict(self, state) -> None:
+        self.cache.load_state_dict(state)  # compression_resolved matched, so the checkpoint has the caches

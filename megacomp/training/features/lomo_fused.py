@@ -1,5 +1,5 @@
-"""LOMO / AdaLomo in the pretraining loop: the optimizer that updates inside backward, behind the interface the
-trainer gives every optimizer (``param_groups`` for the learning rate, ``step()``, ``last_grad_norm``,
+"""LOMO / AdaLomo in the pretraining loop (``--optimizer lomo|adalomo``): the optimizer that updates inside
+backward, behind the interface the trainer gives every optimizer (``param_groups`` for the learning rate, ``step()``, ``last_grad_norm``,
 checkpoint state).
 
 Per iteration (one micro-batch per DP rank: an update inside backward leaves no gradient to accumulate):
@@ -27,10 +27,12 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..comm import Channel
-from ..optimizer import AdaLomo, DynamicLossScaler, Lomo
-from .guard import TrainingDiverged
-from .optimizer_args import lomo_kwargs
+from ...comm import Channel
+from ...optimizer import AdaLomo, DynamicLossScaler, Lomo
+from ..guard import TrainingDiverged
+from .base import Feature
+
+LOMO_OPTIMIZERS = {"lomo": Lomo, "adalomo": AdaLomo}
 
 
 class FusedStep:
@@ -75,6 +77,13 @@ class FusedStep:
         """Whether this iteration's update happened (it was applied inside backward)."""
         return self._stepped
 
+    def zero_grad(self) -> None:
+        """Nothing to clear: each gradient is freed inside backward once its parameter is updated."""
+
+    def reload_params(self, params, *, reset_state: bool = False) -> None:
+        """The parameters were replaced in place (a LoQT merge): see :meth:`megacomp.optimizer.Lomo.reload_params`."""
+        self.opt.reload_params(params, reset_state=reset_state)
+
     def init_state(self) -> None:
         """Zero error-feedback residuals for every compressed parameter (a checkpoint-load template)."""
         self.opt.init_state()
@@ -112,12 +121,15 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
     if not channels.dp_parameter.codec.is_identity:
         raise ValueError(f"optimizer {name} sends no parameters (every DP rank applies the same averaged gradient), "
                          f"but the compression config sets dp_parameter {channels.dp_parameter.codec}; drop it")
-    scaler = None
-    if cfg.params_dtype == "float16":
-        scaler = DynamicLossScaler(scale=cfg.initial_loss_scale, growth_interval=cfg.loss_scale_window)
-    cls = AdaLomo if name == "adalomo" else Lomo
-    opt = cls(model, lr=cfg.lr, dp_group=groups.dp, tp_group=groups.tp if groups.tp_size > 1 else None,
-              channel=ch, loss_scaler=scaler, **lomo_kwargs(cfg))
+    scaler, t = None, cfg.training
+    if cfg.model.params_dtype == "float16":
+        scaler = DynamicLossScaler(scale=t.initial_loss_scale, growth_interval=t.loss_scale_window)
+    # weight decay and LOMO's clipping by the global norm (clip_grad; 0 = off, which also drops the first backward
+    # pass unless fp16 needs it for the overflow check); AdaLomo's eps / clip_threshold / decay_rate are the
+    # reference's defaults
+    opt = LOMO_OPTIMIZERS[name](model, lr=t.lr, dp_group=groups.dp, tp_group=groups.tp if groups.tp_size > 1 else None,
+                                channel=ch, loss_scaler=scaler, weight_decay=t.weight_decay,
+                                clip_grad_norm=t.clip_grad or None)
     tie_for_fused_update(model, opt)
     return FusedStep(opt, dist.get_rank(groups.dp))
 
@@ -125,7 +137,7 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
 def tie_for_fused_update(model, opt: Lomo) -> None:
     """Where ``model`` (a GPTModel) holds the word embedding and the output layer tied to it (PP 1), keep one
     gradient buffer for that weight, so LOMO's gradient memory stays within the largest gradient plus one message
-    (issue 21; docs/memory): the lookup's backward adds into the output layer's partial gradient
+    (docs/memory): the lookup's backward adds into the output layer's partial gradient
     (``GPTConfig.tied_embedding_grad_in_place``, set on a copy of ``model.cfg``; same bits) and the reduction in
     flight is finished before that backward (:meth:`Lomo.flush_before`). Nothing to do on other stages."""
     if not (model.pre_process and model.post_process):
@@ -135,7 +147,7 @@ def tie_for_fused_update(model, opt: Lomo) -> None:
     opt.flush_before(model.word_embeddings)
 
 
-def lomo_summary(step: FusedStep, cfg) -> str:
+def lomo_summary(step: FusedStep, name: str) -> str:
     """One line saying what LOMO / AdaLomo does and sends (the banner's)."""
     opt = step.opt
     ch = opt.channel
@@ -144,8 +156,73 @@ def lomo_summary(step: FusedStep, cfg) -> str:
             else "no clipping" + (" (a first backward pass checks for fp16 overflow)" if opt.scaler else ""))
     scale = f", fp16 loss scale from {opt.scaler.scale:g}" if opt.scaler is not None else ""
     biggest = max(p.numel() * p.element_size() for p in opt.params.values())
-    return (f"{cfg.optimizer}: each parameter all-reduced over DP (dp_gradient, {ch.codec}{ef}) and updated inside "
+    return (f"{name}: each parameter all-reduced over DP (dp_gradient, {ch.codec}{ef}) and updated inside "
             f"backward, its gradient freed: at most two gradients alive (largest {biggest / 1e6:.2f} MB), no fp32 "
             f"masters; {clip}{scale}")
 
 
+
+
+class LomoFused(Feature):
+    """LOMO / AdaLomo in the loop (see the module docstring): its own forward/backward, one micro-batch per DP rank
+    (chosen from the config when the user did not set both batch sizes), the model's cross-entropy keeping its
+    input for the second backward pass."""
+
+    name = "lomo"
+    optimizer_names = tuple(LOMO_OPTIMIZERS)
+
+
+    @classmethod
+    def check(cls, cfg, world) -> None:
+        if not cls.selected(cfg):
+            return
+        name = cfg.training.optimizer
+        if cfg.parallel.pipeline_model_parallel_size != 1:
+            raise ValueError(f"optimizer {name} updates each parameter inside its backward: 1F1B's later micro-batches "
+                             f"would run on updated weights; set pipeline_model_parallel_size 1")
+        if cfg.parallel.sequence_parallel:
+            raise ValueError(f"optimizer {name} updates inside backward, before sequence-parallel gradients are summed "
+                             f"over TP; turn sequence_parallel off")
+        if cfg.outer.algorithm != "none" or cfg.zero.freeze_variance_step:
+            raise ValueError(f"optimizer {name} has no Adam state to freeze nor inner steps to hand to an outer loop; "
+                             f"drop --outer-algorithm / --adam-freeze-variance-step")
+        if not cfg.zero.shard:
+            raise ValueError(f"optimizer {name} keeps no sharded state (every DP rank updates every parameter); drop "
+                             f"--no-shard-optimizer")
+        if world:
+            t, p = cfg.training, cfg.parallel
+            dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) or 1
+            if t.global_batch_size != t.micro_batch_size * dp:
+                raise ValueError(f"optimizer {name} updates the parameters inside backward, so an iteration is one "
+                                 f"micro-batch per data-parallel rank: set global_batch_size = micro_batch_size "
+                                 f"({t.micro_batch_size}) x DP ({dp}) = {t.micro_batch_size * dp} (got "
+                                 f"{t.global_batch_size}), or raise micro_batch_size")
+
+    @classmethod
+    def resolve(cls, cfg, world) -> list[str]:
+        """One micro-batch per DP rank: where the batch sizes disagree and the command line did not set
+        global_batch_size, it becomes micro_batch_size x DP (said in the banner)."""
+        t, p = cfg.training, cfg.parallel
+        if not world or "global_batch_size" in cfg.explicit:
+            return []
+        dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) or 1
+        if t.global_batch_size == t.micro_batch_size * dp:
+            return []
+        was, t.global_batch_size = t.global_batch_size, t.micro_batch_size * dp
+        return [f"batch: global_batch_size {t.global_batch_size} (micro_batch_size {t.micro_batch_size} x DP {dp}) "
+                f"instead of {was}: {t.optimizer} updates inside backward, so an iteration is one micro-batch per DP "
+                f"rank (--global-batch-size sets it)"]
+
+    def configure_model(self, gpt_kwargs: dict) -> None:
+        gpt_kwargs["cross_entropy_inplace_backward"] = False  # the norm pass and the update pass both run backward
+
+    def build(self, run) -> None:
+        self.step_driver = build_fused(self.cfg.training.optimizer, run.model, run.groups, run.channels,
+                                       run.compression, self.cfg)
+        run.optimizer = self.step_driver
+
+    def banner(self, run) -> list[str]:
+        return [f"optimizer: {lomo_summary(self.step_driver, self.cfg.training.optimizer)}"]
+
+    def forward_backward(self, run, batches, inner) -> list[float]:
+        return self.step_driver.forward_backward(run.model, batches)

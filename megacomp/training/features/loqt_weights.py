@@ -1,4 +1,4 @@
-"""LoQT in the pretraining loop (``--loqt-rank R``): the model's transformer linears converted to quantised base
+"""LoQT in the pretraining loop (``--loqt-rank R``, the ``loqt`` component): the model's transformer linears converted to quantised base
 weights plus trainable rank-R factors (megacomp.tensor_parallel.loqt), and the merge iterations driven.
 
 Per iteration ``it`` (0-based):
@@ -22,10 +22,55 @@ like any skipped step.
 """
 from __future__ import annotations
 
-from ..tensor_parallel.loqt import LoQT, LoQTSchedule, convert_to_loqt, sync_optimizer
-from .fused import FusedStep
-from .guard import TrainingDiverged
-from .optimizer_args import loqt_kwargs
+from dataclasses import dataclass
+from typing import Any
+
+from ...compression import parse_codec_arg
+from ...tensor_parallel.loqt import LoQT, LoQTSchedule, convert_to_loqt, sync_optimizer
+from ..guard import TrainingDiverged
+from .base import Feature
+from .lomo_fused import LOMO_OPTIMIZERS
+
+
+@dataclass
+class LoQTConfig:
+    """LoQT: quantised base weights with trainable low-rank factors, merged on a schedule."""
+
+    FLAT_PREFIX = "loqt_"
+    rank: int = 0
+    """LoQT (megacomp.tensor_parallel.loqt): 0 = off; r > 0 stores every transformer linear's weight quantised
+    (--loqt-codec) and trains only a rank-r factor per layer (plus biases, norms and embeddings), merged into the
+    quantised weight on the schedule below; only the trainable parameters cross the DP group."""
+    codec: Any = "{name: int8, block_size: 32}"
+    """LoQT: codec of the stored base weights (int8 or int4 with a block size dividing each layer's local rows)."""
+    alpha: float = 0.5
+    """LoQT: scale of the low-rank product in the weight (the reference's lora_alpha, used as is)."""
+    update_interval: int = 100
+    """LoQT: tau, iterations from the first merge to the second; the k-th later interval is tau + floor(growth^k)."""
+    growth: float = 1.2
+    """LoQT: growth psi of the merge intervals (1: every interval is tau + 1)."""
+    compensate_iters: int = 5
+    """LoQT: rounds of the reference's quantisation-error compensation at each merge (0 = the factor restarts at 0)."""
+
+
+def loqt_kwargs(cfg) -> dict:
+    """megacomp.tensor_parallel.loqt settings of a run: ``convert`` (convert_to_loqt's keywords) and ``schedule``
+    (LoQTSchedule's). Raises ValueError for a negative rank, alpha <= 0, an interval < 1, growth < 1, negative
+    compensation rounds, or an optimizer / outer loop that LoQT does not drive (its merges reset the factor
+    under the optimizer: the sharded AdamW and LOMO / AdaLomo handle that)."""
+    q = cfg.loqt
+    if q.rank < 0 or q.alpha <= 0 or q.update_interval < 1 or q.growth < 1 or q.compensate_iters < 0:
+        raise ValueError(f"LoQT needs loqt_rank >= 0, loqt_alpha > 0, loqt_update_interval >= 1, loqt_growth >= 1 and "
+                         f"loqt_compensate_iters >= 0; got {q.rank}, {q.alpha}, {q.update_interval}, {q.growth} and "
+                         f"{q.compensate_iters}")
+    name = cfg.training.optimizer
+    if name not in ("adamw",) + tuple(LOMO_OPTIMIZERS) or cfg.outer.algorithm != "none" or cfg.zero.freeze_variance_step:
+        raise ValueError(f"LoQT (loqt_rank {q.rank}) runs with --optimizer adamw, lomo or adalomo and no outer "
+                         f"loop or variance freezing (got optimizer {name}, outer {cfg.outer.algorithm}); "
+                         f"set loqt_rank 0 or change the optimizer")
+    return {"convert": {"rank": q.rank, "codec": parse_codec_arg(q.codec), "alpha": q.alpha,
+                        "compensate_iters": q.compensate_iters},
+            "schedule": {"gap": q.update_interval, "growth": q.growth, "total_steps": cfg.training.train_iters}}
 
 
 class LoQTDriver:
@@ -36,6 +81,7 @@ class LoQTDriver:
         self.layers = convert_to_loqt(model, **kw["convert"])
         self.loqt = LoQT(self.layers, LoQTSchedule(**kw["schedule"]), dp_group=groups.dp)
         self.merges = 0
+        self.updates_in_backward = cfg.training.optimizer in LOMO_OPTIMIZERS  # a step() says whether it updated
         self.deferred = False  # a merge found inf/NaN gradients: the next iteration merges instead
 
     def begin(self, iteration: int) -> bool:
@@ -51,15 +97,14 @@ class LoQTDriver:
         nothing merged (and the loss scale backs off), the next iteration merges."""
         merged = self.loqt.merge_and_reinit(iteration)
         if merged:
-            sync_optimizer(getattr(optimizer, "opt", optimizer), self.layers)  # training.fused wraps LOMO / AdaLomo
+            sync_optimizer(optimizer, self.layers)
             self.merges += 1
-        elif isinstance(optimizer, FusedStep) and optimizer.step():  # no norm pass saw it: already applied
+        elif self.updates_in_backward and optimizer.step():  # LOMO: no norm pass saw it, already applied
             raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: the captured weight gradients are "
                                    f"inf/NaN and the other parameters were already updated inside backward; "
                                    f"resume from the last checkpoint with a lower learning rate")
         self.deferred = not merged
-        if hasattr(optimizer, "zero_grad"):
-            optimizer.zero_grad()
+        optimizer.zero_grad()
         return merged
 
     def summary(self) -> str:
@@ -75,3 +120,43 @@ class LoQTDriver:
                 f"{trainable:,} trainable factor elements, base weights {stored / 1e6:.2f} MB stored vs "
                 f"{dense / 1e6:.2f} MB dense; merges at iterations {', '.join(str(s + 1) for s in first)}, ... "
                 f"(no optimizer step there)")
+
+
+class LoQTWeights(Feature):
+    """LoQT in the loop (see the module docstring): converts the model before the optimizer sees it, captures the
+    full weight gradients on merge iterations and merges instead of stepping there."""
+
+    name = "loqt"
+    CONFIG = LoQTConfig
+    config_key = "loqt"
+
+    @classmethod
+    def selected(cls, cfg) -> bool:
+        return bool(cfg.loqt.rank)
+
+    @classmethod
+    def check(cls, cfg, world) -> None:
+        if cls.selected(cfg):
+            loqt_kwargs(cfg)  # raises on bad values
+
+    def build(self, run) -> None:
+        self.driver = LoQTDriver(self.cfg, run.model, run.groups)
+        self.merging = False
+
+    def banner(self, run) -> list[str]:
+        return [f"weights: {self.driver.summary()}"]
+
+    def iteration(self, run, batches, inner):
+        self.merging = self.driver.begin(run.iteration)  # captures full weight gradients
+        return inner(batches)
+
+    def step(self, run, inner) -> bool:
+        if not self.merging:
+            return inner()
+        # merge and re-initialise instead of an optimizer step (as the reference); False: inf/NaN, merged next time
+        return self.driver.finish(run.iteration, run.optimizer)
+
+    def record(self, run, record: dict) -> None:
+        if self.merging:
+            record["grad_norm"] = None
+            record["loqt_merge"] = not record["skipped"]

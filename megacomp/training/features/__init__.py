@@ -1,0 +1,28 @@
+"""The training families the pretraining loop can run, each one module (see megacomp.training.features.base for
+the interface). ``FEATURES`` is the registry: its order is the order families are built in and the nesting of
+their hooks (the first is the outermost). Adding a family is its module plus one line here.
+"""
+from .acco_overlap import ACCOOverlap
+from .aqsgd_caches import AQSGDCaches
+from .base import Feature
+from .demo_momentum import DeMoMomentum
+from .lomo_fused import LomoFused
+from .loqt_weights import LoQTWeights
+from .onebit_adam import OneBitFamily
+from .outer_loop import OuterLoop
+from .zero_adamw import ZeROAdamW
+
+FEATURES: tuple = (
+    LoQTWeights,    # converts the model's linears before anything holds the parameters
+    OuterLoop,      # replicas next: the inner optimizer works inside one (and MT-DAO picks its class)
+    AQSGDCaches,    # activation caches handed to the pipeline's communicator
+    ZeROAdamW,      # the optimizer families: exactly one is selected by --optimizer
+    DeMoMomentum,
+    OneBitFamily,
+    LomoFused,
+    ACCOOverlap,    # wraps the sharded AdamW built above
+)
+OPTIMIZERS = tuple(name for feature in FEATURES for name in feature.optimizer_names)
+"""--optimizer's choices (each selects the family that names it)."""
+
+__all__ = ["FEATURES", "OPTIMIZERS", "Feature"]

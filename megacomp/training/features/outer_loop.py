@@ -1,0 +1,223 @@
+"""Local-step outer loops over model replicas (``--outer-algorithm diloco | streaming_diloco | noloco | mt_dao |
+sparseloco``; the algorithms are megacomp.outer): the data-parallel ranks split into replicas, the sharded
+optimizer works inside a replica, and every ``outer_steps`` inner steps the replicas exchange a pseudo-gradient
+on the ``outer`` path (its codec from the compression config's ``outer`` / ``outer_error_feedback``, or from
+``--outer-codec`` / ``--outer-error-feedback``, which win when given).
+
+DiLoCo is Streaming DiLoCo with one fragment, no delay, no mixing; MT-DAO is its parameter averaging (outer lr
+1, no momentum) plus megacomp.outer.mt_dao's averaging of the inner optimizer's moments, with the inner
+optimizer MultiTimescaleAdamW. Replicas skip steps independently, so each iteration's verdict is agreed on
+every rank before the outer step. The outer state (momentum, the replicas' anchor, streams) is checkpointed.
+
+Failure behaviour: ValueError naming the flag for a bad algorithm or value, fewer than 2 replicas, a replica
+count that does not divide DP, NoLoCo groups that do not split the replicas, Streaming settings with plain
+DiLoCo, fine-tuning; a replica that does not arrive within ``outer_timeout`` stops every rank with an error
+naming it (megacomp.outer.ReplicaWatch).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...compression import parse_codec_arg
+from ...optimizer import MultiTimescaleAdamW
+from ...outer import DiLoCo, DiLoCoConfig, ReplicaWatch, build_replica_groups
+from ...outer.mt_dao import average_optimizer_state
+from ...outer.sparseloco import DEFAULT_CODEC as SPARSELOCO_CODEC
+from .base import Feature
+
+OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
+
+
+@dataclass
+class OuterConfig:
+    """The local-step outer loop over replicas."""
+
+    FLAT_PREFIX = "outer_"
+    algorithm: str = "none"
+    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao or sparseloco
+    (megacomp.outer; sparseloco with a DCT codec is DCT-momentum DiLoCo)."""
+    num_replicas: int = field(default=1, metadata={"flag": "num_replicas"})
+    """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
+    and they exchange a pseudo-gradient every --outer-steps steps."""
+    steps: int = 50
+    """H: inner steps between two outer synchronisations (DiLoCo)."""
+    lr: Optional[float] = None
+    """Outer learning rate. Default: the algorithm's, 0.7 for DiLoCo and NoLoCo, 1.0 for MT-DAO (averaging) and
+    SparseLoCo (alpha)."""
+    momentum: Optional[float] = None
+    """Outer momentum (0 = none). Default: the algorithm's, 0.9 Nesterov for DiLoCo, 0.5 for NoLoCo, 0 for
+    MT-DAO, and for SparseLoCo the error-feedback accumulator's decay beta, 0.95."""
+    group_size: int = 2
+    """NoLoCo: replicas per gossip group, drawn at random every outer step (must divide num_replicas)."""
+    codec: Any = None
+    """Codec of the pseudo-gradient exchange, the compression config's ``outer`` path (a name, or a mapping, also
+    as '{name: int4, ...}' on the command line); given here it wins over the compression config. Default:
+    uncompressed; for sparseloco {name: int2, k: 64, chunk: 4096}; add transform: dct for DCT-momentum DiLoCo."""
+    error_feedback: Any = None
+    """Error feedback on the pseudo-gradient ('ef', 'loco'; the compression config's outer_error_feedback, which
+    this wins over when given); needs a lossy outer codec."""
+    fragments: int = 1
+    """Streaming DiLoCo: parameter fragments synchronised at staggered steps (at most num_layers)."""
+    delay: int = 0
+    """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau < outer_steps)."""
+    mixing: float = 0.0
+    """Streaming DiLoCo: alpha in local = alpha * local + (1 - alpha) * outer when a fragment lands."""
+    timeout: float = 600.0
+    """Seconds a replica waits for the others at an outer exchange; then it stops with an error naming the
+    replicas that did not arrive (a dead or stalled replica must not hang the rest)."""
+    mt_dao_slow_betas: str = field(default="0.999", metadata={"flag": "mt_dao_slow_betas"})
+    """MT-DAO: comma list of the slow first moments' betas (the fast one is --adam-beta1; 0 = raw gradient)."""
+    mt_dao_slow_weights: str = field(default="0.9", metadata={"flag": "mt_dao_slow_weights"})
+    """MT-DAO: comma list of the slow moments' weights in the update (sum <= 1; the fast one gets the rest)."""
+
+
+def mt_dao_optimizer_kwargs(cfg) -> dict:
+    """``slow_betas`` and ``slow_weights`` of megacomp.optimizer.MultiTimescaleAdamW from the comma lists.
+
+    Raises:
+        ValueError: a list that does not parse, lists of different lengths, betas outside [0, 1), weights < 0
+            or summing to more than 1."""
+    out = {}
+    for flag, key in (("mt_dao_slow_betas", "slow_betas"), ("mt_dao_slow_weights", "slow_weights")):
+        text = str(getattr(cfg.outer, flag))
+        try:
+            out[key] = tuple(float(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"{flag} must be a comma list of numbers, got {text!r}") from None
+    betas, weights = out["slow_betas"], out["slow_weights"]
+    if len(betas) != len(weights) or not all(0 <= b < 1 for b in betas) or any(w < 0 for w in weights) \
+            or sum(weights) > 1:
+        raise ValueError(f"mt_dao_slow_betas {betas} and mt_dao_slow_weights {weights}: one weight per beta, betas in "
+                         f"[0, 1), weights >= 0 summing to at most 1")
+    return out
+
+
+def outer_config(cfg) -> DiLoCoConfig:
+    """The megacomp.outer.DiLoCoConfig of a run. Raises ValueError for bad values (see DiLoCoConfig)."""
+    o = cfg.outer
+    noloco, mt_dao, sparse = o.algorithm == "noloco", o.algorithm == "mt_dao", o.algorithm == "sparseloco"
+    momentum = o.momentum if o.momentum is not None else (0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else 0.9)
+    lr = o.lr if o.lr is not None else (1.0 if mt_dao or sparse else 0.7)
+    comp = cfg.compression_config()
+    codec = parse_codec_arg(o.codec) if o.codec is not None else comp.outer
+    error_feedback = o.error_feedback if o.error_feedback is not None else comp.outer_error_feedback
+    if sparse and codec is None:
+        codec = SPARSELOCO_CODEC
+    algorithm = "noloco" if noloco else "sparseloco" if sparse else "diloco"
+    return DiLoCoConfig(outer_steps=o.steps, outer_lr=lr, outer_momentum=momentum, algorithm=algorithm,
+                        group_size=o.group_size, seed=cfg.training.seed if noloco else 0, codec=codec,
+                        error_feedback=error_feedback, fragments=o.fragments, delay=o.delay, mixing=o.mixing)
+
+
+class OuterLoop(Feature):
+    """The outer loops (see the module docstring)."""
+
+    name = "outer"
+    CONFIG = OuterConfig
+    config_key = "outer"
+    state_key = "outer"
+
+    @classmethod
+    def selected(cls, cfg) -> bool:
+        return cfg.outer.algorithm != "none"
+
+    @classmethod
+    def check(cls, cfg, world) -> None:
+        o = cfg.outer
+        if o.algorithm not in OUTER_ALGORITHMS:
+            raise ValueError(f"outer_algorithm must be one of {', '.join(OUTER_ALGORITHMS)}, got {o.algorithm!r}")
+        if o.algorithm in ("diloco", "mt_dao") and (o.fragments != 1 or o.delay or o.mixing):
+            raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo (and NoLoCo) settings: "
+                             "use --outer-algorithm streaming_diloco")
+        if o.algorithm == "mt_dao":
+            mt_dao_optimizer_kwargs(cfg)  # raises on bad lists
+            if cfg.zero.freeze_variance_step:
+                raise ValueError("adam_freeze_variance_step and outer_algorithm mt_dao both replace the inner optimizer; "
+                                 "use one of them")
+        if o.algorithm == "none":
+            if o.num_replicas != 1:
+                raise ValueError(f"num_replicas {o.num_replicas} needs an outer algorithm (--outer-algorithm diloco)")
+            return
+        outer_config(cfg)  # raises on bad values
+        if o.fragments > cfg.model.num_layers:
+            raise ValueError(f"outer_fragments {o.fragments} is larger than the {cfg.model.num_layers} layers; use "
+                             f"at most one fragment per layer")
+        if o.num_replicas < 2:
+            raise ValueError(f"outer_algorithm {o.algorithm} needs num_replicas >= 2, got {o.num_replicas}")
+        if o.algorithm == "noloco" and o.num_replicas % o.group_size:
+            raise ValueError(f"outer_group_size {o.group_size} does not divide num_replicas {o.num_replicas}; "
+                             f"NoLoCo's gossip groups must split the replicas evenly")
+        if cfg.checkpoint.finetune:
+            raise ValueError("finetune with an outer loop is not supported (the replicas' outer weights are built "
+                             "before the checkpoint is read); fine-tune without --outer-algorithm")
+        p = cfg.parallel
+        if world and world % (p.tensor_model_parallel_size * p.pipeline_model_parallel_size) == 0:
+            dp = world // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+            if dp % o.num_replicas:
+                raise ValueError(f"num_replicas {o.num_replicas} does not divide the data-parallel size {dp} (world "
+                                 f"{world} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} "
+                                 f"x DP {dp})")
+
+    def build(self, run) -> None:
+        """Split DP into replicas (the inner optimizer then works inside one) and build the outer step; MT-DAO also
+        picks the inner optimizer."""
+        o = self.cfg.outer
+        self.replicas = build_replica_groups(run.groups, o.num_replicas)
+        run.dp_group, run.replica = self.replicas.inner, self.replicas.replica
+        if o.algorithm == "mt_dao":
+            run.inner_optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(self.cfg))
+        watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, o.timeout)
+        self.outer = DiLoCo(run.model.parameters(), self.replicas.outer, outer_config(self.cfg),
+                            after_sync=lambda: self._after_sync(run), watch=watch)
+
+    def _after_sync(self, run) -> None:
+        """The model's parameters were replaced by the outer step: reload the optimizer's fp32 masters; under
+        MT-DAO also average the optimizer's moments across the replicas (megacomp.outer.mt_dao)."""
+        run.optimizer.load_params_from_model()
+        if self.cfg.outer.algorithm == "mt_dao":
+            average_optimizer_state(run.optimizer.optimizer, self.outer.plain)
+
+    def banner(self, run) -> list[str]:
+        oc, replicas, dp = self.outer.config, self.cfg.outer.num_replicas, run.groups.dp_size
+        per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
+        codec = (f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind "
+                 f"'outer')")
+        stream = (f" in {oc.fragments} fragments, each applied {oc.delay} steps after it starts, mixing {oc.mixing:g}"
+                  if oc.fragments > 1 or oc.delay or oc.mixing else "")
+        if self.cfg.outer.algorithm == "mt_dao":
+            text = (f"MT-DAO over {per}: parameters averaged (outer lr {oc.outer_lr:g}, momentum {oc.outer_momentum:g}, "
+                    f"{codec}) and every Adam moment averaged uncompressed; inner MultiTimescaleAdamW")
+        elif oc.algorithm == "noloco":
+            text = (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
+                    f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")
+        elif oc.algorithm == "sparseloco":
+            text = (f"SparseLoCo over {per}: accumulator e <- {oc.outer_momentum:g} e + Delta, C(e) all-gathered and "
+                    f"averaged, theta -= {oc.outer_lr:g} x mean, pseudo-gradient codec {oc.codec} (traffic kind "
+                    f"'outer')")
+        else:
+            nesterov = " (Nesterov)" if oc.nesterov and oc.outer_momentum else ""
+            text = (f"{'Streaming ' if stream else ''}DiLoCo{stream} over {per}, outer SGD lr {oc.outer_lr:g} momentum "
+                    f"{oc.outer_momentum:g}{nesterov}, {codec}")
+        return [f"outer loop: {text}"]
+
+    def iteration(self, run, batches, inner):
+        losses, stepped = inner(batches)
+        # replicas skip steps independently; the verdict and the outer cycle must be the same everywhere
+        flag = torch.tensor([0.0 if stepped else 1.0], device=run.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.outer.step()
+        return losses, not flag.item()
+
+    def state_dict(self) -> Any:
+        return self.outer.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.outer.load_state_dict(state)
+
+    def close(self, run) -> None:
+        self.outer.finish()  # complete outer exchanges still in flight

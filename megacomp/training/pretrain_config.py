@@ -1,0 +1,290 @@
+"""The pretraining configuration as a tree: one dataclass per component (model, parallel layout, data,
+training schedule and optimizer choice, checkpointing, logging), one per training family (owned by the family's
+module in megacomp.training.features and added here from the registry), and the compression preset.
+
+    cfg = PretrainConfig(num_layers=4, optimizer="onebit_adam", freeze_step=100)   # flat, Megatron-style names
+    cfg.onebit.freeze_step, cfg.training.optimizer                                  # the tree
+    cfg.freeze_step                                                                 # the flat view, same value
+
+Every field has a flat name (megacomp.training.config_tree), unique across the tree: the constructor,
+attribute reads and writes, ``dataclasses.replace``, the YAML file and the command line accept it, so the
+flags and keys users script against keep working. YAML files may also nest (``onebit: {freeze_step: 100}``).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, make_dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from ..config import CommCompressionConfig, load_yaml
+from .config_tree import component_fields, did_you_mean, flat_name
+from .features import FEATURES
+
+REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclass
+class ModelConfig:
+    """The GPT model."""
+
+    num_layers: int = 2
+    """Transformer layers."""
+    hidden_size: int = 64
+    """Model width."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP width (default 4 x hidden)."""
+    seq_length: int = 64
+    """Tokens per sample."""
+    vocab_size: int = 1024
+    """Tokenizer vocabulary (rounded up to a multiple of the TP size for the embedding)."""
+    params_dtype: str = "float32"
+    """float32 or bfloat16 model parameters (masters stay fp32); with lomo / adalomo also float16 (dynamic loss
+    scaling; no masters: parameters are updated in their own dtype, the update computed in fp32)."""
+
+
+@dataclass
+class ParallelConfig:
+    """The TP x PP x DP layout and its process groups."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size."""
+    pipeline_model_parallel_size: int = 1
+    """PP size (1F1B schedule)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Layers per virtual pipeline stage (Megatron's flag): the interleaved 1F1B schedule with
+    num_layers / (PP x this) model chunks per stage; None = the non-interleaved schedule."""
+    sequence_parallel: bool = False
+    """Sequence parallelism inside TP."""
+    distributed_timeout_minutes: float = 10.0
+    """Timeout of collectives: a dead rank makes the others fail after at most this long."""
+    validate_collectives_every: int = 0
+    """Check collective arguments across ranks on every call (1) or only in the first iteration (0)."""
+
+
+@dataclass
+class TrainingConfig:
+    """Batch, schedule, the optimizer family and the run's stopping rules."""
+
+    micro_batch_size: int = 4
+    """Samples per micro-batch per DP rank."""
+    global_batch_size: int = 16
+    """Samples per iteration over all DP ranks (a multiple of micro_batch_size x DP size)."""
+    train_iters: int = 100
+    """Iterations to train."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 1e-4
+    """Learning rate at the end of the cosine decay."""
+    lr_warmup_iters: int = 10
+    """Linear warm-up iterations."""
+    optimizer: str = "adamw"
+    """adamw: the sharded optimizer (gradients reduce-scattered over DP, megacomp.optimizer.DistributedOptimizer);
+    demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
+    all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (6e-3 was best on the tiny
+    GPT: docs/convergence_demo_sweep); onebit_adam, zero_one_adam, onebit_lamb: the 1-bit family
+    (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path);
+    lomo, adalomo: LOMO / AdaLomo (megacomp.optimizer.lomo): each parameter is all-reduced over DP (the
+    dp_gradient path), updated and its gradient freed inside backward, so no gradient buffer, fp32 master or
+    (LOMO) optimizer state exists; one micro-batch per iteration, no pipeline or sequence parallelism."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    seed: int = 1234
+    """Seed of the initialisation and the data order. Stochastic-rounding codecs without their own seed
+    draw from torch's generator, whose state the checkpoints save."""
+    initial_loss_scale: float = 65536.0
+    """float16 parameters: the starting dynamic loss scale (halved after an overflow step, which is skipped)."""
+    loss_scale_window: int = 1000
+    """float16 parameters: clean steps in a row before the loss scale doubles."""
+    max_skipped_steps: int = 10
+    """Consecutive steps skipped for inf/NaN gradients or loss that are tolerated; one more stops the run
+    (non-zero exit, no checkpoint of the diverged state)."""
+    loss_divergence_factor: float = 10.0
+    """Stop when the loss exceeds this times the lowest loss so far (0 = off)."""
+    exit_interval: int = 0
+    """Stop (after saving) when the iteration is a multiple of this (0 = off), e.g. to test resume."""
+    exit_on_signal: bool = True
+    """On SIGTERM or SIGUSR1 (Slurm: sbatch --signal=USR1@120), save a checkpoint at the next iteration
+    boundary and exit with status 0."""
+
+
+@dataclass
+class DataConfig:
+    """The corpus, its tokenizer and the token cache."""
+
+    data_path: Optional[list] = None
+    """Corpus files or directories (default: the Python standard library's sources)."""
+    data_cache_dir: Optional[str] = None
+    """Where the tokenizer and token files are cached (default $MEGACOMP_DATA_CACHE or ~/.cache/megacomp)."""
+    dataset_samples: Optional[int] = None
+    """Train on the first N samples only, for several epochs (a fine-tuning-style set, as AQ-SGD needs);
+    None = every sample of the corpus."""
+    tokenizer_max_bytes: int = 5 * 1024 * 1024
+    """Text used to train the tokenizer."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Where checkpoints are written and read."""
+
+    save: Optional[str] = None
+    """Checkpoint directory to write."""
+    save_interval: int = 0
+    """Iterations between checkpoints (0: only at the end when --save is set)."""
+    load: Optional[str] = None
+    """Checkpoint directory to resume from (latest iteration)."""
+    finetune: bool = False
+    """With ``load``: start from the checkpoint's model weights only (Megatron's --finetune): iteration 0, fresh
+    optimizer, RNG and error feedback; compression, optimizer and data may differ from the checkpoint's run.
+    When ``save`` (which must differ from ``load``) already holds a checkpoint, the run resumes from it instead."""
+    keep_checkpoints: int = 0
+    """Keep only the newest this many checkpoints under --save (0 = keep all)."""
+
+
+@dataclass
+class LoggingConfig:
+    """What the run writes besides the console."""
+
+    log_dir: Optional[str] = None
+    """Directory for metrics.jsonl (rank 0)."""
+    log_interval: int = 1
+    """Iterations between log lines."""
+
+
+BASE_COMPONENTS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
+                   "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+"""The tree's components besides the families' (megacomp.training.features) and ``compression``."""
+
+COMPRESSION_DOC = ("Preset name (configs/compression/NAME.yaml), YAML file or mapping of a codec per traffic path "
+                   "(see megacomp.config.CommCompressionConfig).")
+
+
+class PretrainConfigBase:
+    """Methods of :class:`PretrainConfig` (the dataclass itself is assembled from the components below)."""
+
+    def __init__(self, **settings: Any) -> None:
+        comps = type(self).components()
+        flat = type(self).flat_fields()
+        for key, cls in comps.items():
+            given = settings.pop(key, None)
+            if isinstance(given, dict):
+                given = _component_from_dict(key, cls, given)
+            elif given is not None and not isinstance(given, cls):
+                raise TypeError(f"PretrainConfig {key} must be a {cls.__name__} or a mapping, got {type(given).__name__}")
+            object.__setattr__(self, key, copy.copy(given) if given is not None else cls())
+        object.__setattr__(self, "compression", settings.pop("compression", "none"))
+        object.__setattr__(self, "explicit", frozenset(settings.pop("explicit", ())) | frozenset(settings))
+        for name, value in settings.items():  # flat names, applied on top of the components
+            if name not in flat:
+                raise TypeError(f"PretrainConfig got an unknown setting {name!r}{did_you_mean(name, flat)}")
+            key, leaf = flat[name]
+            setattr(getattr(self, key), leaf, value)
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are not attributes: the flat view
+        where = type(self).flat_fields().get(name)
+        if where is None:
+            raise AttributeError(f"PretrainConfig has no setting {name!r}")
+        return getattr(object.__getattribute__(self, where[0]), where[1])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        where = type(self).flat_fields().get(name)
+        if where is not None:
+            setattr(getattr(self, where[0]), where[1], value)
+        else:
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def components(cls) -> dict[str, type]:
+        """Component key -> its dataclass, in the tree's order (``compression`` is a plain value)."""
+        return dict(cls._COMPONENTS)
+
+    @classmethod
+    def flat_fields(cls) -> dict[str, tuple[str, str]]:
+        """Flat name -> (component key, field name)."""
+        return cls._FLAT
+
+    def compression_config(self) -> CommCompressionConfig:
+        """``load_compression(self.compression)``; raises as :func:`load_compression`."""
+        return load_compression(self.compression)
+
+    def flat(self) -> dict[str, Any]:
+        """Every setting under its flat name, plus ``compression`` (what a checkpoint records)."""
+        out = {name: getattr(getattr(self, key), leaf) for name, (key, leaf) in type(self).flat_fields().items()}
+        out["compression"] = self.compression
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tree as plain data: one mapping per component, and ``compression``."""
+        out = {key: asdict(getattr(self, key)) for key in type(self).components()}
+        out["compression"] = self.compression
+        return out
+
+
+def _component_from_dict(key: str, cls: type, data: dict):
+    names = [f.name for f in component_fields(cls)]
+    for k in data:
+        if k not in names:
+            raise ValueError(f"unknown key {key}.{k}{did_you_mean(k, names)}; {key} keys: {', '.join(names)}")
+    return cls(**data)
+
+
+def _assemble():
+    comps = dict(BASE_COMPONENTS)
+    for feature in FEATURES:
+        if feature.CONFIG is not None:
+            comps[feature.config_key] = feature.CONFIG
+    flat = {}
+    for key, cls in comps.items():
+        for f in component_fields(cls):
+            name = flat_name(cls, f)
+            if name in flat or name in comps or name == "compression":
+                raise TypeError(f"flat name {name!r} of {key}.{f.name} is taken by {flat.get(name, name)}")
+            flat[name] = (key, f.name)
+    spec = [(key, cls, field(default_factory=cls)) for key, cls in comps.items()]
+    spec.append(("compression", Any, field(default="none")))
+    # the flat names the user set (the command line's flags, a Python caller's keywords): a family may adapt the
+    # others to what it needs (PretrainConfig.resolve), never these
+    spec.append(("explicit", frozenset, field(default=frozenset(), compare=False, repr=False)))
+    made = make_dataclass("PretrainConfig", spec, bases=(PretrainConfigBase,), init=False)
+    made._COMPONENTS, made._FLAT = tuple(comps.items()), flat
+    made.__module__ = __name__
+    made.__doc__ = ("Everything a pretraining run needs, as a tree of components (see the module docstring). Not "
+                    "validated on construction: megacomp.training.arguments.parse_args runs check().")
+    return made
+
+
+PretrainConfig = _assemble()
+
+
+def load_compression(spec: Union[str, dict, None]) -> CommCompressionConfig:
+    """A CommCompressionConfig from a preset name, a YAML path or a mapping.
+
+    None gives the default (uncompressed) config and a CommCompressionConfig is returned as is. A string is
+    a YAML file when one exists at that path, else the preset ``configs/compression/NAME.yaml``.
+
+    Raises:
+        ValueError: a string that is neither a file nor a preset (the presets are listed); unknown keys or
+            invalid settings (CommCompressionConfig); a YAML file whose top level is not a mapping.
+        TypeError: a codec setting that is neither a name, a mapping nor a Codec (make_codec).
+    """
+    if spec is None:
+        return CommCompressionConfig()
+    if isinstance(spec, dict):
+        return CommCompressionConfig.from_dict(spec)
+    if isinstance(spec, CommCompressionConfig):
+        return spec
+    path = Path(spec)
+    if not path.is_file():
+        path = REPO_CONFIGS / "compression" / f"{spec}.yaml"
+    if not path.is_file():
+        presets = sorted(p.stem for p in (REPO_CONFIGS / "compression").glob("*.yaml"))
+        raise ValueError(f"--compression {spec!r} is neither a file nor a preset; presets: {presets}")
+    return CommCompressionConfig.from_dict(load_yaml(str(path)))
