@@ -172,7 +172,7 @@ def build_zero(model, dp, tracker, args, stage: int = 1) -> Method:
 
 
 def _lomo(cls, model, dp, tracker, args, **kw) -> Method:
-    from megacomp.training.fused import tie_for_fused_update
+    from megacomp.training.features.lomo_fused import tie_for_fused_update
 
     opt = cls(model, lr=args.lr, weight_decay=args.weight_decay, clip_grad_norm=args.clip_grad, dp_group=dp, **kw)
     # as pretraining does: one gradient buffer for the tied word embedding (the lookup's backward adds into the
