@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..config import TRAFFIC_PATHS, CommCompressionConfig
+from ..config import FEATURE_PATHS, TRAFFIC_PATHS, CommCompressionConfig
 
 
 def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
@@ -34,7 +34,9 @@ def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
 def describe_path(comp: CommCompressionConfig, path: str) -> str:
     """``int4/b128 + loco(beta 0.8, reset 512)``-style text for one path's codec and error feedback."""
     text = str(getattr(comp, path))
-    efc = getattr(comp, path + "_error_feedback", None)  # only tp_backward, pp_gradient and dp_gradient have one
+    efc = getattr(comp, path + "_error_feedback", None)  # tp_backward, pp_gradient, dp_gradient, outer: a config
+    if isinstance(efc, bool):  # dp_momentum's worker and server error feedback: on or off
+        return text + (" + worker/server error feedback" if efc else "")
     if efc is not None:
         kind = "classic error feedback" if efc.beta == 0 else f"LoCo error feedback (beta {efc.beta:g})"
         text += f" + {kind}" + (f", reset every {efc.reset_interval} steps" if efc.reset_interval else "")
@@ -56,6 +58,10 @@ def banner(*, world: int, tp: int, pp: int, dp: int, sp: bool, backend: str, dev
         lines.append(f"    {p:<18} {describe_path(comp, p)}")
     if unused:
         lines.append("  not used by this layout: " + ", ".join(f"{p} ({why})" for p, why in unused.items()))
+    owners = {"dp_momentum": "1-bit optimizers", "outer": "outer loops", "loqt_merge": "LoQT", "loqt_merge_tp": "LoQT"}
+    lines.append("  training families' paths (their lines below say what each run sends): " + ", ".join(
+        f"{p} {describe_path(comp, p) if getattr(comp, p) is not None else 'default'} ({owners[p]})"
+        for p in FEATURE_PATHS))
     lossy_unused = [p for p in unused if not getattr(comp, p).is_identity]
     if lossy_unused:
         lines.append(f"  note: the preset compresses {', '.join(lossy_unused)}, which this layout does not use")

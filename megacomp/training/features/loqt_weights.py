@@ -76,10 +76,16 @@ def loqt_kwargs(cfg) -> dict:
 class LoQTDriver:
     """The LoQT layers of one rank's model and their merge schedule (see the module docstring)."""
 
-    def __init__(self, cfg, model, groups) -> None:
+    def __init__(self, cfg, model, groups, compression) -> None:
         kw = loqt_kwargs(cfg)
         self.layers = convert_to_loqt(model, **kw["convert"])
-        self.loqt = LoQT(self.layers, LoQTSchedule(**kw["schedule"]), dp_group=groups.dp)
+        # the merge's DP gradient sum and TP Gram all-reduce: the compression config's loqt_merge / loqt_merge_tp
+        # paths (not set: exact, as the reference)
+        merge, gram = compression.loqt_merge, compression.loqt_merge_tp
+        channel = compression.channel("loqt_merge", merge, group=groups.dp) if merge is not None else None
+        tp_channel = compression.channel("loqt_merge_tp", gram, group=groups.tp) if gram is not None else None
+        self.loqt = LoQT(self.layers, LoQTSchedule(**kw["schedule"]), dp_group=groups.dp,
+                         channel=channel, tp_channel=tp_channel)
         self.merges = 0
         self.updates_in_backward = cfg.training.optimizer in LOMO_OPTIMIZERS  # a step() says whether it updated
         self.deferred = False  # a merge found inf/NaN gradients: the next iteration merges instead
@@ -116,7 +122,8 @@ class LoQTDriver:
         layer = self.layers[0]
         sched = self.loqt.schedule
         first = sched.merge_steps(10 * sched.gap)[:4]
-        return (f"LoQT on {len(self.layers)} linears (this rank): rank {layer.rank}, base {layer.codec}, "
+        return (f"LoQT on {len(self.layers)} linears (this rank): rank {layer.rank}, base {layer.codec}, merge sums "
+                f"loqt_merge {self.loqt.channel.codec} / loqt_merge_tp {self.loqt.tp_channel.codec}, "
                 f"{trainable:,} trainable factor elements, base weights {stored / 1e6:.2f} MB stored vs "
                 f"{dense / 1e6:.2f} MB dense; merges at iterations {', '.join(str(s + 1) for s in first)}, ... "
                 f"(no optimizer step there)")
@@ -140,7 +147,7 @@ class LoQTWeights(Feature):
             loqt_kwargs(cfg)  # raises on bad values
 
     def build(self, run) -> None:
-        self.driver = LoQTDriver(self.cfg, run.model, run.groups)
+        self.driver = LoQTDriver(self.cfg, run.model, run.groups, run.compression)
         self.merging = False
 
     def banner(self, run) -> list[str]:
