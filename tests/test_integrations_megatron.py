@@ -4,6 +4,10 @@
   (embedding, column, frozen column, row), and again after uninstall.
 - Sequence parallelism (megatron-core's own path asserts CUDA on CPU): with the integration, compression
   off equals the non-sequence-parallel run bit for bit at TP 2.
+- On a GPU (skipped without CUDA): stock megatron-core's sequence-parallel path against the integration,
+  compression off bit for bit (TP 2, two spawned gloo ranks sharing the GPU; TP 1 without sequence
+  parallelism, which megatron-core refuses there), and int8 on the sequence-parallel all-gather,
+  reduce-scatter and input-gradient reduce-scatter within the codec's bound.
 - Compression on: the row layer's forward all-reduce and the column layer's input-gradient all-reduce within
   the codec's propagated bound (tests/codec_bounds.py), error feedback keyed per weight and checkpointed.
 - Bad input: unsupported version, changed signature, installing twice, lossy non-TP paths, uneven splits and
@@ -49,13 +53,14 @@ def _build(sp=False):
     return mods
 
 
-def _run(mods, sp=False):
-    """tokens [b, s] -> embedding -> [s, b, h] -> col (+ frozen col) -> row; returns output and all gradients."""
+def _run(mods, sp=False, device="cpu"):
+    """tokens [b, s] -> embedding -> [s, b, h] -> col (+ frozen col) -> row; returns output and all gradients.
+    Inputs are drawn on the CPU and moved to ``device`` (the same values on any device)."""
     torch.manual_seed(1)
-    tokens = torch.randint(0, V, (B, S))
+    tokens = torch.randint(0, V, (B, S)).to(device)
     x = mods["emb"](tokens).transpose(0, 1).contiguous()  # [s, b, h], as megatron's embedding module does
     torch.manual_seed(2)
-    grad = torch.randn(S, B, H)
+    grad = torch.randn(S, B, H).to(device)
     if sp:  # each TP rank holds its sequence slice of the activations and of their gradients
         from megatron.core import parallel_state as ps
         tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -228,3 +233,180 @@ def test_bad_input_is_refused_with_a_clear_error(monkeypatch):
     with pytest.raises(RuntimeError, match="copy_to_tensor_model_parallel_region has parameters"):
         MegatronCompression(None).install()
     assert not hasattr(mappings, "_megacomp_installed")
+
+
+# -- sequence parallelism against megatron-core's own path, on a GPU --------------------------------------------
+# megatron-core's sequence-parallel code allocates its buffers with device=torch.cuda.current_device(), which
+# asserts on a CPU-only torch, so stock megatron-core runs sequence parallelism only where there is a GPU.
+# The ranks are spawned, not forked (a forked child cannot use CUDA once the parent touched it, as pytest's
+# process may have), and talk over gloo: NCCL refuses two ranks on one GPU, and gloo carries CUDA tensors
+# (its all-reduce and all-gather stage them through host memory; its reduce-scatter is a cloned all-reduce).
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="megatron-core's sequence-parallel path allocates on CUDA: needs a GPU")
+
+
+def _spawned_worker(fn, rank, world, init_file, args, queue):
+    import os
+    import traceback
+    from datetime import timedelta
+
+    try:
+        os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # what megatron-core asks for under sequence parallelism
+        torch.cuda.set_device(rank % torch.cuda.device_count())  # one GPU: every rank shares device 0
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
+        queue.put((rank, True, fn(rank, world, "cuda", *args)))
+    except BaseException:
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_spawned(fn, world, *args, timeout=300.0):
+    """``fn(rank, world, "cuda", *args)`` on ``world`` spawned gloo ranks with CUDA; their (picklable) results."""
+    import multiprocessing as mp
+    import os
+    import queue as queue_mod
+    import tempfile
+    import time
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    fd, init_file = tempfile.mkstemp(prefix="megacomp-pg-")
+    os.close(fd)
+    os.unlink(init_file)
+    procs = [ctx.Process(target=_spawned_worker, args=(fn, r, world, init_file, args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(errors) < world:
+            try:
+                rank, ok, value = queue.get(timeout=0.5)
+                (results if ok else errors)[rank] = value
+            except queue_mod.Empty:
+                pass
+            for r, p in enumerate(procs):  # a rank that died without reporting (a crash inside a collective)
+                if r not in results and r not in errors and not p.is_alive() and queue.empty():
+                    errors[r] = f"rank {r} exited with code {p.exitcode} without reporting"
+            if errors:  # the others may wait in a collective for the failed rank: a short grace period
+                deadline = min(deadline, time.monotonic() + 10.0)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(world)) - set(results) - set(errors))
+                errors.update({r: f"rank {r} did not finish in time (hang?)" for r in missing})
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        if os.path.exists(init_file):
+            os.unlink(init_file)
+    assert not errors, "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
+    return [results[r] for r in range(world)]
+
+
+def _sp_stock_body(rank, world, device):
+    """Stock megatron-core, then the same layers with MegatronCompression installed (every path uncompressed),
+    then stock again after uninstall: outputs, the input gradient and every parameter gradient equal bit for bit.
+    Sequence parallel at TP > 1 (megatron-core refuses it at TP 1, where the layers run without it)."""
+    from megatron.core import parallel_state as ps
+    from megacomp import comm
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    sp = world > 1
+    stock = _run(_build(sp).to(device), sp, device)
+    comm.reset_stats()
+    with MegatronCompression(None):
+        patched = _run(_build(sp).to(device), sp, device)
+    counted = sorted(comm.stats())
+    after = _run(_build(sp).to(device), sp, device)
+    ps.destroy_model_parallel()
+    assert stock[0].device.type == patched[0].device.type == torch.device(device).type
+    assert stock[0].shape[0] == S // world  # each rank's sequence slice under sequence parallelism
+    _equal(stock, patched)
+    _equal(stock, after)
+    return counted
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2_sp"])
+def test_cuda_compression_off_is_bit_identical_to_megatron_core_with_sequence_parallel(world):
+    if world == 1:  # why TP 1 has no sequence-parallel case: megatron-core's config refuses it
+        from megatron.core.transformer import TransformerConfig
+
+        with pytest.raises(ValueError, match="sequence parallelism without tensor parallelism"):
+            TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, sequence_parallel=True)
+    for paths in _run_spawned(_sp_stock_body, world):
+        # the traffic went through megacomp's channels (at TP 1 there is none: every mapping returns its input)
+        want = {"sp_all_gather", "sp_reduce_scatter", "tp_backward", "tp_forward"} if world > 1 else set()
+        assert want <= set(paths), paths
+
+
+def _sp_bound_body(rank, world, device, codec):
+    """Column then row layer under sequence parallelism with ``codec`` on sp_all_gather, sp_reduce_scatter and
+    tp_backward, against fp64 values: the row's forward reduce-scatter and the column's input-gradient
+    reduce-scatter within the sum of each rank's codec bound on its chunk, the column's output within the
+    all-gathered input's codec bound carried through |W| (plus the fp32 dot products' round-off)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megacomp.compression import make_codec
+
+    from codec_bounds import FP32_ULP, elementwise_bound, reduce_scatter_bound
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    cfg = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True,
+                            tensor_model_parallel_size=world, sequence_parallel=True)
+    torch.manual_seed(0)
+    col = ColumnParallelLinear(H, F, config=cfg, init_method=_init(), bias=False, gather_output=False).to(device)
+    row = RowParallelLinear(F, H, config=cfg, init_method=_init(), bias=False, input_is_parallel=True,
+                            skip_bias_add=False).to(device)
+    torch.manual_seed(1)
+    x_full = torch.randn(S, B, H)  # the same on every rank; each holds its sequence slice
+    torch.manual_seed(2 + rank)
+    y_in, g = torch.randn(S, B, F // world), torch.randn(S, B, F // world)  # TP-sharded activations
+    # duplex off: the encoded bytes travel by gloo's all-to-all / all-gather, which stage CUDA tensors through
+    # host memory; gloo's point-to-point sends (megacomp's default transport on gloo) take CPU tensors only
+    comp = MegatronCompression({"sp_all_gather": codec, "sp_reduce_scatter": codec, "tp_backward": codec,
+                                "min_compress_numel": 0, "duplex": False})
+    with comp:
+        out_row = row(y_in.to(device))[0]
+        xr = x_full.chunk(world)[rank].contiguous().to(device).requires_grad_()
+        out_col = col(xr)[0]
+        out_col.backward(g.to(device))
+    c = make_codec(codec)
+    wr, wc = row.weight.detach().cpu().double(), col.weight.detach().cpu().double()  # [H, F/tp], [F/tp, H]
+    m = S * B * H // world  # a reduce-scatter's chunk: this rank's sequence slice, flat
+    mine = slice(rank * m, (rank + 1) * m)
+
+    def reduce_scattered(partial, absprod, k):
+        """exact fp64 sum of this rank's chunk of every rank's partial, and the bound: the codec's on each
+        rank's chunk plus the round-off of the fp32 dot products of length k that made the partials."""
+        parts, mags = _gathered(partial), _gathered(absprod)
+        chunks = [p.reshape(-1)[mine] for p in parts]
+        exact = sum(ch.double() for ch in chunks)
+        bound = reduce_scatter_bound(c, chunks) + sum(2 * k * FP32_ULP * a.reshape(-1)[mine] for a in mags)
+        return exact, bound
+
+    exact, bound = reduce_scattered((y_in.double() @ wr.t()).float(), y_in.double().abs() @ wr.abs().t(), F // world)
+    err_row = (out_row.detach().cpu().double().reshape(-1) - exact).abs()
+    exact, bound_dx = reduce_scattered((g.double() @ wc).float(), g.double().abs() @ wc.abs(), F // world)
+    err_dx = (xr.grad.cpu().double().reshape(-1) - exact).abs()
+    # every rank's slice is encoded on its own, then X W^T over the gathered, decoded X
+    b_in = torch.cat([elementwise_bound(c, s.contiguous()).view(s.shape) for s in x_full.chunk(world)])
+    bound_col = b_in @ wc.abs().t() + 2 * H * FP32_ULP * ((x_full.double().abs() + b_in) @ wc.abs().t())
+    err_col = (out_col.detach().cpu().double() - x_full.double() @ wc.t()).abs()
+    ps.destroy_model_parallel()
+    return [((err <= b).all().item(), err.max().item() > 0, (err / b).max().item())
+            for err, b in ((err_row, bound), (err_col, bound_col), (err_dx, bound_dx))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("codec", [dict(name="int8", block_size=32), "int8"], ids=["int8_b32", "int8"])
+def test_cuda_sequence_parallel_compressed_is_within_the_codec_bound(codec):
+    for checks in _run_spawned(_sp_bound_body, 2, codec):
+        # row forward reduce-scatter, column forward all-gather (carried through W), column dgrad reduce-scatter
+        assert all(ok and lossy for ok, lossy, _ in checks), checks
