@@ -406,3 +406,38 @@ def test_powersgd_without_warm_start_resumes_through_dcp():
     """A fresh start matrix per step: the draw counters are in the template, so the resumed run draws what the
     uninterrupted one drew."""
     assert all(run_ranks(_cold_start_dcp_body, 2))
+
+
+def _reload_body(rank, world):
+    model = make_model()
+    opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size=1 << 20, lr=1e-2)
+    x, y = batch(rank, 0)
+    loss_fn(model, x, y).backward()
+    assert opt.step()
+    replaced, kept = model[2].weight, model[0].weight  # one bucket: the two share its masters and state
+    masters = [m.detach().clone() for m in opt.masters]
+    moments = [opt.optimizer.state[m]["exp_avg"].clone() for m in opt.masters]
+    with torch.no_grad():  # both change in the model; only `replaced` is reported
+        replaced.fill_(0.25)
+        kept.add_(1.0)
+    opt.reload_params([replaced], reset_state=True)
+    b, master = opt.buckets[0], opt.masters[0]
+    start, end = b.shard_range(opt.shard_index, opt.parts)
+    inside = torch.zeros(b.padded, dtype=torch.bool)
+    for p, off in zip(b.params, b.offsets):
+        if p is replaced:
+            inside[off:off + p.numel()] = True
+    mine = inside[start:end]
+    exp_avg = opt.optimizer.state[master]["exp_avg"]
+    assert len(opt.buckets) == 1
+    return int(mine.sum()), (bool((master[mine] == 0.25).all()), torch.equal(master[~mine], masters[0][~mine]),
+                             bool((exp_avg[mine] == 0).all()), torch.equal(exp_avg[~mine], moments[0][~mine]))
+
+
+def test_reload_params_reloads_only_the_replaced_masters_and_resets_their_state():
+    """What LoQT's merge asks (megacomp.tensor_parallel.loqt.sync_optimizer): the replaced parameter's slice of the
+    fp32 masters is copied from the model and its optimizer-state slice zeroed; the rest stays."""
+    results = run_ranks(_reload_body, 2)
+    assert sum(n for n, _ in results) == 65  # the 13 x 5 weight, split over the two shards
+    for _, checks in results:
+        assert all(checks), checks

@@ -241,6 +241,28 @@ def test_bad_input_is_refused_with_a_clear_error():
         AdaLomo(sharded)
 
 
+def test_reload_params_resets_adalomo_statistics_and_leaves_lomo_alone():
+    """What LoQT's merge asks (megacomp.tensor_parallel.loqt.sync_optimizer): the model holds the parameters, so
+    nothing is reloaded; reset_state zeroes only the replaced parameters' AdaLomo statistics."""
+    model = Params()
+    opt = AdaLomo(model, lr=0.05)
+    opt.fused_backward(model.loss(_grads(0, 0)))
+    before = {n: {k: v.clone() for k, v in s.items()} for n, s in opt.state.items()}
+    params = list(model.ps)
+    opt.reload_params([params[0]])  # no reset: nothing changes
+    assert all(torch.equal(v, before[n][k]) for n, s in opt.state.items() for k, v in s.items())
+    opt.reload_params([params[0]], reset_state=True)
+    first = opt.names[id(params[0])]
+    for n, s in opt.state.items():
+        for k, v in s.items():
+            assert (not v.any()) if n == first else torch.equal(v, before[n][k]), (n, k)
+    assert any(before[first][k].any() for k in before[first])
+    lomo_model = Params()
+    weights = [p.detach().clone() for p in lomo_model.ps]
+    Lomo(lomo_model).reload_params(list(lomo_model.ps), reset_state=True)  # no state: nothing to do
+    assert all(torch.equal(p, w) for p, w in zip(lomo_model.ps, weights))
+
+
 # -- overflow, non-finite gradients, fp16 with loss scaling, bf16 ----------------------------------
 def _overflow_body(rank, world):
     """Rank 1's gradient is inf at step 1: the averaged gradient is inf on every rank, the norm pass says so,

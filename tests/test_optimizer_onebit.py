@@ -465,3 +465,47 @@ def test_sharded_equals_unsharded_bit_for_bit_with_the_sign_codec(which, world):
     sharded = run_ranks(_shard_case, world, True, which)[0][0]
     whole = run_ranks(_shard_case, world, False, which)[0][0]
     assert all(torch.equal(a, b) for a, b in zip(sharded, whole))
+
+
+# -- a ready momentum channel (megacomp.comm.make_channel, e.g. from CommCompressionConfig's dp_momentum) ------------
+def _channel_case(rank, world, which):
+    from megacomp.comm import make_channel
+    from megacomp.optimizer.onebit import DEFAULT_MOMENTUM_CODEC
+
+    kw = dict(lr=0.05, betas=(0.8, 0.9), eps=1e-6, bucket_size=20, min_compress_numel=0)
+    build = {"onebit_adam": lambda p, **k: OneBitAdam(p, freeze_step=2, **k, **kw),
+             "onebit_lamb": lambda p, **k: OneBitLamb(p, freeze_step=2, **k, **kw),
+             "zero_one_adam": lambda p, **k: ZeroOneAdam(p, var_freeze_step=2, var_update_scaler=1, local_step_scaler=4,
+                                                         **k, **kw)}[which]
+    a, b = _params(), _params()
+    built = build(a)
+    channel = make_channel("dp_momentum", DEFAULT_MOMENTUM_CODEC, error_feedback="ef", min_compress_numel=0)
+    given = build(b, momentum_channel=channel)
+    assert given.momentum_channel is channel
+    _run(built, a, rank, range(6))
+    _run(given, b, rank, range(6))
+    with pytest.raises(ValueError, match="either momentum_channel or momentum_codec"):
+        build(_params(), momentum_channel=channel, momentum_codec="int4")
+    with pytest.raises(ValueError, match="either momentum_channel or momentum_codec"):
+        build(_params(), momentum_channel=channel, momentum_error_feedback=False)
+    with pytest.raises(ValueError, match="compresses by structure"):
+        build(_params(), momentum_channel=make_channel("dp_momentum", {"name": "powersgd", "rank": 1}))
+    assert not build(_params(), momentum_channel=make_channel("dp_momentum", None)).momentum_channel.lossy  # off
+    return all(torch.equal(x, y) for x, y in zip(a, b)) and built.rounds == given.rounds
+
+
+@pytest.mark.parametrize("which", ["onebit_adam", "onebit_lamb", "zero_one_adam"])
+def test_a_ready_momentum_channel_equals_the_codec_arguments_bit_for_bit(which):
+    assert all(run_ranks(_channel_case, 2, which))
+
+
+def test_resolve_momentum_setting_gives_the_unset_defaults():
+    from megacomp.compression import make_codec
+    from megacomp.optimizer.onebit import DEFAULT_MOMENTUM_CODEC, resolve_momentum_setting
+
+    assert resolve_momentum_setting() == (DEFAULT_MOMENTUM_CODEC, True)
+    assert resolve_momentum_setting(None, False) == (DEFAULT_MOMENTUM_CODEC, False)
+    assert resolve_momentum_setting("none") == (make_codec("none"), False)
+    assert resolve_momentum_setting("int4", None) == (make_codec("int4"), True)
+    with pytest.raises(ValueError, match="lossless"):
+        resolve_momentum_setting("none", True)

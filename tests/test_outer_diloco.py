@@ -118,6 +118,41 @@ def test_lossy_outer_codec_is_counted_and_keeps_its_residual():
         assert keys == ["pseudo_gradient/worker"]
 
 
+def _channel_body(rank, world):
+    """A channel from megacomp.comm.make_channel (as a config's ``outer`` path gives) runs the same exchange as the
+    one DiLoCo builds from its config, bit for bit; mismatching settings are refused."""
+    from megacomp.comm import make_channel
+
+    spec = {"name": "int8", "block_size": 64}
+    a, b = make_params(), make_params()
+    built = DiLoCo(a, None, DiLoCoConfig(outer_steps=2, codec=spec, error_feedback="ef"))
+    given = DiLoCo(b, None, DiLoCoConfig(outer_steps=2, codec=spec, error_feedback="ef"),
+                   channel=make_channel("outer", spec, error_feedback="ef"))
+    also = DiLoCo(make_params(), None, DiLoCoConfig(outer_steps=2),
+                  channel=make_channel("outer", spec))  # a config without codec: the channel decides
+    for t in range(4):
+        for params, outer in ((a, built), (b, given)):
+            inner_step(params, rank, t)
+            outer.step()
+    with pytest.raises(ValueError, match="differs from the channel's"):
+        DiLoCo(make_params(), None, DiLoCoConfig(codec="int4"), channel=make_channel("outer", spec))
+    with pytest.raises(ValueError, match="error feedback .* differs"):
+        DiLoCo(make_params(), None, DiLoCoConfig(codec=spec, error_feedback="loco"),
+               channel=make_channel("outer", spec, error_feedback="ef"))
+    with pytest.raises(ValueError, match="compresses by structure"):
+        DiLoCo(make_params(), None, DiLoCoConfig(), channel=make_channel("outer", "powersgd"))
+    return torch.equal(flat(a), flat(b)) and not also.averaging
+
+
+def test_a_ready_outer_channel_equals_the_config_codec_bit_for_bit():
+    assert all(run_ranks(_channel_body, 2))
+    from megacomp.compression import make_codec
+    from megacomp.outer import sparseloco
+
+    assert DiLoCoConfig(codec="{name: int8, block_size: 64}").codec == make_codec("int8", block_size=64)
+    assert sparseloco.DEFAULT_CODEC == make_codec("int2", k=64, chunk=4096)  # what an unset outer path means there
+
+
 def run_and_resume(rank, cfg, stop, end):
     """Steps 1..end straight, and steps 1..stop then a fresh DiLoCo loaded from the state at ``stop`` for the
     rest: (whether both end bit-identical, the fragments in flight at ``stop``, the saved state)."""

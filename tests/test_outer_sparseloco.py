@@ -133,8 +133,9 @@ def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resum
 
     from megacomp.data import default_corpus_files
     from megacomp.training import PretrainConfig
-    from megacomp.training.arguments import SPARSELOCO_CODEC, outer_config
     from megacomp.compression import make_codec
+    from megacomp.outer.sparseloco import DEFAULT_CODEC
+    from megacomp.training.features.outer_loop import outer_config
     from test_outer_diloco import _pretrain_body
 
     cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
@@ -143,7 +144,7 @@ def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resum
                          tokenizer_max_bytes=400_000, outer_algorithm="sparseloco", num_replicas=4, outer_steps=2)
     oc = outer_config(cfg)  # the defaults: top-64 of 4096 in int2, alpha 1, beta 0.95
     assert (oc.algorithm, oc.outer_lr, oc.outer_momentum) == ("sparseloco", 1.0, 0.95)
-    assert make_codec(oc.codec) == make_codec(SPARSELOCO_CODEC)
+    assert make_codec(oc.codec) == DEFAULT_CODEC
     dct = replace(cfg, outer_codec="{name: bf16, transform: dct, chunk: 64, k: 4}")  # DCT-momentum DiLoCo
     assert make_codec(outer_config(dct).codec).transform == "dct"
     for run in (cfg, dct):

@@ -246,6 +246,41 @@ def test_tp2_matches_tp1_and_the_fp64_svd():
 
 
 # -- merge, schedule, compensation (single process) ------------------------------------------------------
+def _channels_body(rank, world):
+    """Merge channels handed in (megacomp.comm.make_channel, as the loqt_merge / loqt_merge_tp paths give): identity
+    ones merge bit for bit as the defaults; a lossy TP Gram channel keeps P the same bits on every TP rank."""
+    from megacomp.comm import make_channel
+
+    parallel_state.initialize_model_parallel(world)
+    cut = slice(rank * O // world, (rank + 1) * O // world)
+    runs = {}
+    for name, kw in (("default", {}), ("identity", dict(channel=make_channel("loqt_merge"),
+                                                         tp_channel=make_channel("loqt_merge_tp"))),
+                     ("bf16", dict(tp_channel=make_channel("loqt_merge_tp", "bf16")))):
+        layers = [LoQTLinear(m, R, codec=INT8) for m in pair(world)]
+        ctl = LoQT(layers, **kw)
+        comm.reset_stats()
+        for step in (0, 1):
+            xs = [randn(S, NB, H, seed=20 + step), randn(S, NB, O, seed=30 + step)]
+            gs = [randn(S, NB, O, seed=40 + step), randn(S, NB, H, seed=50 + step)]
+            capture(ctl, layers, [xs[0], xs[1][..., cut]], [gs[0][..., cut], gs[1]])
+            assert ctl.merge_and_reinit(step)
+        runs[name] = ([t.clone() for m in layers for t in (m.proj, m.qweight, m.factor)], comm.stats()["loqt_merge_tp"])
+    same = all(torch.equal(x, y) for x, y in zip(runs["default"][0], runs["identity"][0]))
+    lossy = runs["bf16"]
+    projs = [t for i, t in enumerate(lossy[0]) if i % 3 == 0]
+    agree = all(torch.equal(gather(p, 1), p.repeat(1, world)) for p in projs)  # the same bits on every TP rank
+    with pytest.raises(ValueError, match="compresses by structure"):
+        LoQT([LoQTLinear(m, R, codec=INT8) for m in pair(world)], tp_channel=make_channel("x", "powersgd"))
+    return same, agree, runs["default"][1].wire_bytes == runs["default"][1].uncompressed_bytes, \
+        lossy[1].wire_bytes < lossy[1].uncompressed_bytes
+
+
+def test_merge_channels_from_the_factory():
+    for result in run_ranks(_channels_body, 2):
+        assert all(result), result
+
+
 def test_schedule_intervals_grow_as_the_paper_says():
     sched = LoQTSchedule(gap=100, growth=1.2)
     steps = sched.merge_steps(3000)
