@@ -310,6 +310,8 @@ def test_distributed_optimizer_matches_golden_values(world):
 # Every training family the pretraining loop drives besides the sharded AdamW of the presets above, each on
 # the layout it runs on, 3 iterations (enough to reach each family's compressed phase, a merge or an outer
 # step). Recorded before the loop's features moved into modules of their own: the move must not change a bit.
+# The 1-bit cases name shard_optimizer=True, the setting they were recorded with (the family's default was sharded
+# then and is unsharded now).
 LOCO4 = {"dp_gradient": {"name": "int4", "block_size": 128}, "dp_gradient_error_feedback": "loco",
          "min_compress_numel": MIN_NUMEL}
 FEATURE_CASES = {  # name: (layout, PretrainConfig overrides)
@@ -322,11 +324,11 @@ FEATURE_CASES = {  # name: (layout, PretrainConfig overrides)
         "min_compress_numel": MIN_NUMEL})),
     "powersgd": ("dp4", dict(compression={"dp_gradient": {"name": "powersgd", "rank": 2}, "min_compress_numel": MIN_NUMEL})),
     "demo": ("dp4", dict(optimizer="demo", demo_topk=8, demo_chunk=16)),
-    "onebit_adam": ("dp4", dict(optimizer="onebit_adam", freeze_step=1)),
+    "onebit_adam": ("dp4", dict(optimizer="onebit_adam", freeze_step=1, shard_optimizer=True)),
     "onebit_adam_unsharded": ("dp4", dict(optimizer="onebit_adam", freeze_step=1, shard_optimizer=False)),
     "zero_one_adam": ("dp4", dict(optimizer="zero_one_adam", shard_optimizer=False, var_freeze_step=1,
                                   local_step_clipper=2)),
-    "onebit_lamb": ("dp4", dict(optimizer="onebit_lamb", freeze_step=1)),
+    "onebit_lamb": ("dp4", dict(optimizer="onebit_lamb", freeze_step=1, shard_optimizer=True)),
     "lomo": ("dp4", dict(optimizer="lomo", compression={"dp_gradient": {"name": "int8", "block_size": 128},
                                                        "min_compress_numel": MIN_NUMEL})),
     "adalomo": ("dp4", dict(optimizer="adalomo")),
@@ -342,7 +344,7 @@ FEATURE_CASES = {  # name: (layout, PretrainConfig overrides)
     "interleaved": ("pp2_dp2", dict(num_layers_per_virtual_pipeline_stage=1, global_batch_size=16,
                                     compression={"pp_activation": {"name": "int8", "block_size": 128},
                                                  "min_compress_numel": MIN_NUMEL})),
-    "onebit_adam_tp2": ("tp2_dp2", dict(optimizer="onebit_adam", freeze_step=1)),
+    "onebit_adam_tp2": ("tp2_dp2", dict(optimizer="onebit_adam", freeze_step=1, shard_optimizer=True)),
     "lomo_tp2": ("tp2_dp2", dict(optimizer="lomo", global_batch_size=4)),
 }
 FEATURE_LAYOUTS = {"dp4": (1, 1), "pp2_dp2": (1, 2), "tp2_dp2": (2, 1)}  # (TP, PP), 4 ranks

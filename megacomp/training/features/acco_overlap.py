@@ -56,7 +56,7 @@ class ACCOOverlap(Feature):
             return
         why = (f"optimizer {cfg.training.optimizer} has its own exchange (use --optimizer adamw)"
                if cfg.training.optimizer != "adamw" else
-               "needs the sharded optimizer (drop --no-shard-optimizer)" if not cfg.zero.shard else
+               "needs the sharded optimizer (drop --no-shard-optimizer)" if cfg.zero.shard is False else
                "overlaps ZeRO-1's whole-step reduce-scatter (use --zero-stage 1)" if cfg.zero.stage != 1 else
                f"does not combine with --outer-algorithm {cfg.outer.algorithm}" if cfg.outer.algorithm != "none" else
                "does not combine with LoQT (its merges replace optimizer steps)" if cfg.loqt.rank else None)

@@ -49,8 +49,14 @@ class DeMoMomentum(Feature):
         if d.topk < 1 or d.chunk < 1 or not 0 <= d.decay < 1:
             raise ValueError(f"DeMo needs demo_topk >= 1, demo_chunk >= 1 and demo_decay in [0, 1), got "
                              f"{d.topk}, {d.chunk} and {d.decay}")
-        if not cfg.zero.shard:
+        if cfg.zero.shard is False:
             raise ValueError("optimizer demo keeps no sharded state; drop --no-shard-optimizer")
+
+    @classmethod
+    def resolve(cls, cfg, world) -> list[str]:
+        if cfg.zero.shard is None:
+            cfg.zero.shard = True  # keeps no sharded state; the setting only says so
+        return []
 
     def build(self, run) -> None:
         channels, compression = run.channels, run.compression

@@ -186,7 +186,7 @@ class LomoFused(Feature):
         if cfg.outer.algorithm != "none" or cfg.zero.freeze_variance_step:
             raise ValueError(f"optimizer {name} has no Adam state to freeze nor inner steps to hand to an outer loop; "
                              f"drop --outer-algorithm / --adam-freeze-variance-step")
-        if not cfg.zero.shard:
+        if cfg.zero.shard is False:
             raise ValueError(f"optimizer {name} keeps no sharded state (every DP rank updates every parameter); drop "
                              f"--no-shard-optimizer")
         if world:
@@ -202,6 +202,8 @@ class LomoFused(Feature):
     def resolve(cls, cfg, world) -> list[str]:
         """One micro-batch per DP rank: where the batch sizes disagree and the command line did not set
         global_batch_size, it becomes micro_batch_size x DP (said in the banner)."""
+        if cfg.zero.shard is None:
+            cfg.zero.shard = True  # keeps no sharded state; the setting only says so
         t, p = cfg.training, cfg.parallel
         if not world or "global_batch_size" in cfg.explicit:
             return []

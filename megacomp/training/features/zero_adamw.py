@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ...compression import is_accordion, is_low_rank
 from ...optimizer import DistributedOptimizer, FrozenVarianceAdamW
@@ -29,10 +30,11 @@ class ZeROConfig:
     """The sharded optimizer's layout (ZeRO stage, sharding, the overlapped parameter gather) and AdamW's
     variance freezing."""
 
-    shard: bool = field(default=True, metadata={"flag": "shard_optimizer"})
+    shard: Optional[bool] = field(default=None, metadata={"flag": "shard_optimizer"})
     """Shard the fp32 masters and optimizer state over DP (ZeRO-1) and all-gather parameters; --no-shard-optimizer
-    keeps everything whole on every rank (all-reduce, no all-gather). The 1-bit family and DeMo read it too
-    (0/1 Adam always runs unsharded and says so)."""
+    keeps everything whole on every rank (all-reduce, no all-gather). Default: the optimizer family's choice,
+    sharded for adamw, demo, lomo and adalomo; unsharded for the 1-bit family, whose momentum is then the only
+    data-parallel traffic after the warm-up (a sharded 1-bit optimizer all-gathers its parameters every step)."""
     stage: int = field(default=1, metadata={"flag": "zero_stage"})
     """1: the sharded optimizer keeps full-size fp32 gradient buckets for the whole iteration. 2 (ZeRO-2, --optimizer
     adamw with the sharded optimizer; not with powersgd / accordion dp_gradient): each bucket is reduce-scattered as
@@ -73,7 +75,7 @@ class ZeROAdamW(Feature):
                        if name in ("lomo", "adalomo") else "exchanges each rank's whole local gradient or momentum")
                 raise ValueError(f"zero_stage 2 shards the sharded AdamW optimizer's gradient buckets; optimizer "
                                  f"{name} {why}: use --zero-stage 1 or --optimizer adamw")
-            if not z.shard:
+            if z.shard is False:
                 raise ValueError("zero_stage 2 keeps only this rank's shard of the gradients, which needs the sharded "
                                  "optimizer: drop --no-shard-optimizer, or use --zero-stage 1")
             grad = cfg.compression_config().dp_gradient
@@ -84,7 +86,7 @@ class ZeROAdamW(Feature):
                                  f"--compression loco4)")
         if z.overlap_param_gather:
             why = (f"optimizer {name} (use --optimizer adamw)" if name != "adamw" else
-                   "--no-shard-optimizer (there is no parameter all-gather)" if not z.shard else
+                   "--no-shard-optimizer (there is no parameter all-gather)" if z.shard is False else
                    f"--outer-algorithm {cfg.outer.algorithm} (the outer step reads the parameters right after the "
                    f"inner step)" if cfg.outer.algorithm != "none" else
                    "LoQT (its merges read the parameters after the step)" if cfg.loqt.rank else
@@ -92,6 +94,12 @@ class ZeROAdamW(Feature):
                    if cfg.overlap.mode != "none" else None)
             if why:
                 raise ValueError(f"overlap_param_gather does not combine with {why}; drop --overlap-param-gather or that")
+
+    @classmethod
+    def resolve(cls, cfg, world) -> list[str]:
+        if cfg.zero.shard is None:
+            cfg.zero.shard = True  # the plain default: ZeRO-1
+        return []
 
     def build(self, run) -> None:
         cfg, c = self.cfg, run.compression
