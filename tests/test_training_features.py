@@ -40,6 +40,7 @@ CASES = {  # family: (TP, PP, flat settings, the traffic kind that must travel c
     "loqt": (2, 1, {"loqt_rank": 4, "loqt_update_interval": 1, "loqt_codec": "{name: int8, block_size: 16}"},
              "loqt_merge"),
     "outer": (2, 1, {"outer_algorithm": "diloco", "num_replicas": 2, "outer_steps": 2}, "outer"),
+    "error_probe": (2, 1, {"compression": {**EVERY_PATH, "error_probe_interval": 1}}, "tp_forward"),
     "aqsgd": (1, 2, {"dataset_samples": 16, "compression": {**EVERY_PATH, "pp_activation_delta": True}},
               "pp_activation"),
 }

@@ -27,7 +27,6 @@ import torch.distributed as dist
 from .. import comm, parallel_state
 from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
-from ..comm.probe import ErrorProbe
 from ..launch import init_distributed
 from ..models.chunks import GPTChunks
 from ..models.gpt import GPTConfig, GPTModel, split_layers
@@ -39,7 +38,7 @@ from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, 
                          save_checkpoint)
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
-from .metrics import MetricsLogger, gather_probe, gather_traffic
+from .metrics import MetricsLogger, gather_traffic
 from .report import RunTotals, banner
 from .signals import ExitSignals
 
@@ -84,8 +83,6 @@ class Trainer:
         self.compression_spec = cfg.compression_config()  # as configured (recorded in checkpoints)
         self.compression = self.compression_spec.for_rank(dist.get_rank())  # per-rank stochastic-rounding seeds
         self.channels = self.compression.build_channels(g)  # one per traffic path, used by everything below
-        self.probe = ErrorProbe() if self.compression.error_probe_interval else None
-        self.channels.attach_probe(self.probe)
         d = cfg.data
         self.tokenizer, self.dataset = prepare_data(d.data_path, cfg.model.vocab_size, cfg.model.seq_length,
                                                     d.data_cache_dir, max_bytes=d.tokenizer_max_bytes)
@@ -320,20 +317,12 @@ class Trainer:
         lr = learning_rate(cfg.training, self.iteration)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        every = self.compression.error_probe_interval
-        probing = bool(every) and (self.iteration == 0 or (self.iteration + 1) % every == 0)
-        if probing:  # every rank arms at the same iteration (the probe adds collectives)
-            self.probe.arm(True)
         t0 = time.perf_counter()
         batches = self._micro_batches()
         losses, stepped = self._iteration(batches)
         elapsed = time.perf_counter() - t0
         loss = self._global_loss(losses)
         traffic = gather_traffic()
-        probed = None
-        if probing:
-            self.probe.arm(False)
-            probed = gather_probe(self.probe)
         self.iteration += 1
         if not self._validated_once and not cfg.parallel.validate_collectives_every:
             self.channels.set_validate(False)  # shapes are fixed from now on: skip the per-call argument check
@@ -350,8 +339,6 @@ class Trainer:
                   "skipped": not stepped, "loqt_merge": False, "dp_rounds": None}
         for f in self.features:
             f.record(self, record)
-        if probed:
-            record["probe"] = probed
         return record
 
     def train(self) -> list[dict]:

@@ -6,6 +6,7 @@ from .acco_overlap import ACCOOverlap
 from .aqsgd_caches import AQSGDCaches
 from .base import Feature
 from .demo_momentum import DeMoMomentum
+from .error_probe import ErrorProbeFeature
 from .lomo_fused import LomoFused
 from .loqt_weights import LoQTWeights
 from .onebit_adam import OneBitFamily
@@ -21,6 +22,7 @@ FEATURES: tuple = (
     OneBitFamily,
     LomoFused,
     ACCOOverlap,    # wraps the sharded AdamW built above
+    ErrorProbeFeature,  # innermost: arms the channels' probe around the iteration's collectives
 )
 OPTIMIZERS = tuple(name for feature in FEATURES for name in feature.optimizer_names)
 """--optimizer's choices (each selects the family that names it)."""
