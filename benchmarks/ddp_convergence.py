@@ -20,7 +20,7 @@ data-parallel gradients go through torch DDP and ``--hook``:
                        dp_parameter, min_compress_numel), e.g. ``'{dp_gradient: int4, dp_parameter: int8}'``
 
 It writes ``metrics.jsonl`` (iteration, loss, wire_bytes, uncompressed_bytes, traffic) in the format of
-megacomp.training.metrics, so benchmarks/convergence.py and benchmarks/plot_metrics.py read it like a pretraining
+megacomp.training.metrics_log, so benchmarks/convergence.py and benchmarks/plot_metrics.py read it like a pretraining
 log. Bytes: megacomp's hooks are counted by megacomp.comm.stats; torch's PowerSGD hook by the same
 all-reduce model applied to the factors it sends (P and Q of every matrix it compresses, the rest dense)
 in every iteration, its two uncompressed warm-up iterations included.
@@ -67,7 +67,7 @@ def main() -> None:
     from megacomp.models.gpt import GPTConfig, GPTModel
     from megacomp.optimizer import CompressedHookState, compressed_allreduce_hook
     from megacomp.training import parse_args
-    from megacomp.training.metrics import gather_traffic
+    from megacomp.training.metrics_log import gather_traffic
     from megacomp.training.trainer import learning_rate
 
     p = argparse.ArgumentParser(add_help=False)

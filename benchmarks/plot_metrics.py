@@ -128,7 +128,7 @@ def compact_run(records: list[dict], **labels) -> dict:
 
 
 def compact_probe(records: list[dict]) -> dict:
-    """The compression-error probes of a run (records with ``probe``, see megacomp.training.metrics.gather_probe):
+    """The compression-error probes of a run (records with ``probe``, see megacomp.training.metrics_log.gather_probe):
     ``{"iterations": [...], "paths": {path: [[relative error, worst call, max crest, max kurtosis, calls] per
     probed iteration]}, "calls": {"path#index": [key, numel, mean relative error over the probed iterations,
     max crest, max kurtosis]}}``; empty when the run was not probed."""

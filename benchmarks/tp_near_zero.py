@@ -39,7 +39,7 @@ from torch import nn
 from benchmarks import invocation
 from megacomp import launch, parallel_state
 from megacomp.compression import make_codec, transforms
-from megacomp.compression.metrics import relative_error, underflow_fraction
+from megacomp.compression.error_metrics import relative_error, underflow_fraction
 from megacomp.config import ModelParallelConfig
 from megacomp.models.transformer import TransformerBlock, TransformerConfig
 from megacomp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding

@@ -1,7 +1,7 @@
 """GPT pretraining entry point: ``python -m megacomp.pretrain --config FILE.yaml [--flag value ...]``.
 
 Works unchanged under torchrun, srun (SLURM_* environment) and mpirun (OMPI_*/PMI_* environment, or
-mpi4py); with no launcher it runs as a single process. See megacomp/training/arguments.py for the flags
+mpi4py); with no launcher it runs as a single process. See megacomp/training/pretrain_config.py (the configuration tree) or --help for the flags
 (``--help`` lists them with one line each, and the compression presets).
 
 Exit status: 0 when training finished, or stopped at an exit signal after saving; 2 for bad input (flags,

@@ -1,4 +1,4 @@
-"""Accordion (megacomp.compression.accordion settings, megacomp.comm.accordion policy) on real gloo groups:
+"""Accordion (megacomp.compression.accordion settings, megacomp.comm.accordion_channel policy) on real gloo groups:
 the regime rule on controlled gradient norms, shards vs replicated tensors, identical decisions on every
 rank, the shared residual, state round trip, and bad settings."""
 import pytest

@@ -1,4 +1,4 @@
-"""PowerSGD (megacomp.compression.low_rank settings, megacomp.comm.low_rank exchange) on real gloo groups.
+"""PowerSGD (megacomp.compression.low_rank settings, megacomp.comm.low_rank_channel exchange) on real gloo groups.
 
 Tolerances: fp32 products and a Householder QR of an ``n x r`` matrix are backward stable, so the computed
 projection differs from the exact one by about ``c (n + m) eps`` relative to ``||sum||_F``, amplified by the

@@ -18,8 +18,8 @@ from torch.distributed import ReduceOp
 from .common import CompressedWork, all_gather_base, comm_device
 from .channel import Channel
 from .collectives import server_numel
-from .low_rank import LowRankChannel
-from .accordion import AccordionChannel
+from .low_rank_channel import LowRankChannel
+from .accordion_channel import AccordionChannel
 from .factory import AnyChannel, make_channel
 from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
                          reduce_scatter_tensor, send)

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from ..compression import Accordion, PowerSGD, check_own_error_feedback, make_compressor
-from .accordion import AccordionChannel
+from .accordion_channel import AccordionChannel
 from .channel import Channel
-from .low_rank import LowRankChannel
+from .low_rank_channel import LowRankChannel
 from .options import CommOptions
 from .stats import StatsTable
 

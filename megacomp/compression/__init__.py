@@ -7,7 +7,7 @@ from .low_rank import PowerSGD, is_low_rank, make_low_rank
 from .compressor import Compressor, check_own_error_feedback, keeps_own_error_feedback, make_compressor
 from .codec_arg import parse_codec_arg
 from .formats import FORMATS, Format, register_format
-from .metrics import relative_error, underflow_fraction
+from .error_metrics import relative_error, underflow_fraction
 
 CODEC_NAMES = tuple(FORMATS)
 

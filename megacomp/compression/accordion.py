@@ -10,7 +10,7 @@ Every ``interval`` optimizer steps, for each compressed tensor (a bucket, keyed 
   3. the next interval uses ``low`` (light compression: a higher PowerSGD rank, more top-k entries, more
      bits) in a critical regime and ``high`` (strong compression) otherwise; ``a_old = a_new``.
 
-The exchange itself is megacomp.comm.accordion's; this module holds the settings (YAML:
+The exchange itself is megacomp.comm.accordion_channel's; this module holds the settings (YAML:
 ``{name: accordion, low: {name: powersgd, rank: 4}, high: {name: powersgd, rank: 1}, eta: 0.5,
 interval: 25}``).
 

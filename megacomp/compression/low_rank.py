@@ -1,7 +1,7 @@
 """PowerSGD low-rank compression (Vogels et al., 2019): the settings as data, and the local linear algebra.
 
 A gradient tensor of shape ``(n, d1, d2, ...)`` is read as an ``n x m`` matrix ``M`` (``m = d1 * d2 * ...``).
-One step of rank ``r`` over N ranks (the exchange lives in megacomp.comm.low_rank):
+One step of rank ``r`` over N ranks (the exchange lives in megacomp.comm.low_rank_channel):
 
   1. compensate: ``H_i = M_i + E_i`` (error feedback, ``E_i`` = what rank i's last approximation missed);
   2. ``P_i = H_i Q``, with ``Q`` (``m x r``) the previous step's ``Q`` (warm start) or, on the first step

@@ -50,7 +50,7 @@ class GPTConfig(TransformerConfig):
     the output layer's [V/tp, h] partial gradient instead of allocating a second one (one gradient buffer for the
     weight: LOMO's memory bound, docs/memory). Same bits as False on CPU; one forward per backward pass (else
     RuntimeError at backward, see megacomp.tensor_parallel.tied_embedding). Pretraining turns it on for LOMO /
-    AdaLomo (megacomp.training.fused)."""
+    AdaLomo (megacomp.training.features.lomo_fused)."""
 
 
 class _Seeded:

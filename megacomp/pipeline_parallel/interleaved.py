@@ -35,7 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .p2p import PipelineCommunicator
+from .communicator import PipelineCommunicator
 from .schedules import _backward
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .p2p import PipelineCommunicator
+from .communicator import PipelineCommunicator
 
 
 def _backward(output: torch.Tensor, grad: Optional[torch.Tensor], input_: Optional[torch.Tensor]):

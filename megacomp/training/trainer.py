@@ -38,7 +38,7 @@ from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, 
                          save_checkpoint)
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
-from .metrics import MetricsLogger, gather_traffic
+from .metrics_log import MetricsLogger, gather_traffic
 from .report import RunTotals, banner
 from .signals import ExitSignals
 

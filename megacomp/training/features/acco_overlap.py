@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from ...compression import is_accordion, is_low_rank
 from ...optimizer.acco import ACCO
-from ..metrics import gather_traffic
+from ..metrics_log import gather_traffic
 from .base import Feature
 
 

@@ -7,7 +7,7 @@ resume may turn it on, off or change its interval.
 from __future__ import annotations
 
 from ...comm.probe import ErrorProbe
-from ..metrics import gather_probe
+from ..metrics_log import gather_probe
 from .base import Feature
 
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..compression import ErrorFeedback, check_own_error_feedback, make_accordion
 from .channel import Channel
-from .low_rank import LowRankChannel
+from .low_rank_channel import LowRankChannel
 from .options import CommOptions
 from .stats import StatsTable
 

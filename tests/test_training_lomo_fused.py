@@ -1,4 +1,4 @@
-"""LOMO / AdaLomo in pretraining (megacomp.training.fused, ``--optimizer lomo|adalomo``) on real ranks.
+"""LOMO / AdaLomo in pretraining (megacomp.training.features.lomo_fused, ``--optimizer lomo|adalomo``) on real ranks.
 
 - The TP layout does not change AdaLomo's losses beyond fp32 summation order (its whole-parameter statistics
   are TP sums), with compression off.

@@ -1,4 +1,4 @@
-"""LoQT in pretraining (megacomp.training.loqt, ``--loqt-rank``) on real ranks.
+"""LoQT in pretraining (megacomp.training.features.loqt_weights, ``--loqt-rank``) on real ranks.
 
 - TP2 x DP2 with int4 base weights and int4 + LoCo gradients: the loss falls, merge iterations take no optimizer
   step, only the trainable parameters cross the DP group (fewer dp_gradient bytes than the same run without
