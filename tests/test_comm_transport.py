@@ -138,3 +138,15 @@ def _rs_ag_pipeline_body(rank, world, m, seg):
 def test_pipelined_reduce_scatter_and_all_gather_equal_independent_pieces(world):
     for rs_ok, ag_ok, ef_ok, npieces in run_ranks(_rs_ag_pipeline_body, world, 1001, 700):
         assert npieces > 2 and rs_ok and ag_ok and ef_ok
+
+
+def _duplex_choice(rank, world):
+    cpu = transport.use_duplex(None, None, torch.device("cpu"))
+    meta = transport.use_duplex(None, None, torch.device("meta"))  # stands for device memory: any non-host tensor
+    return cpu, meta, transport.use_duplex(None, True, torch.device("meta")), transport.use_duplex(None, None)
+
+
+def test_gloo_duplex_only_for_host_tensors():
+    """gloo's point-to-point send cannot read device memory ("writev ... Bad address" with CUDA tensors on an H200),
+    so the automatic choice is direction-split p2p for host tensors only; an explicit setting still wins."""
+    assert run_ranks(_duplex_choice, 2)[0] == (True, False, True, True)

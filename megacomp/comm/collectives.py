@@ -125,7 +125,7 @@ def _all_reduce_direct(ch, tensor, src, codec, group, avg, segs):
     but one quantization instead of two and half the encode work; no server-side error."""
     n = tensor.numel()
     gathers, wire, base = [], 0, 0
-    duplex = use_duplex(group, ch.options.duplex)
+    duplex = use_duplex(group, ch.options.duplex, tensor.device)
     tag = next_tags(group)
     for length in segs:
         with span("encode"):
@@ -158,7 +158,7 @@ def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
     shard (server error under ``skey``); returns (finish, wire bytes sent by this rank)."""
     world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.numel()
     ef = ch.error_feedback
-    duplex = use_duplex(group, ch.options.duplex)
+    duplex = use_duplex(group, ch.options.duplex, tensor.device)
     # Pipeline: every segment is an independent reduce-scatter + all-gather; all segments' all-to-alls
     # are issued while the next segment is encoded, then each is reduced and its all-gather issued as
     # soon as its bytes are in, so encode, wire and decode overlap.
@@ -299,7 +299,7 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
     src = chunk_encoder(ch.error_feedback, key + "/worker", input.reshape(-1), codec, ch.generator)
     # pipeline: piece k of every destination chunk travels in exchange k, encoded while k-1 is on the wire
     pieces = split_sizes(m, len(pipeline_segments(world * m, ch.options.segment_numel)))
-    duplex = use_duplex(group, ch.options.duplex)
+    duplex = use_duplex(group, ch.options.duplex, input.device)
     msg_tag, exchanges, wire = next_tags(group), [], 0
     enc = [[None] * len(pieces) for _ in range(world)]  # enc[j][k]: piece k of the chunk for rank j
     with src:  # error feedback: commit (the new error from the bytes sent) after the last piece
@@ -358,7 +358,7 @@ def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: to
 
     flat = input_tensor.reshape(-1)
     pieces = split_sizes(m, len(pipeline_segments(world * m, ch.options.segment_numel)))  # encoded, sent, decoded in turn
-    duplex = use_duplex(group, ch.options.duplex)
+    duplex = use_duplex(group, ch.options.duplex, input_tensor.device)
     msg_tag, exchanges, wire = next_tags(group), [], 0
     for o, s in zip(offsets(pieces), pieces):
         with span("encode"):
@@ -437,7 +437,7 @@ def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_
     recv = torch.empty(sum(out_bytes), dtype=torch.uint8, device=input.device)
     ch.stats.record(label, sum(in_bytes) - in_bytes[rank], raw)
     work = all_to_all_bytes(recv, torch.cat(bufs), out_bytes, in_bytes, group, next_tags(group),
-                            use_duplex(group, ch.options.duplex))
+                            use_duplex(group, ch.options.duplex, input.device))
 
     def finish() -> None:
         _wait(work)
@@ -470,5 +470,5 @@ def run_all_gather_encoded(ch, output: torch.Tensor, input: torch.Tensor, numel:
     if world == 1:
         output.copy_(input)
         return _handle(lambda: None, async_op)
-    work = all_gather_bytes(output, input.contiguous(), group, next_tags(group), use_duplex(group, ch.options.duplex))
+    work = all_gather_bytes(output, input.contiguous(), group, next_tags(group), use_duplex(group, ch.options.duplex, input.device))
     return _handle(work.wait, async_op)

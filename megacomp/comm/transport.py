@@ -39,12 +39,14 @@ def pipeline_segments(numel: int, segment_numel: int) -> list[int]:
     return split_sizes(numel, -(-numel // segment_numel))
 
 
-def use_duplex(group, duplex: Optional[bool]) -> bool:
+def use_duplex(group, duplex: Optional[bool], device: Optional[torch.device] = None) -> bool:
     """Whether compressed bytes on ``group`` travel as direction-split tagged p2p: ``duplex`` when set,
-    else automatically on gloo (see the module docstring)."""
+    else automatically on gloo for host tensors (see the module docstring). Not for CUDA tensors on gloo: gloo's
+    point-to-point send cannot read device memory (it fails with ``writev ... Bad address``, measured on an H200),
+    while its collectives stage CUDA tensors through the host."""
     if duplex is not None:
         return duplex
-    return dist.get_backend(group) == "gloo"
+    return dist.get_backend(group) == "gloo" and (device is None or device.type == "cpu")
 
 
 class _GroupTransport:

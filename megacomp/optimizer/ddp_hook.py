@@ -126,7 +126,7 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
         state.channel.observe(key, buf, replicated=True)
     if work is None or state.channel.adaptive:
         fut.set_result(buf)
-    elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex)):
+    elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex, buf.device)):
         threading.Thread(target=_finish, args=(work, buf, fut), daemon=True,
                          name=f"megacomp-ddp-bucket{bucket.index()}").start()
     else:
