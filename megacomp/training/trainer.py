@@ -16,6 +16,7 @@ boundary and return normally. ``--load DIR`` with no checkpoint in DIR starts fr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import time
@@ -70,6 +71,7 @@ class Trainer:
     """
 
     def __init__(self, cfg: PretrainConfig) -> None:
+        cfg = dataclasses.replace(cfg)  # a copy: the choices below must not change the caller's object
         self.cfg = cfg
         init_distributed(timeout_s=cfg.parallel.distributed_timeout_minutes * 60)
         self.world = dist.get_world_size()
