@@ -1,8 +1,8 @@
 """One command for the whole bandwidth-limited performance report (issue #7).
 
-    python -m benchmarks.bench_report --iters 80 --out docs/benchmarks   # docs/benchmarks: ~23 min on the 2-core dev machine
+    python -m benchmarks.bench_report --iters 80 --out benchmarks/results/benchmarks   # benchmarks/results/benchmarks: ~23 min on the 2-core dev machine
     python -m benchmarks.bench_report --quick --out /tmp/report       # smoke run, ~4 min
-    python -m benchmarks.bench_report --from-results --out docs/benchmarks   # no measurement: redraw from results.json
+    python -m benchmarks.bench_report --from-results --out benchmarks/results/benchmarks   # no measurement: redraw from results.json
 
 Runs, over shaped veth links between two network namespaces (benchmarks/netns_bench.py; root needed):
   1. codec throughput on this CPU (one thread, preallocated buffers): the compute side of every codec;

@@ -1,7 +1,7 @@
 """Loss curves of compressed vs uncompressed pretraining (same seed, same data, same layout).
 
-    python -m benchmarks.convergence --iters 300 --out docs/convergence
-    python -m benchmarks.convergence --from-results --out docs/convergence   # tables and plots only
+    python -m benchmarks.convergence --iters 300 --out benchmarks/results/convergence
+    python -m benchmarks.convergence --from-results --out benchmarks/results/convergence   # tables and plots only
 
 Runs ``python -m megacomp.pretrain`` under torchrun once per variant on the tiny GPT config (real text:
 the Python standard library's sources), keeps each run's logs under ``--runs`` (``<suite>/<variant>/

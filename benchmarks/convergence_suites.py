@@ -333,7 +333,7 @@ SUITES["lomo_sweep"] = {"layout": [], "variants": {
     "AdaLomo lr 0.03, clip 1": fused("adalomo", "0.03"),
     **{f"AdaLomo lr {lr}": fused("adalomo", lr, "--clip-grad", "0") for lr in ("0.03", "0.1", "0.3")},
 }}
-ADALOMO = ("0.1", "--clip-grad", "0")  # the sweep's best (docs/convergence_lomo_sweep)
+ADALOMO = ("0.1", "--clip-grad", "0")  # the sweep's best (benchmarks/results/convergence_lomo_sweep)
 SUITES["lomo"] = {"layout": [], "variants": {
     "none": {},
     "AdaLomo (lr 0.1)": fused("adalomo", *ADALOMO),
@@ -420,7 +420,7 @@ SUITES["tp_codecs"] = {
                  "int4 /128, Hadamard 128": _tp({"name": "int4", "block_size": 128, "hadamard": 128})}}
 
 # issue #23's third layout, TP 2 x PP 2 x DP 2 on 8 ranks (run with --nproc 8 into its own --out: results.json
-# files merge only at equal nproc; docs/convergence_ablation_8rank ran none and all_int8)
+# files merge only at equal nproc; benchmarks/results/convergence_ablation_8rank ran none and all_int8)
 SUITES["ablation_tp2pp2dp2"] = {
     "layout": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
     "bytes_kinds": ["tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "pp_activation", "pp_gradient",

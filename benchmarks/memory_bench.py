@@ -2,9 +2,9 @@
 communication buffers, for AdamW (torch DDP), megacomp's DistributedOptimizer as ZeRO-1 and ZeRO-2, LOMO and
 AdaLomo (issue 21, "Memory accounting"; ZeRO-2: issue 18).
 
-    python -m benchmarks.memory_bench                 # 125M config, DP 2 gloo ranks, writes docs/memory/
+    python -m benchmarks.memory_bench                 # 125M config, DP 2 gloo ranks, writes benchmarks/results/memory/
     python -m benchmarks.memory_bench --dp 1 --methods lomo,adalomo --out /tmp/mem
-    python -m benchmarks.memory_bench --dp 4 --methods zero1,zero2 --out docs/memory/zero2
+    python -m benchmarks.memory_bench --dp 4 --methods zero1,zero2 --out benchmarks/results/memory/zero2
 
 Every rank builds the GPT of ``--config`` (all parameter shapes of that config: vocabulary padded to a
 multiple of 8 as the trainer does, the position table of the config's context length), runs ``--warmup``
@@ -391,7 +391,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--update", action="store_true", help="keep the other methods' rows of OUT/results.json")
     ap.add_argument("--report-only", action="store_true", help="re-render OUT/results.json, run nothing")
     ap.add_argument("--timeout", type=float, default=1800)
-    ap.add_argument("--out", default=str(REPO / "docs" / "memory"), help="table.md, results.json, memory.png")
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "memory"), help="table.md, results.json, memory.png")
     args = ap.parse_args(argv)
     args.clip_grad = args.clip_grad or None
     unknown = [m for m in args.methods.split(",") if m not in METHODS]

@@ -34,7 +34,7 @@ ONEBIT_METHODS = ("megacomp_onebit_adam", "megacomp_zero_one_adam", "megacomp_ze
 ONEBIT_ADAM_OPTIONS = {"megacomp_onebit_adam": {}, "megacomp_onebit_adam_in_step": {"overlap_momentum": False},
                        "megacomp_onebit_adam_bf16_warmup": {"grad_codec": "bf16"},
                        "megacomp_onebit_adam_bf16_warmup_in_step": {"grad_codec": "bf16", "overlap_momentum": False}}
-# 0/1 Adam at DeepSpeed's interval shape, and at the setting docs/convergence_onebit finds within 2% of AdamW:
+# 0/1 Adam at DeepSpeed's interval shape, and at the setting benchmarks/results/convergence_onebit finds within 2% of AdamW:
 # sync interval clipped at 4, the variance refreshed at every step until its freeze (var_update_scaler 128)
 ZERO_ONE_SETTINGS = {"megacomp_zero_one_adam": {}, "megacomp_zero_one_adam_c4v128": {"local_step_clipper": 4,
                                                                                      "var_update_scaler": 128}}
@@ -128,7 +128,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         kw = dict(lr=1e-3, shard=False, bucket_size=int(bucket_mb * (1 << 20) / 4))
         opt = (OneBitAdam(model.parameters(), freeze_step=freeze, **kw, **ONEBIT_ADAM_OPTIONS[method])
                if method in ONEBIT_ADAM_OPTIONS else
-               # LAMB's step is relative to the weight norm: lr 1e-2 (docs/convergence_onebit)
+               # LAMB's step is relative to the weight norm: lr 1e-2 (benchmarks/results/convergence_onebit)
                OneBitLamb(model.parameters(), freeze_step=freeze, **{**kw, "lr": 1e-2}) if method == "megacomp_onebit_lamb" else
                ZeroOneAdam(model.parameters(), var_freeze_step=freeze, local_step_scaler=max(1, iters // 10),
                            **ZERO_ONE_SETTINGS[method], **kw))

@@ -156,7 +156,7 @@ def fit(results: dict, refit_codecs: bool = False) -> Model:
     model.alpha_s, model.eta = _fit_link(model, base)
     model.n_points = len(base)
     # per collective: gloo's reduce-scatter and all-gather reach a lower share of the link than its all-reduce
-    # (docs/benchmarks), so one pooled (alpha, eta) biases every all-reduce prediction; each op with two or more
+    # (benchmarks/results/benchmarks), so one pooled (alpha, eta) biases every all-reduce prediction; each op with two or more
     # fp32 points of different sizes or rates gets its own, the rest keep the pooled fit
     for op in sorted({r["op"] for r, _, _ in base}):
         mine = [p for p in base if p[0]["op"] == op]

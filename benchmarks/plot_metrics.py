@@ -3,7 +3,7 @@
 
     python -m benchmarks.plot_metrics results/runs/a results/runs/b --labels none int4+LoCo --out plots/
     python -m benchmarks.plot_metrics results/ci_launchers/latest      # every metrics.jsonl below a folder
-    python -m benchmarks.plot_metrics docs/convergence_zero/results.json --match seed1 --out plots/
+    python -m benchmarks.plot_metrics benchmarks/results/convergence_zero/results.json --match seed1 --out plots/
 
 Inputs are metrics.jsonl files (written by ``python -m megacomp.pretrain --log-dir DIR``), study results
 files (``results.json``, see below) or directories: a directory holding metrics.jsonl is one run;

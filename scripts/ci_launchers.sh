@@ -154,7 +154,7 @@ stage_torchrun() {
     --hidden-size 128
   # AdaLomo on TP 2 x DP 2: each parameter all-reduced over DP in int4 + LoCo inside backward and updated there
   # (one micro-batch of 4 per DP rank, so global batch 8; lr relative to each parameter's RMS, no norm clipping:
-  # the paper's setting and docs/convergence_lomo_sweep's best)
+  # the paper's setting and benchmarks/results/convergence_lomo_sweep's best)
   launch torchrun_adalomo_tp2_dp2 torchrun "TP2xDP2" loco4 dp_gradient \
     TP=2 NPROC=4 bash scripts/pretrain_gpt.sh --log-interval 1 --optimizer adalomo --global-batch-size 8 --lr 0.1 \
     --clip-grad 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (the last results: docs/gpu_checks/README.md).
+# The checks that need a CUDA GPU, in one run (the last results: benchmarks/results/gpu_checks/README.md).
 #
 #   OUT=/tmp/gpu bash scripts/device_checks.sh      # from the repository root; logs and tables land in $OUT
 #

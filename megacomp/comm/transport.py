@@ -1,7 +1,7 @@
 """How the compressed collectives move their byte buffers: backend collectives, or full-duplex p2p.
 
 Why: gloo keeps one TCP connection per pair of ranks and, measured over a shaped 100 Mbit/s veth link
-(docs/netns/collectives.md), does not overlap the two directions of that connection: a 2-rank
+(benchmarks/results/netns/collectives.md), does not overlap the two directions of that connection: a 2-rank
 ``all_to_all_single`` or ``all_gather_into_tensor`` of 17 MB usually takes the time of a send *and then*
 a receive (2.7 s instead of 1.4 s), while raw TCP on the same link moves both directions at full rate.
 Splitting the directions over two process groups (one carries only lower->higher rank traffic, the other

@@ -48,7 +48,7 @@ class GPTConfig(TransformerConfig):
     tied_embedding_grad_in_place: bool = False
     """Where one stage holds the word embedding and the tied output layer: the lookup's backward adds its rows into
     the output layer's [V/tp, h] partial gradient instead of allocating a second one (one gradient buffer for the
-    weight: LOMO's memory bound, docs/memory). Same bits as False on CPU; one forward per backward pass (else
+    weight: LOMO's memory bound, benchmarks/results/memory). Same bits as False on CPU; one forward per backward pass (else
     RuntimeError at backward, see megacomp.tensor_parallel.tied_embedding). Pretraining turns it on for LOMO /
     AdaLomo (megacomp.training.features.lomo_fused)."""
 

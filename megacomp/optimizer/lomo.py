@@ -213,7 +213,7 @@ class Lomo:
         until the lookup's backward, at the very end, produces its own). Without it that moment holds both
         partials plus the gradient in flight (the position table's); with it, the two partials only, which is
         the bound of one largest gradient plus one message. A GPT with ``tied_embedding_grad_in_place`` has no
-        second partial (megacomp.training.features.lomo_fused.tie_for_fused_update sets both; docs/memory). Registers a forward hook that puts a
+        second partial (megacomp.training.features.lomo_fused.tie_for_fused_update sets both; benchmarks/results/memory). Registers a forward hook that puts a
         pre-hook on the module output's grad_fn in every forward with grad enabled."""
         def on_forward(mod, inputs, output) -> None:
             if torch.is_grad_enabled() and getattr(output, "grad_fn", None) is not None:

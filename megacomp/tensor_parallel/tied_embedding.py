@@ -6,7 +6,7 @@ A weight ``E`` ([V/tp, h] on each TP rank) used by the lookup ``x = E[ids]`` and
 ``dE_out = g^T h`` is computed at the start of backward and held in the weight's input buffer until the
 lookup's backward, at the very end, allocates a second dense ``dE_emb`` (zeros, rows added per token); the two are
 then summed. So two [V/tp, h] buffers are alive at once, which is what bounds LOMO's gradient memory from below
-(docs/memory). :class:`TiedEmbeddingGrad` keeps one:
+(benchmarks/results/memory). :class:`TiedEmbeddingGrad` keeps one:
 
   1. output layer: ``logits = F.linear(h, tied.output_weight(E))``. ``output_weight`` is an alias of ``E`` whose
      backward receives ``dE_out`` as autograd computed it, keeps a reference to it and passes it on to ``E``

@@ -84,7 +84,7 @@ class TrainingConfig:
     """adamw: the sharded optimizer (gradients reduce-scattered over DP, megacomp.optimizer.DistributedOptimizer);
     demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
     all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (6e-3 was best on the tiny
-    GPT: docs/convergence_demo_sweep); onebit_adam, zero_one_adam, onebit_lamb: the 1-bit family
+    GPT: benchmarks/results/convergence_demo_sweep); onebit_adam, zero_one_adam, onebit_lamb: the 1-bit family
     (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path);
     lomo, adalomo: LOMO / AdaLomo (megacomp.optimizer.lomo): each parameter is all-reduced over DP (the
     dp_gradient path), updated and its gradient freed inside backward, so no gradient buffer, fp32 master or

@@ -137,7 +137,7 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
 def tie_for_fused_update(model, opt: Lomo) -> None:
     """Where ``model`` (a GPTModel) holds the word embedding and the output layer tied to it (PP 1), keep one
     gradient buffer for that weight, so LOMO's gradient memory stays within the largest gradient plus one message
-    (docs/memory): the lookup's backward adds into the output layer's partial gradient
+    (benchmarks/results/memory): the lookup's backward adds into the output layer's partial gradient
     (``GPTConfig.tied_embedding_grad_in_place``, set on a copy of ``model.cfg``; same bits) and the reduction in
     flight is finished before that backward (:meth:`Lomo.flush_before`). Nothing to do on other stages."""
     if not (model.pre_process and model.post_process):
