@@ -136,8 +136,11 @@ def parse_args(argv=None) -> PretrainConfig:
 
 def resolve(cfg: PretrainConfig, world_size: Optional[int] = None) -> list[str]:
     """Let each selected family set what only one value of can work (never a flag in ``cfg.explicit``); returns
-    one banner line per choice."""
-    return [line for f in FEATURES if f.selected(cfg) for line in f.resolve(cfg, world_size)]
+    one banner line per choice. A sharding no family chose is ZeRO-1's (sharded)."""
+    lines = [line for f in FEATURES if f.selected(cfg) for line in f.resolve(cfg, world_size)]
+    if cfg.zero.shard is None:
+        cfg.zero.shard = True
+    return lines
 
 
 def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:

@@ -52,12 +52,6 @@ class DeMoMomentum(Feature):
         if cfg.zero.shard is False:
             raise ValueError("optimizer demo keeps no sharded state; drop --no-shard-optimizer")
 
-    @classmethod
-    def resolve(cls, cfg, world) -> list[str]:
-        if cfg.zero.shard is None:
-            cfg.zero.shard = True  # keeps no sharded state; the setting only says so
-        return []
-
     def build(self, run) -> None:
         channels, compression = run.channels, run.compression
         ch = channels.dp_gradient

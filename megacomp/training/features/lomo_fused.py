@@ -202,8 +202,6 @@ class LomoFused(Feature):
     def resolve(cls, cfg, world) -> list[str]:
         """One micro-batch per DP rank: where the batch sizes disagree and the command line did not set
         global_batch_size, it becomes micro_batch_size x DP (said in the banner)."""
-        if cfg.zero.shard is None:
-            cfg.zero.shard = True  # keeps no sharded state; the setting only says so
         t, p = cfg.training, cfg.parallel
         if not world or "global_batch_size" in cfg.explicit:
             return []

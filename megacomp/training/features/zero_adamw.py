@@ -95,12 +95,6 @@ class ZeROAdamW(Feature):
             if why:
                 raise ValueError(f"overlap_param_gather does not combine with {why}; drop --overlap-param-gather or that")
 
-    @classmethod
-    def resolve(cls, cfg, world) -> list[str]:
-        if cfg.zero.shard is None:
-            cfg.zero.shard = True  # the plain default: ZeRO-1
-        return []
-
     def build(self, run) -> None:
         cfg, c = self.cfg, run.compression
         inputs = optimizer_inputs(run)
