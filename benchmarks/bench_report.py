@@ -1,4 +1,4 @@
-"""One command for the whole bandwidth-limited performance report (issue #7).
+"""One command for the whole bandwidth-limited performance report.
 
     python -m benchmarks.bench_report --iters 80 --out benchmarks/results/benchmarks   # benchmarks/results/benchmarks: ~23 min on the 2-core dev machine
     python -m benchmarks.bench_report --quick --out /tmp/report       # smoke run, ~4 min
@@ -82,7 +82,7 @@ def throughput_section(tp: dict, numel: int, measured: str, note: str = "") -> l
 
 
 def summary(records: dict) -> list[str]:
-    """The issue's acceptance figures, read off the measurements (never asserted)."""
+    """The acceptance figures (the targets the report is judged by), read off the measurements (never asserted)."""
     lines = ["## Summary", ""]
     ar = [r for r in records["collectives"] if r["op"] == "all_reduce"]
     for r in ar:
@@ -296,7 +296,7 @@ def measure(args, out: Path) -> dict:
         nb.bench_train(SimpleNamespace(
             **common, rates="1gbit" if q else "100mbit,1gbit", layout="tp2", compression="none,tp_fp8,all_int8",
             iters=5 if q else 12), records["train"])
-        # issue #20's rows: PP 2 and the interleaved PP 2 x VP 2 on the DDP workload's GPT, none / int8 / AQ-SGD int4
+        # the pipeline rows: PP 2 and the interleaved PP 2 x VP 2 on the DDP workload's GPT, none / int8 / AQ-SGD int4
         # (32 samples: iterations 1-2 are AQ-SGD's uncompressed first visits, which the median leaves out)
         nb.bench_train(SimpleNamespace(
             **{**common, "model_args": ddp_model}, rates="1gbit" if q else "100mbit,1gbit", layout="pp2,pp2vp2",

@@ -26,24 +26,24 @@ with classic EF, and int2 with classic EF;
 ``pp`` (PP 2 x DP 2): none vs int8 activations + int8 gradients with error feedback;
 ``frozen``: 1-bit Adam's remedy for Adam x error feedback (uncompressed warm-up for the first 20% of the
 iterations, then Adam's second moment frozen while the codec runs), with and without EF;
-``zero``: issue #4's acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
-``onebit``: issue #15's 1-bit Adam, 0/1 Adam and 1-bit LAMB, each against its own uncompressed optimizer, with
+``zero``: the error-feedback acceptance set over seeds (--seeds 1,2,3): the AdamW and the frozen-variance variants;
+``onebit``: 1-bit Adam, 0/1 Adam and 1-bit LAMB, each against its own uncompressed optimizer, with
 the DP bytes over the run and after the warm-up and the rounds of communication (--seeds 1,2,3, --iters 600);
-``demo_sweep`` and ``structured``: issue #17's DeMo (learning rates and decays on one seed), then SparseLoCo,
+``demo_sweep`` and ``structured``: DeMo (learning rates and decays on one seed), then SparseLoCo,
 DCT-momentum DiLoCo and DeMo against DiLoCo and DDP-AdamW (4 DP ranks or replicas, --seeds 1,2,3);
-``lomo_sweep`` and ``lomo``: issue #21's LOMO and AdaLomo (updates inside backward) against AdamW, and with int4 +
+``lomo_sweep`` and ``lomo``: LOMO and AdaLomo (updates inside backward) against AdamW, and with int4 +
 LoCo gradients against themselves;
-``fsdp``: issue #19's FSDP2 with megacomp's reduce-scatter / all-gather (LoCo int4 gradients, int8 parameters)
+``fsdp``: FSDP2 with megacomp's reduce-scatter / all-gather (LoCo int4 gradients, int8 parameters)
 against stock FSDP2, paired by seed.
-``powersgd``: issue #17's PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, megacomp's
+``powersgd``: PowerSGD under torch DDP, megacomp's hook next to torch's at ranks 4 and 1, megacomp's
 rank 2, Accordion (rank 4 / rank 1 and rank 2 / rank 1), and PowerSGD on megacomp's sharded optimizer (--seeds 1,2,3);
 ``accordion_sweep``: Accordion's eta, interval, level pair and per-layer decisions on one seed;
-``aqsgd``: issue #20's AQ-SGD on a pipeline (PP 2, run with --nproc 2): fine-tuning-style epochs over 256
+``aqsgd``: AQ-SGD on a pipeline (PP 2, run with --nproc 2): fine-tuning-style epochs over 256
 samples, 2- and 4-bit activation deltas against direct 2- and 4-bit quantisation and the uncompressed pipeline,
 with the pp_activation bytes of every iteration (warm-up epoch included); ``aqsgd_finetune``: the same variants
 fine-tuning (``--finetune``) a checkpoint pretrained on the whole corpus (600 iterations, made once) at a tenth of
 the learning rate; ``aqsgd_sweep``: 2-bit settings on one seed;
-``diloco``: issue #16's local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
+``diloco``: local-step loops against DDP-AdamW, 4 replicas: DiLoCo (H = 50 uncompressed and
 int4 + EF outer, H = 10), Streaming DiLoCo (4 fragments, tau = 5, int4 + EF outer), NoLoCo (groups of 2) and
 MT-DAO (one slow momentum: the reference's 0.999 / 0.9, and 0.99 / 0.5).
 ``diloco_sweep``: DiLoCo's outer and inner learning rates, momentum and H on one seed; ``diloco_regime``:
@@ -387,8 +387,8 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--config", default="configs/gpt_tiny.yaml")
-    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen, zero (issue #4 set, use --seeds) "
-                        "and/or diloco, diloco_sweep, diloco_regime (issue #16)")
+    p.add_argument("--suites", default="dp,pp", help="dp, pp, ef (the long error-feedback suite), frozen, zero (the error-feedback acceptance set, use --seeds) "
+                        "and/or diloco, diloco_sweep, diloco_regime (local steps); every suite: benchmarks/convergence_suites.py")
     p.add_argument("--out", default="results/convergence", help="the study: results.json, convergence.md, plots")
     p.add_argument("--runs", default="results/convergence_runs",
                    help="the runs' own logs (metrics.jsonl, stdout, preset), one directory per suite/variant/seed")

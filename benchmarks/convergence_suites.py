@@ -46,7 +46,7 @@ SUITES = {
         "int2+EF, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "ef", "freeze": 0.2},
         "int2+LoCo, frozen v": {"dp_gradient": INT2, "dp_gradient_error_feedback": "loco", "freeze": 0.2},
     }},
-    # issue #20: AQ-SGD, fine-tuning style (256 samples seen for many epochs), gradients uncompressed throughout
+    # AQ-SGD, fine-tuning style (256 samples seen for many epochs), gradients uncompressed throughout
     "aqsgd": {"layout": ["--pipeline-model-parallel-size", "2", "--dataset-samples", "256"],
               "bytes_kinds": ["pp_activation"], "variants": {
         "none": {},
@@ -55,7 +55,7 @@ SUITES = {
         "direct int4": {"pp_activation": INT4},
         "direct int2": {"pp_activation": INT2},
     }},
-    # issue #20, fine-tuning proper: from a checkpoint pretrained on the whole corpus (built once by "prepare"),
+    # AQ-SGD fine-tuning proper: from a checkpoint pretrained on the whole corpus (built once by "prepare"),
     # 20 epochs over 256 samples at a tenth of the pretraining learning rate; the same variants
     "aqsgd_finetune": {"layout": ["--pipeline-model-parallel-size", "2", "--dataset-samples", "256", "--load",
                                   "results/aqsgd_pretrained", "--finetune", "--lr", "3e-4", "--min-lr", "3e-5"],
@@ -92,7 +92,7 @@ SUITES = {
 
 
 FROZEN = {"freeze": 0.2}
-# issue #4's acceptance set, meant to be run over several seeds (--seeds 1,2,3): int4+LoCo against fp32 and
+# the error-feedback acceptance set, meant to be run over several seeds (--seeds 1,2,3): int4+LoCo against fp32 and
 # against int4/int2 without error feedback, per block and with one scale per shard, under AdamW (a subset
 # of "dp") and under AdamW with 1-bit Adam's warm-up and frozen second moment (compared with "none, frozen v")
 SUITES["zero"] = {"layout": [], "variants": {
@@ -109,7 +109,7 @@ SUITES["zero"] = {"layout": [], "variants": {
 }}
 
 
-# issue #16: DiLoCo over 4 replicas of one DP rank each (the same tokens per iteration as 4-rank DDP):
+# DiLoCo over 4 replicas of one DP rank each (the same tokens per iteration as 4-rank DDP):
 # outer exchange every H = 50 steps, uncompressed or int4 + classic EF, against DDP-AdamW ("none")
 DILOCO = ["--outer-algorithm", "diloco", "--num-replicas", "4", "--outer-steps", "50"]
 SUITES["diloco"] = {"layout": [], "variants": {
@@ -162,7 +162,7 @@ SUITES["diloco_regime"] = {"layout": [], "variants": {
     "DiLoCo H=50, hidden 128": {"args": [*DILOCO, *WIDTH128], "baseline": "none, hidden 128"},
 }}
 
-# issue #17: DeMo (no gradient all-reduce; each DP rank all-gathers its top-k DCT momentum components) against
+# DeMo (no gradient all-reduce; each DP rank all-gathers its top-k DCT momentum components) against
 # DDP-AdamW on 4 DP ranks; DeMo's --lr is its sign-SGD step. The sweep ranks learning rates and decays on one seed.
 def demo(lr: float, *more: str, values: Optional[str] = None) -> dict:
     """A DeMo variant: peak lr (min lr a tenth of it), further flags, and the format of the kept values."""
@@ -182,7 +182,7 @@ SUITES["demo_sweep"] = {"layout": [], "variants": {
     "DeMo lr 1.2e-2": demo(1.2e-2),
 }}
 
-# issue #17: SparseLoCo (top-k per chunk, 2-bit values, an error-feedback accumulator in place of outer momentum)
+# SparseLoCo (top-k per chunk, 2-bit values, an error-feedback accumulator in place of outer momentum)
 # and DCT-momentum DiLoCo (the same rule with a chunked-DCT top-k codec) against DiLoCo at equal tokens
 SPARSELOCO = ["--outer-algorithm", "sparseloco", "--num-replicas", "4", "--outer-steps", "50"]
 DCT_CODEC = '{name: bf16, transform: dct, chunk: 64, k: 4}'
@@ -199,7 +199,7 @@ SUITES["structured"] = {"layout": [], "variants": {
 }}
 
 
-# issue #17: PowerSGD inside torch DDP, megacomp's hook (any number of buckets, error feedback with each rank's own
+# PowerSGD inside torch DDP, megacomp's hook (any number of buckets, error feedback with each rank's own
 # approximation, QR) side by side with torch's (one bucket: it races on gloo with more), ranks 4 and 1; Accordion
 # switching rank 4 (critical regimes) and rank 1; and megacomp's PowerSGD rank 4 on the sharded optimizer in
 # pretraining. Run by benchmarks/ddp_convergence.py (same model, data, schedule and AdamW as megacomp.pretrain).
@@ -243,7 +243,7 @@ SUITES["accordion_sweep"] = {"layout": [], "variants": {
 }}
 
 
-# issue #19: PyTorch FSDP2 (fully_shard on every transformer layer and the model) with megacomp's codecs as its
+# PyTorch FSDP2 (fully_shard on every transformer layer and the model) with megacomp's codecs as its
 # custom reduce-scatter / all-gather (megacomp.integrations.fsdp), against stock FSDP2 ("none"). The "off" row
 # runs megacomp's collectives with identity codecs: bit-identical to stock (its loss must equal it), and it counts
 # the uncompressed bytes stock FSDP2 sends. Run by benchmarks/ddp_convergence.py.
@@ -256,7 +256,7 @@ SUITES["fsdp"] = {"layout": [], "bytes_reference": "megacomp FSDP2, compression 
 }}
 
 
-# issue #15: the 1-bit family on DP 4, each against its own uncompressed optimizer (the `baseline` key): 1-bit
+# the 1-bit family on DP 4, each against its own uncompressed optimizer (the `baseline` key): 1-bit
 # Adam and 0/1 Adam against AdamW, 1-bit LAMB against LAMB (1-bit LAMB with the freeze never reached and the
 # momentum uncompressed). Warm-up / variance freeze at 20% of the run (the paper's 15-25%); 0/1 Adam's
 # intervals scaled to the run length (DeepSpeed's example: var_freeze 1000, scalers 16 and 1000, clipper 16).
@@ -321,7 +321,7 @@ SUITES["onebit_sweep"] = {"layout": [], "variants": {
 
 
 def fused(optimizer: str, lr: str, *more: str, baseline: str = "none", **compression) -> dict:
-    """A LOMO / AdaLomo variant (issue #21): one micro-batch per DP rank, the tiny config's 16 = 4 x 4 ranks."""
+    """A LOMO / AdaLomo variant: one micro-batch per DP rank, the tiny config's 16 = 4 x 4 ranks."""
     return {**compression, "args": ["--optimizer", optimizer, "--lr", lr, *more], "baseline": baseline}
 
 
@@ -348,9 +348,9 @@ SUITES["lomo"] = {"layout": [], "variants": {
 }}
 
 
-# issue #23: every traffic path alone and all together, with the `all` preset's setting for each path (TP and SP
+# every traffic path alone and all together, with the `all` preset's setting for each path (TP and SP
 # in fp8 e4m3 + Hadamard 128, DP gradients int4 + LoCo, DP parameters int8/256), TP 2 x DP 2 with sequence
-# parallelism (the layout of the issue's worst seed); bytes counted over every iteration for every kind it uses
+# parallelism; bytes counted over every iteration for every kind it uses
 FP8H = {"name": "fp8_e4m3", "block_size": 128, "hadamard": 128}
 ALL_PATHS = {"tp_forward": {"tp_forward": FP8H}, "tp_backward": {"tp_backward": FP8H},
              "sp_all_gather": {"sp_all_gather": FP8H}, "sp_reduce_scatter": {"sp_reduce_scatter": FP8H},
@@ -363,7 +363,7 @@ SUITES["ablation_tp2dp2"] = {
                  "all": {k: v for comp in ALL_PATHS.values() for k, v in comp.items()}}}
 
 
-# issue #23, step 2: the near-lossless preset (configs/compression/all_int8.yaml: int8 everywhere, TP/SP after a
+# the near-lossless preset (configs/compression/all_int8.yaml: int8 everywhere, TP/SP after a
 # Hadamard-128 rotation), path by path and all together, on TP 2 x DP 2 (added to ablation_tp2dp2) and TP 2 x PP 2;
 # every run probes its compression error every 50 iterations (megacomp.comm.probe; never changes the numbers)
 INT8H = {"name": "int8", "block_size": 128, "hadamard": 128}
@@ -399,7 +399,7 @@ SUITES["ablation_tp2pp2"] = {
                  "all_int8": {**ALL_INT8, **PROBE}}}
 
 
-# issue #23, the codec options on TP/SP traffic, measured with the error probe during training (short runs: the
+# the codec options on TP/SP traffic, measured with the error probe during training (short runs: the
 # table of interest is the probe's, not the loss): TP 2 x DP 2 with sequence parallelism, the option on
 # tp_backward, sp_all_gather and sp_reduce_scatter, probed every 20 iterations. Block 64 = one row of the tiny
 # GPT's hidden dimension (64): blocks that follow the hidden dimension instead of spanning two tokens.
@@ -419,7 +419,7 @@ SUITES["tp_codecs"] = {
                  "int8 /64 (one row), Hadamard 64": _tp({"name": "int8", "block_size": 64, "hadamard": 64}),
                  "int4 /128, Hadamard 128": _tp({"name": "int4", "block_size": 128, "hadamard": 128})}}
 
-# issue #23's third layout, TP 2 x PP 2 x DP 2 on 8 ranks (run with --nproc 8 into its own --out: results.json
+# the ablation's third layout, TP 2 x PP 2 x DP 2 on 8 ranks (run with --nproc 8 into its own --out: results.json
 # files merge only at equal nproc; benchmarks/results/convergence_ablation_8rank ran none and all_int8)
 SUITES["ablation_tp2pp2dp2"] = {
     "layout": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel"],
@@ -428,7 +428,7 @@ SUITES["ablation_tp2pp2dp2"] = {
     "variants": {"none": {}, "all (fp8 TP)": SUITES["ablation_tp2pp2"]["variants"]["all (fp8 TP)"],
                  "all_int8": {**ALL_INT8, **PROBE}}}
 
-# issue #18: ACCO (megacomp.optimizer.acco) against the sharded AdamW step it overlaps, uncompressed and with int4 +
+# ACCO (megacomp.optimizer.acco) against the sharded AdamW step it overlaps, uncompressed and with int4 +
 # LoCo gradients / int8 parameters; two micro-batches of 2 per DP rank (ACCO's two halves), the same global batch
 LOCO4_QWZ = {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco", "dp_parameter": {"name": "int8", "block_size": 256}}
 ACCO_FLAGS = ["--overlap-optimizer", "acco"]

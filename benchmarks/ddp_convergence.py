@@ -10,7 +10,8 @@ data-parallel gradients go through torch DDP and ``--hook``:
 
   none                 megacomp's hook with codec None: bit-identical to DDP's default all-reduce (counted)
   torch_powersgd:R     torch's PowerSGD hook, rank R, error feedback and warm start on, start at iteration 2,
-                       one bucket (with several it races on gloo: ../shared/research/platform.md)
+                       one bucket (with several it races on gloo: its second all-reduce
+                       comes from a callback thread while the next bucket's starts)
   megacomp:SPEC        megacomp's hook (megacomp.optimizer.ddp_hook) with the YAML codec SPEC, e.g.
                        ``'{name: powersgd, rank: 4}'`` or an Accordion mapping; DDP's default buckets, or
                        ``--bucket-mb`` MB ones

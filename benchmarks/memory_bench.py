@@ -1,6 +1,6 @@
 """Measured peak memory per rank, split into parameters, gradients, optimizer state, activations and
 communication buffers, for AdamW (torch DDP), megacomp's DistributedOptimizer as ZeRO-1 and ZeRO-2, LOMO and
-AdaLomo (issue 21, "Memory accounting"; ZeRO-2: issue 18).
+AdaLomo.
 
     python -m benchmarks.memory_bench                 # 125M config, DP 2 gloo ranks, writes benchmarks/results/memory/
     python -m benchmarks.memory_bench --dp 1 --methods lomo,adalomo --out /tmp/mem
@@ -18,11 +18,11 @@ tracked peak; on CPU the process's peak RSS (VmHWM, reset before the measured it
 Methods are data: METHODS maps a name to a builder ``(model, dp_group, tracker, args) -> Method``; a LoQT row is
 one more entry (added automatically when megacomp.tensor_parallel.loqt exists and exposes ``bench_builder``).
 
-The gradient check (issue 21's acceptance): for LOMO / AdaLomo the measured peak of live gradient bytes must not
+The gradient check (LOMO's memory bound): for LOMO / AdaLomo the measured peak of live gradient bytes must not
 exceed the largest parameter's gradient plus one communication bucket, both measured (the bucket is the
 largest message the method's DP gradient channel sent). PASS / FAIL comes from the numbers, nothing else.
 
-The ZeRO check (issue 18's acceptance): with both ZeRO rows, a further table compares the peak of the optimizer's
+The ZeRO check (ZeRO-2's memory target): with both ZeRO rows, a further table compares the peak of the optimizer's
 own gradient storage (its full-size bucket buffers plus its reduced shards, measured as tracker label groups) with
 ZeRO-1's buffers / DP + the largest bucket (benchmarks/memory_report.py renders the tables).
 """
@@ -57,7 +57,7 @@ from megacomp.training.memory import PARTIAL, MemoryTracker, reset_rss_peak, rss
 class Method:
     """One way to train: ``step(ids, labels)`` runs a whole iteration (forward under the tracker's ``act``
     category, backward, reduction, update). ``bucket_bytes``: the largest gradient message / bucket seen so
-    far. ``grad_bound``: whether issue 21's gradient bound applies (LOMO / AdaLomo)."""
+    far. ``grad_bound``: whether LOMO's gradient bound applies (LOMO / AdaLomo)."""
 
     step: Callable
     bucket_bytes: list = field(default_factory=lambda: [0])

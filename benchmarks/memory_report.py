@@ -56,7 +56,7 @@ def table(rows: list[dict], args) -> str:
 
 
 def zero_table(rows: list[dict], dp: int) -> str:
-    """ZeRO-1 vs ZeRO-2 per rank (issue 18's acceptance): the peak of the optimizer's gradient storage (full-size
+    """ZeRO-1 vs ZeRO-2 per rank (ZeRO-2's memory target): the peak of the optimizer's gradient storage (full-size
     buffers + reduced shards, one label group), its parts' own peaks, ZeRO-1's buffers / DP + the largest bucket (the
     expectation), and what was alive at the peak. Empty without both ZeRO rows."""
     ref = {r["rank"]: r for r in rows if r["method"] == "zero1" and "label_peak" in r}

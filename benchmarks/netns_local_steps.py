@@ -1,4 +1,4 @@
-"""Local-step training over a shaped link: time to DDP fp32's final loss (issue #16's shaped-link report).
+"""Local-step training over a shaped link: time to DDP fp32's final loss (the local-step methods over a slow link).
 
     python -m benchmarks.netns_local_steps --rates 100mbit,10mbit --iters 300
 
@@ -9,7 +9,7 @@ addresses only inside the namespaces it creates), one rank in each: the tiny GPT
     DDP fp32                  every step all-reduces (reduce-scatters and all-gathers) fp32 gradients
     LoCo int4                 the same with the loco4 preset (int4 + LoCo on the DP gradients)
     PowerSGD r4+EF            the powersgd4 preset (rank-4 factors of every DP gradient matrix, error feedback)
-    DeMo, SparseLoCo, DCT-DiLoCo   issue #17's methods with benchmarks/convergence.py's settings
+    DeMo, SparseLoCo, DCT-DiLoCo   the structured methods with benchmarks/convergence.py's settings
     DiLoCo H=50 (+ int4+EF)   2 replicas (one rank each), one pseudo-gradient exchange every 50 steps
     Streaming DiLoCo          4 fragments at staggered steps, each overlapped with 5 inner steps, int4+EF
 
@@ -51,7 +51,7 @@ VARIANTS = {
     "DiLoCo H=50 int4+EF outer": ["--compression", "none", "--outer-algorithm", "diloco", *TWO, *INT4_EF],
     "Streaming DiLoCo H=50 P=4 tau=5 int4+EF": ["--compression", "none", "--outer-algorithm", "streaming_diloco",
                                                  *TWO, "--outer-fragments", "4", "--outer-delay", "5", *INT4_EF],
-    # issue #17's structured methods, at convergence.py's settings
+    # the structured methods, at convergence.py's settings
     "DeMo lr 6e-3 top-32": ["--compression", "none", "--optimizer", "demo", "--lr", "6e-3", "--min-lr", "6e-4"],
     "SparseLoCo H=50": ["--compression", "none", "--outer-algorithm", "sparseloco", *TWO],
     "DCT-DiLoCo H=50": ["--compression", "none", "--outer-algorithm", "sparseloco", *TWO,

@@ -1,6 +1,6 @@
 """How well do 8- and 4-bit codecs carry the tensors of tensor-parallel (TP) traffic? A measurement, never a test.
 
-TACO (docs: /work/shared/research/papers.md §3) reports that the tensors exchanged by TP collectives are dense
+TACO (Liu et al., HPDC'26, arXiv 2604.24088) reports that the tensors exchanged by TP collectives are dense
 and near-zero, so a single per-tensor scale flushes many of them to zero; it answers with a Hadamard rotation
 and dual (coarse x fine) scaling. This script measures that claim on a real, if tiny, model:
 

@@ -5,7 +5,7 @@
 #   export SLURM_CONF=/tmp/megacomp-slurm/slurm.conf     # then: sinfo, sbatch, srun, squeue, scontrol
 #   bash scripts/slurm_down.sh               # stop it again
 #
-# What it does (see /work/shared/research/platform.md §4 for the recipe it follows):
+# What it does:
 #   1. installs the Debian packages slurmctld slurmd slurm-client when `slurmctld` is missing
 #      (apt-get update + apt-get install --no-install-recommends; needs root),
 #   2. writes $SLURM_DIR/slurm.conf: one node named `hostname -s` at 127.0.0.1, partition "debug",

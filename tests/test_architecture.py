@@ -1,4 +1,4 @@
-"""The structure docs/architecture.md promises, checked on the source (issue 14).
+"""The structure docs/architecture.md promises, checked on the source.
 
 - No hidden module state: module-level mutable containers, instances of non-builtin classes and
   ``functools.lru_cache``/``cache`` functions in megacomp/ (kernels included) are the listed caches only, and

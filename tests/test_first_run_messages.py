@@ -1,4 +1,4 @@
-"""A first run that explains itself (issue 22, item 4) and a data cache that cannot run code (item 5).
+"""A first run that explains itself and a data cache that cannot run code.
 
 - The CPU kernels' build says so on stderr before and after (only when a build will happen, only from
   local rank 0); tested with the builder stubbed at ``build.load`` (no real one-minute compile) and with

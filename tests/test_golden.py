@@ -1,6 +1,6 @@
 """Golden values: today's training numbers, recorded bit for bit, that a refactor must reproduce exactly.
 
-Why: the channel refactor of issue 14 (megacomp/comm, megacomp/config.py, the parallel layers and the
+Why: the channel refactor (megacomp/comm, megacomp/config.py, the parallel layers and the
 optimizer) must not change a single number. tests/golden/golden.json was recorded at the commit before it
 (99cbbae); the refactored code must pass this file unchanged. Every comparison is exact: losses as
 ``float.hex()``, byte counts as ints, parameters as sha256 of their float32 bytes (first 16 hex digits).
@@ -197,7 +197,7 @@ def compression_cases() -> dict:
     # pp_aqsgd4 (AQ-SGD, added after the recordings) is left out: it needs pipeline stages (the other layouts
     # refuse it) and revisited samples (3 iterations of this run would see only its uncompressed first visits);
     # test_pipeline_parallel_aqsgd.py and test_training_aqsgd.py test it
-    # all_int8 (issue 23's near-lossless preset) was added after the recordings too; its codecs are recorded here
+    # all_int8 (the near-lossless preset) was added after the recordings too; its codecs are recorded here
     # through the other presets (int8 + Hadamard as tp_fp8's fp8 + Hadamard), and test_training_pretrain.py's
     # error-probe test trains it in TP 2 x PP 2 and TP 2 x DP 2
     cases = {p.stem: {**preset(p.stem), "min_compress_numel": MIN_NUMEL} for p in sorted(PRESETS.glob("*.yaml"))

@@ -1,5 +1,5 @@
-"""megacomp.optimizer.DeMo against an independent fp64 restatement of the reference algorithm (bloc97/DeMo,
-../shared/research/papers.md §7), its k = whole-tile limit (sign-SGD on the all-rank mean of the momenta,
+"""megacomp.optimizer.DeMo against an independent fp64 restatement of the reference algorithm (bloc97/DeMo),
+its k = whole-tile limit (sign-SGD on the all-rank mean of the momenta,
 zero residual), wire bytes, skipped steps, checkpoint round trip and bad settings."""
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ def _averaging_body(rank, world, steps):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_h1_lr1_without_momentum_is_parameter_averaging_bit_for_bit(world):
-    """The issue's acceptance: H = 1, outer SGD lr 1, no momentum, no compression equals synchronous
+    """The acceptance check: H = 1, outer SGD lr 1, no momentum, no compression equals synchronous
     parameter averaging after every inner step, bit for bit (the reference: torch's average_parameters)."""
     for identical in run_ranks(_averaging_body, world, 5):
         assert identical == [True] * 5

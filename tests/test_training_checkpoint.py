@@ -1,4 +1,4 @@
-"""Checkpoints that cannot run code, and broken checkpoints that say which file and what to do (issue 22).
+"""Checkpoints that cannot run code, and broken checkpoints that say which file and what to do.
 
 Real checkpoints: a 2-rank pretraining run saves iterations 1 and 2; each test breaks a copy of them and
 resumes with the trainer, as ``--load`` does. A hostile pickle would ``touch`` a marker file in tmp_path

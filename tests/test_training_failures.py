@@ -1,4 +1,4 @@
-"""Pretraining runs that go wrong, as a user meets them (issue 22): real ranks, real launches.
+"""Pretraining runs that go wrong, as a user meets them: real ranks, real launches.
 
 - A diverging run (``--lr 1e6``) stops at the same iteration on every rank with one line on stderr,
   a non-zero status, and no checkpoint of the diverged state; skipped steps are tolerated up to

@@ -80,7 +80,7 @@ def test_preset_contents():
     assert all(getattr(everything, p) is not None for p in TRAFFIC_PATHS)
     assert everything.dp_gradient.name == "int4" and everything.dp_gradient_error_feedback.beta == 0.8  # LoCo
     assert (everything.dp_parameter.name, everything.dp_parameter.block_size) == ("int8", 256)
-    near = load_compression("all_int8")  # issue 23's recommended preset: 8 bits on every path
+    near = load_compression("all_int8")  # the recommended preset: 8 bits on every path
     for p in ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter"):
         codec = getattr(near, p)
         assert (codec.name, codec.block_size, codec.hadamard) == ("int8", 128, 128)

@@ -178,7 +178,7 @@ def test_adamw_and_zero_hold_every_gradient_and_their_state(results):
 
 @pytest.mark.parametrize("method", ["lomo", "adalomo"])
 def test_lomo_gradient_bound_measured(results, method):
-    """Issue 21's bound from the measurement: the checks are the comparisons of measured numbers. Pretraining's
+    """LOMO's gradient bound from the measurement: the checks are the comparisons of measured numbers. Pretraining's
     arrangement (megacomp.training.features.lomo_fused.tie_for_fused_update) keeps one [V, h] gradient buffer for the tied word
     embedding: the lookup's backward adds into the output layer's partial. The DP reduction runs on Lomo's
     persistent buffer (a copy; the gradient is freed in its hook), so no gradient waits for gloo's worker thread to

@@ -12,7 +12,7 @@ torch's hook does: one call (a DDP bucket, a sharded-optimizer bucket) issues
 All three are issued from the calling thread, in the same order on every rank, and the call returns
 when they are done. That is why it works on gloo with any number of buckets: torch's PowerSGD hook
 issues its second all-reduce from a future's callback on another thread, where it races the next
-bucket's collective (see ../shared/research/platform.md). The price is that the exchange does not
+bucket's collective (with several buckets on gloo it fails with a collective size mismatch). The price is that the exchange does not
 overlap the rest of backward.
 
 Bytes, per rank and call: the factor all-reduces carry ``sum (n + m) r`` elements (fp32, or the

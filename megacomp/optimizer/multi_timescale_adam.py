@@ -1,6 +1,6 @@
 """AdamW with several first moments at different timescales: MT-DAO's inner optimizer.
 
-Why (Iacob et al., "MT-DAO", ICLR 2026; ../shared/research/papers.md §6.5): a fast momentum (beta 0.9) has
+Why (Iacob et al., "MT-DAO", ICLR 2026): a fast momentum (beta 0.9) has
 a half-life of about 6.6 steps, so after K = 32 local steps it has forgotten the state it shared with the
 other replicas at the last synchronisation (0.9^32 ~ 0.03). Slow momenta (beta ~ 0.999) keep it; mixing
 them into the update quasi-hyperbolically (QHAdam) keeps the fast momentum's responsiveness.

@@ -1,8 +1,8 @@
-"""Local-step outer loops over model replicas (issue 16): replicas train H steps on their own, then
+"""Local-step outer loops over model replicas: replicas train H steps on their own, then
 exchange a compressed pseudo-gradient. Implemented: DiLoCo, Streaming DiLoCo and NoLoCo (one engine,
 DiLoCo; NoLoCo's gossip step in noloco.py), MT-DAO (the engine's averaging plus mt_dao.py's moment averaging
 and megacomp.optimizer.MultiTimescaleAdamW), with bounded waits for lost replicas (liveness.py).
-Planned on the same API: SparseLoCo, DCT-momentum DiLoCo (issue 17)."""
+SparseLoCo and DCT-momentum DiLoCo (sparseloco.py) use the same API."""
 from .diloco import DiLoCo, DiLoCoConfig
 from .groups import ReplicaGroups, build_replica_groups
 from .liveness import ReplicaLost, ReplicaWatch

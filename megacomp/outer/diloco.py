@@ -1,6 +1,6 @@
 """DiLoCo: replicas train locally for H steps, then exchange one pseudo-gradient through a compressed channel.
 
-Algorithm (Douillard et al., "DiLoCo", 2023; ../shared/research/papers.md §6.1), per outer step t, on every
+Algorithm (Douillard et al., "DiLoCo", 2023), per outer step t, on every
 rank of a replica (a TP x PP [x inner-DP] model), for this rank's parameter shards:
 
     after H inner optimizer steps from theta_{t-1}:      theta_local

@@ -1,6 +1,6 @@
 """MT-DAO's synchronisation: parameters and every optimizer moment averaged across the replicas every H steps.
 
-Algorithm (Iacob et al., "MT-DAO", ICLR 2026; ../shared/research/papers.md §6.5), per replica, with the
+Algorithm (Iacob et al., "MT-DAO", ICLR 2026), per replica, with the
 inner optimizer megacomp.optimizer.MultiTimescaleAdamW (fast and slow first moments, second moment):
 
     H inner steps on the replica's own data

@@ -1,6 +1,6 @@
 """SparseLoCo's and DCT-momentum DiLoCo's outer step: an error-feedback accumulator in place of outer momentum.
 
-SparseLoCo (Sarfi et al., 2025, arXiv 2508.15706; ../shared/research/papers.md §6.3), per outer step, on
+SparseLoCo (Sarfi et al., 2025, arXiv 2508.15706), per outer step, on
 replica r with outer weights theta, local weights theta_r after H inner steps and accumulator e_r:
 
     Delta_r    = theta - theta_r                      the pseudo-gradient
