@@ -279,7 +279,7 @@ def onebit(optimizer: str, *more: str, baseline: str = "none") -> dict:
 SUITES["onebit"] = {"layout": [], "variants": {
     "none": {},
     "1-bit Adam (freeze 20%)": onebit("onebit_adam", "--freeze-step", "@0.2", "--no-shard-optimizer"),
-    "1-bit Adam, sharded": onebit("onebit_adam", "--freeze-step", "@0.2"),
+    "1-bit Adam, sharded": onebit("onebit_adam", "--freeze-step", "@0.2", "--shard-optimizer"),
     "1-bit Adam, compression off (frozen v only)": onebit("onebit_adam", "--freeze-step", "@0.2", *OFF,
                                                           "--no-shard-optimizer"),
     "0/1 Adam (var freeze 20%)": onebit("zero_one_adam", "--var-freeze-step", "@0.2", "--var-update-scaler", "16",
