@@ -332,7 +332,7 @@ def _sp_stock_body(rank, world, device):
 
 
 @needs_cuda
-@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2_sp"])
+@pytest.mark.parametrize("world", [1, 2, 4], ids=["tp1", "tp2_sp", "tp4_sp"])
 def test_cuda_compression_off_is_bit_identical_to_megatron_core_with_sequence_parallel(world):
     if world == 1:  # why TP 1 has no sequence-parallel case: megatron-core's config refuses it
         from megatron.core.transformer import TransformerConfig
