@@ -8,6 +8,32 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory):
+    """The tiny pretraining config the training tests start from: a 2-layer GPT of width 32 (4 heads, 32 tokens
+    per sample, a 512-piece tokenizer trained on at most 400 kB), micro batch 2, global batch 8, 3 iterations at
+    lr 3e-3 after 2 warm-up iterations, a metrics line every iteration, on the first 40 files of
+    megacomp.data.default_corpus_files().
+
+    The data cache is one temporary directory for the whole session: the tokenizer and token files are built by
+    the first test that trains and are found there by every later one (the cache is keyed by the corpus and the
+    tokenizer settings, so configs that change those still get their own entries).
+
+    Derive a test's config with ``dataclasses.replace(tiny_config, <what differs>)`` (flat names); never change
+    this object in place, it is shared by every test of the session.
+    """
+    from megacomp.data import default_corpus_files
+    from megacomp.training import PretrainConfig
+
+    cache = tmp_path_factory.mktemp("data-cache")
+    return PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
+                          micro_batch_size=2, global_batch_size=8, train_iters=3, lr=3e-3, lr_warmup_iters=2,
+                          data_path=default_corpus_files()[:40], data_cache_dir=str(cache), tokenizer_max_bytes=400_000,
+                          log_interval=1)
+
 
 # The quick subset, `pytest -m "not slow" tests`: the tests listed in tests/slow_tests.txt (measured slow) and any
 # test marked @pytest.mark.slow carry the `slow` marker. The list names a test by its file and function, so a module

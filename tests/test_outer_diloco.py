@@ -231,17 +231,11 @@ def _pretrain_body(rank, world, cfg):
     return [(h["loss"], h["traffic"]) for h in history]
 
 
-def test_pretraining_with_diloco_over_two_tp2_replicas_logs_outer_traffic_and_resumes(tmp_path):
+def test_pretraining_with_diloco_over_two_tp2_replicas_logs_outer_traffic_and_resumes(tiny_config, tmp_path):
     from dataclasses import replace
 
-    from megacomp.data import default_corpus_files
-    from megacomp.training import PretrainConfig
-
-    cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                         micro_batch_size=2, global_batch_size=8, train_iters=6, lr=3e-3, lr_warmup_iters=2,
-                         data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
-                         tokenizer_max_bytes=400_000, tensor_model_parallel_size=2, outer_algorithm="diloco",
-                         num_replicas=2, outer_steps=2, outer_codec="int4", outer_error_feedback="ef")
+    cfg = replace(tiny_config, train_iters=6, tensor_model_parallel_size=2, outer_algorithm="diloco", num_replicas=2,
+                  outer_steps=2, outer_codec="int4", outer_error_feedback="ef")
     full = run_ranks(_pretrain_body, 4, cfg)[0]
     losses = [loss for loss, _ in full]
     assert losses[-1] < losses[0]
@@ -358,17 +352,11 @@ def test_streaming_settings_are_checked():
         DiLoCoConfig(fragments=0)
 
 
-def test_pretraining_with_streaming_diloco_resumes_with_an_exchange_in_flight(tmp_path):
+def test_pretraining_with_streaming_diloco_resumes_with_an_exchange_in_flight(tiny_config, tmp_path):
     from dataclasses import replace
 
-    from megacomp.data import default_corpus_files
-    from megacomp.training import PretrainConfig
-
-    cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                         micro_batch_size=2, global_batch_size=8, train_iters=8, lr=3e-3, lr_warmup_iters=2,
-                         data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
-                         tokenizer_max_bytes=400_000, outer_algorithm="streaming_diloco", num_replicas=2,
-                         outer_steps=4, outer_fragments=2, outer_delay=1, outer_mixing=0.5, outer_codec="int4")
+    cfg = replace(tiny_config, train_iters=8, outer_algorithm="streaming_diloco", num_replicas=2, outer_steps=4,
+                  outer_fragments=2, outer_delay=1, outer_mixing=0.5, outer_codec="int4")
     full = run_ranks(_pretrain_body, 2, cfg)[0]
     losses = [loss for loss, _ in full]
     outer = [t.get("outer", [0, 0])[0] > 0 for _, t in full]

@@ -70,20 +70,16 @@ def _pretrain_body(rank, world, cfg):
     return [(x["loss"], x["traffic"]) for x in history], h.hexdigest(), kinds
 
 
-def _cfg(tmp_path, **kw):
-    from megacomp.data import default_corpus_files
-    from megacomp.training import PretrainConfig
-
-    return PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                          micro_batch_size=2, global_batch_size=8, train_iters=6, lr=3e-3, lr_warmup_iters=2,
-                          data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
-                          tokenizer_max_bytes=400_000, outer_algorithm="mt_dao", num_replicas=4, outer_steps=2, **kw)
-
-
-def test_pretraining_with_mt_dao_synchronises_parameters_and_moments_and_resumes(tmp_path):
+def _cfg(tiny_config, **kw):
     from dataclasses import replace
 
-    cfg = _cfg(tmp_path)
+    return replace(tiny_config, train_iters=6, outer_algorithm="mt_dao", num_replicas=4, outer_steps=2, **kw)
+
+
+def test_pretraining_with_mt_dao_synchronises_parameters_and_moments_and_resumes(tiny_config, tmp_path):
+    from dataclasses import replace
+
+    cfg = _cfg(tiny_config)
     results = run_ranks(_pretrain_body, 4, cfg)
     history, digest, kinds = results[0]
     assert kinds == ["exp_avg", "exp_avg_sq", "slow_avg_0", "step"]
@@ -103,7 +99,7 @@ def test_pretraining_with_mt_dao_synchronises_parameters_and_moments_and_resumes
     assert [loss for loss, _ in first + rest] == losses
 
 
-def test_mt_dao_flags_are_checked(tmp_path):
+def test_mt_dao_flags_are_checked(tiny_config):
     from megacomp.training.arguments import check
 
     for kw, words in [(dict(mt_dao_slow_betas="0.999,0.99"), "one weight per beta"),
@@ -112,4 +108,4 @@ def test_mt_dao_flags_are_checked(tmp_path):
                       (dict(adam_freeze_variance_step=5), "both replace the inner optimizer"),
                       (dict(outer_fragments=2), "Streaming DiLoCo")]:
         with pytest.raises(ValueError, match=words):
-            check(_cfg(tmp_path, **kw))
+            check(_cfg(tiny_config, **kw))

@@ -168,18 +168,13 @@ def test_bad_settings():
         assert "group_size 3 does not divide the replica count 4" in message
 
 
-def test_pretraining_with_noloco_over_four_replicas_logs_outer_traffic_and_resumes(tmp_path):
+def test_pretraining_with_noloco_over_four_replicas_logs_outer_traffic_and_resumes(tiny_config, tmp_path):
     from dataclasses import replace
 
-    from megacomp.data import default_corpus_files
-    from megacomp.training import PretrainConfig
     from test_outer_diloco import _pretrain_body
 
-    cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                         micro_batch_size=2, global_batch_size=8, train_iters=6, lr=3e-3, lr_warmup_iters=2,
-                         data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
-                         tokenizer_max_bytes=400_000, outer_algorithm="noloco", num_replicas=4, outer_steps=2,
-                         outer_codec="int8", outer_error_feedback="ef")
+    cfg = replace(tiny_config, train_iters=6, outer_algorithm="noloco", num_replicas=4, outer_steps=2,
+                  outer_codec="int8", outer_error_feedback="ef")
     full = run_ranks(_pretrain_body, 4, cfg)[0]
     losses = [loss for loss, _ in full]
     assert losses[-1] < losses[0]

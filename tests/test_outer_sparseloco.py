@@ -128,20 +128,15 @@ def test_bad_settings_are_refused():
     DiLoCoConfig(algorithm="sparseloco", outer_momentum=1.0)  # beta 1: classic error feedback, allowed
 
 
-def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resumes(tmp_path):
+def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resumes(tiny_config, tmp_path):
     from dataclasses import replace
 
-    from megacomp.data import default_corpus_files
-    from megacomp.training import PretrainConfig
     from megacomp.compression import make_codec
     from megacomp.outer.sparseloco import DEFAULT_CODEC
     from megacomp.training.features.outer_loop import outer_config
     from test_outer_diloco import _pretrain_body
 
-    cfg = PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                         micro_batch_size=2, global_batch_size=8, train_iters=6, lr=3e-3, lr_warmup_iters=2,
-                         data_path=[str(f) for f in default_corpus_files()[:40]], data_cache_dir=str(tmp_path / "c"),
-                         tokenizer_max_bytes=400_000, outer_algorithm="sparseloco", num_replicas=4, outer_steps=2)
+    cfg = replace(tiny_config, train_iters=6, outer_algorithm="sparseloco", num_replicas=4, outer_steps=2)
     oc = outer_config(cfg)  # the defaults: top-64 of 4096 in int2, alpha 1, beta 0.95
     assert (oc.algorithm, oc.outer_lr, oc.outer_momentum) == ("sparseloco", 1.0, 0.95)
     assert make_codec(oc.codec) == DEFAULT_CODEC

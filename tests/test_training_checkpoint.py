@@ -18,8 +18,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from distributed import RankFailure, run_ranks
-from megacomp.data import default_corpus_files
-from megacomp.training import PretrainConfig, Trainer
+from megacomp.training import Trainer
 from megacomp.training.checkpoint import METADATA_GLOBALS, latest_iteration, read_metadata
 
 WORLD = 2
@@ -44,11 +43,8 @@ def _train_body(rank, world, cfg):
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    return PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                          micro_batch_size=2, global_batch_size=8, train_iters=3, lr=3e-3, lr_warmup_iters=2,
-                          data_path=default_corpus_files()[:40], data_cache_dir=str(tmp_path_factory.mktemp("cache")),
-                          tokenizer_max_bytes=400_000, compression="loco4")
+def base(tiny_config):
+    return replace(tiny_config, compression="loco4")
 
 
 @pytest.fixture(scope="module")

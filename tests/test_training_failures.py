@@ -24,24 +24,18 @@ import pytest
 import yaml
 
 from distributed import run_ranks
-from megacomp.data import default_corpus_files
-from megacomp.training import PretrainConfig, Trainer, TrainingDiverged
+from megacomp.training import Trainer, TrainingDiverged
 from megacomp.training.checkpoint import latest_iteration
 from megacomp.training.guard import DivergenceGuard
 
-TINY = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512, micro_batch_size=2,
-            global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=2, tokenizer_max_bytes=400_000,
-            log_interval=1)
-
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A data cache with the tokenizer and tokens already built (so each launch below takes seconds)."""
-    cache = tmp_path_factory.mktemp("data-cache")
-    files = [str(f) for f in default_corpus_files()[:40]]
-    cfg = PretrainConfig(**{**TINY, "train_iters": 1}, data_path=files, data_cache_dir=str(cache))
-    run_ranks(_train_body, 1, cfg)
-    return files, str(cache)
+def base(tiny_config):
+    """The tiny config at 4 iterations, its data cache with the tokenizer and tokens already built (so each launch
+    below takes seconds)."""
+    cfg = replace(tiny_config, train_iters=4)
+    run_ranks(_train_body, 1, replace(cfg, train_iters=1))
+    return cfg
 
 
 def _train_body(rank, world, cfg):
@@ -52,11 +46,11 @@ def _train_body(rank, world, cfg):
         trainer.close()
 
 
-def launch(tmp_path, corpus, nproc, *flags, config=None, timeout=240):
-    """``torchrun --standalone --nproc-per-node N -m megacomp.pretrain`` on the tiny config; (status, out, err)."""
-    files, cache = corpus
+def launch(tmp_path, base, nproc, *flags, config=None, timeout=240):
+    """``torchrun --standalone --nproc-per-node N -m megacomp.pretrain`` on the tiny config (the settings ``base``
+    was given, as a YAML file); (status, out, err)."""
     cfg_file = tmp_path / "tiny.yaml"
-    cfg_file.write_text(yaml.safe_dump({**TINY, "data_path": files, "data_cache_dir": cache}))
+    cfg_file.write_text(yaml.safe_dump({name: getattr(base, name) for name in base.explicit}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "megacomp.pretrain", "--config", str(config or cfg_file), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -75,8 +69,8 @@ def error_lines(err: str) -> list[str]:
     return [ln for ln in err.splitlines() if ln.startswith("megacomp-pretrain: error:")]
 
 
-def test_divergence_stops_every_rank_once_without_a_checkpoint(tmp_path, corpus):
-    status, out, err = launch(tmp_path, corpus, 2, "--lr", "1e6", "--train-iters", "6", "--save", str(tmp_path / "ck"),
+def test_divergence_stops_every_rank_once_without_a_checkpoint(tmp_path, base):
+    status, out, err = launch(tmp_path, base, 2, "--lr", "1e6", "--train-iters", "6", "--save", str(tmp_path / "ck"),
                               "--log-dir", str(tmp_path / "logs"))
     assert status != 0
     [line] = error_lines(err)
@@ -88,11 +82,11 @@ def test_divergence_stops_every_rank_once_without_a_checkpoint(tmp_path, corpus)
     assert [r["iteration"] for r in records] == [1, 2]
 
 
-def test_divergence_sets_aside_the_checkpoint_of_the_diverged_weights(tmp_path, corpus):
+def test_divergence_sets_aside_the_checkpoint_of_the_diverged_weights(tmp_path, base):
     """--save-interval 1: iteration 1's checkpoint holds the weights whose loss diverged at iteration 2; it is
     renamed to iter_0000001.diverged (not deleted), the latest file no longer names it, and the line says so."""
     ck = tmp_path / "ck"
-    status, out, err = launch(tmp_path, corpus, 2, "--lr", "1e6", "--train-iters", "6", "--save", str(ck),
+    status, out, err = launch(tmp_path, base, 2, "--lr", "1e6", "--train-iters", "6", "--save", str(ck),
                               "--save-interval", "1")
     assert status != 0, err  # 3 on the ranks; torchrun reports 1
     [line] = error_lines(err)
@@ -115,11 +109,9 @@ def _guard_body(rank, world, cfg):
         trainer.close()
 
 
-def test_guard_state_round_trips_and_divergence_falls_back_to_the_previous_checkpoint(tmp_path, corpus):
-    files, cache = corpus
+def test_guard_state_round_trips_and_divergence_falls_back_to_the_previous_checkpoint(tmp_path, base):
     ck = str(tmp_path / "ck")
-    cfg = PretrainConfig(**{**TINY, "train_iters": 2}, data_path=files, data_cache_dir=cache, save=ck,
-                         save_interval=1, max_skipped_steps=0)
+    cfg = replace(base, train_iters=2, save=ck, save_interval=1, max_skipped_steps=0)
     losses = run_ranks(_train_body, 2, cfg)[0]
     # resume with nothing left to train: the guard is the one the checkpoint of iteration 2 saved
     [(it, state)] = {(it, tuple(sorted(s.items()))) for it, s in run_ranks(_guard_body, 2, replace(cfg, load=ck))}
@@ -154,11 +146,9 @@ def test_an_exploding_loss_stops_even_when_its_gradients_overflowed_too():
     assert "step skipped (inf/NaN gradients)" in tolerant.observe(2, 4.3e12, False, 1e6)
 
 
-def test_skipped_steps_are_tolerated_up_to_the_limit(corpus):
+def test_skipped_steps_are_tolerated_up_to_the_limit(base):
     """Inf/NaN gradients skip the step; more than max_skipped_steps in a row stop the run, on every rank."""
-    files, cache = corpus
-    cfg = PretrainConfig(**{**TINY, "train_iters": 6, "lr": 1e6, "loss_divergence_factor": 0.0,
-                            "max_skipped_steps": 2}, data_path=files, data_cache_dir=cache)
+    cfg = replace(base, train_iters=6, lr=1e6, loss_divergence_factor=0.0, max_skipped_steps=2)
     results = run_ranks(_diverge_body, 2, cfg)
     for res in results:
         assert res[0] == "diverged" and "3 consecutive steps skipped" in res[1] and "--max-skipped-steps 2" in res[1]
@@ -176,29 +166,29 @@ def _diverge_body(rank, world, cfg):
         trainer.close()
 
 
-def test_bad_input_is_one_line_once(tmp_path, corpus):
-    status, _, err = launch(tmp_path, corpus, 2, config=tmp_path / "missing.yaml")
+def test_bad_input_is_one_line_once(tmp_path, base):
+    status, _, err = launch(tmp_path, base, 2, config=tmp_path / "missing.yaml")
     assert status != 0 and error_lines(err) == [f"megacomp-pretrain: error: cannot read {tmp_path / 'missing.yaml'}: "
                                                 f"No such file or directory"]
     assert not megacomp_traceback(err)
-    status, _, err = launch(tmp_path, corpus, 2, "--data-path", str(tmp_path / "nope"))
+    status, _, err = launch(tmp_path, base, 2, "--data-path", str(tmp_path / "nope"))
     [line] = error_lines(err)
     assert status != 0 and "nope" in line
     assert not megacomp_traceback(err)
     for flags, words in [(("--tensor-model-parallel-size", "3"), "does not divide the world size 2"),
                          (("--compression", "lolo"), "neither a file nor a preset")]:
-        status, _, err = launch(tmp_path, corpus, 2, *flags)
+        status, _, err = launch(tmp_path, base, 2, *flags)
         [line] = error_lines(err)
         assert status != 0 and words in line and not megacomp_traceback(err), err
 
 
-def test_truncated_metadata_on_load_is_one_line_once(tmp_path, corpus):
+def test_truncated_metadata_on_load_is_one_line_once(tmp_path, base):
     ck = tmp_path / "ck"
-    status, _, err = launch(tmp_path, corpus, 2, "--save", str(ck), "--train-iters", "1")
+    status, _, err = launch(tmp_path, base, 2, "--save", str(ck), "--train-iters", "1")
     assert status == 0, err
     metadata = ck / "iter_0000001" / ".metadata"
     metadata.write_bytes(metadata.read_bytes()[:40])
-    status, _, err = launch(tmp_path, corpus, 2, "--load", str(ck), "--train-iters", "2")
+    status, _, err = launch(tmp_path, base, 2, "--load", str(ck), "--train-iters", "2")
     assert status != 0, err
     [line] = error_lines(err)
     assert f"checkpoint file {metadata} is unreadable (truncated or garbled" in line
@@ -220,13 +210,13 @@ def test_an_error_on_another_rank_waits_for_rank_0_then_names_its_rank(monkeypat
     assert slept == [7.5] and capsys.readouterr().err == "megacomp-pretrain: error: rank 1: a file missing on this node\n"
 
 
-def test_save_and_load_the_same_directory_starts_fresh_then_resumes(tmp_path, corpus):
+def test_save_and_load_the_same_directory_starts_fresh_then_resumes(tmp_path, base):
     ck = str(tmp_path / "ck")
-    status, out, err = launch(tmp_path, corpus, 2, "--save", ck, "--load", ck, "--train-iters", "2")
+    status, out, err = launch(tmp_path, base, 2, "--save", ck, "--load", ck, "--train-iters", "2")
     assert status == 0, err
     assert f"no checkpoint in {ck} yet: starting from iteration 0" in out
     assert f"megacomp-pretrain: saved checkpoint to {ck}/iter_0000002" in out
-    status, out, err = launch(tmp_path, corpus, 2, "--save", ck, "--load", ck, "--train-iters", "3",
+    status, out, err = launch(tmp_path, base, 2, "--save", ck, "--load", ck, "--train-iters", "3",
                               "--keep-checkpoints", "1")
     assert status == 0, err
     assert f"resumed from {ck} at iteration 2" in out and "iter      3 |" in out and "iter      2 |" not in out
@@ -248,10 +238,8 @@ def _signal_body(rank, world, cfg, signal_rank):
     return [h["loss"] for h in history], trainer.iteration
 
 
-def test_exit_signal_saves_at_the_next_boundary_and_resume_continues_bit_for_bit(tmp_path, corpus):
-    files, cache = corpus
-    cfg = PretrainConfig(**{**TINY, "train_iters": 6}, data_path=files, data_cache_dir=cache,
-                         tensor_model_parallel_size=2, compression="all")
+def test_exit_signal_saves_at_the_next_boundary_and_resume_continues_bit_for_bit(tmp_path, base):
+    cfg = replace(base, train_iters=6, tensor_model_parallel_size=2, compression="all")
     full = run_ranks(_train_body, 4, cfg)[0]
     ck = str(tmp_path / "ck")
     first = run_ranks(_signal_body, 4, replace(cfg, save=ck), 1)

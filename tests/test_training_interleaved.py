@@ -13,18 +13,13 @@ import pytest
 
 from distributed import run_ranks
 from megacomp.config import load_yaml
-from megacomp.data import default_corpus_files
-from megacomp.training import PretrainConfig, Trainer
+from megacomp.training import Trainer
 from megacomp.training.arguments import REPO_CONFIGS, check
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("data-cache")
-    return PretrainConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                          micro_batch_size=2, global_batch_size=8, train_iters=3, lr=3e-3, lr_warmup_iters=2,
-                          clip_grad=0.5, data_path=default_corpus_files()[:40], data_cache_dir=str(cache),
-                          tokenizer_max_bytes=400_000, log_interval=1)
+def base(tiny_config):
+    return replace(tiny_config, num_layers=4, clip_grad=0.5)
 
 
 def _train_body(rank, world, cfg):

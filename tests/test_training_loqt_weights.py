@@ -12,21 +12,16 @@ from dataclasses import replace
 import pytest
 
 from distributed import run_ranks
-from megacomp.data import default_corpus_files
-from megacomp.training import PretrainConfig, Trainer
+from megacomp.training import Trainer
 from megacomp.training.arguments import check
 
 INT4_BASE = "{name: int4, block_size: 16}"
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("data-cache")
-    return PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                          micro_batch_size=4, global_batch_size=8, train_iters=6, lr=1e-2, lr_warmup_iters=1,
-                          data_path=default_corpus_files()[:40], data_cache_dir=str(cache), tokenizer_max_bytes=400_000,
-                          log_interval=1, loqt_rank=4, loqt_codec=INT4_BASE, loqt_update_interval=2,
-                          tensor_model_parallel_size=2)
+def base(tiny_config):
+    return replace(tiny_config, micro_batch_size=4, train_iters=6, lr=1e-2, lr_warmup_iters=1, loqt_rank=4,
+                   loqt_codec=INT4_BASE, loqt_update_interval=2, tensor_model_parallel_size=2)
 
 
 def _body(rank, world, cfg):

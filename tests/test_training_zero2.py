@@ -6,18 +6,13 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from megacomp.data import default_corpus_files
-from megacomp.training import PretrainConfig, Trainer
+from megacomp.training import Trainer
 from megacomp.training.arguments import check
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("data-cache")
-    return PretrainConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
-                          micro_batch_size=2, global_batch_size=4, train_iters=3, lr=3e-3, lr_warmup_iters=2,
-                          data_path=default_corpus_files()[:40], data_cache_dir=str(cache), tokenizer_max_bytes=400_000,
-                          log_interval=1)
+def base(tiny_config):
+    return replace(tiny_config, global_batch_size=4)
 
 
 def _losses_body(rank, world, cfg):
