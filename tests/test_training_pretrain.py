@@ -207,7 +207,7 @@ def test_onebit_optimizers_with_compression_off_are_adamw_in_pretraining(base):
     cfg = replace(base, train_iters=3, tensor_model_parallel_size=2)
     adamw = losses(run_ranks(_train_body, 4, cfg)[0])
     off = dict(optimizer="onebit_adam", freeze_step=100, momentum_codec="none", momentum_error_feedback=False)
-    assert losses(run_ranks(_train_body, 4, replace(cfg, **off))[0]) == adamw
+    assert losses(run_ranks(_train_body, 4, replace(cfg, **off, shard_optimizer=True))[0]) == adamw
     whole = losses(run_ranks(_train_body, 4, replace(cfg, shard_optimizer=False))[0])  # all-reduce, not RS + AG
     assert losses(run_ranks(_train_body, 4, replace(cfg, **off, shard_optimizer=False))[0]) == whole
 
