@@ -5,8 +5,8 @@ then pipeline stages:
 
     global_rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank)
 
-so with 8 ranks, TP 2, PP 2 (DP 2): TP groups [0,1] [2,3] [4,5] [6,7]; DP groups [0,2] [1,3] [4,6] [5,7];
-PP groups [0,4] [1,5] [2,6] [3,7].
+so with 8 ranks, TP 2, PP 2 (DP 2): TP groups ``[0,1] [2,3] [4,5] [6,7]``; DP groups ``[0,2] [1,3] [4,6] [5,7]``;
+PP groups ``[0,4] [1,5] [2,6] [3,7]``.
 
 :class:`ProcessGroups` is the explicit object layers and optimizers take; the module-level functions
 are a Megatron-style façade over one default instance for scripts that expect

@@ -5,6 +5,8 @@
 #   bash scripts/install.sh test     # the package + test requirements (pytest, pytest-timeout, hypothesis, and
 #                                      triton on Linux x86_64 so that the Triton kernel tests run under its
 #                                      interpreter), then builds the C++ codec kernels once
+#   bash scripts/install.sh docs     # the package + the documentation site's pinned tools (the docs extra); then
+#                                      mkdocs build --strict -d /tmp/megacomp-site  (or mkdocs serve)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -16,7 +18,8 @@ else
 fi
 extra=""
 [ "${1:-}" = "test" ] && extra="[test]"
-echo "install.sh: installing megacomp in editable mode${extra:+ with the test requirements} (pip, quiet) ..."
+[ "${1:-}" = "docs" ] && extra="[docs]"
+echo "install.sh: installing megacomp in editable mode${extra:+ with the ${1} requirements} (pip, quiet) ..."
 "$PY" -m pip install --quiet --no-build-isolation -e ".${extra}"
 # triton (~286 MB wheel): only if none is importable, so a CUDA torch keeps the triton it was built with
 if [ "${1:-}" = "test" ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then

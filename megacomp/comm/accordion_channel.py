@@ -44,7 +44,9 @@ class AccordionChannel:
         group: the default process group (also the group :meth:`end_step` reduces the norms over).
         error_feedback: for codec levels, the error feedback both levels share ('ef', 'loco', a config);
             PowerSGD levels bring their own (one shared state). Must be None for PowerSGD levels.
-        min_compress_numel, options, stats: as :class:`Channel`.
+        min_compress_numel: as :class:`Channel`.
+        options: as :class:`Channel`.
+        stats: as :class:`Channel`.
     """
 
     def __init__(self, name: str, codec: Any, *, group=None, error_feedback: Any = None, min_compress_numel: int = 0,

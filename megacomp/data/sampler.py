@@ -30,7 +30,8 @@ class DistributedBatchSampler:
     Args:
         num_samples: samples in the dataset (``len(dataset)``).
         micro_batch_size: samples per rank per iteration.
-        dp_rank, dp_size: this rank's data-parallel rank and the data-parallel size.
+        dp_rank: this rank's data-parallel rank.
+        dp_size: the data-parallel size.
         seed: base seed of the per-epoch permutations (epoch ``e`` uses ``seed + e``).
         start_iteration: first iteration to yield (resume point).
         shard_samples: every rank keeps a fixed shard of the samples (see the module docstring).

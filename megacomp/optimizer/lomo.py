@@ -365,7 +365,8 @@ class AdaLomo(Lomo):
         eps: (eps1 added to g^2, eps2 the floor of RMS(p) in the relative step), as the reference (1e-30, 1e-3).
         clip_threshold: the RMS an update is normalised down to (1.0).
         decay_rate: ``beta2_t = 1 - t^decay_rate`` (-0.8).
-        Other arguments as :class:`Lomo`.
+
+    Other arguments as :class:`Lomo`.
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, *, eps=(1e-30, 1e-3), clip_threshold: float = 1.0,
