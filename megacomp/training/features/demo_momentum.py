@@ -37,7 +37,6 @@ class DeMoMomentum(Feature):
     CONFIG = DeMoConfig
     config_key = "demo"
 
-
     @classmethod
     def check(cls, cfg, world) -> None:
         if not cls.selected(cfg):

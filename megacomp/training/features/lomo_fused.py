@@ -171,7 +171,6 @@ class LomoFused(Feature):
     name = "lomo"
     optimizer_names = tuple(LOMO_OPTIMIZERS)
 
-
     @classmethod
     def check(cls, cfg, world) -> None:
         if not cls.selected(cfg):

@@ -73,7 +73,6 @@ class OneBitFamily(Feature):
     CONFIG = OneBitConfig
     config_key = "onebit"
 
-
     @classmethod
     def resolve(cls, cfg, world) -> list[str]:
         """Unsharded unless --shard-optimizer was given: a sharded 1-bit optimizer all-gathers its parameters every

@@ -59,7 +59,6 @@ class ZeROAdamW(Feature):
     CONFIG = ZeROConfig
     config_key = "zero"
 
-
     @classmethod
     def check(cls, cfg, world) -> None:
         z = cfg.zero
