@@ -85,7 +85,10 @@ class TrainingConfig:
     demo: DeMo (megacomp.optimizer.DeMo): no gradient reduction, each DP rank keeps its own momentum and
     all-gathers only its top-k DCT components; --lr is then the sign-SGD step size (6e-3 was best on the tiny
     GPT: benchmarks/results/convergence_demo_sweep); onebit_adam, zero_one_adam, onebit_lamb: the 1-bit family
-    (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path);
+    (megacomp.optimizer.onebit; DeepSpeed's hyperparameter names below, momentum over the dp_momentum path):
+    1-bit Adam (Adam whose momentum travels as signs after a full-precision warm-up that freezes the variance),
+    0/1 Adam (1-bit Adam with adaptive variance freezing and local steps between synchronisations) and 1-bit LAMB
+    (the same on LAMB, with frozen per-layer trust ratios);
     lomo, adalomo: LOMO / AdaLomo (megacomp.optimizer.lomo): each parameter is all-reduced over DP (the
     dp_gradient path), updated and its gradient freed inside backward, so no gradient buffer, fp32 master or
     (LOMO) optimizer state exists; one micro-batch per iteration, no pipeline or sequence parallelism."""
