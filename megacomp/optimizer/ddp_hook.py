@@ -127,10 +127,10 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
     if work is None or state.channel.adaptive:
         fut.set_result(buf)
     elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex, buf.device)):
-        threading.Thread(target=_finish, args=(work, buf, fut), daemon=True,
+        threading.Thread(target=_finish, args=([work], buf, fut), daemon=True,
                          name=f"megacomp-ddp-bucket{bucket.index()}").start()
     else:
-        _finish(work, buf, fut)
+        _finish([work], buf, fut)
     return fut
 
 
@@ -147,11 +147,17 @@ def _param_views(bucket, buf: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
-def _finish(work, buf: torch.Tensor, fut: torch.futures.Future) -> None:
-    """Complete the compressed all-reduce and hand the bucket to DDP (errors reach DDP through the future)."""
+def _finish(box: list, buf: torch.Tensor, fut: torch.futures.Future) -> None:
+    """Complete the compressed all-reduce held in ``box`` and hand the bucket to DDP (errors reach DDP through the
+    future). The work is released before the future completes: once it does, DDP's backward, the step and maybe
+    ``destroy_process_group`` go on in the main thread, and a backend work object freed later on this thread (the
+    thread's arguments live until it ends) can outlive its process group and abort the process at exit."""
+    work = box.pop()
     try:
         work.wait()
     except BaseException as e:  # DDP re-raises it from the future in finalize_backward
+        del work
         fut.set_exception(e)
         return
+    del work
     fut.set_result(buf)
