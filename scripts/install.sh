@@ -31,6 +31,10 @@ fi
 if [ "${1:-}" = "test" ] && ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet --no-deps "megatron-core==0.16.1"
 fi
+# torchft for the fault-tolerance integration's tests (megacomp.integrations.torchft); the torchft extra of setup.py
+if [ "${1:-}" = "test" ] && ! "$PY" -c "import torchft" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet "torchft==0.2.0"
+fi
 # the C++ codec kernels: built here for the tests, once, in one process and outside any test's time limit
 # (tests fork ranks that would otherwise all wait on the first build); a failed build only warns, and the
 # eager reference is used (the kernel tests then say so)
