@@ -12,12 +12,19 @@ PP groups ``[0,4] [1,5] [2,6] [3,7]``.
 are a Megatron-style façade over one default instance for scripts that expect
 ``parallel_state.get_tensor_model_parallel_group()``. Layers never read the façade on their own when
 given groups explicitly.
+
+Every group built here takes a collective timeout: ``distributed_timeout_minutes`` when given (Megatron-core's
+argument), else the default (world) group's (:func:`default_group_timeout`, which ``--distributed-timeout-minutes``
+sets). torch's ``new_group`` without ``timeout=`` would fall back to its own 30-minute default, so a stalled rank
+would keep the others waiting in a TP, DP or PP collective long after the world group had given up.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 
@@ -104,38 +111,77 @@ class ProcessGroups:
         self.tp = self.dp = self.pp = self.mp = self.embedding = None
 
 
-def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
+def default_group_timeout() -> timedelta:
+    """The collective timeout of the default (world) group: what ``init_process_group(timeout=...)`` (and so
+    ``--distributed-timeout-minutes``) set. Read from the group's backend options; torch's default for the
+    backend when the backend does not expose it.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: no default group to read the timeout of")
+    group = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            timeout = group._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError, ValueError):  # no backend for this device, or no options
+            continue
+        if isinstance(timeout, timedelta):
+            return timeout
+    return dist.distributed_c10d._get_default_timeout(dist.get_backend())
+
+
+def group_timeout(distributed_timeout_minutes: Optional[float] = None) -> timedelta:
+    """``distributed_timeout_minutes`` as a timedelta, or the default group's timeout when it is None.
+
+    Raises:
+        ValueError: a timeout that is not > 0.
+    """
+    if distributed_timeout_minutes is None:
+        return default_group_timeout()
+    if not distributed_timeout_minutes > 0:
+        raise ValueError(f"distributed_timeout_minutes must be > 0, got {distributed_timeout_minutes}")
+    return timedelta(minutes=distributed_timeout_minutes)
+
+
+def build_process_groups(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                         distributed_timeout_minutes: Optional[float] = None) -> ProcessGroups:
     """Create every TP, DP and PP group (a collective call: all ranks must call it with the same sizes).
 
     Every rank creates every group in the same order (torch.distributed requires it) and keeps its own;
     also builds the model-parallel group and, with more than one stage, the first/last-stage embedding group.
+    Every group gets the timeout of :func:`group_timeout` (``distributed_timeout_minutes``, else the world
+    group's): a rank that stops answering makes the others' collectives fail after at most that long.
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        ValueError: sizes below 1, or a world size not divisible by TP x PP (see :func:`rank_grid`).
+        ValueError: sizes below 1, or a world size not divisible by TP x PP (see :func:`rank_grid`), or a
+            timeout that is not > 0.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call megacomp.launch.init_distributed() (or "
                            "torch.distributed.init_process_group) before building model-parallel groups")
+    timeout = group_timeout(distributed_timeout_minutes)
     world, me = dist.get_world_size(), dist.get_rank()
     grids = rank_grid(world, tensor_model_parallel_size, pipeline_model_parallel_size)
     mine = []
     for groups in grids:
         found = None
         for ranks in groups:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timeout)
             if me in ranks:
                 found = (g, ranks)
         mine.append(found)
     (tp, tp_r), (dp, dp_r), (pp, pp_r) = mine
     mp = emb = None
     for ranks in model_parallel_groups(world, tensor_model_parallel_size, pipeline_model_parallel_size):
-        g = dist.new_group(ranks)
+        g = dist.new_group(ranks, timeout=timeout)
         if me in ranks:
             mp = g
     for ranks in grids[2]:  # embedding groups: first and last stage of every pipeline
         if len(ranks) > 1:
-            g = dist.new_group([ranks[0], ranks[-1]])
+            g = dist.new_group([ranks[0], ranks[-1]], timeout=timeout)
             if me in (ranks[0], ranks[-1]):
                 emb = g
     return ProcessGroups(tp, dp, pp, tp_r, dp_r, pp_r, mp, emb)
@@ -152,18 +198,21 @@ def model_parallel_groups(world_size: int, tp: int, pp: int) -> list[list[int]]:
 _GROUPS: Optional[ProcessGroups] = None
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> ProcessGroups:
-    """Build the groups and make them the default for the getters below; returns them.
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1,
+                              distributed_timeout_minutes: Optional[float] = None) -> ProcessGroups:
+    """Build the groups and make them the default for the getters below; returns them. Every group takes
+    ``distributed_timeout_minutes`` (None: the world group's timeout; see :func:`build_process_groups`).
 
     Raises:
         RuntimeError: the groups are already initialised (call destroy_model_parallel() first), or
             torch.distributed is not.
-        ValueError: sizes that do not fit the world size (see :func:`rank_grid`).
+        ValueError: sizes that do not fit the world size (see :func:`rank_grid`), or a timeout that is not > 0.
     """
     global _GROUPS
     if _GROUPS is not None:
         raise RuntimeError("model parallel groups are already initialised; call destroy_model_parallel() first")
-    _GROUPS = build_process_groups(tensor_model_parallel_size, pipeline_model_parallel_size)
+    _GROUPS = build_process_groups(tensor_model_parallel_size, pipeline_model_parallel_size,
+                                   distributed_timeout_minutes)
     return _GROUPS
 
 

@@ -89,3 +89,42 @@ def test_compression_config_for_rank_gives_each_rank_its_own_stochastic_seed():
     x = torch.randn(4096)
     assert not torch.equal(per_rank[1].dp_gradient.encode_flat(x), per_rank[2].dp_gradient.encode_flat(x))
     assert c.dp_gradient.seed == 7  # the original is unchanged
+
+
+def _stalled_peer_body(rank, world, minutes):
+    """Rank 1 does not join rank 0's DP all-reduce: rank 0's collective must fail after the group's timeout, not
+    torch's 30-minute default for a new group."""
+    import time
+    groups = parallel_state.build_process_groups(1, 1, distributed_timeout_minutes=minutes)
+    waited = None
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError):
+            dist.all_reduce(torch.ones(1), group=groups.dp)
+        waited = time.monotonic() - start
+    else:
+        time.sleep(minutes * 60 * 4)  # stalled well past the timeout, then gone
+    return waited
+
+
+def test_every_group_takes_the_configured_timeout():
+    """The DP group of 2 ranks with a 1.2 s timeout: the all-reduce rank 1 never joins fails on rank 0 after about
+    1.2 s (gloo measures it from the call; the bound allows a loaded machine 3 s more)."""
+    waited, _ = run_ranks(_stalled_peer_body, 2, 0.02)
+    assert 0.02 * 60 <= waited < 0.02 * 60 + 3.0, waited
+
+
+def _inherited_timeout_body(rank, world):
+    groups = parallel_state.build_process_groups(2, 1)
+    own = parallel_state.build_process_groups(2, 1, distributed_timeout_minutes=0.5)
+    with pytest.raises(ValueError, match="distributed_timeout_minutes must be > 0"):
+        parallel_state.build_process_groups(2, 1, distributed_timeout_minutes=0)
+    return parallel_state.default_group_timeout(), parallel_state.group_timeout(), groups.tp_size, own.tp_size
+
+
+def test_groups_inherit_the_world_groups_timeout():
+    """Without distributed_timeout_minutes every group takes the world group's timeout (run_ranks sets 60 s),
+    the one --distributed-timeout-minutes sets."""
+    from datetime import timedelta
+    for world_timeout, inherited, tp, tp_own in run_ranks(_inherited_timeout_body, 2):
+        assert world_timeout == inherited == timedelta(seconds=60) and tp == tp_own == 2

@@ -8,7 +8,8 @@ and PP rank) is cut into R replicas of D / R consecutive data-parallel ranks:
                   the pseudo-gradients cross: equal model-parallel and inner-DP ranks of every replica)
 
 Every rank creates every group in the same order (torch.distributed.new_group is collective over the
-world), so the call must be made on all ranks.
+world), so the call must be made on all ranks. Every group takes the world group's collective timeout
+(megacomp.parallel_state.group_timeout), as the TP/DP/PP groups do.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from ..parallel_state import ProcessGroups, rank_grid
+from ..parallel_state import ProcessGroups, group_timeout, rank_grid
 
 
 @dataclass
@@ -53,16 +54,17 @@ def build_replica_groups(groups: ProcessGroups, num_replicas: int) -> ReplicaGro
     per = dp // num_replicas
     me = dist.get_rank()
     _, dp_groups, _ = rank_grid(world, tp, pp)
+    timeout = group_timeout()  # torch's own default for a new group would be 30 minutes
     out = {}
     for ranks in dp_groups:  # every rank creates every group, in the same order
         for r in range(num_replicas):
             members = ranks[r * per:(r + 1) * per]
-            g = dist.new_group(members)
+            g = dist.new_group(members, timeout=timeout)
             if me in members:
                 out["inner"], out["inner_ranks"], out["replica"] = g, members, r
         for j in range(per):
             members = [ranks[r * per + j] for r in range(num_replicas)]
-            g = dist.new_group(members)
+            g = dist.new_group(members, timeout=timeout)
             if me in members:
                 out["outer"], out["outer_ranks"] = g, members
     return ReplicaGroups(num_replicas, out["replica"], out["inner"], out["outer"], out["inner_ranks"],
