@@ -1,5 +1,5 @@
 """Local-step outer loops over model replicas (``--outer-algorithm diloco | streaming_diloco | noloco | mt_dao |
-sparseloco``; the algorithms are megacomp.outer): the data-parallel ranks split into replicas, the sharded
+sparseloco | locodl | lodadac``; the algorithms are megacomp.outer): the data-parallel ranks split into replicas, the sharded
 optimizer works inside a replica, and every ``outer_steps`` inner steps the replicas exchange a pseudo-gradient
 on the ``outer`` path (its codec from the compression config's ``outer`` / ``outer_error_feedback``, or from
 ``--outer-codec`` / ``--outer-error-feedback``, which win when given).
@@ -11,7 +11,8 @@ every rank before the outer step. The outer state (momentum, the replicas' ancho
 
 Failure behaviour: ValueError naming the flag for a bad algorithm or value, fewer than 2 replicas, a replica
 count that does not divide DP, NoLoCo groups that do not split the replicas, Streaming settings with plain
-DiLoCo, fine-tuning; a replica that does not arrive within ``outer_timeout`` stops every rank with an error
+DiLoCo, fine-tuning, a biased codec for LoCoDL (it needs megacomp.compression.unbiased's), error feedback for LoCoDL or
+LoDAdaC, a gossip topology that does not fit the replica count; a replica that does not arrive within ``outer_timeout`` stops every rank with an error
 naming it (megacomp.outer.ReplicaWatch).
 """
 from __future__ import annotations
@@ -26,11 +27,14 @@ import torch.distributed as dist
 from ...compression import parse_codec_arg
 from ...optimizer import MultiTimescaleAdamW
 from ...outer import DiLoCo, DiLoCoConfig, ReplicaWatch, build_replica_groups
+from ...outer.locodl import LoCoDL, LoCoDLConfig
+from ...outer.lodadac import LoDAdaC, LoDAdaCConfig
 from ...outer.mt_dao import average_optimizer_state
+from ...outer.topology import check_topology
 from ...outer.sparseloco import DEFAULT_CODEC as SPARSELOCO_CODEC
 from .base import Feature
 
-OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco")
+OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco", "locodl", "lodadac")
 
 
 @dataclass
@@ -39,8 +43,9 @@ class OuterConfig:
 
     FLAT_PREFIX = "outer_"
     algorithm: str = "none"
-    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao or sparseloco
-    (megacomp.outer; sparseloco with a DCT codec is DCT-momentum DiLoCo)."""
+    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao, sparseloco, locodl
+    or lodadac (megacomp.outer; sparseloco with a DCT codec is DCT-momentum DiLoCo; locodl: local training plus
+    unbiased compression with control variates; lodadac: local AdamW steps plus compressed gossip)."""
     num_replicas: int = field(default=1, metadata={"flag": "num_replicas"})
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
@@ -74,6 +79,14 @@ class OuterConfig:
     """MT-DAO: comma list of the slow first moments' betas (the fast one is --adam-beta1; 0 = raw gradient)."""
     mt_dao_slow_weights: str = field(default="0.9", metadata={"flag": "mt_dao_slow_weights"})
     """MT-DAO: comma list of the slow moments' weights in the update (sum <= 1; the fast one gets the rest)."""
+    probability: Optional[float] = None
+    """LoCoDL: p, the probability of communicating after an inner step (one shared coin). Default: 1 / outer_steps."""
+    chi: Optional[float] = None
+    """LoCoDL: chi, the control variates' stepsize. Default: 1 / (1 + omega / num_replicas), omega the codec's."""
+    rho: Optional[float] = None
+    """LoCoDL: rho in (0, 1], how far the models move to the consensus point at a communication. Default: chi."""
+    topology: str = "ring"
+    """LoDAdaC: gossip graph of the replicas: ring, torus, exponential or random_peer (NoLoCo's random pairs)."""
 
 
 def mt_dao_optimizer_kwargs(cfg) -> dict:
@@ -95,6 +108,32 @@ def mt_dao_optimizer_kwargs(cfg) -> dict:
         raise ValueError(f"mt_dao_slow_betas {betas} and mt_dao_slow_weights {weights}: one weight per beta, betas in "
                          f"[0, 1), weights >= 0 summing to at most 1")
     return out
+
+
+def locodl_config(cfg) -> LoCoDLConfig:
+    """The megacomp.outer.LoCoDLConfig of a run: gamma is the peak --lr, p defaults to 1 / outer_steps, the codec is the
+    outer codec read as an unbiased compressor. Raises ValueError for bad values or a biased codec."""
+    o = cfg.outer
+    codec = parse_codec_arg(o.codec) if o.codec is not None else cfg.compression_config().outer
+    if o.error_feedback is not None or cfg.compression_config().outer_error_feedback is not None:
+        raise ValueError("LoCoDL's compressors are unbiased and its control variates correct them; drop "
+                         "outer_error_feedback")
+    try:
+        return LoCoDLConfig(probability=o.probability if o.probability is not None else 1.0 / o.steps,
+                            gamma=cfg.training.lr, chi=o.chi, rho=o.rho, codec=codec, seed=cfg.training.seed)
+    except ValueError as e:
+        raise ValueError(f"outer_algorithm locodl: {e} (--outer-codec takes randk with k, usq2, usq4, usq8 or none)") \
+            from None
+
+
+def lodadac_config(cfg) -> LoDAdaCConfig:
+    """The megacomp.outer.LoDAdaCConfig of a run: H = outer_steps, the gossip step is --outer-lr, the codec the outer
+    codec. Raises ValueError for bad values or error feedback (the gossip copies are LoDAdaC's error feedback)."""
+    o = cfg.outer
+    codec = parse_codec_arg(o.codec) if o.codec is not None else cfg.compression_config().outer
+    if o.error_feedback is not None or cfg.compression_config().outer_error_feedback is not None:
+        raise ValueError("LoDAdaC's gossip copies are its error feedback; drop outer_error_feedback")
+    return LoDAdaCConfig(outer_steps=o.steps, topology=o.topology, gossip_lr=o.lr, codec=codec, seed=cfg.training.seed)
 
 
 def outer_config(cfg) -> DiLoCoConfig:
@@ -143,7 +182,13 @@ class OuterLoop(Feature):
             if o.num_replicas != 1:
                 raise ValueError(f"num_replicas {o.num_replicas} needs an outer algorithm (--outer-algorithm diloco)")
             return
-        outer_config(cfg)  # raises on bad values
+        if o.algorithm == "locodl":
+            locodl_config(cfg)  # raises on bad values
+        elif o.algorithm == "lodadac":
+            lodadac_config(cfg)
+            check_topology(o.topology, o.num_replicas)
+        else:
+            outer_config(cfg)  # raises on bad values
         if o.fragments > cfg.model.num_layers:
             raise ValueError(f"outer_fragments {o.fragments} is larger than the {cfg.model.num_layers} layers; use "
                              f"at most one fragment per layer")
@@ -172,6 +217,11 @@ class OuterLoop(Feature):
         if o.algorithm == "mt_dao":
             run.inner_optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(self.cfg))
         watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, o.timeout)
+        if o.algorithm in ("locodl", "lodadac"):
+            engine, config = (LoCoDL, locodl_config) if o.algorithm == "locodl" else (LoDAdaC, lodadac_config)
+            self.outer = engine(run.model.parameters(), self.replicas.outer, config(self.cfg),
+                                after_sync=lambda: run.optimizer.load_params_from_model(), watch=watch)
+            return
         self.outer = DiLoCo(run.model.parameters(), self.replicas.outer, outer_config(self.cfg),
                             after_sync=lambda: self._after_sync(run), watch=watch)
 
@@ -184,6 +234,17 @@ class OuterLoop(Feature):
 
     def banner(self, run) -> list[str]:
         oc, replicas, dp = self.outer.config, self.cfg.outer.num_replicas, run.groups.dp_size
+        if self.cfg.outer.algorithm == "locodl":
+            e = self.outer
+            return [f"outer loop: LoCoDL over {replicas} replicas of {dp // replicas} DP rank(s): communicate with "
+                    f"probability p {oc.probability:g} after each step (shared coin), gamma {oc.gamma:g}, chi "
+                    f"{e.chi:g}, rho {e.rho:g}, unbiased codec {oc.codec} (omega {e.omega:.3g}), d_i all-gathered "
+                    f"(traffic kind 'outer'); control variates u_i, v and the copy y in fp32"]
+        if self.cfg.outer.algorithm == "lodadac":
+            return [f"outer loop: LoDAdaC-style gossip (CHOCO compressed gossip with error feedback after "
+                    f"{oc.outer_steps} local AdamW steps) over {replicas} replicas of {dp // replicas} DP rank(s), "
+                    f"topology {oc.topology}, gossip step {oc.gossip_lr:g}, codec {oc.codec} (traffic kind 'outer', "
+                    f"bytes per neighbour)"]
         per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
         codec = (f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind "
                  f"'outer')")
