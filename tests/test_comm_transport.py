@@ -150,3 +150,91 @@ def test_gloo_duplex_only_for_host_tensors():
     """gloo's point-to-point send cannot read device memory ("writev ... Bad address" with CUDA tensors on an H200),
     so the automatic choice is direction-split p2p for host tensors only; an explicit setting still wins."""
     assert run_ranks(_duplex_choice, 2)[0] == (True, False, True, True)
+
+
+# -- the seam: a process-group object (torchft's reconfigurable gloo group) carries the same collectives ----------
+
+def _torchft_group(rank, world):
+    """torchft's ProcessGroupGloo over this job's ranks, configured directly (what its Manager does at a quorum) on a
+    TCPStore of rank 0's; not registered with torch.distributed."""
+    import torch.distributed as dist
+    from torchft import ProcessGroupGloo
+
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store is not None else 0]
+    dist.broadcast_object_list(port, src=0)
+    pg = ProcessGroupGloo()
+    pg.configure(f"localhost:{port[0]}/seam", "0", rank, world)
+    return pg, store
+
+
+def _object_group_body(rank, world):
+    pg, store = _torchft_group(rank, world)
+    results = {}
+    for codec in (None, "int8", "int4"):
+        for mode in ("plain", "object"):
+            ch = comm.Channel("t", codec, group=pg if mode == "object" else None, stats=comm.StatsTable(),
+                              options=comm.CommOptions(duplex=False if mode == "plain" else None))
+            results[codec, mode] = _collectives_on(ch, rank, world)
+    ef = {}
+    for mode in ("plain", "object"):  # error feedback carries over steps identically
+        ch = comm.Channel("ef", "int4", error_feedback="ef", group=pg if mode == "object" else None,
+                          options=comm.CommOptions(duplex=False if mode == "plain" else None))
+        outs = []
+        for step in range(3):
+            y = _inputs(rank, 517, 10 + step)
+            ch.all_reduce(y)
+            outs.append(y)
+        ef[mode] = (outs, ch.error_feedback.error("ef/worker"))
+    errors = []
+    ch = comm.Channel("p2p", None, group=pg)
+    for call in (lambda: ch.isend(torch.zeros(3), 1 - rank), lambda: ch.irecv(torch.zeros(3), 1 - rank)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    try:
+        comm.Channel("d", "int8", group=pg, options=comm.CommOptions(duplex=True)).all_reduce(torch.ones(8))
+    except ValueError as e:
+        errors.append(str(e))
+    mismatch = None
+    try:  # ranks disagree on the codec: every rank gets the same ValueError instead of a hang
+        comm.Channel("m", "int8" if rank == 0 else "int4", group=pg).all_reduce(torch.ones(64))
+    except ValueError as e:
+        mismatch = str(e)
+    return results, ef, errors, mismatch
+
+
+def _collectives_on(ch, rank, world):
+    y = _inputs(rank, 1003)
+    ch.all_reduce(y, tag="ar")
+    avg = _inputs(rank, 64, 7)
+    ch.all_reduce(avg, op=torch.distributed.ReduceOp.SUM, tag="ar")
+    rs_out = torch.empty(257)
+    ch.reduce_scatter_tensor(rs_out, _inputs(rank, world * 257, 1), tag="rs")
+    ag_out = torch.empty(world * 301)
+    ch.all_gather_into_tensor(ag_out, _inputs(rank, 301, 2), tag="ag")
+    a2a_out = torch.empty(world * 2, 7)
+    ch.all_to_all_single(a2a_out, _inputs(rank, world * 2 * 7, 3).view(-1, 7), tag="a2a")
+    wire = {k: v.wire_bytes for k, v in ch.stats.snapshot().items()}
+    return [y, avg, rs_out, ag_out, a2a_out], wire
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_channel_over_a_torchft_process_group_object_equals_the_plain_group_bit_for_bit(world):
+    """A Channel whose group is torchft's ProcessGroupGloo (served by its own methods, megacomp.comm.group_ops)
+    gives the same bits as the registered gloo group: codec None is torch's collective on both; int8/int4 run the
+    same algorithm on the same bytes (all-to-all / all-gather of the encodings), with the same wire counts and the
+    same error-feedback state. What an object group cannot serve (p2p, duplex) and mismatched codecs raise one line."""
+    pytest.importorskip("torchft")
+    for results, ef, errors, mismatch in run_ranks(_object_group_body, world):
+        for codec in (None, "int8", "int4"):
+            plain, obj = results[codec, "plain"], results[codec, "object"]
+            for a, b in zip(plain[0], obj[0]):
+                assert torch.equal(a, b), codec
+            assert plain[1] == obj[1]  # the same wire counts
+        for a, b in zip(ef["plain"][0], ef["object"][0]):
+            assert torch.equal(a, b)
+        assert torch.equal(ef["plain"][1], ef["object"][1])
+        assert len(errors) == 3 and all("process-group object" in e for e in errors)
+        assert mismatch is not None and "codec differs across ranks" in mismatch

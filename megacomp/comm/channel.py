@@ -29,11 +29,10 @@ from dataclasses import replace
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..compression import CodecLike, ErrorFeedback, as_error_feedback, check_error_feedback_codec, make_codec
-from . import collectives, p2p
+from . import collectives, group_ops, p2p
 from .common import CompressedWork
 from .options import CommOptions
 from .probe import ErrorProbe, optional_probe
@@ -74,7 +73,7 @@ class Channel:
         if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
             raise ValueError(f"megacomp channel {name!r}: min_compress_numel must be an int >= 0, "
                              f"got {min_compress_numel!r}")
-        self.group = group
+        self.group = group_ops.as_group(group)  # a torchft process-group object is served by its own methods
         self.error_feedback: Optional[ErrorFeedback] = as_error_feedback(error_feedback)
         self.min_compress_numel = min_compress_numel
         self.options = options if options is not None else CommOptions.from_env()
@@ -216,13 +215,13 @@ class Channel:
     def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, key: Optional[str] = None,
               check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None):
         """``torch.distributed.isend`` (``dst`` a global rank); error-feedback key ``key`` (default: name)."""
-        return p2p.run_isend(self, tensor, dst, self._group(group), tag, key or self.name, check_finite,
+        return p2p.run_isend(self, tensor, dst, self._p2p_group(group, "isend"), tag, key or self.name, check_finite,
                              label or self.name, validate)
 
     def irecv(self, tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, check_finite: bool = False,
               label: Optional[str] = None, validate: Optional[bool] = None):
         """``torch.distributed.irecv``; ``wait()`` decodes into ``tensor``."""
-        return p2p.run_irecv(self, tensor, src, self._group(group), tag, check_finite, label or self.name + "_recv",
+        return p2p.run_irecv(self, tensor, src, self._p2p_group(group, "irecv"), tag, check_finite, label or self.name + "_recv",
                              validate)
 
     def send(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, key: Optional[str] = None,
@@ -233,17 +232,23 @@ class Channel:
     def recv(self, tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, check_finite: bool = False,
              label: Optional[str] = None, validate: Optional[bool] = None) -> int:
         """Blocking receive (drains a mismatched message so the pair stays usable); returns ``src``."""
-        return p2p.run_recv(self, tensor, src, self._group(group), tag, check_finite, label or self.name + "_recv",
+        return p2p.run_recv(self, tensor, src, self._p2p_group(group, "recv"), tag, check_finite, label or self.name + "_recv",
                             validate)
 
     def _group(self, group):
-        return self.group if group is None else group
+        return self.group if group is None else group_ops.as_group(group)
+
+    def _p2p_group(self, group, what: str):
+        g = self._group(group)
+        group_ops.require_registered(g, what)  # point to point needs a torch.distributed group
+        return g
 
     def _probe_for(self, numel: int, group):
         """The armed probe when this call is compressed (the identity, and any collective of one rank, have no
         error to measure), else None."""
         probe = optional_probe(self.probe)
-        if probe is None or not self.compresses(numel) or dist.get_world_size(group) == 1:
+        if probe is None or not self.compresses(numel) or group_ops.is_object_group(group) \
+                or group_ops.get_world_size(group) == 1:  # the probe's reference needs a torch.distributed group
             return None
         return probe
 

@@ -32,6 +32,10 @@ every rank instead of hanging; ``check_finite=True`` raises FloatingPointError n
 input holds inf/NaN. Otherwise inf/NaN propagate (they never decode to finite values). Only SUM and
 AVG are supported with a lossy codec; dtypes other than float32/bfloat16/float16/float64 need
 ``codec=None``. A group of one rank sends nothing and applies no codec.
+
+Groups: a torch.distributed group, or a process-group object served by its own methods (torchft's; see
+megacomp.comm.group_ops, through which every backend call here goes: for a registered group it is the same
+torch.distributed call).
 """
 from __future__ import annotations
 
@@ -40,12 +44,12 @@ import functools
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from ..compression.ef_encoder import chunk_encoder
 from . import common as _common
-from .common import (CompressedWork, all_gather_base, all_reduce_bytes, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
-                      reduce_scatter_base, split_sizes)
+from . import group_ops
+from .common import (CompressedWork, all_reduce_bytes, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
+                     split_sizes)
 from .spans import enabled as _spans_on, span
 from .transport import all_gather_bytes, all_to_all_bytes, next_tags, pipeline_segments, use_duplex
 
@@ -156,7 +160,7 @@ def _all_reduce_direct(ch, tensor, src, codec, group, avg, segs):
 def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
     """Reduce-scatter (all-to-all of encoded chunks, fp32 decode-sum) then all-gather of the re-encoded
     shard (server error under ``skey``); returns (finish, wire bytes sent by this rank)."""
-    world, rank, n = dist.get_world_size(group), dist.get_rank(group), tensor.numel()
+    world, rank, n = group_ops.get_world_size(group), group_ops.get_rank(group), tensor.numel()
     ef = ch.error_feedback
     duplex = use_duplex(group, ch.options.duplex, tensor.device)
     # Pipeline: every segment is an independent reduce-scatter + all-gather; all segments' all-to-alls
@@ -238,7 +242,7 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
     Error-feedback keys: ``key + '/worker'`` (the full tensor) and ``key + '/server'`` (this rank's shard,
     more than two ranks only)."""
     codec = ch.codec_for(tensor.numel())
-    world = dist.get_world_size(group)
+    world = group_ops.get_world_size(group)
     n = tensor.numel()
     _check_lossy("all_reduce", codec, tensor, op)
     if ch.validates(validate) or check_finite:
@@ -246,13 +250,13 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
                                                "codec": codec_code(codec), "op": op_code(op)},
                          nonfinite=has_nonfinite(tensor) if check_finite else None, tag=_shown(tag, "all_reduce"),
                          device=tensor.device)
-    rank = dist.get_rank(group)
+    rank = group_ops.get_rank(group)
     label = tag or "all_reduce"
     uncompressed = all_reduce_bytes(n, tensor.element_size(), world, rank)
     if codec.is_identity or world == 1:
         ch.stats.record(label, uncompressed, uncompressed)
         with span("wire") if not async_op else _NO_SPAN:
-            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+            return group_ops.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
     ef = ch.error_feedback
     src = chunk_encoder(ef, key + "/worker", tensor.reshape(-1), codec, ch.generator)  # h = g + e, chunk by chunk
@@ -275,7 +279,7 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
     """``torch.distributed.reduce_scatter_tensor`` through ``ch``: rank r receives the reduction of chunk r
     (``output.numel()`` elements) of every rank's ``input`` (``world * output.numel()``). Error-feedback key:
     ``key + '/worker'``."""
-    world = dist.get_world_size(group)
+    world = group_ops.get_world_size(group)
     m = output.numel()
     if input.numel() != world * m:
         raise ValueError(f"megacomp.comm.reduce_scatter_tensor: input has {input.numel()} elements but must have "
@@ -294,7 +298,7 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
     if codec.is_identity or world == 1:
         ch.stats.record(label, raw, raw)
         with span("wire") if not async_op else _NO_SPAN:
-            return reduce_scatter_base(output, input, op=op, group=group, async_op=async_op)
+            return group_ops.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
     src = chunk_encoder(ch.error_feedback, key + "/worker", input.reshape(-1), codec, ch.generator)
     # pipeline: piece k of every destination chunk travels in exchange k, encoded while k-1 is on the wire
@@ -334,7 +338,7 @@ def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: to
     """``torch.distributed.all_gather_into_tensor`` through ``ch``: slot r of ``output_tensor``
     (``world * input.numel()`` elements) receives rank r's input; every slot, the own one included, holds
     the decoded value so all ranks agree."""
-    world = dist.get_world_size(group)
+    world = group_ops.get_world_size(group)
     m = input_tensor.numel()
     if output_tensor.numel() != world * m:
         raise ValueError(f"megacomp.comm.all_gather_into_tensor: output has {output_tensor.numel()} elements but must "
@@ -354,7 +358,7 @@ def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: to
     if codec.is_identity or world == 1:
         ch.stats.record(label, raw, raw)
         with span("wire") if not async_op else _NO_SPAN:
-            return all_gather_base(output_tensor, input_tensor, group=group, async_op=async_op)
+            return group_ops.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
     flat = input_tensor.reshape(-1)
     pieces = split_sizes(m, len(pipeline_segments(world * m, ch.options.segment_numel)))  # encoded, sent, decoded in turn
@@ -400,8 +404,8 @@ def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_
                           group, async_op: bool, check_finite: bool, tag: Optional[str], validate: Optional[bool]):
     """``torch.distributed.all_to_all_single`` through ``ch``. Split sizes count rows (dim 0), as in torch;
     None means equal splits. The small-tensor rule looks at the whole input."""
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    world = group_ops.get_world_size(group)
+    rank = group_ops.get_rank(group)
     codec = ch.codec_for(input.numel())
     _check_lossy("all_to_all_single", codec, input)
     if input.dtype != output.dtype:
@@ -427,8 +431,8 @@ def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_
     raw = (rows_in - in_splits[rank]) * row * input.element_size()
     if codec.is_identity or world == 1:
         ch.stats.record(label, raw, raw)
-        return dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
-                                      async_op=async_op)
+        return group_ops.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group,
+                                           async_op=async_op)
 
     bufs = _encode_chunks(chunk_encoder(None, "", input.reshape(-1), codec, ch.generator), 0,
                           [s * row for s in in_splits])
@@ -454,7 +458,7 @@ def run_all_gather_encoded(ch, output: torch.Tensor, input: torch.Tensor, numel:
     e.g. DeMo's indices): slot r of the uint8 ``output`` (``world * input.numel()`` bytes) receives rank r's
     ``input``, unchanged. Wire statistics count the bytes sent against ``numel`` elements of ``dtype`` (what
     the message would be uncompressed). Every rank's message must have the same size (validated)."""
-    world = dist.get_world_size(group)
+    world = group_ops.get_world_size(group)
     w = input.numel()
     if input.dtype != torch.uint8 or output.dtype != torch.uint8:
         raise TypeError(f"megacomp.comm.all_gather_encoded: messages are uint8 byte buffers, got input {input.dtype} "

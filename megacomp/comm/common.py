@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..compression import Codec
+from . import group_ops
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.uint8, torch.int8, torch.int16,
            torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn,
@@ -18,7 +19,7 @@ _OPS = {"SUM": 1, "AVG": 2, "MAX": 3, "MIN": 4, "PRODUCT": 5, "BAND": 6, "BOR": 
 def comm_device(group=None) -> torch.device:
     """Where small bookkeeping tensors of a collective must live: the current CUDA device under NCCL,
     the CPU otherwise."""
-    if dist.get_backend(group) == "nccl":
+    if group_ops.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -68,8 +69,9 @@ def op_name(op) -> str:
 
 
 def global_ranks(group) -> list[int]:
-    """Global rank of every member of ``group``, in group-rank order."""
-    return [dist.get_global_rank(group, r) if group is not None else r for r in range(dist.get_world_size(group))]
+    """Global rank of every member of ``group``, in group-rank order (a process-group object's members: their rank
+    in it; megacomp.comm.group_ops)."""
+    return group_ops.member_ranks(group)
 
 
 def has_nonfinite(t: torch.Tensor) -> bool:
@@ -90,9 +92,9 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
     row = [fields[n] for n in names] + [int(bool(nonfinite))] + list(extra)
     device = device if device is not None else comm_device(group)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
-    world = dist.get_world_size(group)
+    world = group_ops.get_world_size(group)
     table = torch.empty(world * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_base(table, mine, group)
+    group_ops.all_gather_into_tensor(table, mine, group)
     table = table.view(world, -1)
     ranks = global_ranks(group)
     where = f"megacomp.comm.{what}" + (f" [tag {tag}]" if tag else "")

@@ -17,6 +17,10 @@ Bytes on the wire and results are identical with either transport (tests/test_co
 choice is ``CommOptions.duplex`` of the calling channel (megacomp.comm.options), resolved by
 :func:`use_duplex`.
 
+A process-group object that torch.distributed does not serve (torchft's reconfigurable group, wrapped in
+megacomp.comm.group_ops.ObjectGroup) has no direction groups: its bytes always travel by its own all-to-all and
+all-gather (megacomp.comm.group_ops), and ``duplex=True`` on it is refused with one line.
+
 Module state: one :class:`_GroupTransport` per process group (its two direction groups and its p2p tag
 counter), created on first use. It is a cache of communicators and message tags, never an input to the
 numbers: the tags only match messages, identically on every rank.
@@ -28,7 +32,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .common import all_gather_base, global_ranks, offsets, split_sizes
+from . import group_ops
+from .common import global_ranks, offsets, split_sizes
 
 
 def pipeline_segments(numel: int, segment_numel: int) -> list[int]:
@@ -44,6 +49,11 @@ def use_duplex(group, duplex: Optional[bool], device: Optional[torch.device] = N
     else automatically on gloo for host tensors (see the module docstring). Not for CUDA tensors on gloo: gloo's
     point-to-point send cannot read device memory (it fails with ``writev ... Bad address``, measured on an H200),
     while its collectives stage CUDA tensors through the host."""
+    if group_ops.is_object_group(group):  # no p2p on a process-group object: its own collectives carry the bytes
+        if duplex:
+            raise ValueError(f"megacomp.comm: duplex=True needs point-to-point calls, which the process-group object "
+                             f"{group} does not serve; use duplex=None or False on it")
+        return False
     if duplex is not None:
         return duplex
     return dist.get_backend(group) == "gloo" and (device is None or device.type == "cpu")
@@ -99,6 +109,8 @@ def next_tags(group, count: int = 2) -> int:
     """Reserve ``count`` consecutive p2p tags for one compressed collective on ``group`` (drawn when the
     collective is issued, so equal on every rank). Messages are matched by tag, so the phases of
     different collectives may be posted in any order, e.g. a second phase from a background thread."""
+    if group_ops.is_object_group(group):  # never carries p2p (use_duplex): no tags to draw, nothing to cache
+        return 1
     t = _transport(group)
     base = t.tag
     t.tag = (base + count) % (1 << 30)
@@ -128,7 +140,7 @@ def all_to_all_bytes(recv: torch.Tensor, send: torch.Tensor, out_splits: Sequenc
     """``all_to_all_single(recv, send, out_splits, in_splits, group, async_op=True)`` on flat uint8 buffers;
     ``duplex`` (from :func:`use_duplex`): as tagged direction-split p2p."""
     if not duplex:
-        return dist.all_to_all_single(recv, send, list(out_splits), list(in_splits), group=group, async_op=True)
+        return group_ops.all_to_all_single(recv, send, list(out_splits), list(in_splits), group=group, async_op=True)
     rank = dist.get_rank(group)
     ins = [send[o:o + s] for o, s in zip(offsets(in_splits), in_splits)]
     outs = [recv[o:o + s] for o, s in zip(offsets(out_splits), out_splits)]
@@ -140,7 +152,7 @@ def all_gather_bytes(output: torch.Tensor, input: torch.Tensor, group, tag: int,
     """``all_gather_into_tensor(output, input, group, async_op=True)`` on flat uint8 buffers (``duplex``:
     as tagged direction-split p2p)."""
     if not duplex:
-        return all_gather_base(output, input, group=group, async_op=True)
+        return group_ops.all_gather_into_tensor(output, input, group=group, async_op=True)
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     w = input.numel()
     outs = [output[j * w:(j + 1) * w] for j in range(world)]
