@@ -14,6 +14,7 @@ from .comm import AnyChannel, Channel, CommOptions, make_channel
 from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec,
                           check_own_error_feedback, make_codec, make_compressor, make_error_feedback_config,
                           parse_codec_arg)
+from .compression.learned import LGC
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
 TRAFFIC_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",
@@ -67,7 +68,8 @@ class CommCompressionConfig:
     """Data-parallel gradient reduce-scatter / all-reduce: a codec, PowerSGD settings
     (``{name: powersgd, rank: 4}``; megacomp.compression.low_rank), which bring their own error feedback, or
     Accordion settings (``{name: accordion, low: ..., high: ..., eta: 0.5, interval: 10}``) switching
-    between two such levels."""
+    between two such levels; or learned gradient compression (``{name: lgc, latent: 32, chunk: 512}``;
+    megacomp.compression.learned), an autoencoder per bucket with its own error feedback."""
     dp_parameter: Optional[CodecLike] = None
     """Data-parallel parameter all-gather after the sharded optimizer step."""
     tp_backward_error_feedback: Optional[Any] = None
@@ -262,6 +264,8 @@ class CommCompressionConfig:
             if isinstance(value, Codec):
                 value = None if value.is_identity else value.to_dict()
             elif isinstance(value, (PowerSGD, Accordion)):
+                value = value.to_dict()
+            elif isinstance(value, LGC):  # learned gradient compression settings (dp_gradient)
                 value = value.to_dict()
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}

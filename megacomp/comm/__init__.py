@@ -5,6 +5,7 @@ Two ways in:
   ``CommOptions``, stats tag), built once and passed to whatever moves that traffic;
 - :class:`LowRankChannel`: the same for a PowerSGD path (low-rank factors instead of a codec);
 - :class:`AccordionChannel`: a path switched between two compression levels by Accordion's rule;
+- :class:`LearnedChannel`: the same for learned gradient compression (an autoencoder per bucket, LGC);
 - :func:`make_channel`: the one factory that picks among the three from a path's setting (a codec, PowerSGD
   or Accordion settings) and applies the "PowerSGD keeps its own error feedback" rule;
 - the free functions, with the names and arguments of torch.distributed plus keyword-only ``codec=``
@@ -20,6 +21,7 @@ from .channel import Channel
 from .collectives import server_numel
 from .low_rank_channel import LowRankChannel
 from .accordion_channel import AccordionChannel
+from .learned_channel import LearnedChannel
 from .factory import AnyChannel, make_channel
 from .functional import (all_gather_into_tensor, all_reduce, all_to_all_single, irecv, isend, recv,
                          reduce_scatter_tensor, send)
@@ -28,7 +30,7 @@ from .stats import StatsTable, WireStats, reset_stats, stats
 from .transport import use_duplex
 
 __all__ = [
-    "AccordionChannel", "AnyChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
+    "AccordionChannel", "AnyChannel", "LearnedChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
     "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "make_channel", "recv",
     "reduce_scatter_tensor", "reset_stats", "send", "server_numel", "stats", "use_duplex",
 ]

@@ -5,6 +5,7 @@
   a value codec (``int4``, ``{name: sign, block_size: 0}``, None = identity)   -> :class:`Channel`
   PowerSGD settings (``powersgd``, ``{name: powersgd, rank: 4}``)              -> :class:`LowRankChannel`
   Accordion settings (``{name: accordion, low: ..., high: ...}``)              -> :class:`AccordionChannel`
+  LGC settings (``{name: lgc, latent: 32, chunk: 512}``)                       -> :class:`LearnedChannel`
 
 with the rule of megacomp.compression.compressor applied once here: PowerSGD (and Accordion over PowerSGD
 levels) keeps its own error feedback, so ``error_feedback`` must then be None; a value codec (or Accordion
@@ -26,10 +27,12 @@ from ..compression import Accordion, PowerSGD, check_own_error_feedback, make_co
 from .accordion_channel import AccordionChannel
 from .channel import Channel
 from .low_rank_channel import LowRankChannel
+from .learned_channel import LearnedChannel
+from ..compression.learned import LGC
 from .options import CommOptions
 from .stats import StatsTable
 
-AnyChannel = Union[Channel, LowRankChannel, AccordionChannel]
+AnyChannel = Union[Channel, LowRankChannel, AccordionChannel, LearnedChannel]
 """A traffic path's channel, whichever compressor it carries."""
 
 
@@ -61,4 +64,6 @@ def make_channel(name: str, spec: Any = None, *, group=None, error_feedback: Any
         return AccordionChannel(name, compressor, error_feedback=error_feedback, **common)
     if isinstance(compressor, PowerSGD):
         return LowRankChannel(name, compressor, **common)
+    if isinstance(compressor, LGC):  # learned gradient compression (megacomp.comm.learned_channel)
+        return LearnedChannel(name, compressor, **common)
     return Channel(name, compressor, error_feedback=error_feedback, **common)
