@@ -246,3 +246,26 @@ def test_pretraining_with_lgc_on_the_dp_gradient_path(tiny_config):
     assert all(math.isfinite(h[0]) for h in history)
     wire, dense = history[-1][3]["dp_gradient"]
     assert wire < dense / 2  # frozen by now: the matrices' buckets travel as codes
+
+
+def _hook(rank, world):
+    from test_optimizer_ddp_hook import train
+
+    from megacomp import comm
+    from megacomp.optimizer import CompressedHookState
+
+    _, base = train(rank, None, 60)
+    comm.reset_stats()
+    state = CompressedHookState(codec={"name": "lgc", "latent": 16, "chunk": 512, "train_steps": 5},
+                                min_compress_numel=1000)
+    _, losses = train(rank, state, 60)
+    stats = comm.stats()["dp_gradient"]
+    return base, losses, stats.wire_bytes / stats.uncompressed_bytes, sorted(state.channel.weights)
+
+
+@pytest.mark.slow
+def test_the_ddp_hook_trains_with_lgc():
+    for base, losses, ratio, keys in run_ranks(_hook, 2):
+        tail = lambda ls: sum(ls[-10:]) / 10  # noqa: E731
+        assert tail(losses) < 0.5 * tail(losses[:10])  # it learns
+        assert keys and ratio < 0.5  # the buckets over min_compress_numel travel as codes after 5 training calls
