@@ -441,3 +441,27 @@ SUITES["acco"] = {"layout": ["--micro-batch-size", "2"], "bytes_kinds": ["dp_gra
     "DPU": {"args": ["--overlap-optimizer", "dpu"]},
     "DPU, int4+LoCo, int8 params": {**LOCO4_QWZ, "args": ["--overlap-optimizer", "dpu"]},
 }}
+
+# LoCoDL (megacomp.outer.locodl) next to DiLoCo and NoLoCo, 4 replicas: communication with probability p = 1/50 after
+# every step (the same expected rounds as H = 50), uncompressed and with its unbiased compressors (usq4, rand-k 1/16)
+LOCAL_BASELINES = {
+    "none": {},
+    "DiLoCo H=50": {"args": DILOCO},
+    "NoLoCo H=50 (groups of 2)": {"args": ["--outer-algorithm", "noloco", "--num-replicas", "4", "--outer-steps", "50"]},
+}
+LOCODL = ["--outer-algorithm", "locodl", "--num-replicas", "4", "--outer-steps", "50"]
+SUITES["locodl"] = {"layout": [], "variants": {
+    **LOCAL_BASELINES,
+    "LoCoDL p=1/50": {"args": LOCODL},
+    "LoCoDL p=1/50, usq4": {"args": [*LOCODL, "--outer-codec", "usq4"]},
+    "LoCoDL p=1/50, rand-k 1/16": {"args": [*LOCODL, "--outer-codec", "{name: randk, k: 256, chunk: 4096}"]},
+}}
+# LoDAdaC-style gossip (megacomp.outer.lodadac: H local AdamW steps, CHOCO compressed gossip with error feedback)
+# next to DiLoCo and NoLoCo, 4 replicas, H = 50
+LODADAC = ["--outer-algorithm", "lodadac", "--num-replicas", "4", "--outer-steps", "50"]
+SUITES["lodadac"] = {"layout": [], "variants": {
+    **LOCAL_BASELINES,
+    "LoDAdaC H=50 ring": {"args": LODADAC},
+    "LoDAdaC H=50 ring, int4": {"args": [*LODADAC, "--outer-codec", "int4"]},
+    "LoDAdaC H=50 random peer, int4": {"args": [*LODADAC, "--outer-topology", "random_peer", "--outer-codec", "int4"]},
+}}
