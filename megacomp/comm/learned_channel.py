@@ -219,6 +219,9 @@ class LearnedChannel:
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         rel = math.sqrt(float(sums[0]) / float(sums[1])) if float(sums[1]) > 0 else 0.0
         self.last_error[key] = rel
+        if calls == self.train_until.get(key, lgc.train_steps) + 1:  # the first frozen call after a training phase
+            log.info("megacomp: %s lgc %s: first frozen call, reconstruction error %.4g measured by the senders",
+                     self.name, key, rel)
         if lgc.retrain_threshold and not rel <= lgc.retrain_threshold:  # NaN included
             self.train_until[key] = calls + lgc.train_steps
             self.retrains[key] = self.retrains.get(key, 0) + 1
