@@ -21,7 +21,8 @@ copy of the second model y and its control variate v (g is known to everyone, so
         else:
             x_i = x^_i,  y = y^                                  (u_i, v unchanged)
 
-with u_i = v = 0 and y = x_i at the start, so (1/n) sum_i u_i + v = 0 holds throughout (the update adds
+with u_i = v = 0 and y = x_1 at the start (replica 0's weights, broadcast once when the engine is built; uncounted
+setup, like the identical initial weights every outer loop assumes), so (1/n) sum_i u_i + v = 0 holds throughout (the update adds
 -c dbar to the mean of the u_i and +c dbar to v). y^ + dbar is the midpoint of mean_i x^_i and y^ (up to the
 compression error): the lifted problem asks x_1 = ... = x_n = y. The paper's theorem (linear convergence for
 strongly convex f_i) takes gamma < 2 / L and chi <= 1 / (1 + omega_av), with omega_av = omega / n for
@@ -139,7 +140,10 @@ class LoCoDL:
         self.omega = omega_of(self.codec, self.numel)
         self.chi = config.chi if config.chi is not None else 1.0 / (1.0 + self.omega / self.replicas)
         self.rho = config.rho if config.rho is not None else min(self.chi, 1.0)
-        self.y = x.clone()
+        self.y = x.clone()  # y^0: replica 0's x^0, so every replica holds the same y (one broadcast, at setup only)
+        if self.replicas > 1:
+            src = dist.get_process_group_ranks(outer_group)[0] if outer_group is not None else 0
+            dist.broadcast(self.y, src, group=outer_group)
         self.v = torch.zeros_like(x)
         self.u = torch.zeros_like(x)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed * 7919 + 104729 * (self.replica + 1))
