@@ -1,0 +1,62 @@
+"""Learned gradient compression (LGC) on the tiny GPT, next to PowerSGD rank 4 and int4 + LoCo.
+
+    python -m benchmarks.convergence_lgc --seeds 1,2,3 --iters 200 --nproc 2
+    python -m benchmarks.convergence_lgc --from-results          # the page and plots only, no training
+
+The ``lgc`` suite, every variant on megacomp's sharded AdamW (``megacomp.pretrain``, dp_gradient path), paired
+by seed with the uncompressed run:
+
+  none                     the uncompressed baseline;
+  PowerSGD r4              ``{name: powersgd, rank: 4}`` (error feedback and warm start, its defaults);
+  int4+LoCo                int4 per 128 elements with LoCo's moving-average error feedback;
+  LGC ring (linear)        an autoencoder per bucket, trained on every rank's gradients for the first
+                           ``train_steps`` iterations (sent uncompressed, counted), then frozen; the codes are
+                           summed by an all-reduce and decoded once (exact for its linear decoder);
+  LGC PS (MLP decoder)     the same with a one-hidden-layer decoder: every rank's code is all-gathered and
+                           decoded separately (the parameter-server form; summing codes would not be exact);
+  LGC ring, retrain above 0.75   the ring variant retraining whenever the senders' measured relative error of a
+                           step exceeds 0.75 (each retraining: ``train_steps`` more uncompressed steps).
+
+It reuses benchmarks/convergence.py (run_variant, the tables and plots) by import: this module only adds the
+suite and the defaults (``--suites lgc``, ``--out benchmarks/results/convergence_lgc``), so every option of
+benchmarks.convergence applies (``--variants``, ``--merge``, ``--reuse``, ``--runs``). Bytes are counted over every
+iteration of the run, the training phase's uncompressed all-reduces and sample all-gathers included.
+Numbers are measured, never asserted.
+"""
+from __future__ import annotations
+
+import sys
+
+from benchmarks import convergence
+from benchmarks.convergence_suites import SUITES
+
+INT4 = {"name": "int4", "block_size": 128}
+LGC = {"name": "lgc", "latent": 32, "chunk": 512, "train_steps": 20}
+SUITE = "lgc"
+OUT = "benchmarks/results/convergence_lgc"
+
+VARIANTS = {
+    "none": {},
+    "PowerSGD r4": {"dp_gradient": {"name": "powersgd", "rank": 4}},
+    "int4+LoCo": {"dp_gradient": INT4, "dp_gradient_error_feedback": "loco"},
+    "LGC ring (linear)": {"dp_gradient": {**LGC, "variant": "ring", "decoder": "linear"}},
+    "LGC PS (MLP decoder)": {"dp_gradient": {**LGC, "variant": "ps", "decoder": "mlp"}},
+    "LGC ring, retrain above 0.75": {"dp_gradient": {**LGC, "variant": "ring", "decoder": "linear",
+                                                     "retrain_threshold": 0.75}},
+}
+
+
+def main() -> None:
+    """Register the suite with benchmarks.convergence and run its main with this study's defaults."""
+    SUITES[SUITE] = {"layout": [], "variants": VARIANTS}
+    argv = sys.argv[1:]
+    defaults = {"--suites": SUITE, "--out": OUT, "--runs": "results/convergence_runs"}
+    for flag, value in defaults.items():
+        if not any(a == flag or a.startswith(flag + "=") for a in argv):
+            argv = [flag, value, *argv]
+    sys.argv = [sys.argv[0], *argv]
+    convergence.main()
+
+
+if __name__ == "__main__":
+    main()
