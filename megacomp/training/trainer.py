@@ -353,6 +353,9 @@ class Trainer:
                 renamed to ``iter_N.diverged``); the message is the one-line reason, and says so."""
         cfg, t, c = self.cfg, self.cfg.training, self.cfg.checkpoint
         self._batches = iter(self.sampler)
+        # what setting up sent (a resumed run's parameter all-gather) is no iteration's traffic: each iteration's
+        # record (gather_traffic) starts from here, so a resumed iteration counts what an uninterrupted one does
+        comm.reset_stats()
         history, saved_at, stopped = [], None, ""
         signals = ExitSignals() if t.exit_on_signal else None
         try:
