@@ -25,9 +25,12 @@ Numbers are measured, never asserted.
 """
 from __future__ import annotations
 
+import statistics
 import sys
+from pathlib import Path
 
 from benchmarks import convergence
+from benchmarks import plot_metrics as pm
 from benchmarks.convergence_suites import SUITES
 
 INT4 = {"name": "int4", "block_size": 128}
@@ -46,8 +49,37 @@ VARIANTS = {
 }
 
 
+def gradient_table(results: dict) -> list[str]:
+    """The dp_gradient path alone, per variant over seeds: its bytes over the run (all ranks, every iteration: LGC's
+    training steps included), per iteration in the second half of the run (LGC frozen), and the final loss's paired
+    gap to ``none`` (the study's other DP traffic, the sharded optimizer's fp32 parameter all-gather, is the same in
+    every variant)."""
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for run in results["runs"]:
+        runs.setdefault(run["variant"], {})[run["seed"]] = pm.expand_run(run)
+    tail = max(1, len(next(iter(runs["none"].values()))) // 10)
+    final = {v: {s: sum(r["loss"] for r in recs[-tail:]) / tail for s, recs in per.items()} for v, per in runs.items()}
+    lines = ["### dp_gradient alone", "",
+             "Bytes of the data-parallel gradient path only, summed over ranks, mean over seeds (a retraining variant "
+             "can send different bytes per seed); final loss gap to `none`, paired by seed.", "",
+             "| variant | dp_gradient MB over the run | x fewer than none | MB/iteration, second half | "
+             "vs none, paired mean ± std |", "|---|---|---|---|---|"]
+    def grad(recs):
+        return sum(r["traffic"].get("dp_gradient", [0, 0])[0] for r in recs)
+    base = statistics.mean(grad(recs) for recs in runs["none"].values())
+    for name, per in runs.items():
+        total = statistics.mean(grad(recs) for recs in per.values())
+        half = statistics.mean(grad(recs[len(recs) // 2:]) / (len(recs) - len(recs) // 2) for recs in per.values())
+        gaps = [100 * (final[name][s] - final["none"][s]) / final["none"][s] for s in per if s in final["none"]]
+        sd = statistics.stdev(gaps) if len(gaps) > 1 else 0.0
+        lines.append(f"| {name} | {total / 1e6:.1f} | {base / total:.1f}x | {half / 1e6:.3f} | "
+                     f"{statistics.mean(gaps):+.2f}% ± {sd:.2f}% |")
+    return lines + [""]
+
+
 def main() -> None:
-    """Register the suite with benchmarks.convergence and run its main with this study's defaults."""
+    """Register the suite with benchmarks.convergence, run its main with this study's defaults, then add the
+    dp_gradient table to the page."""
     SUITES[SUITE] = {"layout": [], "variants": VARIANTS}
     argv = sys.argv[1:]
     defaults = {"--suites": SUITE, "--out": OUT, "--runs": "results/convergence_runs"}
@@ -56,6 +88,11 @@ def main() -> None:
             argv = [flag, value, *argv]
     sys.argv = [sys.argv[0], *argv]
     convergence.main()
+    out = Path(argv[argv.index("--out") + 1])
+    page = out / "convergence.md"
+    lines = gradient_table(pm.read_results(out / "results.json"))
+    page.write_text(page.read_text() + "\n" + "\n".join(lines))
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
