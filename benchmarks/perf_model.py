@@ -45,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megacomp.plan import shaped_steps as ss
+
 from megacomp.plan.calibration import (SEGMENT_ELEMS, MiB, Codec, Model, Row, Validation, _codec_time, _points,  # noqa: F401
                                        codec_work, fit, pipeline, predict_collective, wire_bytes)
 from megacomp.plan.calibration import DEFAULT_BITS as _BITS_TABLE
@@ -52,67 +54,152 @@ from megacomp.plan.calibration import DEFAULT_BITS as _BITS_TABLE
 DEFAULT_BITS = dict(_BITS_TABLE)
 
 
-# -- DDP step model ------------------------------------------------------------------------------------
-def _method_comm(method: str, params: int, world: int, wire: float | None, bucket_bytes: float):
-    """(codec, calls, overlap, wire bytes overlapped with backward, wire bytes after the step, codec S)."""
-    S = 4.0 * params
-    ar = 2 * (world - 1) / world
-    buckets = max(1, math.ceil(S / bucket_bytes))
-    if method == "ddp_fp32":
-        return "none", buckets, 1.0, wire if wire is not None else ar * S, 0.0, 0.0
-    if method in ("ddp_fp16_hook", "ddp_bf16_hook"):  # casts neglected
-        return "none", buckets, 1.0, wire if wire is not None else ar * S / 2, 0.0, 0.0
-    if method.startswith("ddp_powersgd"):  # one bucket after backward: rest, P and Q all-reduces
-        return ("none", 3, 0.0, wire, 0.0, 0.0) if wire is not None else None
-    if method == "zero_redundancy":  # DDP fp32 all-reduce, then each rank's shard broadcast after the step
-        bcast = (world - 1) / world * S
-        return "none", buckets + 1, 1.0, (wire - bcast if wire is not None else ar * S), bcast, 0.0
-    if method.startswith("megacomp_hook_"):
-        codec = method.split("_")[2]
-        return codec, buckets, 1.0, wire, 0.0, S
-    return None
-
-
+# -- step model on the shaped-link runs (megacomp.plan.shaped_steps) -----------------------------------
 def predict_step(model: Model, method: str, params: int, world: int, rate_Bps: float, t_compute: float,
-                 wire_bytes_per_step: float | None = None, bucket_bytes: float = 25 * MiB) -> float | None:
-    """Predicted DDP step seconds (None when the method is unknown or its bytes are not known)."""
+                 wire_bytes_per_step: float | None = None, bucket_bytes: float = 25 * MiB, overlap: float = 1.0,
+                 contention: float = 0.0) -> float | None:
+    """Predicted DP step seconds of a benchmark method (None when the method is not modelled)."""
     if method == "no_communication":
         return t_compute
-    spec = _method_comm(method, params, world, wire_bytes_per_step, bucket_bytes)
-    if spec is None:
+    phases = ss.method_phases(method, params, world, bucket_bytes, wire_bytes_per_step)
+    if phases is None:
         return None
-    codec, calls, overlap, wire, after, S_codec = spec
-    if wire is None:  # compressed hook without measured bytes: the codec's bits per element
-        wire = wire_bytes("all_reduce", model.bits.get(codec, DEFAULT_BITS.get(codec, 32.0)), S_codec, world)
-    alpha, eta = model.link("all_reduce")  # DDP's gradient exchange is all-reduces
-    t_wire = wire / (eta * rate_Bps)
-    t_codec = _codec_time(model, "all_reduce", codec, S_codec, world) if S_codec else 0.0
-    t_comm = calls * alpha + pipeline(t_wire, t_codec, math.ceil(S_codec / 4 / model.segment_elems))
-    exposed = max(0.0, t_comm - overlap * (2.0 / 3.0) * t_compute)
-    return t_compute + exposed + after / (eta * rate_Bps)
+    return ss.predict_step(model, phases, rate_Bps, world, t_compute, overlap, contention)
 
 
-def validate(model: Model, results: dict) -> Validation:
+def _floor(records: list, d: dict) -> float | None:
+    """Median no-communication step of ``d``'s file, rate, model size (and seed, when the file has seeds)."""
+    same = [f for f in records if f["method"] == "no_communication" and f["rate"] == d["rate"]
+            and f["params"] == d["params"] and f.get("seed") == d.get("seed")]
+    times = [t for f in same for t in f["times_s"]]
+    return statistics.median(times) if times else None
+
+
+def _ddp_points(model: Model, records: list, source: str):
+    """(label, phases, rate, world, floor, measured, method, bytes check) of every modelled DP record."""
+    for d in records:
+        if d["method"] == "no_communication" or not d.get("times_s"):
+            continue
+        floor = _floor(records, d)
+        phases = ss.method_phases(d["method"], d["params"], d["world"], d.get("bucket_mb", 25) * MiB,
+                                  d.get("wire_bytes_per_step"))
+        if floor is None or phases is None:
+            continue
+        seed = f" seed {d['seed']}" if "seed" in d else ""
+        label = f"{source}: {d['method']} {d['params'] / 1e6:.2f}M p{d['world']} @{d['rate']}{seed}"
+        yield label, phases, d["rate_Bps"], d["world"], floor, statistics.median(d["times_s"])
+
+
+def validate(model: Model, results: dict, overlap: float = 1.0, contention: float = 0.0) -> Validation:
+    """Every collective and DP-step point of one bench_report results file (all marked as fitted)."""
     rows = []
     for r, S, tm in _points(results):
         label = f"{r['op']} {r['codec']} {r['mib']:g} MiB p{r['world']} @{r['rate']}"
         rows.append(Row("collective", label, tm, predict_collective(model, r["op"], r["codec"], S, r["world"],
                                                                     r["rate_Bps"])))
-    ddp = [d for d in results.get("ddp", []) if d.get("times_s")]
-    for d in ddp:
-        if d["method"] == "no_communication":
-            continue  # the floor is an input of the step model, not a prediction
-        floors = [f for f in ddp if f["method"] == "no_communication" and f["world"] == d["world"]
-                  and f["params"] == d["params"]]
-        same_rate = [f for f in floors if f["rate"] == d["rate"]] or floors
-        if not same_rate:
-            continue
-        t_comp = statistics.median(t for f in same_rate for t in f["times_s"])
-        pred = predict_step(model, d["method"], d["params"], d["world"], d["rate_Bps"], t_comp,
-                            d.get("wire_bytes_per_step"))
-        if pred is not None:
-            rows.append(Row("ddp", f"{d['method']} p{d['world']} @{d['rate']}", statistics.median(d["times_s"]), pred))
+    for label, phases, rate, world, floor, tm in _ddp_points(model, results.get("ddp", []), "benchmarks"):
+        rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, overlap, contention)))
     return Validation(rows)
+
+
+HELD_OUT_RATE = "300mbit"  # collectives at this rate are never fitted on
+
+
+def validate_all(results_dir: str | Path) -> tuple[Model, float, float, Validation, list[str]]:
+    """Fit on part of the shaped-link measurements and predict every point (module docstring of
+    megacomp.plan.shaped_steps): collectives fitted on 100 Mbit/s and 1 Gbit/s, held out at 300 Mbit/s; the DP-step
+    overlap o and contention kappa fitted on benchmarks/results/benchmarks' DP steps, held out on every other
+    netns_* DP run; TP / PP / DP training steps predicted at 100 Mbit/s from their 1 Gbit/s step; local-step
+    runs predicted from DiLoCo's step at the same rate. Returns (model, o, kappa, rows, notes)."""
+    root = Path(results_dir)
+    bench = json.loads((root / "benchmarks" / "results.json").read_text())
+    model = fit(bench, keep=lambda r: r["rate"] != HELD_OUT_RATE)
+    rows: list[Row] = []
+    for r, S, tm in _points(bench):
+        label = f"{r['op']} {r['codec']} {r['mib']:g} MiB p{r['world']} @{r['rate']}"
+        rows.append(Row("collective", label, tm, predict_collective(model, r["op"], r["codec"], S, r["world"],
+                                                                    r["rate_Bps"]), held_out=r["rate"] == HELD_OUT_RATE))
+    train = list(_ddp_points(model, bench["ddp"], "benchmarks"))
+    o, kappa = ss.fit_overlap_contention(model, [p[1:] for p in train])
+    for label, phases, rate, world, floor, tm in train:
+        rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa)))
+    notes = []
+    for f in sorted(root.glob("netns_*/*.json")):
+        data = json.loads(f.read_text())
+        if data.get("workload") not in ("ddp", "profile"):
+            continue
+        recs = data["records"]
+        for label, phases, rate, world, floor, tm in _ddp_points(model, recs, f"{f.parent.name}/{f.stem}"):
+            rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa), True))
+        skipped = sorted({d["method"] for d in recs if d["method"] != "no_communication"
+                          and ss.method_phases(d["method"], d["params"], d["world"], 2 * MiB,
+                                               d.get("wire_bytes_per_step")) is None})
+        if skipped:
+            notes.append(f"{f.parent.name}/{f.stem}: not modelled: {', '.join(skipped)}")
+    rows += list(_train_rows(model, root, o))
+    rows += list(_local_step_rows(model, root, o))
+    return model, o, kappa, Validation(rows), notes
+
+
+def _train_calls(layout: str, iters_cfg: dict) -> int:
+    """Messages per iteration of the tiny GPT's training step (4 layers, 4 micro-batches of 4)."""
+    L, M = 4, 4
+    if layout.startswith("tp"):
+        return 4 * L * M  # two all-reduces per layer forward, two backward, per micro-batch
+    if layout.startswith("pp"):
+        return 2 * M * (2 if "vp2" in layout else 1)  # an activation and a gradient per micro-batch and boundary
+    return 2  # dp2: the gradient reduce-scatter and parameter all-gather
+    
+
+def _train_rows(model: Model, root: Path, overlap: float):
+    """TP / PP / DP pretraining steps at 100 Mbit/s predicted from the same run's 1 Gbit/s step: the compute is
+    T(1 Gbit/s) minus its communication, the communication the measured bytes on the fitted link (exposed: TP and
+    PP traffic sits on the critical path)."""
+    files = [root / "benchmarks" / "results.json", root / "netns_tp" / "train.json", root / "netns_pipeline" / "train.json"]
+    alpha, eta = model.link("all_reduce")
+    for f in files:
+        data = json.loads(f.read_text())
+        recs = data.get("train") or data.get("records") or []
+        by = {(r["layout"], r["compression"], r["rate"]): r for r in recs if r.get("times_s")}
+        for (layout, comp, rate), r in sorted(by.items()):
+            base = by.get((layout, comp, "1gbit"))
+            if rate == "1gbit" or base is None:
+                continue
+            calls = _train_calls(layout, {})
+            per_rank = lambda rec: rec["wire_bytes_per_iter"] / 2  # noqa: E731 (the two ranks' bytes, summed)
+            comm = lambda rec: calls * alpha + per_rank(rec) / (eta * rec["rate_Bps"])  # noqa: E731
+            floor = statistics.median(base["times_s"]) - comm(base)
+            label = f"{f.parent.name}: train {layout} {comp} @{rate} (from its 1gbit step)"
+            yield Row("train", label, statistics.median(r["times_s"]), floor + comm(r), True)
+
+
+def _local_step_rows(model: Model, root: Path, overlap: float):
+    """Local-step runs: the compute of an iteration is DiLoCo H=50's step at the same rate minus its amortised
+    exchange; each variant adds its own bytes per iteration on the fitted link (DDP and LoCo overlapped with
+    backward as DP steps, the outer exchanges blocking, Streaming DiLoCo's hidden behind its delay)."""
+    alpha, eta = model.link("all_reduce")
+    rates = {"100mbit": 12.5e6, "10mbit": 1.25e6}
+    for f in (root / "netns" / "local_steps.json", root / "netns_powersgd" / "local_steps.json"):
+        recs = json.loads(f.read_text())["records"]
+        for rate, B in rates.items():
+            ref = next((r for r in recs if r["rate"] == rate and r["variant"] == "DiLoCo H=50"), None)
+            if ref is None:
+                continue
+            per_iter = lambda r: r["wire_bytes"] / r["iters"] / 2  # noqa: E731 (bytes per rank per iteration)
+            floor = statistics.median(ref["times_s"]) - (per_iter(ref) / (eta * B) + alpha / 50)
+            for r in recs:
+                if r["rate"] != rate or r is ref:
+                    continue
+                t_comm = per_iter(r) / (eta * B)
+                v = r["variant"]
+                if v.startswith(("DDP", "LoCo")):
+                    t = floor + max(0.0, t_comm - overlap * 2 / 3 * floor)
+                elif v.startswith("Streaming"):
+                    t = floor + max(0.0, t_comm - overlap * 5 * floor / 50)  # tau = 5 inner steps per H = 50
+                else:
+                    t = floor + t_comm + alpha / 50
+                label = f"{f.parent.name}/local_steps: {v} @{rate}"
+                yield Row("local_steps", label, statistics.median(r["times_s"][2:] or r["times_s"]), t, True)
 
 
 # -- projection to GPU clusters ------------------------------------------------------------------------
@@ -242,9 +329,49 @@ def plot(projection: Projection, path: str, codec: str = "int4", baseline: str =
     return True
 
 
+def validation_markdown(model: Model, o: float, kappa: float, v: Validation, notes: list[str]) -> str:
+    """The calibration page: fitted constants, error summaries (fitted vs held-out, per kind) and every point."""
+    out = ["# Calibration and held-out validation of the step model on the shaped-link runs", "",
+           "Generated by `python -m benchmarks.perf_model --validate-all benchmarks/results --out-dir "
+           "benchmarks/results/plan` from the measurements already in `benchmarks/results/` (nothing re-measured).",
+           "", "## Fitted constants", "", "| constant | value | fitted on |", "|---|---|---|"]
+    for op, (alpha, eta, n) in sorted(model.links.items()):
+        out.append(f"| {op}: alpha, eta | {alpha * 1e3:.3f} ms, {eta:.3f} | its own {n} fp32 points at 100 Mbit/s "
+                   f"and 1 Gbit/s |")
+    for name, c in sorted(model.codecs.items()):
+        out.append(f"| {name} codec: encode / decode | {c.encode_Bps / 1e9:.2f} / {c.decode_Bps / 1e9:.2f} GB/s | "
+                   f"{c.source} (single-threaded, this CPU) |")
+    out += [f"| o: share of backward a bucketed exchange overlaps | {o:.2f} | benchmarks/results/benchmarks DP steps |",
+            f"| kappa: CPU contention per second of codec work | {kappa:.2f} | the same |", "",
+            "## Errors", "", "| points | fitted: n, median, max abs. error | held out: n, median, max abs. error |",
+            "|---|---|---|"]
+    names = {"collective": "collectives", "ddp": "DP steps", "train": "TP / PP / DP training steps",
+             "local_steps": "local-step runs"}
+    for kind, title in names.items():
+        cells = []
+        for held in (False, True):
+            sm = v.summary(kind, held)
+            cells.append(f"{sm['n']}, {100 * sm['median']:.1f}%, {100 * sm['max']:.1f}%" if sm["n"] else "none")
+        out.append(f"| {title} | {cells[0]} | {cells[1]} |")
+    out += ["", "Held out: collectives at 300 Mbit/s; every DP step outside benchmarks/results/benchmarks; every "
+            "training step at 100 Mbit/s (predicted from the same run's 1 Gbit/s step); every local-step run "
+            "(predicted from DiLoCo H=50's step at the same rate).", ""]
+    if notes:
+        out += ["Not modelled (left out of the table): " + "; ".join(notes) + ".", ""]
+    out += ["## Every point", "", "| kind | point | fitted / held out | measured s | predicted s | error |",
+            "|---|---|---|---|---|---|"]
+    for r in v.rows:
+        out.append(f"| {r.kind} | {r.point} | {'held out' if r.held_out else 'fitted'} | {r.measured_s:.4f} | "
+                   f"{r.predicted_s:.4f} | {100 * r.rel_err:+.1f}% |")
+    return "\n".join(out) + "\n"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", help="JSON written by benchmarks/bench_report.py")
+    ap.add_argument("results", nargs="?", help="JSON written by benchmarks/bench_report.py")
+    ap.add_argument("--validate-all", metavar="DIR", help="fit and validate on every shaped-link study under DIR "
+                    "(benchmarks/results) and write calibration.md and calibration.json to --out-dir")
+    ap.add_argument("--out-dir", default="benchmarks/results/plan", help="folder for --validate-all's page")
     ap.add_argument("--out", help="write the Markdown section here (default: stdout)")
     ap.add_argument("--plot", help="PNG of projected speedup vs link rate per cluster size")
     ap.add_argument("--refit-codecs", action="store_true", help="fit codec throughput even when measured")
@@ -253,6 +380,22 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens-per-gpu", type=int, default=16384)
     ap.add_argument("--tflops", type=float, default=400.0, help="ASSUMED achieved TFLOP/s per GPU")
     a = ap.parse_args(argv)
+    if a.validate_all:
+        model, o, kappa, v, notes = validate_all(a.validate_all)
+        out = Path(a.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "calibration.md").write_text(validation_markdown(model, o, kappa, v, notes))
+        (out / "calibration.json").write_text(json.dumps({
+            "overlap": o, "contention": kappa, "links": model.links,
+            "rows": [dict(kind=r.kind, point=r.point, held_out=r.held_out, measured_s=r.measured_s,
+                          predicted_s=r.predicted_s) for r in v.rows]}, indent=1))
+        for kind in ("collective", "ddp", "train", "local_steps"):
+            sm = v.summary(kind, True)
+            print(f"{kind}: held out {sm['n']} points, median |error| {100 * sm['median']:.1f}%, max {100 * sm['max']:.1f}%")
+        print(f"wrote {out / 'calibration.md'}")
+        return
+    if not a.results:
+        ap.error("give a results JSON or --validate-all DIR")
     results = json.loads(Path(a.results).read_text())
     model = fit(results, refit_codecs=a.refit_codecs)
     proj = project(model, alpha_s=a.alpha_us * 1e-6, gpu_codec_Bps=a.gpu_codec_Bps,
