@@ -4,7 +4,7 @@
 
 The model is megatron-core's own (``megatron.core.models.gpt.GPTModel`` with its local, Transformer-Engine-free
 layer spec). One swap makes it run on CPU: megatron-core's ``DotProductAttention`` allocates its score buffer
-on CUDA, so the spec's core attention is ``TorchSDPA`` below (the same causal softmax attention, through
+on CUDA, so the spec's core attention is megacomp's ``TorchSDPA`` (megacomp.integrations.megatron_ddp_cpu; the same causal softmax attention, through
 ``torch.nn.functional.scaled_dot_product_attention``); on GPUs leave the spec alone. Sequence parallelism
 needs apex's or Transformer Engine's LayerNorm in megatron-core (its torch norm refuses it), so on CPU it is
 tested on the layers only (tests/test_integrations_megatron.py).
@@ -21,25 +21,10 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from megacomp.integrations.megatron_ddp_cpu import TorchSDPA
 
 warnings.filterwarnings("ignore", module="megatron")  # "Apex / Transformer Engine not installed" notices
-
-
-class TorchSDPA(torch.nn.Module):
-    """A drop-in for megatron-core's DotProductAttention (same constructor and forward), causal only."""
-
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None):
-        super().__init__()
-        self.config = config
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        # [s, b, heads, d] -> [b, heads, s, d] and back to [s, b, heads * d], as megatron-core returns it
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return ctx.permute(2, 0, 1, 3).reshape(ctx.shape[2], ctx.shape[0], -1)
 
 
 def build(vocab: int, seq: int):

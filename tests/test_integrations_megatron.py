@@ -1,4 +1,4 @@
-"""megacomp.integrations.megatron against unpatched megatron-core (0.16.1, CPU, gloo).
+"""megacomp.integrations.megatron against unpatched megatron-core (0.16.1 on Python 3.11, 0.19.2 on 3.12; CPU, gloo).
 
 - Compression off: forward outputs and every gradient bit-identical to unpatched megatron-core at TP 2 and 4
   (embedding, column, frozen column, row), and again after uninstall.
@@ -10,7 +10,7 @@
   reduce-scatter and input-gradient reduce-scatter within the codec's bound.
 - Compression on: the row layer's forward all-reduce and the column layer's input-gradient all-reduce within
   the codec's propagated bound (tests/codec_bounds.py), error feedback keyed per weight and checkpointed.
-- Bad input: unsupported version, changed signature, installing twice, lossy non-TP paths, uneven splits and
+- Bad input: unsupported versions (the refusal lists the supported ones), changed signature, installing twice, lossy non-TP paths, uneven splits and
   gradient-accumulation fusion under a lossy codec.
 """
 import warnings
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from codec_bounds import all_reduce_bound
 from distributed import run_ranks
 
-pytest.importorskip("megatron.core", reason="CI installs megatron-core==0.16.1 (scripts/install.sh test)")
+pytest.importorskip("megatron.core", reason="CI installs megatron-core==0.16.1 (scripts/install.sh test; "
+                                              "0.19.2 in scripts/ci_py312.sh)")
 warnings.filterwarnings("ignore", module="megatron")
 
 from megacomp.integrations.megatron import MegatronCompression, check_megatron_version  # noqa: E402
@@ -209,9 +210,9 @@ def test_bad_input_is_refused_with_a_clear_error(monkeypatch):
     import megatron.core as mcore
     from megatron.core.tensor_parallel import mappings
 
-    assert check_megatron_version() == "0.16.1"
-    with pytest.raises(ValueError, match="not tensor-parallel paths"):
-        MegatronCompression({"dp_gradient": "int4"})
+    assert check_megatron_version() == mcore.__version__  # 0.16.1 (Python 3.11) or 0.19.2 (the Python 3.12 leg)
+    with pytest.raises(ValueError, match="not tensor- or data-parallel paths"):
+        MegatronCompression({"pp_activation": "int4"})
     first = MegatronCompression(None).install()
     try:
         with pytest.raises(RuntimeError, match="already installed"):
@@ -225,10 +226,13 @@ def test_bad_input_is_refused_with_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="gradient_accumulation_fusion"):
         lossy._linear_with_grad_accumulation_and_async_allreduce(torch.zeros(2, 4), torch.zeros(3, 4), None, True,
                                                                  False, False)
-    monkeypatch.setattr(mcore, "__version__", "0.15.2")
-    with pytest.raises(RuntimeError, match="0.15.2 is not supported.*0.16.1"):
-        MegatronCompression(None).install()
-    monkeypatch.setattr(mcore, "__version__", "0.16.1")
+    for other in ("0.15.2", "0.17.1", "0.20.0"):  # untested releases, before, between and after
+        monkeypatch.setattr(mcore, "__version__", other)
+        with pytest.raises(RuntimeError, match=f"{other} is not supported.*supported: 0.16.x, 0.19.x"):
+            MegatronCompression(None).install()
+    for tested in ("0.16.1", "0.19.2"):
+        monkeypatch.setattr(mcore, "__version__", tested)
+        assert check_megatron_version() == tested
     monkeypatch.setattr(mappings, "copy_to_tensor_model_parallel_region", lambda x, group=None, extra=1: x)
     with pytest.raises(RuntimeError, match="copy_to_tensor_model_parallel_region has parameters"):
         MegatronCompression(None).install()
