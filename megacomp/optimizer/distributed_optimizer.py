@@ -64,6 +64,7 @@ Accordion gradient channel, or a 1-bit optimizer raises ValueError naming the fi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from typing import Any, Iterable, Optional
 
@@ -485,4 +486,34 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         self.step_count, self.skipped_steps = int(s["step"]), int(s["skipped"])
         if self.scaler is not None and s["loss_scaler"] is not None:
             self.scaler.load_state_dict(s["loss_scaler"])
+        self.sync_params()
+
+    def load_resharded(self, masters: list, inner_state: list, step: int, skipped: int, loss_scaler: Optional[dict],
+                       errors: Optional[dict] = None, error_steps: Optional[dict] = None) -> None:
+        """Restore state rebuilt for this rank's shards from a checkpoint of another layout
+        (megacomp.training.reshard): ``masters[i]`` and ``inner_state[i]`` ({name: tensor}) for bucket i's shard,
+        the step counters, the loss scaler's state, and the DP-gradient residuals by error-feedback key
+        (``errors``, with ``error_steps``; None resets them). Then all-gathers the parameters, as
+        :meth:`load_state_dict` does. Raises ValueError when a shard's length differs from this optimizer's."""
+        self.wait_params()
+        self.init_state()  # the inner optimizer's state tensors, to be overwritten
+        with torch.no_grad():
+            for m, saved, st in zip(self.masters, masters, inner_state):
+                if saved.shape != m.shape:
+                    raise ValueError(f"resharded master shard of {tuple(saved.shape)} elements for a shard of "
+                                     f"{tuple(m.shape)}")
+                m.copy_(saved)
+                mine = self.optimizer.state[m]
+                for name, value in st.items():
+                    mine[name] = value.to(m.device).clone()
+        if self.ef is not None:
+            self.ef.reset()
+            if errors is not None:
+                self.ef.load_state_dict({"config": dataclasses.asdict(self.ef.config), "errors": errors,
+                                         "steps": dict(error_steps or {}), "dropped": {}})
+        if self.grad_channel.reduces_whole_buckets:
+            self._init_ef_keys()  # PowerSGD / Accordion: fresh state, as at step 0
+        self.step_count, self.skipped_steps = int(step), int(skipped)
+        if self.scaler is not None and loss_scaler is not None:
+            self.scaler.load_state_dict(loss_scaler)
         self.sync_params()

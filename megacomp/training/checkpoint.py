@@ -78,8 +78,12 @@ LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2
 """Version of the checkpoint layout this code writes and reads (see the module docstring)."""
 MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
-              "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
-              "sequence_parallel", "params_dtype", "compression_resolved", "world_size")
+              "sequence_parallel", "params_dtype", "compression_resolved")
+"""Fields a resume must share with the checkpoint. The parallel layout (TP, PP, virtual stages, world size:
+megacomp.training.reshard.LAYOUT_FIELDS) may differ: the checkpoint is then resharded."""
+DATA_ORDER = ("seed", "data_path", "dataset_samples", "global_batch_size", "tokenizer_max_bytes")
+"""Fields that change which samples a resumed iteration sees: a resume refuses a change unless
+``allow_data_order_change`` (``--allow-data-order-change``) is set."""
 _ITER_DIR = re.compile(r"iter_(\d+)$")
 
 
@@ -288,9 +292,17 @@ def _where(groups, replica: Optional[int]) -> str:
 
 
 def _state(model, optimizer, extra: bytes, groups, replica: Optional[int] = None) -> dict[str, Any]:
+    """What a rank writes (and, less the layout entry, reads back at the same layout): its model and optimizer
+    entries, its ``extra`` bytes and its ``layout/rank<r>`` map (megacomp.training.reshard; not under replicas,
+    which are never resharded)."""
+    from .reshard import layout_entries
+
     where = _where(groups, replica)
-    return {f"model/{where}": model.state_dict(), f"optim/{where}": optimizer.state_dict(),
-            f"extra/rank{dist.get_rank()}": extra}
+    state = {f"model/{where}": model.state_dict(), f"optim/{where}": optimizer.state_dict(),
+             f"extra/rank{dist.get_rank()}": extra}
+    if replica is None:
+        state.update(layout_entries(model, optimizer, groups, where))
+    return state
 
 
 def _pack(extra: dict) -> bytes:
@@ -374,19 +386,34 @@ def discard_checkpoint(root: str, iteration: int) -> str:
     return f"moved the checkpoint of iteration {iteration} (the weights that diverged) to {aside}; {now}"
 
 
+def _differences(saved: Any, mine: Any, name: str) -> list[str]:
+    """``name: checkpoint X vs this run Y`` for each differing field; dicts are compared key by key, so a nested
+    config names only its keys that differ (``compression_resolved.dp_gradient.name: ...``)."""
+    if isinstance(saved, dict) and isinstance(mine, dict):
+        return [d for k in sorted(set(saved) | set(mine), key=str)
+                for d in _differences(saved.get(k), mine.get(k), f"{name}.{k}")]
+    return [] if saved == mine else [f"{name}: checkpoint {saved!r} vs this run {mine!r}"]
+
+
 def check_compatible(saved: dict, run_info: dict, path: str) -> None:
-    """Raise ValueError when the checkpoint's format version or any MUST_MATCH field differs from this run's."""
+    """Raise ValueError (one line naming only the fields that differ) when the checkpoint's format version or a
+    MUST_MATCH field differs from this run's, or a DATA_ORDER field does without ``allow_data_order_change``.
+    A different parallel layout is not refused here: the load reshards (megacomp.training.reshard)."""
     version = saved.get("format_version", 1)
     if version != FORMAT_VERSION:
         raise ValueError(f"checkpoint {path} has format version {version}, this megacomp reads format version "
                          f"{FORMAT_VERSION} (version 2 keeps error feedback and stochastic-rounding streams per "
                          f"traffic channel); resume it with the megacomp release that wrote it, or start a new "
                          f"--save dir")
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {run_info.get(k)!r}" for k in MUST_MATCH
-             if saved.get(k) != run_info.get(k)]
+    diffs = [d for k in MUST_MATCH for d in _differences(saved.get(k), run_info.get(k), k)]
     if diffs:
         raise ValueError(f"checkpoint {path} was written by another configuration ({'; '.join(diffs)}); resume with "
-                         f"the same model, parallel layout, world size and compression, or start a new --save dir")
+                         f"the same model and compression, or start a new --save dir")
+    order = [d for k in DATA_ORDER if k in saved for d in _differences(saved.get(k), run_info.get(k), k)]
+    if order and not run_info.get("allow_data_order_change"):
+        raise ValueError(f"checkpoint {path} was written with another data order ({'; '.join(order)}); the resumed "
+                         f"run would see other samples than the interrupted one: resume with the same settings, or "
+                         f"add --allow-data-order-change to continue with the new order on purpose")
 
 
 # optimizer state an option adds (ACCO's estimate): a checkpoint written without the option has none, and the
@@ -405,6 +432,16 @@ def _drop_optional_state(state: dict, metadata: dcp_md.Metadata) -> None:
                     del local[name]
 
 
+def _load_failure(e: CheckpointException, root: str, iteration: int, path: str) -> ValueError:
+    """The one-line error for a failed DCP read: the lowest rank's broken file, or the entry that does not fit."""
+    failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+    broken = [exc for exc in failures if isinstance(exc, _Unreadable)]
+    if broken:
+        return _error(broken[0], root, iteration, path)
+    return _error(_Unreadable(os.path.join(path, ".metadata"), f"does not fit this run's state: {_short(failures[0])}"),
+                  root, iteration, path)
+
+
 def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
                     replica: Optional[int] = None) -> tuple[int, dict]:
     """Load the latest checkpoint under ``root``; returns (iteration, this rank's extra state). Raises ValueError
@@ -419,8 +456,21 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
     except _Unreadable as e:
         raise _error(e, root, iteration, path) from None
     check_compatible(saved, run_info, path)
+    from . import reshard
+
+    if reshard.layout_changed(saved, run_info):
+        if replica is not None or saved.get("num_replicas", 1) != 1:
+            raise reshard._refuse(path, saved, run_info, "outer-loop replicas are not resharded; resume at the saved "
+                                                         "layout")
+        optimizer.init_state()
+        extra, notes = reshard.load_resharded(path, metadata, saved, run_info, model, optimizer, groups,
+                                              lambda e: _load_failure(e, root, iteration, path))
+        extra["resharded"] = notes
+        return iteration, extra
     optimizer.init_state()
     state = _state(model, optimizer, b"", groups, replica)
+    for key in [k for k in state if k.startswith("layout/")]:  # written for resharding, not read back here
+        del state[key]
     _drop_optional_state(state, metadata)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
@@ -441,16 +491,17 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
 
 
 MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
-                    "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                    "num_layers_per_virtual_pipeline_stage", "params_dtype")
-"""The fields that decide this rank's model tensors: what fine-tuning from a checkpoint must share with it."""
+                    "params_dtype")
+"""The fields that decide the model's tensors: what fine-tuning from a checkpoint must share with it (the parallel
+layout may differ: the weights are then resharded)."""
 
 
 def load_model_weights(root: str, model, groups, run_info: dict) -> int:
     """Fine-tuning (Megatron's ``--finetune``): load only the model weights of the latest checkpoint under ``root``
     (no optimizer, RNG, error feedback or data position; the run starts at iteration 0); returns the checkpoint's
-    iteration. The compression, optimizer, batch sizes and data may differ; the model shape and the parallel
-    layout (MODEL_MUST_MATCH) may not. Raises ValueError naming the differing fields or the broken file,
+    iteration. The compression, optimizer, batch sizes, data and parallel layout may differ (another TP / PP /
+    virtual-stage layout is resharded: megacomp.training.reshard); the model shape (MODEL_MUST_MATCH) may not.
+    Raises ValueError naming the differing fields or the broken file,
     FileNotFoundError when there is no checkpoint."""
     iteration = latest_iteration(root)
     if iteration is None:
@@ -466,7 +517,13 @@ def load_model_weights(root: str, model, groups, run_info: dict) -> int:
         diffs.append(f"num_replicas: checkpoint {saved.get('num_replicas')} (one model per replica) vs 1")
     if diffs:
         raise ValueError(f"cannot fine-tune from {path}: its model differs from this run's ({'; '.join(diffs)}); use "
-                         f"the same model shape and tensor / pipeline layout")
+                         f"the same model shape")
+    from . import reshard
+
+    if any(saved.get(k) != run_info.get(k) for k in reshard.LAYOUT_FIELDS[:3]):
+        reshard.load_resharded(path, metadata, saved, run_info, model, None, groups,
+                               lambda e: _load_failure(e, root, iteration, path), weights_only=True)
+        return iteration
     where = _where(groups, None)
     state = {f"model/{where}": model.state_dict()}  # DCP loads just these entries
     try:

@@ -150,6 +150,9 @@ class CheckpointConfig:
     When ``save`` (which must differ from ``load``) already holds a checkpoint, the run resumes from it instead."""
     keep_checkpoints: int = 0
     """Keep only the newest this many checkpoints under --save (0 = keep all)."""
+    allow_data_order_change: bool = False
+    """Resume although a field that decides which samples an iteration sees (seed, data path, dataset samples,
+    global batch size, tokenizer bytes) differs from the checkpoint's; without it such a resume is refused."""
 
 
 @dataclass
