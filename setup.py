@@ -27,6 +27,9 @@ setup(
         # the documentation site (mkdocs.yml): exact pins, so a strict build sees the same renderer everywhere
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.7.6", "mkdocstrings==1.0.8", "mkdocstrings-python==2.0.11",
                  "griffelib==2.4.1", "mkdocs-autorefs==1.4.5", "pymdown-extensions==13.1.2", "Markdown==3.11.3"],
+        # the trainers megacomp.integrations plugs into (lightning.py, accelerate.py, torchtitan.py): their tests and
+        # examples; scripts/install.sh installs it for CI with the installed torch held fixed
+        "frameworks": ["lightning==2.6.6", "accelerate==1.16.0", "torchtitan==0.3.0"],
     },
     entry_points={"console_scripts": ["megacomp-codec-tour=megacomp.codec_tour:main",
                                       "megacomp-pretrain=megacomp.pretrain:main"]},

@@ -35,6 +35,12 @@ fi
 if [ "${1:-}" = "test" ] && ! "$PY" -c "import torchft" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torchft==0.2.0"
 fi
+# Lightning, Accelerate and torchtitan for their integrations' tests and examples (setup.py's frameworks extra),
+# with the installed torch held fixed by a constraint (pip must not swap it for their requirements' choice)
+if [ "${1:-}" = "test" ] && ! "$PY" -c "import lightning, accelerate, torchtitan" >/dev/null 2>&1; then
+  "$PY" -m pip install --quiet --no-build-isolation -e ".[frameworks]" \
+    -c <(echo "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')")
+fi
 # the C++ codec kernels: built here for the tests, once, in one process and outside any test's time limit
 # (tests fork ranks that would otherwise all wait on the first build); a failed build only warns, and the
 # eager reference is used (the kernel tests then say so)

@@ -9,9 +9,11 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 NAMES=("$@")
 [ ${#NAMES[@]} -eq 0 ] && NAMES=(megatron_gpt megatron_gpt_off fsdp2_gpt ddp_gpt)
+[ "$#" -eq 0 ] && NAMES+=(lightning_gpt accelerate_gpt torchtitan_llama3)
 for name in "${NAMES[@]}"; do
   case "$name" in
     megatron_gpt_off) cmd=(examples/megatron_gpt.py --codec none) ;;  # megacomp installed, compression off
+    torchtitan_llama3) cmd=(--nproc-per-node 4 examples/torchtitan_llama3.py) ;;  # TP 2 x FSDP 2: 4 ranks (the last --nproc-per-node counts)
     *) cmd=("examples/$name.py") ;;
   esac
   echo "== examples: $name (torchrun, 2 ranks)"
