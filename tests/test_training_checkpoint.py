@@ -7,6 +7,7 @@ not exist afterwards. A broken file gives one ValueError naming it and suggestin
 """
 import dataclasses
 import io
+import json
 import os
 import pickle
 import re
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from distributed import RankFailure, run_ranks
 from megacomp.training import Trainer
+from megacomp.training import checkpoint_integrity as integrity
 from megacomp.training.checkpoint import METADATA_GLOBALS, latest_iteration, read_metadata
 
 WORLD = 2
@@ -75,9 +77,18 @@ def _resume_error(base, root) -> str:
     return last[0]
 
 
+def _reseal(path):
+    """Rewrite the manifest's digests for the files as they are now, as an attacker controlling the directory can
+    (the digests catch corruption, not a forger), so that the tests below reach the deserialisation defences."""
+    manifest = json.loads((path / "megacomp.json").read_text())
+    manifest["files"] = integrity.digest_files(str(path), integrity.checkpoint_files(str(path)))
+    manifest["manifest_sha256"] = integrity.manifest_digest(manifest)
+    (path / "megacomp.json").write_text(json.dumps(manifest))
+
+
 def _rewrite_entry(root, fqn, payload: bytes):
     """Point the index entry ``fqn`` of iteration 2 at ``payload`` appended to its shard (as an attacker
-    controlling the directory could); returns the shard's path."""
+    controlling the directory could, resealing the manifest); returns the shard's path."""
     path = root / "iter_0000002"
     md = read_metadata(str(path))
     index = next(i for i in md.storage_data if i.fqn == fqn)
@@ -87,6 +98,7 @@ def _rewrite_entry(root, fqn, payload: bytes):
     with open(shard, "ab") as f:
         f.write(payload)
     (path / ".metadata").write_bytes(pickle.dumps(md))
+    _reseal(path)
     return shard
 
 
@@ -122,6 +134,7 @@ def test_hostile_metadata_is_refused_without_running_it(base, ckpt, tmp_path):
     assert control.exists()
     marker = tmp_path / "marker"
     meta.write_bytes(pickle.dumps(_with_planner_data(md, Touch(marker))))
+    _reseal(meta.parent)
     msg = _resume_error(base, ckpt)
     assert (f"checkpoint file {meta} is refused (its pickle references posix.system, which is not on "
             f"megacomp's allow-list") in msg
@@ -148,7 +161,7 @@ def test_hostile_shard_entry_is_refused_without_running_it(base, ckpt, tmp_path,
 @pytest.mark.parametrize("name,reason", [(".metadata", "truncated or garbled: "),
                                          ("__0_0.distcp", "truncated: "),
                                          ("megacomp.json", "truncated or garbled: "),
-                                         ("garbled __0_0.distcp", "garbled: ")])
+                                         ("garbled __0_0.distcp", "corrupt: its SHA-256 is ")])
 def test_broken_checkpoint_names_the_file_and_the_previous_iteration(base, ckpt, name, reason):
     target = ckpt / "iter_0000002" / name.split()[-1]
     data = target.read_bytes()

@@ -55,6 +55,7 @@ step; DCP gathers that error on every rank and it is re-raised the same way.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import io
 import json
 import os
@@ -73,6 +74,8 @@ import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, set_element
 from torch.futures import Future
+
+from . import checkpoint_integrity as integrity
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2
@@ -185,7 +188,13 @@ def _check_iteration(path: str) -> tuple[dict, dcp_md.Metadata]:
         raise _Unreadable(file, f"truncated or garbled: {e.msg} at line {e.lineno} column {e.colno}") from None
     if not isinstance(saved, dict):
         raise _Unreadable(file, f"garbled: holds a JSON {type(saved).__name__}, not an object")
-    md = read_metadata(path)
+    garbled = integrity.check_manifest(saved)
+    if garbled:
+        raise _Unreadable(file, garbled)
+    md = read_metadata(path)  # first: a hostile index is named as such, not as a file of the wrong size
+    wrong_size = integrity.check_sizes(path, saved)
+    if wrong_size:
+        raise _Unreadable(*wrong_size)
     ends: dict[str, int] = {}
     for info in md.storage_data.values():
         ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
@@ -198,6 +207,63 @@ def _check_iteration(path: str) -> tuple[dict, dcp_md.Metadata]:
         if size < end:
             raise _Unreadable(shard, f"truncated: {size} bytes, .metadata places data up to byte {end}")
     return saved, md
+
+
+def verify_checkpoint(path: str) -> tuple[dict, dcp_md.Metadata]:
+    """The structural checks of :func:`_check_iteration`, then the files' SHA-256 digests against the manifest,
+    the ranks hashing a share each (a collective: every rank calls it). Returns (manifest, DCP index); raises
+    _Unreadable naming the first bad file, on every rank alike."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved = md = None
+    try:
+        saved, md = _check_iteration(path)
+        mine = integrity.verify_share(path, saved, rank, world)
+    except _Unreadable as e:
+        mine = (e.path, e.reason, e.refused)
+    bad = next((b for b in _agree(mine) if b), None)
+    if bad:
+        raise _Unreadable(*bad)
+    return saved, md
+
+
+def select_checkpoint(root: str, fallback: bool = False) -> tuple[int, Optional[str]]:
+    """The iteration to resume from under ``root`` and, when it is not the latest, why (a collective).
+
+    The latest checkpoint is verified (:func:`verify_checkpoint`). When it fails, the newest older one that
+    verifies is found; with ``fallback`` (``--load-fallback``) it is chosen and the note says what was skipped
+    and why; without, ValueError names the bad file and that checkpoint. FileNotFoundError: no checkpoint."""
+    try:
+        latest = latest_iteration(root)
+        unusable = None
+    except ValueError as e:  # an unreadable latest file: every complete iteration is a candidate
+        latest, unusable = None, e
+    if latest is None and unusable is None:
+        raise FileNotFoundError(f"no checkpoint in {root!r} ({LATEST} missing); check --load or drop it to start fresh")
+    if latest is not None:
+        try:
+            verify_checkpoint(_iter_dir(root, latest))
+            return latest, None
+        except _Unreadable as e:
+            unusable = e
+    found = None
+    for it in reversed(_iterations(root)):
+        if latest is not None and it >= latest:
+            continue
+        try:
+            verify_checkpoint(_iter_dir(root, it))
+        except _Unreadable:
+            continue
+        found = it
+        break
+    if found is not None and fallback:
+        return found, f"{unusable}; resuming from iteration {found} ({_iter_dir(root, found)}) instead (--load-fallback)"
+    if found is not None:
+        move = f" and move {_iter_dir(root, latest)} out of the way" if latest is not None else ""
+        raise ValueError(f"{unusable}; iteration {found} is the newest checkpoint that verifies: add --load-fallback "
+                         f"or, to resume from iteration {found} ({_iter_dir(root, found)}), write {found} into "
+                         f"{os.path.join(root, LATEST)}{move}")
+    raise ValueError(f"{unusable}; there is no older complete checkpoint under {root} that verifies: start fresh "
+                     f"(without --load)")
 
 
 def _iterations(root: str) -> list[int]:
@@ -312,24 +378,122 @@ def _pack(extra: dict) -> bytes:
     return buf.getvalue()
 
 
+def _estimate_bytes(state: dict, groups) -> int:
+    """This rank's bytes in the checkpoint: its tensors and blobs, the model's only on the first DP rank (DCP
+    writes an entry all DP replicas share once)."""
+    def size(v) -> int:
+        if isinstance(v, torch.Tensor):
+            return v.numel() * v.element_size()
+        if isinstance(v, (bytes, bytearray)):
+            return len(v)
+        if isinstance(v, dict):
+            return sum(size(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return sum(size(x) for x in v)
+        return 0
+    return sum(size(v) for k, v in state.items() if not (k.startswith("model/") and groups.dp_rank != 0))
+
+
+def _as_failure(e: BaseException) -> tuple:
+    """A picklable (errno, strerror, filename, text) of a save error, for the exchange between ranks."""
+    if isinstance(e, CheckpointException):  # DCP gathered every rank's failure: the lowest rank's, an OSError first
+        failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
+        e = next((x for x in failures if isinstance(x, OSError)), failures[0] if failures else e)
+    return (getattr(e, "errno", None), getattr(e, "strerror", None), getattr(e, "filename", None), _short(e))
+
+
+def _agree(mine) -> list:
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _checkpoint_bytes(path: str) -> int:
+    try:
+        return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path))
+    except OSError:
+        return 0
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, extra: dict, groups, run_info: dict,
-                    replica: Optional[int] = None) -> str:
-    """Write iteration ``iteration`` under ``root`` (a collective: every rank calls it)."""
+                    replica: Optional[int] = None, lock=None) -> str:
+    """Write iteration ``iteration`` under ``root`` (a collective: every rank calls it).
+
+    The shards go to ``iter_N.tmp``; the ranks hash its files (each a share) into the manifest ``megacomp.json``
+    (see megacomp.training.checkpoint_integrity); then rank 0 renames it to ``iter_N`` and points ``latest`` at
+    it. ``lock`` (rank 0's SaveDirLock, or None): checked first, so a run that lost its lock writes nothing.
+
+    Raises:
+        OSError: on every rank alike, one line (megacomp.training.checkpoint_integrity.save_failure), when a
+            rank could not write or hash its part (a full disk, a quota, an I/O error) or the space free is less
+            than the previous checkpoint's size; the partial ``iter_N.tmp`` is removed and the previous
+            checkpoint and ``latest`` are untouched.
+        ValueError: the lock is no longer this run's (nothing is written).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
     final = _iter_dir(root, iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    dcp.save(_state(model, optimizer, _pack(extra), groups, replica), checkpoint_id=tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        with open(os.path.join(tmp, "megacomp.json"), "w", encoding="utf-8") as f:
-            json.dump({"iteration": iteration, "format_version": FORMAT_VERSION, **run_info}, f, indent=1, sort_keys=True, default=str)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_latest(root, iteration)
-    dist.barrier()
+    state = _state(model, optimizer, _pack(extra), groups, replica)
+    failure, free, lock_error, prev, prev_bytes = None, None, None, None, 0
+    if rank == 0:
+        try:
+            if lock is not None:
+                lock.check()
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = integrity.free_bytes(root)
+            prev = next((it for it in reversed(_iterations(root)) if it != iteration), None)
+            prev_bytes = _checkpoint_bytes(_iter_dir(root, prev)) if prev is not None else 0
+            if prev is not None and free is not None and free < prev_bytes:
+                failure = (errno.ENOSPC, f"less space free than the checkpoint of iteration {prev} takes", final, "")
+        except ValueError as e:
+            lock_error = str(e)
+        except OSError as e:
+            failure = _as_failure(e)
+    everyone = _agree((_estimate_bytes(state, groups), failure, free, lock_error, prev, prev_bytes))
+    needed = max(sum(x[0] for x in everyone), everyone[0][5])  # the previous checkpoint's size when there is one
+    free, lock_error, prev = everyone[0][2], everyone[0][3], everyone[0][4]
+    intact = (f"the latest checkpoint (iteration {prev}, {_iter_dir(root, prev)}) is untouched" if prev is not None
+              else "no earlier checkpoint was affected")
+
+    def fail(failures) -> OSError:
+        err_no, strerror, filename, text = next(f for f in failures if f)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        err = OSError(err_no, strerror or text, filename) if err_no else OSError(text)
+        return OSError(integrity.save_failure(final, err, needed, free, intact))
+
+    if lock_error:
+        raise ValueError(lock_error)
+    if everyone[0][1]:
+        raise fail([everyone[0][1]])
+    mine, digests = None, {}
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+        digests = integrity.digest_files(tmp, integrity.share(integrity.checkpoint_files(tmp), rank, world))
+    except (OSError, CheckpointException) as e:
+        mine = _as_failure(e)
+    everyone = _agree((mine, digests))
+    if any(m for m, _ in everyone):
+        raise fail([m for m, _ in everyone])
+    done = None
+    if rank == 0:
+        try:
+            manifest = {"iteration": iteration, "format_version": FORMAT_VERSION, **run_info,
+                        "files": {k: v for _, d in everyone for k, v in d.items()}}
+            manifest = json.loads(json.dumps(manifest, default=str))  # the digest covers what a reader sees
+            manifest["manifest_sha256"] = integrity.manifest_digest(manifest)
+            with open(os.path.join(tmp, "megacomp.json"), "w", encoding="utf-8") as f:
+                json.dump(manifest, f, indent=1, sort_keys=True)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            _write_latest(root, iteration)
+        except OSError as e:
+            done = _as_failure(e)
+    everyone = _agree(done)
+    if everyone[0]:
+        raise fail(everyone)
     return final
 
 
@@ -443,11 +607,12 @@ def _load_failure(e: CheckpointException, root: str, iteration: int, path: str) 
 
 
 def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
-                    replica: Optional[int] = None) -> tuple[int, dict]:
+                    replica: Optional[int] = None, iteration: Optional[int] = None) -> tuple[int, dict]:
     """Load the latest checkpoint under ``root``; returns (iteration, this rank's extra state). Raises ValueError
     naming the file (and the newest older complete iteration, if any) when a file is missing, truncated,
-    garbled or holds a pickle outside the allow-lists (see the module docstring), on every rank alike."""
-    iteration = latest_iteration(root)
+    garbled or holds a pickle outside the allow-lists (see the module docstring), on every rank alike.
+    ``iteration``: the one to load (e.g. chosen by :func:`select_checkpoint`) instead of the latest."""
+    iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint in {root!r} ({LATEST} missing); check --load or drop it to start fresh")
     path = _iter_dir(root, iteration)
@@ -496,14 +661,14 @@ MODEL_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hid
 layout may differ: the weights are then resharded)."""
 
 
-def load_model_weights(root: str, model, groups, run_info: dict) -> int:
+def load_model_weights(root: str, model, groups, run_info: dict, iteration: Optional[int] = None) -> int:
     """Fine-tuning (Megatron's ``--finetune``): load only the model weights of the latest checkpoint under ``root``
     (no optimizer, RNG, error feedback or data position; the run starts at iteration 0); returns the checkpoint's
     iteration. The compression, optimizer, batch sizes, data and parallel layout may differ (another TP / PP /
     virtual-stage layout is resharded: megacomp.training.reshard); the model shape (MODEL_MUST_MATCH) may not.
     Raises ValueError naming the differing fields or the broken file,
-    FileNotFoundError when there is no checkpoint."""
-    iteration = latest_iteration(root)
+    FileNotFoundError when there is no checkpoint. ``iteration``: the one to load instead of the latest."""
+    iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint in {root!r} ({LATEST} missing) to fine-tune from; check --load")
     path = _iter_dir(root, iteration)

@@ -153,6 +153,10 @@ class CheckpointConfig:
     allow_data_order_change: bool = False
     """Resume although a field that decides which samples an iteration sees (seed, data path, dataset samples,
     global batch size, tokenizer bytes) differs from the checkpoint's; without it such a resume is refused."""
+    load_fallback: bool = False
+    """When the latest checkpoint under --load fails verification (a file's SHA-256 differs from its manifest, a
+    file is missing or truncated), resume from the newest older one that verifies, saying so (without it the run
+    refuses, naming the file and that checkpoint)."""
 
 
 @dataclass

@@ -15,6 +15,7 @@ boundary and return normally. ``--load DIR`` with no checkpoint in DIR starts fr
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -36,7 +37,8 @@ from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelini
                                  forward_backward_pipelining_without_interleaving)
 from .arguments import PretrainConfig, check, resolve, virtual_chunks
 from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, load_model_weights, prune_checkpoints,
-                         save_checkpoint)
+                         save_checkpoint, select_checkpoint)
+from .checkpoint_integrity import SaveDirLock
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, gather_traffic
@@ -77,6 +79,8 @@ class Trainer:
         self.world = dist.get_world_size()
         chosen = resolve(cfg, self.world)  # settings a family picks because only one works: said in the banner
         check(cfg, self.world)
+        self.lock, took_over = self._lock_save_dir(cfg.checkpoint.save)  # one run per --save directory
+        chosen = chosen + ([took_over] if took_over else [])
         self.features = [f(cfg) for f in FEATURES if f.selected(cfg)]
         t, p = cfg.training, cfg.parallel
         self.groups = parallel_state.initialize_model_parallel(p.tensor_model_parallel_size,
@@ -133,18 +137,19 @@ class Trainer:
         self.guard = DivergenceGuard(t.max_skipped_steps, t.loss_divergence_factor)  # _load restores its state
         c = cfg.checkpoint
         if c.finetune and c.save and latest_iteration(c.save) is not None:  # a restarted fine-tuning job
-            self._load(c.save)
+            note = self._load(c.save)
             resumed = f"resumed the fine-tuning run from {c.save} at iteration {self.iteration} (--finetune: " \
-                      f"{c.load} is only read when {c.save} holds no checkpoint yet)"
+                      f"{c.load} is only read when {c.save} holds no checkpoint yet)" + (f"; {note}" if note else "")
         elif c.finetune:  # raises FileNotFoundError when --load holds no checkpoint
-            it = load_model_weights(c.load, self.model, self.groups, self.run_info())
+            it, note = select_checkpoint(c.load, c.load_fallback)
+            it = load_model_weights(c.load, self.model, self.groups, self.run_info(), iteration=it)
             for f in self.features:
                 f.weights_loaded(self)  # e.g. the optimizer's fp32 masters from the loaded weights
             resumed = (f"fine-tuning from the model weights of {c.load} (iteration {it}); optimizer, RNG, error "
-                       f"feedback and data order start fresh at iteration 0")
+                       f"feedback and data order start fresh at iteration 0") + (f"; {note}" if note else "")
         elif c.load and latest_iteration(c.load) is not None:
-            self._load(c.load)
-            resumed = f"resumed from {c.load} at iteration {self.iteration}"
+            note = self._load(c.load)
+            resumed = f"resumed from {c.load} at iteration {self.iteration}" + (f"; {note}" if note else "")
         elif c.load:
             resumed = f"no checkpoint in {c.load} yet: starting from iteration 0"
         self.resumed = self.iteration > 0
@@ -218,9 +223,35 @@ class Trainer:
         extra.update({f.state_key: f.state_dict() for f in self.features if f.state_key})
         return extra
 
-    def _load(self, root: str) -> None:
+    def _lock_save_dir(self, save: Optional[str]) -> tuple[Optional[SaveDirLock], Optional[str]]:
+        """Rank 0 takes the lock of the ``--save`` directory (megacomp.training.checkpoint_integrity); every rank
+        raises the same ValueError when another live run holds it. Returns (rank 0's lock, a banner line when a
+        stale lock was taken over)."""
+        if not save:
+            return None, None
+        lock, outcome = None, (None, None)
+        if dist.get_rank() == 0:
+            lock = SaveDirLock(save)
+            try:
+                outcome = (lock.acquire(), None)
+                atexit.register(lock.release)  # also when construction fails after this point
+            except ValueError as e:
+                lock, outcome = None, (None, str(e))
+            except OSError as e:
+                lock, outcome = None, (None, f"--save {save}: cannot create the checkpoint directory or its lock "
+                                             f"({e.strerror or e}); point --save at a writable directory")
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0)
+        if box[0][1]:
+            raise ValueError(box[0][1])
+        return lock, box[0][0]
+
+    def _load(self, root: str) -> Optional[str]:
+        """Resume from the checkpoint under ``root`` that verifies (select_checkpoint); returns the note when it
+        is not the latest (``--load-fallback``)."""
+        it, note = select_checkpoint(root, self.cfg.checkpoint.load_fallback)
         self.iteration, extra = load_checkpoint(root, self.model, self.optimizer, self.groups, self.run_info(),
-                                                replica=self.replica)
+                                                replica=self.replica, iteration=it)
         torch.set_rng_state(extra["rng"])
         if extra.get("cuda_rng") is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(extra["cuda_rng"])
@@ -235,6 +266,8 @@ class Trainer:
                 active[key].load_state_dict(extra[key])
         guard = extra.get("guard") or {}  # a checkpoint from before the guard's state was saved: a fresh guard
         self.guard.load_state_dict(guard)
+        notes = ([note] if note else []) + list(extra.get("resharded") or [])  # another layout: what moved, what reset
+        return "\n  ".join(notes) or None
 
     def save(self) -> None:
         """Write a checkpoint of this iteration under ``checkpoint.save`` (a collective: every rank calls it), say
@@ -245,7 +278,7 @@ class Trainer:
             for f in self.features:
                 stack.enter_context(f.before_save(self))
             path = save_checkpoint(c.save, self.iteration, self.model, self.optimizer, self._extra_state(),
-                                   self.groups, self.run_info(), replica=self.replica)
+                                   self.groups, self.run_info(), replica=self.replica, lock=self.lock)
         if self.is_logger:
             removed = prune_checkpoints(c.save, c.keep_checkpoints) if c.keep_checkpoints else []
             extra = f" (removed {len(removed)} older: --keep-checkpoints {c.keep_checkpoints})" if removed else ""
@@ -423,3 +456,5 @@ class Trainer:
         for f in self.features:
             f.close(self)
         parallel_state.destroy_model_parallel()
+        if self.lock is not None:
+            self.lock.release()
