@@ -10,8 +10,10 @@ files (``results.json``, see below) or directories: a directory holding metrics.
 otherwise every metrics.jsonl below it is a run, or, when there is none, the directory's results.json.
 Labels default to the run directory's name (``suite/variant/seedN`` for a results file's runs).
 ``--match`` keeps the runs whose label contains one of the given strings. Writes ``loss_vs_iteration.png``
-and ``loss_vs_wire_bytes.png`` to ``--out`` (default: the current directory) and prints a one-line
-summary per run; ``--save FILE`` also writes the runs read into one results file.
+and ``loss_vs_wire_bytes.png`` to ``--out`` (default: the first path given when it is a directory, else the
+folder of that file: next to the run, never into the current directory) and prints a one-line summary per
+run, its bytes as the trainer prints them (``wire W MB of U MB (W/Ux)``: sent over uncompressed, 0.25x for a
+4x compression); ``--save FILE`` also writes the runs read into one results file.
 
 Study results file (``results.json``; benchmarks/convergence.py writes one per study and regenerates its
 tables and plots from it): a JSON object with the study's settings and ``runs``, one run per line, each
@@ -263,17 +265,24 @@ def plot(runs: list[tuple[str, list[dict]]], out: Path, title: Optional[str] = N
 def summary_line(label: str, recs: list[dict]) -> str:
     wire = cumulative_wire_bytes(recs)[-1]
     raw = cumulative_wire_bytes([{**r, "wire_bytes": r.get("uncompressed_bytes", 0)} for r in recs])[-1]
-    ratio = f"{raw / wire:.2f}x" if wire else "n/a"
+    ratio = f"{wire / raw:.2f}x" if raw else "n/a"  # sent / uncompressed, as the trainer's lines and summary
     return (f"{label}: {len(recs)} records, iterations {recs[0]['iteration']}..{recs[-1]['iteration']}, "
-            f"loss {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f}, wire {wire / 1e6:.2f} MB "
-            f"(uncompressed {raw / 1e6:.2f} MB, {ratio})")
+            f"loss {recs[0]['loss']:.4f} -> {recs[-1]['loss']:.4f}, wire {wire / 1e6:.2f} MB of "
+            f"{raw / 1e6:.2f} MB ({ratio})")
+
+
+def default_out(paths: Sequence[str]) -> Path:
+    """Where the PNGs go without ``--out``: the first path when it is a directory, else its folder."""
+    first = Path(paths[0])
+    return first if first.is_dir() else first.parent
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("paths", nargs="+", help="metrics.jsonl files, run directories, or folders of runs")
     p.add_argument("--labels", nargs="+", help="one legend label per run (default: run directory names)")
-    p.add_argument("--out", default=".", help="directory for the PNGs (default: current directory)")
+    p.add_argument("--out", help="directory for the PNGs (default: the first path when it is a directory, else "
+                   "its folder)")
     p.add_argument("--title", help="title for both figures")
     p.add_argument("--match", nargs="+", help="keep only runs whose label contains one of these strings")
     p.add_argument("--save", help="also write the runs read into this study results file (JSON)")
@@ -305,7 +314,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.save:
         write_results(Path(args.save), {"runs": [compact_run(recs, label=label) for label, recs in runs]})
         print(f"wrote {args.save}")
-    for path in plot(runs, Path(args.out), args.title):
+    for path in plot(runs, Path(args.out) if args.out else default_out(args.paths), args.title):
         print(f"wrote {path}")
     return 0
 

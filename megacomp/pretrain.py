@@ -8,8 +8,14 @@ Exit status: 0 when training finished, or stopped at an exit signal after saving
 config or preset files, data paths, parallel sizes, a checkpoint that cannot be resumed); 3 when the run
 diverged (see megacomp.training.guard; nothing of the diverged state is saved); 4 when a replica of a
 local-step run did not reach an outer exchange within ``--outer-timeout`` (megacomp.outer.liveness: the
-survivors stop, naming it; restart from the last checkpoint); 1 for anything else
-(a traceback: a bug, or a failure of the machine).
+survivors stop, naming it; restart from the last checkpoint), or a rank stalled or was lost (its heartbeat
+stood still for ``--distributed-timeout-minutes``, or a collective failed while it stood still:
+megacomp.training.heartbeat; one survivor names the rank, its host and the last iteration it reached, the
+others stop without a word); 1 for anything else (a traceback: a bug, or a failure of the machine).
+
+A rank that stops on an error it reported itself (a ``--save`` path that is a file, say, seen by rank 0 only)
+says so in its last heartbeat before its sockets close; the ranks whose collectives then fail exit with the
+same status and print nothing (no gloo tracebacks after the line).
 
 Failure output: every user-facing error is one line, ``megacomp-pretrain: error: ...``, printed by one
 rank (rank 0; every rank raises it alike, since all read the same inputs). The other ranks wait up to
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -32,6 +39,7 @@ import torch.distributed as dist
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_REPLICA_LOST = 4
+EXIT_RANK_LOST = 4  # as for a lost replica: the job stops and restarts from the last checkpoint
 
 
 def _rank() -> int:
@@ -82,11 +90,13 @@ def main(argv=None) -> int:
     """Parse the flags, train, and return the exit status (see the module docstring).
 
     Raises:
-        SystemExit: ``--help``, or bad command-line flags (argparse prints the usage; status 2).
+        SystemExit: ``--help``, or bad command-line flags (argparse prints the usage once, from rank 0; status 2).
         Exception: anything that is not a user-facing error propagates with its traceback.
     """
+    from .launch import init_distributed
     from .outer import ReplicaLost
     from .training import Trainer, TrainingDiverged, parse_args
+    from .training.heartbeat import Heartbeat
 
     try:
         cfg = parse_args(argv)
@@ -94,25 +104,88 @@ def main(argv=None) -> int:
         _say(str(e) if not isinstance(e, OSError) else f"cannot read {e.filename}: {e.strerror}")
         return EXIT_BAD_INPUT
     _configure_logging()
-    trainer = None
+    trainer = heartbeat = peer_status = None
+    status = 1  # an exception that propagates: a traceback
     try:
+        timeout_s = cfg.parallel.distributed_timeout_minutes * 60
+        init_distributed(timeout_s=timeout_s)  # Trainer finds it initialised; the heartbeat covers its setup
+        heartbeat = Heartbeat(timeout_s, progress=lambda: trainer.iteration if trainer is not None else 0,
+                              on_verdict=_lost_rank_verdict).start()
         trainer = Trainer(cfg)
         trainer.train()
+        status = 0
     except TrainingDiverged as e:
         _say(f"{e} (nothing was saved after the last checkpoint)")
-        return EXIT_DIVERGED
+        status = EXIT_DIVERGED
     except ReplicaLost as e:
         _say(str(e))
-        return EXIT_REPLICA_LOST
+        status = EXIT_REPLICA_LOST
     except (ValueError, OSError) as e:  # bad configuration or input: one line, no traceback soup
         _say(str(e) if not isinstance(e, OSError) or not e.filename else f"{e.filename}: {e.strerror or e}")
-        return EXIT_BAD_INPUT
+        status = EXIT_BAD_INPUT
+    except RuntimeError:  # a failed collective: a lost or stalled peer, or a peer that stopped on its own error
+        peer_status = _failed_collective(heartbeat)
+        if peer_status is None:
+            raise
+        status = peer_status
     finally:
+        if heartbeat is not None:  # first: peers whose collectives fail when our sockets close read why
+            heartbeat.stop(status)
+        if peer_status is not None:
+            # a peer is gone: the trainer's groups, background threads and gloo pairs still wait on it, and
+            # tearing them down (or the interpreter's exit doing so) can block for many seconds; the line is
+            # out and nothing is left to save, so the process ends here
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-    return 0
+    return status
+
+
+def _lost_rank_verdict(line: str, claimed: bool) -> None:
+    """The heartbeat thread's verdict: a watched peer stood still for the timeout while this rank may be
+    blocked in a collective that waits longer. The claimant prints the line; every rank ends its process."""
+    if claimed:
+        print(f"megacomp-pretrain: error: {line}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(min(_error_grace(), 5.0))  # the claimant prints first; a launcher then stops us anyway
+    sys.stdout.flush()
+    os._exit(EXIT_RANK_LOST)
+
+
+def _failed_collective(heartbeat) -> "int | None":
+    """The exit status after a collective failed (or None: not a peer's fault, let the traceback show).
+
+    Asks the heartbeat which peer caused it (:meth:`Heartbeat.diagnose`: at most three beats). A lost or stalled
+    peer: the first rank to claim the verdict prints the one line, status EXIT_RANK_LOST. A peer that stopped
+    on an error it reported: its status, nothing printed. SIGTERM is held off meanwhile: torchrun sends it to
+    every rank the moment one dies, and the line must come out first.
+    """
+    from .training.heartbeat import lost_line
+
+    if heartbeat is None or not dist.is_initialized():
+        return None
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        kind, beats = heartbeat.diagnose()
+        if kind == "lost":
+            if heartbeat.claim():
+                line = lost_line(beats, max(1.0, 3 * heartbeat.interval), int(heartbeat.progress()))
+                print(f"megacomp-pretrain: error: {line}", file=sys.stderr, flush=True)
+            return EXIT_RANK_LOST
+        if kind == "store":
+            if heartbeat.claim():
+                print(f"megacomp-pretrain: error: {heartbeat.store_lost_line(heartbeat.interval * 3)}",
+                      file=sys.stderr, flush=True)
+            return EXIT_RANK_LOST
+        if kind == "exited":
+            return int(beats[0].exit_status)
+        return None
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 if __name__ == "__main__":

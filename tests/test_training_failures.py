@@ -9,6 +9,12 @@
 - An exit signal (SIGUSR1, as Slurm's ``--signal=USR1@120`` sends) on one rank of a 4-rank run: every
   rank saves at the same iteration boundary and returns normally, and ``--load`` continues the same loss
   curve bit for bit.
+- A lost rank (kill -9) or a stalled one (SIGSTOP) under torchrun: one survivor names it (rank, host, last
+  iteration) in one line, exit status 4, within the timeout, no gloo tracebacks; the last checkpoint stays.
+  The heartbeat's verdicts themselves on real gloo ranks (megacomp.training.heartbeat).
+- Bad numbers and flags are refused naming the flag (one line, once, status 2); a --log-dir that cannot be
+  written is one line with no tracebacks from the other ranks after it.
+- A resumed iteration records the traffic an uninterrupted one does.
 """
 import json
 import os
@@ -21,6 +27,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch.distributed as dist
 import yaml
 
 from distributed import run_ranks
@@ -250,3 +257,222 @@ def test_exit_signal_saves_at_the_next_boundary_and_resume_continues_bit_for_bit
     assert os.path.isdir(os.path.join(ck, f"iter_{stop:07d}"))
     rest = run_ranks(_train_body, 4, replace(cfg, load=ck))[0]
     assert first[0][0] + [loss for loss, _ in rest] == [loss for loss, _ in full]
+
+
+# ---- lost and stalled ranks ------------------------------------------------------------------------------------
+def _workers(launcher_pid: int) -> dict:
+    """{rank: pid} of torchrun's worker processes (its children that carry a RANK)."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        except (OSError, ValueError):
+            continue
+        if parent == launcher_pid and b"RANK" in env and b"TORCHELASTIC_RUN_ID" in env:
+            found[int(env[b"RANK"])] = int(pid)
+    return found
+
+
+def _launch_and_hit(tmp_path, base, nproc, victim, sig, flags, until_line=None, timeout=240):
+    """Launch a long run, send ``sig`` to rank ``victim`` once rank 0 logged iteration 3; returns (status, out,
+    err, seconds from the signal to the first megacomp error line, or to the job's end without one)."""
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump({name: getattr(base, name) for name in base.explicit}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MEGACOMP_DEBUG", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    out, err, hit = [], [], {}
+
+    def read(stream, into, watch):
+        for line in stream:
+            into.append(line)
+            if watch and "hit" in hit and "line" not in hit and line.startswith("megacomp-pretrain: error:"):
+                hit["line"] = time.monotonic()
+
+    readers = [threading.Thread(target=read, args=(proc.stdout, out, False), daemon=True),
+               threading.Thread(target=read, args=(proc.stderr, err, True), daemon=True)]
+    for t in readers:
+        t.start()
+    victim_pid = None
+    try:
+        deadline = time.monotonic() + timeout
+        while not any(line.startswith("iter      3 |") for line in out):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(err)
+            time.sleep(0.1)
+        victim_pid = _workers(proc.pid)[victim]
+        hit["hit"] = time.monotonic()
+        os.kill(victim_pid, sig)
+        proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if victim_pid is not None and sig == signal.SIGSTOP:
+            try:
+                os.kill(victim_pid, signal.SIGKILL)  # torchrun cannot stop a stopped process with SIGTERM
+            except ProcessLookupError:
+                pass
+        for t in readers:
+            t.join(timeout=10)
+    return proc.returncode, "".join(out), "".join(err), hit.get("line", time.monotonic()) - hit["hit"]
+
+
+LOST_LINE = (r"megacomp-pretrain: error: rank 1 \(host [^,]+, pid \d+\) stopped responding after iteration (\d+): "
+             r"no heartbeat for \d+ s, stalled or lost; the other ranks stop: resume from the last checkpoint")
+
+
+@pytest.mark.slow
+def test_a_lost_rank_is_named_once_and_the_others_stop_with_status_4(tmp_path, base):
+    """kill -9 of rank 1 in a 2-rank run: rank 0's collective fails at once (connection closed); it reads the
+    heartbeats, names rank 1 with its host and iteration in one line, and exits with status 4 within a few
+    heartbeat intervals; no gloo traceback follows; the checkpoint written before stays loadable."""
+    ck = tmp_path / "ck"
+    status, out, err, waited = _launch_and_hit(
+        tmp_path, base, 2, 1, signal.SIGKILL,
+        ["--train-iters", "100000", "--distributed-timeout-minutes", "0.5", "--save", str(ck), "--save-interval", "2"])
+    assert status != 0
+    [line] = error_lines(err)
+    assert re.fullmatch(LOST_LINE, line) and int(re.fullmatch(LOST_LINE, line).group(1)) >= 3, line
+    assert waited < 20, waited  # three 1.5 s heartbeat intervals, on a loaded machine
+    assert "exitcode  : 4" in err  # rank 0's status in torchrun's summary
+    assert not megacomp_traceback(err) and "Connection closed by peer" not in err and "gloo" not in err.lower()
+    assert latest_iteration(str(ck)) >= 2  # nothing of value lost
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_is_named_within_the_timeout(tmp_path, base):
+    """SIGSTOP of rank 1: its heartbeat stands still, rank 0 names it within --distributed-timeout-minutes (30 s)
+    plus a heartbeat interval and exits with status 4 (torchrun then needs 30 s more to kill a stopped process:
+    its own SIGTERM cannot)."""
+    status, out, err, waited = _launch_and_hit(
+        tmp_path, base, 2, 1, signal.SIGSTOP, ["--train-iters", "100000", "--distributed-timeout-minutes", "0.5"])
+    assert status != 0
+    [line] = error_lines(err)
+    assert re.fullmatch(LOST_LINE, line), line
+    assert 25 <= waited <= 30 + 1.5 + 10, waited  # the timeout, an interval, and slack for a loaded machine
+    assert "exitcode  : 4" in err and not megacomp_traceback(err) and "gloo" not in err.lower()
+
+
+def _heartbeat_body(rank, world):
+    """Rank 0 stops rank 1 (SIGSTOP) and asks the heartbeat; its watcher thread reaches the same verdict after
+    the 1 s timeout. Then rank 1 stops its heartbeat with status 2 (an error it reported) and rank 0's diagnosis
+    says so instead of calling it lost."""
+    from megacomp.training.heartbeat import Heartbeat
+
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    verdicts = []
+    hb = Heartbeat(1.0, progress=lambda: 7, on_verdict=lambda line, claimed: verdicts.append((line, claimed)),
+                   interval=0.1).start()
+    dist.barrier()
+    out = {}
+    if rank == 0:
+        time.sleep(0.5)
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            out["stalled"] = hb.diagnose()
+            deadline = time.monotonic() + 10
+            while not verdicts and time.monotonic() < deadline:
+                time.sleep(0.05)
+            out["verdicts"] = list(verdicts)
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+    dist.barrier()
+    if rank == 1:
+        hb.stop(2)
+    dist.barrier()
+    if rank == 0:
+        out["exited"] = hb.diagnose(window_s=0.3)
+        hb.stop(0)
+    return out
+
+
+def test_the_heartbeat_names_a_stopped_rank_and_tells_an_exited_one_apart():
+    from megacomp.training.heartbeat import lost_line
+
+    out = run_ranks(_heartbeat_body, 2)[0]
+    kind, [beat] = out["stalled"]
+    assert kind == "lost" and (beat.rank, beat.iteration, beat.exit_status) == (1, 7, None)
+    [(line, claimed)] = out["verdicts"]  # the watcher thread, once, and it was the first to claim
+    assert claimed and line.startswith(f"rank 1 (host {beat.host}, pid {beat.pid}) stopped responding after "
+                                       f"iteration 7: no heartbeat for 1 s, stalled or lost")
+    kind, [beat] = out["exited"]
+    assert kind == "exited" and beat.exit_status == 2
+    assert "(and 1 more rank: 3)" in lost_line([beat, beat.__class__(3, 1, 2, "h", 9)], 5.0)
+
+
+# ---- bad numbers and flags, unwritable directories --------------------------------------------------------------
+def test_every_number_is_checked_and_named_by_its_flag():
+    from megacomp.training import parse_args
+
+    for flags, message in [(("--train-iters", "0"), "--train-iters must be >= 1, got 0"),
+                           (("--train-iters", "-5"), "--train-iters must be >= 1, got -5"),
+                           (("--micro-batch-size", "0"), "--micro-batch-size must be >= 1, got 0"),
+                           (("--lr", "-1"), "--lr must be >= 0, got -1.0"),
+                           (("--lr", "nan"), "--lr must be a finite number >= 0, got nan"),
+                           (("--adam-beta2", "1"), "--adam-beta2 must be in [0, 1), got 1.0"),
+                           (("--distributed-timeout-minutes", "0"), "--distributed-timeout-minutes must be > 0"),
+                           (("--trian-iters", "5"), "unrecognized arguments: --trian-iters 5 (--trian-iters: did "
+                                                    "you mean '--train-iters'?); megacomp-pretrain --help lists"),
+                           (("--train-iters", "x"), "argument --train-iters: invalid int value: 'x'")]:
+        with pytest.raises(ValueError) as e:
+            parse_args(list(flags))
+        assert str(e.value).startswith(message) and "\n" not in str(e.value), (flags, str(e.value))
+
+
+def test_an_unknown_nested_key_is_one_short_line_with_the_closest_key(tmp_path):
+    from megacomp.training import parse_args
+
+    path = tmp_path / "typo.yaml"
+    path.write_text("training: {trian_iters: 5}\n")
+    with pytest.raises(ValueError) as e:
+        parse_args(["--config", str(path)])
+    assert str(e.value) == (f"{path}: unknown key training.trian_iters (did you mean 'train_iters'?); "
+                            f"megacomp-pretrain --help lists every key")
+
+
+@pytest.mark.slow
+def test_bad_flags_and_numbers_are_one_line_once_under_torchrun(tmp_path, base):
+    for flags, words in [(("--trian-iters", "5"), "did you mean '--train-iters'?"),
+                         (("--micro-batch-size", "0"), "--micro-batch-size must be >= 1, got 0")]:
+        status, out, err = launch(tmp_path, base, 2, *flags)
+        [line] = error_lines(err)
+        assert status != 0 and words in line and "usage:" not in err and not megacomp_traceback(err), err
+
+
+@pytest.mark.slow
+def test_an_unwritable_log_dir_is_one_line_without_tracebacks_after_it(tmp_path, base):
+    """Only rank 0 writes --log-dir: its error ends its process, and rank 1's collective then fails. Rank 1 reads
+    rank 0's last heartbeat (it stopped on an error it reported) and exits with the same status, silently."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    status, out, err = launch(tmp_path, base, 2, "--log-dir", str(blocker / "logs"), "--train-iters", "2")
+    [line] = error_lines(err)
+    assert status != 0 and line == (f"megacomp-pretrain: error: --log-dir {blocker / 'logs'}: cannot write "
+                                    f"metrics.jsonl there (Not a directory); point --log-dir at a writable directory")
+    assert not megacomp_traceback(err) and "gloo" not in err.lower() and "exitcode  : 1 " not in err, err
+
+
+# ---- accounting -------------------------------------------------------------------------------------------------
+def _traffic_body(rank, world, cfg):
+    trainer = Trainer(cfg)
+    try:
+        return [(h["iteration"], h["traffic"]) for h in trainer.train()]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
+def test_a_resumed_iteration_records_the_traffic_of_an_uninterrupted_one(tmp_path, base):
+    """Loading a checkpoint all-gathers the parameters once; those bytes belong to no iteration, so iteration 3
+    of a run resumed at 2 records exactly what iteration 3 of an uninterrupted run does (dp_parameter was twice)."""
+    cfg = replace(base, train_iters=3)
+    full = run_ranks(_traffic_body, 2, cfg)[0]
+    ck = str(tmp_path / "ck")
+    run_ranks(_traffic_body, 2, replace(cfg, train_iters=2, save=ck))
+    [resumed] = run_ranks(_traffic_body, 2, replace(cfg, load=ck))[0]
+    assert resumed == full[-1] and resumed[1]["dp_parameter"][0] > 0

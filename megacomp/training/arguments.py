@@ -15,6 +15,7 @@ banner, never for a flag the user typed.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 from typing import Any, Optional
@@ -67,6 +68,23 @@ def _add_flag(group, name: str, annotation: str, doc: str, default: Any) -> None
         group.add_argument(_flag(name), dest=name, type=kind, default=None, help=text)
 
 
+class CommandLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise ValueError (one line, with a "did you mean" for a misspelled flag)
+    instead of printing the usage and exiting: the entry point prints it once, from one rank, like every
+    other bad input (megacomp.pretrain), where argparse would print it from every rank."""
+
+    def error(self, message: str):
+        """Raise ValueError with ``message``, the closest known flag for each unknown one, and where to look.
+
+        Raises:
+            ValueError: always."""
+        known = list(self._option_string_actions)
+        hints = [f"{flag}{did_you_mean(flag, known)}" for flag in re.findall(r"(?<![\w-])--?[A-Za-z][\w-]*", message)
+                 if flag not in known and did_you_mean(flag, known)]
+        hint = f" ({'; '.join(h.replace(' (', ': ', 1).rstrip(')') for h in hints)})" if hints else ""
+        raise ValueError(f"{message}{hint}; megacomp-pretrain --help lists every flag")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: ``--config FILE`` and one ``--flat-name`` flag per field of the configuration tree,
     grouped by component (each group titled with the component's YAML key and docstring).
@@ -74,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     Bool fields take ``--x/--no-x``, ``--data-path`` takes several values, the others are parsed as int,
     float or str by their annotation. Every flag defaults to None, so parse_args can tell which were given.
     """
-    p = argparse.ArgumentParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication "
+    p = CommandLineParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication "
                                 "over tensor x pipeline x data parallelism. YAML keys and flags are the same names; "
                                 "a YAML file may also nest them under their component (e.g. onebit: {freeze_step: "
                                 "100}).", epilog=presets_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,8 +122,9 @@ def config_values(data: dict, source: str) -> dict[str, Any]:
             names = {f.name: flat_name(comps[key], f) for f in component_fields(comps[key])}
             for leaf, v in value.items():
                 if leaf not in names:
-                    raise ValueError(f"{source}: unknown key {key}.{leaf}{did_you_mean(leaf, names)}; the {key} keys "
-                                     f"are {', '.join(names)}")
+                    hint = did_you_mean(leaf, names)  # with a close match, the list of keys is noise
+                    raise ValueError(f"{source}: unknown key {key}.{leaf}{hint}; " + (
+                        "megacomp-pretrain --help lists every key" if hint else f"the {key} keys are {', '.join(names)}"))
                 out[names[leaf]] = v
         elif key in flat or key == "compression":
             out[key] = value
@@ -120,10 +139,10 @@ def parse_args(argv=None) -> PretrainConfig:
     the command line are recorded in ``cfg.explicit`` (a family never changes those, see :func:`resolve`).
 
     Raises:
-        ValueError: unknown keys in the YAML file, a top level that is not a mapping, or settings that
-            :func:`check` rejects.
+        ValueError: bad command-line flags (:class:`CommandLineParser`), unknown keys in the YAML file, a top
+            level that is not a mapping, or settings that :func:`check` rejects.
         FileNotFoundError: the ``--config`` file does not exist.
-        SystemExit: bad command-line flags (argparse prints the usage).
+        SystemExit: ``--help`` (after printing it).
     """
     args = build_parser().parse_args(argv)
     values = config_values(load_yaml(args.config), args.config) if args.config else {}
@@ -132,6 +151,63 @@ def parse_args(argv=None) -> PretrainConfig:
     cfg.explicit = frozenset(given)
     check(cfg)
     return cfg
+
+
+def number_ranges() -> dict:
+    """The numbers a user types for the run itself, by flat name: (lowest allowed, whether the lowest is excluded,
+    highest allowed or None, whether the highest is excluded). A training family checks its own (features.*)."""
+    return {
+        **{name: (1, False, None, False) for name in (
+            "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
+            "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
+            "micro_batch_size", "global_batch_size", "train_iters", "loss_scale_window", "dataset_samples",
+            "tokenizer_max_bytes", "log_interval")},
+        **{name: (0, False, None, False) for name in (
+            "validate_collectives_every", "lr_warmup_iters", "seed", "max_skipped_steps", "exit_interval",
+            "save_interval", "keep_checkpoints", "lr", "min_lr", "weight_decay", "clip_grad")},
+        "distributed_timeout_minutes": (0, True, None, False),
+        "initial_loss_scale": (0, True, None, False),
+        "adam_beta1": (0, False, 1, True),
+        "adam_beta2": (0, False, 1, True),
+    }
+
+
+def _range_text(low, low_open, high, high_open) -> str:
+    if high is None:
+        return f"> {low}" if low_open else f">= {low}"
+    return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+
+def check_numbers(cfg: PretrainConfig) -> None:
+    """Every number of :func:`number_ranges` that is set: of its field's type (an int for an int field; a finite
+    number for a float field) and in its range. The message names the flag (the YAML key is the same name).
+
+    Raises:
+        ValueError: the first number that is not, e.g. ``--train-iters must be >= 1, got 0``.
+    """
+    flat = PretrainConfig.flat_fields()
+    values = cfg.flat()
+    for name, (low, low_open, high, high_open) in number_ranges().items():
+        value = values.get(name)
+        if value is None or name not in flat:
+            continue
+        want_int = "int" in str(_field_type(name))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (want_int and not isinstance(value, int)):
+            raise ValueError(f"{_flag(name)} must be {'an integer' if want_int else 'a number'}, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{_flag(name)} must be a finite number {_range_text(low, low_open, high, high_open)}, "
+                             f"got {value!r}")
+        if value < low or (low_open and value == low) or (
+                high is not None and (value > high or (high_open and value == high))):
+            raise ValueError(f"{_flag(name)} must be {_range_text(low, low_open, high, high_open)}, got {value!r}")
+
+
+def _field_type(name: str):
+    for cls in PretrainConfig.components().values():
+        for f in component_fields(cls):
+            if flat_name(cls, f) == name:
+                return f.type
+    return None
 
 
 def resolve(cfg: PretrainConfig, world_size: Optional[int] = None) -> list[str]:
@@ -146,7 +222,7 @@ def resolve(cfg: PretrainConfig, world_size: Optional[int] = None) -> list[str]:
 def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     """Sizes that must agree, then each training family's own checks; raises ValueError naming the fix.
 
-    Always checked: hidden size divisible by the heads, ``params_dtype``, the optimizer's name, the guard's
+    Always checked: every number the user types is in range (:func:`check_numbers`), hidden size divisible by the heads, ``params_dtype``, the optimizer's name, the guard's
     settings, fine-tuning's directories. With a world size (the argument, else ``$WORLD_SIZE``) also: TP x PP
     divides it, the global batch is a multiple of micro batch x DP, the micro-batches per iteration are a multiple
     of the pipeline stages, at least one layer per stage, and under sequence parallelism ``seq_length`` divisible
@@ -159,6 +235,7 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     m, p, t, c = cfg.model, cfg.parallel, cfg.training, cfg.checkpoint
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
+    check_numbers(cfg)
     if m.hidden_size % m.num_attention_heads:
         raise ValueError(f"hidden_size {m.hidden_size} must be divisible by num_attention_heads {m.num_attention_heads}")
     if c.keep_checkpoints < 0 or t.max_skipped_steps < 0:

@@ -59,14 +59,22 @@ class MetricsLogger:
         log_dir: directory of ``metrics.jsonl`` (created); None prints without writing a file.
         enabled: False (ranks other than 0) makes every call a no-op.
         resume: append to an existing ``metrics.jsonl`` instead of overwriting it.
+
+    Raises:
+        OSError: the directory or the file cannot be created (``filename`` is ``--log-dir DIR``, the message
+            says why and what to do).
     """
 
     def __init__(self, log_dir: Optional[str], enabled: bool, resume: bool = False) -> None:
         self.enabled = enabled
         self.file = None
         if enabled and log_dir:
-            os.makedirs(log_dir, exist_ok=True)
-            self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resume else "w", encoding="utf-8")
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+                self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resume else "w", encoding="utf-8")
+            except OSError as e:  # one line naming the flag and the fix (the entry point prints it)
+                raise OSError(e.errno, f"cannot write metrics.jsonl there ({e.strerror or e}); point --log-dir at a "
+                                       f"writable directory", f"--log-dir {log_dir}") from e
 
     def log(self, record: dict) -> None:
         """Print ``record`` as one console line and append it to metrics.jsonl (flushed).
@@ -75,6 +83,7 @@ class MetricsLogger:
             KeyError: ``record`` lacks iteration, loss, lr, tokens_per_second, wire_bytes, uncompressed_bytes
                 or traffic.
             TypeError: a value JSON cannot encode (when a file is open).
+            OSError: metrics.jsonl cannot be written (a full disk: the message names the file and the fix).
         """
         if not self.enabled:
             return
@@ -90,8 +99,12 @@ class MetricsLogger:
                 for p, v in record["probe"]["paths"].items()), flush=True)
         if self.file is not None:  # inf/NaN are not JSON: written as null
             clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-            self.file.write(json.dumps(clean, allow_nan=False) + "\n")
-            self.file.flush()
+            try:
+                self.file.write(json.dumps(clean, allow_nan=False) + "\n")
+                self.file.flush()
+            except OSError as e:  # a full disk or a lost mount: one line naming the file (the entry point prints it)
+                raise OSError(e.errno, f"cannot append iteration {record['iteration']} ({e.strerror or e}); free "
+                                       f"space there or point --log-dir elsewhere", self.file.name) from e
 
     def close(self) -> None:
         """Close metrics.jsonl, if one is open."""

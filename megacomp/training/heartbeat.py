@@ -1,0 +1,227 @@
+"""Liveness of a run's ranks: a heartbeat through the rendezvous store, and the one line that names a rank
+that stalled (SIGSTOP, a hung node) or was lost (killed, its node gone).
+
+Every rank runs a :class:`Heartbeat` thread that, every ``interval`` seconds, writes its beat to the default
+group's store: ``megacomp/heartbeat/<rank>`` = a counter, the iteration it reached, its host, its pid, and
+(once it stops) its exit status. The thread also reads the beat of one peer, its ring successor
+(``rank + 1 mod world``), so every rank is watched by exactly one other and the store sees O(world) small
+requests per interval, not O(world²). A beat is judged by whether its counter moves, measured on the
+watcher's own monotonic clock, so the hosts' clocks need not agree.
+
+Two ways a verdict is reached, both bounded:
+  - the watcher sees its peer's counter stand still for ``timeout_s`` (``--distributed-timeout-minutes``): the
+    peer is stalled or lost, whatever the others are doing; the watcher says so and ends its process, so the
+    job stops within the timeout plus one interval even where a collective would wait longer;
+  - a collective fails on some rank (gloo's "connection closed by peer" the moment a rank dies, or the group's
+    timeout): :meth:`Heartbeat.diagnose` reads every rank's beat, waits ``3 x interval`` and reads again; the
+    ranks whose counters stood still are the lost ones, a rank that stopped with an error status is the
+    cause (its own line already said why).
+Exactly one rank prints the verdict: the first to claim it with an atomic ``add`` on the store. A rank that
+stops cleanly (or with an error it reported) writes a last beat with its exit status, so it is never taken
+for a lost one. When the store itself cannot be reached, its host (rank 0's, under srun or mpirun; torchrun
+keeps it in its agent) was lost: the line names rank 0 with the last beat this rank read from it.
+
+Failure behaviour: the thread never raises; a store error is counted, and the store unreachable for
+``timeout_s`` is itself the verdict. False verdicts need a process alive but unable to run a Python thread
+for ``timeout_s`` (a stopped process is exactly that) or, in :meth:`diagnose`, for three intervals after a
+collective already failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.distributed as dist
+
+PREFIX = "megacomp/heartbeat/"
+VERDICT_KEY = PREFIX + "verdict"
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between beats for a collective timeout of ``timeout_s``: a twentieth of it, within [0.25, 2]
+    (the diagnosis after a failed collective takes three intervals, at most 6 s)."""
+    return min(2.0, max(0.25, timeout_s / 20))
+
+
+@dataclass
+class Beat:
+    """One rank's last beat as read from the store."""
+
+    rank: int
+    """The rank that wrote it."""
+    count: int
+    """Beats written so far (the watcher only compares it with its previous reading)."""
+    iteration: int
+    """The last iteration the rank completed."""
+    host: str
+    """Its host name."""
+    pid: int
+    """Its process id."""
+    exit_status: Optional[int] = None
+    """Its exit status once it stopped on purpose (0, or an error it reported itself); None while it runs."""
+
+    @classmethod
+    def parse(cls, rank: int, raw: bytes) -> "Beat":
+        """A beat from its stored JSON (``{"n", "it", "host", "pid", "exit"}``)."""
+        d = json.loads(raw)
+        return cls(rank, int(d["n"]), int(d["it"]), str(d["host"]), int(d["pid"]), d.get("exit"))
+
+
+class Heartbeat:
+    """This rank's heartbeat thread (see the module docstring).
+
+    Args:
+        timeout_s: how long a watched peer's beat may stand still before it is declared lost.
+        progress: returns the last iteration this rank completed (read by the thread at every beat).
+        on_verdict: called on the thread with the verdict line and whether this rank claimed it (it must print
+            the line when it did) when the watched peer is lost; it should end the process.
+        store, rank, world: the store and this rank's place (default: the default group's).
+        interval: seconds between beats (default :func:`heartbeat_interval`).
+    """
+
+    def __init__(self, timeout_s: float, progress: Callable[[], int], on_verdict: Callable[[str, bool], None],
+                 store=None, rank: Optional[int] = None, world: Optional[int] = None,
+                 interval: Optional[float] = None) -> None:
+        self.timeout_s = float(timeout_s)
+        self.interval = interval if interval is not None else heartbeat_interval(self.timeout_s)
+        self.progress, self.on_verdict = progress, on_verdict
+        self.store = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world = dist.get_world_size() if world is None else world
+        self.host, self.pid = socket.gethostname(), os.getpid()
+        self.count = 0
+        self.known: dict[int, Beat] = {}  # the last beat read per rank (the watched peer's and rank 0's)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # the thread's beat and stop()'s last beat never interleave
+        self._thread = threading.Thread(target=self._run, name="megacomp-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        """Write the first beat and start the thread; returns self."""
+        self._beat()
+        self._thread.start()
+        return self
+
+    def stop(self, exit_status: Optional[int] = 0) -> None:
+        """Stop the thread and write a last beat with ``exit_status``, so no peer takes this rank for lost
+        (call it before the process groups close). Never raises: the store may be gone already."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 1.0)
+        try:
+            self._beat(exit_status=exit_status)
+        except Exception:  # noqa: BLE001 - the store went away with its host: nobody is left to read it
+            pass
+
+    # -- the thread ---------------------------------------------------------------------------------------
+    def _beat(self, exit_status: Optional[int] = None) -> None:
+        with self._lock:
+            self.count += 1
+            beat = {"n": self.count, "it": int(self.progress()), "host": self.host, "pid": self.pid}
+            if exit_status is not None:
+                beat["exit"] = int(exit_status)
+            self.store.set(f"{PREFIX}{self.rank}", json.dumps(beat))
+
+    def read(self, rank: int) -> Optional[Beat]:
+        """``rank``'s last beat, or None when it has written none yet (raises the store's error when the
+        store cannot be reached)."""
+        key = f"{PREFIX}{rank}"
+        if not self.store.check([key]):
+            return None
+        beat = Beat.parse(rank, self.store.get(key))
+        self.known[rank] = beat
+        return beat
+
+    def _run(self) -> None:
+        peer = (self.rank + 1) % self.world
+        watched = self.world > 1
+        last_count, since = None, time.monotonic()
+        store_down_since = None
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                beat = self.read(peer) if watched else None
+                if peer != 0 and watched:
+                    self.read(0)  # rank 0's host and iteration, for the line when the store goes with it
+                store_down_since = None
+            except Exception:  # noqa: BLE001 - the store's host stopped answering; judged below
+                store_down_since = store_down_since or time.monotonic()
+                if time.monotonic() - store_down_since > self.timeout_s and not self._stop.is_set():
+                    self.on_verdict(self.store_lost_line(time.monotonic() - store_down_since), True)
+                    return
+                continue
+            now = time.monotonic()
+            if beat is None or beat.exit_status is not None:
+                if beat is not None:
+                    since = now  # stopped on purpose: not lost
+                elif now - since > self.timeout_s and not self._stop.is_set():
+                    self._declare([Beat(peer, 0, 0, "unknown host", 0)], now - since)
+                    return
+                continue
+            if beat.count != last_count:
+                last_count, since = beat.count, now
+            elif now - since > self.timeout_s and not self._stop.is_set():
+                self._declare([beat], now - since)
+                return
+
+    def _declare(self, lost: list[Beat], silent_s: float) -> None:
+        self.on_verdict(lost_line(lost, silent_s, int(self.progress())), self.claim())
+
+    def claim(self) -> bool:
+        """Whether this rank is the first to claim the verdict (the one that prints it); atomic on the store.
+        A store that cannot be reached makes every rank that asks the claimant."""
+        try:
+            return self.store.add(VERDICT_KEY, 1) == 1
+        except Exception:  # noqa: BLE001 - no store, no arbiter: better twice than never
+            return True
+
+    def store_lost_line(self, silent_s: float) -> str:
+        """The verdict when the store stopped answering: its host went away, with rank 0 under srun/mpirun."""
+        r0 = self.known.get(0)
+        where = f"rank 0 (host {r0.host}, pid {r0.pid}) last reported iteration {r0.iteration}" if r0 else \
+            "rank 0 never reported"
+        return (f"lost the rendezvous store for {silent_s:.0f} s (its host is gone; {where}): a rank or node was "
+                f"lost; the other ranks stop: resume from the last checkpoint")
+
+    # -- after a failed collective ------------------------------------------------------------------------
+    def diagnose(self, window_s: Optional[float] = None) -> tuple[str, list[Beat]]:
+        """Which peers caused a failed collective: reads every rank's beat, waits ``window_s`` (default three
+        intervals, at least one second) and reads again. Returns ``("lost", beats)`` for the ranks whose counters
+        stood still (their last beats), ``("exited", beats)`` for ranks that stopped with an error status of
+        their own when none is lost, ``("store", [])`` when the store cannot be reached, else ``("", [])``."""
+        window_s = max(1.0, 3 * self.interval) if window_s is None else window_s
+        peers = [r for r in range(self.world) if r != self.rank]
+        try:
+            first = {r: self.read(r) for r in peers}
+            deadline = time.monotonic() + window_s
+            while time.monotonic() < deadline:
+                time.sleep(min(self.interval, max(0.0, deadline - time.monotonic())))
+                self._beat()  # the thread may be the one stopped: this rank stays visibly alive meanwhile
+            second = {r: self.read(r) for r in peers}
+        except Exception:  # noqa: BLE001 - the store's host went away (with rank 0 under srun / mpirun)
+            return "store", []
+        def still(r: int) -> bool:  # no beat at all, or a running rank's counter that did not move
+            now, before = second[r], first[r]
+            return now is None or (now.exit_status is None and before is not None and before.count == now.count)
+
+        lost = [second[r] or Beat(r, 0, 0, "unknown host", 0) for r in peers if still(r)]
+        if lost:
+            return "lost", lost
+        exited = [b for b in second.values() if b is not None and b.exit_status not in (None, 0)]
+        return ("exited", exited) if exited else ("", [])
+
+
+def lost_line(lost: list[Beat], silent_s: float, own_iteration: int = 0) -> str:
+    """The verdict line for ``lost`` peers (one named in full, the others by rank). The iteration named is the
+    later of the peer's last beat and ``own_iteration`` (the reporter's): ranks complete iterations in lockstep,
+    so a peer the reporter waits for completed at least as many, and a beat is up to an interval old."""
+    first = lost[0]
+    more = f" (and {len(lost) - 1} more rank{'s' * (len(lost) > 2)}: {', '.join(str(b.rank) for b in lost[1:])})" \
+        if len(lost) > 1 else ""
+    return (f"rank {first.rank} (host {first.host}, pid {first.pid}) stopped responding after iteration "
+            f"{max(first.iteration, own_iteration)}: no heartbeat for {silent_s:.0f} s, stalled or lost{more}; the other ranks stop: "
+            f"resume from the last checkpoint")
