@@ -119,10 +119,13 @@ def test_a_live_holder_is_refused_by_name_and_a_dead_one_taken_over(tmp_path):
     took = lock.acquire()  # the same holder, now dead: taken over
     assert f"took over the lock of slurm job 42" in took and f"its process {sleeper.pid} on this host" in took
     lock.check()
-    second = integrity.SaveDirLock(str(tmp_path))
-    with pytest.raises(ValueError, match="is in use by"):
-        second.acquire()  # our own live process holds it now
-    lock.release()
+    second = integrity.SaveDirLock(str(tmp_path))  # a later run in this process (the first was never released)
+    assert "it was left by an earlier run of this process" in second.acquire()
+    with pytest.raises(ValueError, match="lost the lock"):
+        lock.check()
+    lock.release()  # not its lock any more: left in place
+    assert os.path.exists(os.path.join(tmp_path, integrity.LOCK_NAME))
+    second.release()
     assert not os.path.exists(os.path.join(tmp_path, integrity.LOCK_NAME))
 
 

@@ -195,6 +195,8 @@ class SaveDirLock:
         except FileNotFoundError:
             return "it was just released"
         if holder.get("host") == self.record["host"] and isinstance(holder.get("pid"), int):
+            if holder["pid"] == os.getpid():  # an earlier run in this process that ended without release()
+                return "it was left by an earlier run of this process"
             if not _pid_alive(holder["pid"]):
                 return f"its process {holder['pid']} on this host no longer exists"
             return None
