@@ -22,11 +22,15 @@ Streaming DiLoCo's overlap is kept: a slow replica delays the others only at the
 data anyway. A replica that dies after the check, inside the collective itself, is caught by the process
 group's timeout instead (``init_process_group(timeout=...)``).
 
-What is not implemented: the survivors continuing without the lost replica and a restarted replica
-rejoining from the outer parameters (torchft's quorum). Here the survivors stop with the error; the job is
-restarted from the last checkpoint (``--load``), which holds every replica's outer state. A later watch
-over the same ranks in the same job finds the previous watch's numbers, which only makes its first checks
-pass early.
+Here, inside one job, the survivors stop with the error and the job is restarted from the last checkpoint
+(``--load``), which holds every replica's outer state. A later watch over the same ranks in the same job finds
+the previous watch's numbers, which only makes its first checks pass early.
+
+Survivors continuing and a restarted replica rejoining: run each replica group as its own job on torchft's
+quorum instead (``--fault-tolerance torchft --ft-outer-steps H``: megacomp.training.features.fault_tolerance,
+megacomp.integrations.torchft). There the survivors' outer step fails within ``--ft-timeout``, is not
+committed, and the next quorum holds the live replicas; a restarted replica receives the outer state from a
+live peer at the next outer step (docs/guide/fault-tolerance.md).
 """
 from __future__ import annotations
 

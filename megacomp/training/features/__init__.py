@@ -7,6 +7,7 @@ from .aqsgd_caches import AQSGDCaches
 from .base import Feature
 from .demo_momentum import DeMoMomentum
 from .error_probe import ErrorProbeFeature
+from .fault_tolerance import FaultTolerance
 from .lomo_fused import LomoFused
 from .loqt_weights import LoQTWeights
 from .onebit_adam import OneBitFamily
@@ -15,6 +16,7 @@ from .zero_adamw import ZeROAdamW
 
 FEATURES: tuple = (
     LoQTWeights,    # converts the model's linears before anything holds the parameters
+    FaultTolerance,  # replica groups on torchft's quorum: joins it before anything of the iteration runs
     OuterLoop,      # replicas next: the inner optimizer works inside one (and MT-DAO picks its class)
     AQSGDCaches,    # activation caches handed to the pipeline's communicator
     ZeROAdamW,      # the optimizer families: exactly one is selected by --optimizer

@@ -1,0 +1,407 @@
+"""megacomp's compressed channels on torchft's quorum: training across replica groups that come and go.
+
+torchft (PyPI ``torchft``) is the fault-tolerance engine: a Lighthouse forms a quorum of the live replica groups,
+each group's ``Manager`` joins it at every step (or every outer step) and reconfigures a ``ProcessGroupGloo``
+over the members, and a replica that (re)joins behind the others receives the current state from a live peer
+through torchft's checkpoint transport (HTTP). megacomp adds what torchft's own collectives lack: its codecs,
+error feedback and wire statistics on the replica dimension.
+
+    ft = ReplicaQuorum(TorchFTConfig(lighthouse="http://host:29510", replica_id="2"),
+                       state_dict=lambda: {...}, load_state_dict=lambda s: ..., fingerprint={"model": ..., "codec": ...})
+    ch = ft.channel("dp_replicas", "int8", error_feedback="ef")   # a megacomp Channel over the quorum's group
+    while training:
+        ft.start_step()                        # quorum; a joining replica receives the state here (synchronously)
+        loss.backward()
+        ft.all_reduce_mean(ch, flat_grads)     # mean over the live replicas, compressed; errors are reported
+        if ft.should_commit():                 # every live replica agrees the step is good
+            optimizer.step()
+
+Layout: each replica group keeps its own TP x PP (x inner DP) process groups, made by ``init_process_group`` in
+its own job; torchft's group connects rank k of every live replica group (group rank k: one ``Manager`` per rank,
+as torchft's HSDP does). The channel's group is that object (megacomp.comm.group_ops serves it).
+
+Algorithm per step: ``Manager.start_quorum`` (synchronous: ``use_async_quorum=False``, so every member of the
+reconfigured group participates and a joiner has its state before its forward pass); the collectives of the step
+over the quorum's group; ``Manager.should_commit``: the step is applied only when no member saw an error. The
+mean is ``x / n`` then a SUM all-reduce over the n live replicas (gloo has no AVG; the codec sees the scaled
+values, as megacomp's DiLoCo does).
+
+Error feedback across membership changes (the state this class keeps right):
+  - an uncommitted step leaves no trace: the registered channels' error feedback is restored to its state at
+    :meth:`start_step` (a failed step's gradients are discarded, so the error of encoding them must be too);
+  - when the quorum's membership changes, residuals keyed ``.../server`` are dropped: they belong to this rank's
+    shard of the old partition (megacomp.comm.collectives: more than two replicas), which no longer exists;
+  - a replica that joins (a restarted process, or one that fell behind and is healed) starts with ZERO error
+    feedback, by construction: the healing state carries no residuals and a healed replica's are reset. This is
+    the correct value, not a shortcut: with classic EF, ``sum_t deq(q_t) + e_T = sum_t g_t`` per replica, so
+    ``e`` is exactly what this replica computed and has not yet delivered; a joiner has delivered and withheld
+    nothing, so its ``e`` is 0. Copying a peer's residual would deliver that peer's withheld error twice (the
+    peer keeps and sends its own). What is lost with a dead replica is its own undelivered ``e_T`` (at most one
+    step's codec error of its gradient for classic EF) together with its in-flight gradient.
+
+Data position: the step consumes replica-batch indices ``batches_committed + rank`` (torchft counts committed
+replica-batches and transfers the count to a joiner), so across losses and rejoins no replica-batch is trained
+twice and none is skipped; an uncommitted step's batches are drawn again by the next step.
+
+Failure behaviour (one line each, naming the fix): an unreachable Lighthouse (:class:`LighthouseUnreachable`);
+a replica whose fingerprint (model, optimizer, compression) differs from the live peer it heals from
+(:class:`ReplicaMismatch`: raised in the joining replica only, the others continue without it). A peer that dies
+inside a collective makes it fail within ``timeout_s`` (gloo's timeout; a closed connection fails at once); the
+step is not committed and the next quorum is formed without the dead replica after the Lighthouse's heartbeat
+timeout. Codec or shape mismatches inside one quorum raise megacomp's validation error on every member.
+
+The Lighthouse: ``python -m megacomp.integrations.torchft --bind [::]:29510 --min-replicas 1`` (scripts/
+torchft_lighthouse.sh) runs torchft's ``LighthouseServer``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..comm import Channel
+from ..comm.group_ops import ObjectGroup
+from ..compression import CodecLike
+
+
+class LighthouseUnreachable(ConnectionError):
+    """The torchft Lighthouse did not answer within the connect timeout."""
+
+
+class ReplicaMismatch(ValueError):
+    """A joining replica's configuration or compression differs from the quorum's."""
+
+
+@dataclass
+class TorchFTConfig:
+    """How a replica group joins torchft's quorum (one per rank of the replica group)."""
+
+    lighthouse: Optional[str] = None
+    """The Lighthouse's address, ``http://host:port``; None: the ``TORCHFT_LIGHTHOUSE`` environment variable."""
+    replica_id: str = "0"
+    """This replica group's name (the same on every rank of the group; a restarted group reuses it)."""
+    min_replicas: int = 1
+    """Steps commit only with at least this many live replica groups."""
+    timeout_s: float = 30.0
+    """Bound on one collective, ``should_commit`` and the state transfer to a joiner (gloo's timeout)."""
+    quorum_timeout_s: float = 120.0
+    """Bound on waiting for a quorum (must exceed the time between two quorums: an outer step under DiLoCo)."""
+    connect_timeout_s: float = 10.0
+    """Bound on reaching the Lighthouse and the managers."""
+    heartbeat_ms: int = 100
+    """How often the replica's manager tells the Lighthouse it is alive."""
+    store_addr: Optional[str] = None
+    """This replica group's TCPStore host (None: ``MASTER_ADDR``, or a store of our own for a one-rank group)."""
+    store_port: Optional[int] = None
+    """This replica group's TCPStore port (None: ``MASTER_PORT``)."""
+    group_rank: int = 0
+    """This rank within its replica group."""
+    group_world_size: int = 1
+    """The replica group's size (its TP x PP x inner-DP ranks)."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"TorchFTConfig.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.min_replicas < 1:
+            raise ValueError(f"TorchFTConfig.min_replicas must be >= 1, got {self.min_replicas}")
+        if not 0 <= self.group_rank < self.group_world_size:
+            raise ValueError(f"TorchFTConfig.group_rank {self.group_rank} must be in [0, {self.group_world_size})")
+
+
+@dataclass
+class QuorumStep:
+    """What :meth:`ReplicaQuorum.start_step` found."""
+
+    replicas: int
+    """Live replica groups in this step's quorum."""
+    rank: int
+    """This replica group's rank among them."""
+    quorum_id: int
+    """torchft's quorum number (changes with the membership)."""
+    step: int
+    """Committed steps so far (the same on every live replica)."""
+    batches_committed: int
+    """Replica-batches committed so far (the data position)."""
+    healed: bool
+    """This replica received the state from a live peer at this quorum."""
+    changed: bool
+    """The membership changed since the previous step."""
+    error: Optional[str]
+    """An error of the quorum itself (reconfiguration, recovery): the step will not commit."""
+
+
+class ReplicaGroup(ObjectGroup):
+    """torchft's reconfigurable group as a megacomp channel group: rank and size of the current quorum."""
+
+
+def _torchft():
+    try:
+        import torchft  # noqa: F401
+        from torchft import Manager, ProcessGroupGloo
+    except ImportError as e:  # one line, with the fix
+        raise ImportError("megacomp.integrations.torchft needs torchft: pip install 'torchft==0.2.0' "
+                          "(or bash scripts/install.sh test; setup.py extra 'torchft')") from e
+    return Manager, ProcessGroupGloo
+
+
+class ReplicaQuorum:
+    """One rank's membership in torchft's quorum of replica groups (see the module docstring).
+
+    Args:
+        config: TorchFTConfig.
+        state_dict: returns this rank's state a joining replica receives (model, optimizer, outer state, ...:
+            anything torch.save can hold); called by torchft's transport thread while the state is readable.
+        load_state_dict: installs a received state.
+        fingerprint: settings every replica must share (model shape, optimizer, compression preset): compared on
+            every state transfer; a difference raises :class:`ReplicaMismatch` in the receiving replica.
+
+    Raises:
+        LighthouseUnreachable: the Lighthouse did not answer within ``connect_timeout_s``.
+        ImportError: torchft is not installed.
+    """
+
+    def __init__(self, config: TorchFTConfig, *, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
+                 fingerprint: dict) -> None:
+        Manager, ProcessGroupGloo = _torchft()
+        self.config = config
+        self.fingerprint = dict(fingerprint)
+        self._user_state, self._user_load = state_dict, load_state_dict
+        self.channels: list[Channel] = []
+        self._healed = False
+        self._members: Optional[tuple] = None
+        self._snapshots: list = []
+        self._store = None
+        lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        if not lighthouse:
+            raise ValueError("torchft: no Lighthouse address: pass --ft-lighthouse http://host:port (or set "
+                             "TORCHFT_LIGHTHOUSE); start one with scripts/torchft_lighthouse.sh")
+        addr, port = config.store_addr, config.store_port
+        if addr is None and port is None and "MASTER_PORT" not in os.environ:
+            if config.group_world_size != 1:
+                raise ValueError("torchft: a replica group of several ranks needs its TCPStore: run it under torchrun "
+                                 "(MASTER_ADDR/MASTER_PORT) or pass store_addr and store_port")
+            import torch.distributed as dist
+            self._store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)  # our own group's
+            addr, port = "localhost", self._store.port
+        self.pg = ProcessGroupGloo(timeout=timedelta(seconds=config.timeout_s))
+        self.group = ReplicaGroup(self.pg)
+        try:
+            self.manager = Manager(
+                pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=config.min_replicas,
+                use_async_quorum=False, timeout=timedelta(seconds=config.timeout_s),
+                quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
+                connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=config.group_rank,
+                world_size=config.group_world_size, store_addr=addr, store_port=port, lighthouse_addr=lighthouse,
+                replica_id=config.replica_id, heartbeat_interval=timedelta(milliseconds=config.heartbeat_ms))
+        except RuntimeError as e:
+            if "failed to connect" in str(e):
+                raise LighthouseUnreachable(
+                    f"torchft: the Lighthouse at {lighthouse} cannot be reached within {config.connect_timeout_s:g} s: "
+                    f"start it first (scripts/torchft_lighthouse.sh) and pass its http://host:port") from None
+            raise
+
+    # -- state a joiner receives -------------------------------------------------------------------
+    def _state(self) -> dict:
+        return {"fingerprint": self.fingerprint, "state": self._user_state()}
+
+    def _load(self, received: dict) -> None:
+        theirs = received.get("fingerprint", {})
+        if theirs != self.fingerprint:
+            diff = sorted(k for k in set(theirs) | set(self.fingerprint) if theirs.get(k) != self.fingerprint.get(k))
+            shown = "; ".join(f"{k}: {self.fingerprint.get(k)!r} here, {theirs.get(k)!r} in the quorum" for k in diff)
+            raise ReplicaMismatch(f"torchft replica {self.config.replica_id}: its settings differ from the quorum's "
+                                  f"({shown}); restart it with the quorum's settings")
+        self._user_load(received["state"])
+        self._healed = True
+
+    # -- channels ----------------------------------------------------------------------------------
+    def channel(self, name: str, codec: CodecLike = None, **kwargs) -> Channel:
+        """A megacomp Channel over the quorum's group whose error feedback this object keeps consistent across
+        failed steps and membership changes (see the module docstring); ``kwargs`` as :class:`Channel`'s."""
+        ch = Channel(name, codec, group=self.group, **kwargs)
+        self.channels.append(ch)
+        return ch
+
+    # -- one step ----------------------------------------------------------------------------------
+    def start_step(self) -> QuorumStep:
+        """Join this step's quorum (blocks until it forms; a joiner receives the state first).
+
+        Raises:
+            ReplicaMismatch: this replica's fingerprint differs from the peer it healed from.
+        """
+        self._healed = False
+        try:
+            self.manager.start_quorum()
+        except ReplicaMismatch:
+            raise
+        err = self.manager.errored()
+        if err is not None and isinstance(err.original_exception, ReplicaMismatch):
+            raise err.original_exception
+        n = self.manager.num_participants()
+        rank = self.manager.participating_rank()
+        members = (self.manager._quorum_id, n, rank)  # torchft exposes no public quorum id
+        changed = self._members is not None and members[1:] != self._members[1:]
+        if changed or self._healed:
+            for ch in self.channels:
+                ef = ch.error_feedback
+                if ef is None:
+                    continue
+                if self._healed:  # a joiner has delivered and withheld nothing: zero residuals
+                    ef.reset()
+                else:  # the server residuals belong to the old partition of the reduced tensor
+                    for key in [k for k in ef.keys() if k.endswith("/server")]:
+                        ef.reset(key)
+        self._members = members
+        self._snapshots = [ch.error_feedback.state_dict() if ch.error_feedback is not None else None
+                           for ch in self.channels]
+        return QuorumStep(replicas=n, rank=rank if rank is not None else -1, quorum_id=members[0],
+                          step=self.manager.current_step(), batches_committed=self.manager.batches_committed(),
+                          healed=self._healed, changed=changed, error=None if err is None else str(err.original_exception))
+
+    def all_reduce(self, channel: Channel, tensor: torch.Tensor, key: Optional[str] = None) -> bool:
+        """``tensor`` := its SUM over the live replicas through ``channel`` (in place). A collective error (a peer
+        died, the timeout) is reported to the manager, so the step will not commit; returns whether it went
+        through. megacomp's validation errors (mismatched codecs or shapes across replicas) are raised."""
+        if self.manager.errored() is not None:
+            return False
+        try:
+            channel.all_reduce(tensor, torch.distributed.ReduceOp.SUM, key=key)
+        except ValueError:
+            raise
+        except Exception as e:  # gloo: a closed connection or the timeout; torchft decides at should_commit
+            self.manager.report_error(e)
+            return False
+        return True
+
+    def all_reduce_mean(self, channel: Channel, tensor: torch.Tensor, key: Optional[str] = None) -> bool:
+        """``tensor`` := its mean over the live replicas: ``/ n`` then :meth:`all_reduce` (the codec sees the
+        scaled values)."""
+        tensor.div_(self.manager.num_participants())
+        return self.all_reduce(channel, tensor, key)
+
+    def should_commit(self) -> bool:
+        """Whether every live replica finished the step without an error (apply the update only then). On False
+        the registered channels' error feedback returns to its state at :meth:`start_step`."""
+        ok = self.manager.should_commit()
+        if not ok:
+            for ch, saved in zip(self.channels, self._snapshots):
+                if saved is not None:
+                    ch.error_feedback.load_state_dict(saved)
+        return ok
+
+    def current_step(self) -> int:
+        """Committed steps (the same on every live replica)."""
+        return self.manager.current_step()
+
+    def shutdown(self) -> None:
+        """Leave the quorum (the others notice after the Lighthouse's heartbeat timeout)."""
+        self.manager.shutdown(wait=False)
+
+
+class OuterSync:
+    """DiLoCo across replica groups on the quorum: at an outer step, the replicas that trained from the anchor
+    average their pseudo-gradients ``anchor - theta_local`` and every live replica applies the same outer SGD
+    step (Nesterov momentum; torch.optim.SGD's rule, as megacomp.outer.DiLoCo) to the anchor and takes it as its
+    parameters.
+
+    A replica that joined at this outer step (``contributes=False``: it received the anchor and trained nothing
+    from it) sends zeros and is not counted: the mean is over the contributors, whose number travels first in an
+    uncompressed all-reduce. After a committed outer step every live replica holds the same anchor, outer momentum
+    and parameters, bit for bit (all decode the same bytes). An uncommitted one changes nothing: the replicas keep
+    their local parameters and the next outer step's pseudo-gradient covers both rounds.
+
+    Args:
+        params: this rank's parameters (any float dtype; the anchor is fp32, flat).
+        lr: the outer SGD's learning rate.
+        momentum: the outer SGD's momentum (Nesterov when > 0).
+    """
+
+    def __init__(self, params: list, lr: float, momentum: float) -> None:
+        self.params = list(params)
+        with torch.no_grad():
+            self.anchor = torch.nn.Parameter(_flat(self.params), requires_grad=False)
+        self.optimizer = torch.optim.SGD([self.anchor], lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.syncs = 0
+
+    @torch.no_grad()
+    def sync(self, quorum: "ReplicaQuorum", channel: Channel, contributes: bool) -> bool:
+        """One outer step (a collective over the quorum); returns whether it was committed."""
+        delta = self.anchor.detach() - _flat(self.params) if contributes else torch.zeros_like(self.anchor)
+        count = torch.tensor([1.0 if contributes else 0.0], dtype=torch.float64, device=delta.device)
+        ok = quorum.all_reduce(channel.uncompressed(), count)
+        n = int(count.item()) if ok else 0
+        if ok and n:
+            delta.div_(n)  # the mean over the contributors: the codec sees the scaled values
+            quorum.all_reduce(channel, delta, key="pseudo_gradient")
+        if not quorum.should_commit():
+            return False
+        if n:
+            self.anchor.grad = delta
+            self.optimizer.step()
+            self.anchor.grad = None
+        off = 0
+        for p in self.params:
+            p.copy_(self.anchor[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.syncs += 1
+        return True
+
+    def state_dict(self) -> dict:
+        """The anchor, the outer optimizer's momentum and the count of outer steps."""
+        return {"anchor": self.anchor.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                "syncs": self.syncs}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` (ValueError for another parameter count)."""
+        if state["anchor"].numel() != self.anchor.numel():
+            raise ValueError(f"OuterSync: state of {state['anchor'].numel()} parameters, this rank has "
+                             f"{self.anchor.numel()}; join with the same model and layout")
+        with torch.no_grad():
+            self.anchor.copy_(state["anchor"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.syncs = int(state["syncs"])
+
+
+def _flat(params) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
+
+
+# -- the Lighthouse -------------------------------------------------------------------------------------
+
+def lighthouse_main(argv: Optional[list] = None) -> None:
+    """Run torchft's Lighthouse until SIGTERM/SIGINT (``python -m megacomp.integrations.torchft --help``); prints
+    ``lighthouse: http://host:port`` once it listens."""
+    p = argparse.ArgumentParser(prog="python -m megacomp.integrations.torchft",
+                                description="torchft's Lighthouse: forms the quorum of replica groups.")
+    p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (port 0: any free port)")
+    p.add_argument("--min-replicas", type=int, default=1, help="smallest quorum")
+    p.add_argument("--join-timeout-ms", type=int, default=1000,
+                   help="how long a forming quorum waits for heartbeating replicas that have not asked yet")
+    p.add_argument("--quorum-tick-ms", type=int, default=10, help="how often a forming quorum is checked")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
+                   help="a replica silent this long is dead (bounds how long survivors wait for a new quorum)")
+    a = p.parse_args(argv)
+    _torchft()
+    from torchft._torchft import LighthouseServer
+    server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
+                              quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_timeout_ms)
+    print(f"lighthouse: {server.address()}", flush=True)
+    stop = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.append(1))
+    while not stop:
+        time.sleep(0.2)
+    server.shutdown()
+
+
+if __name__ == "__main__":
+    lighthouse_main(sys.argv[1:])

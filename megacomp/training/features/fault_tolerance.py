@@ -1,0 +1,257 @@
+"""Training across replica groups that come and go (``--fault-tolerance torchft``; megacomp.integrations.torchft).
+
+Each replica group is its own job (``megacomp-pretrain`` under torchrun, or one process) with its own TP x PP x DP
+layout; the groups meet in torchft's quorum, formed by a Lighthouse (scripts/torchft_lighthouse.sh), and their
+traffic goes through a megacomp channel on torchft's group, compressed with the ``--ft-codec`` (default: the
+compression config's ``dp_gradient`` codec and error feedback; under ``--ft-outer-steps`` its ``outer`` ones).
+
+Two schedules:
+  per step (``--ft-outer-steps 0``, the default: data parallelism across replicas): every iteration joins the
+      quorum before its forward pass, the ZeRO-1 gradient buckets (full size, before the replica's own
+      reduce-scatter) are averaged over the live replicas, and the sharded optimizer steps only when every
+      replica committed the step (``Manager.should_commit``); otherwise the gradients are dropped and the
+      iteration is retried with the same data position.
+  DiLoCo (``--ft-outer-steps H``): replicas train alone for H steps; at every H-th step they join the quorum and
+      average the pseudo-gradient theta_anchor - theta_local (outer SGD, ``--ft-outer-lr``, Nesterov
+      ``--ft-outer-momentum``; megacomp.integrations.torchft.OuterSync). A replica that joins at an outer step
+      contributes no pseudo-gradient (it has trained nothing from the anchor) and leaves the mean to the others.
+
+Survivors continue: a replica that dies fails the step it is in (within ``--ft-timeout`` seconds), the step is
+not committed, and the next quorum (formed after the Lighthouse's heartbeat timeout) holds the live replicas; the
+mean is over them. A restarted replica (same ``--ft-replica-id``) joins the next quorum and receives from a live
+peer, through torchft's checkpoint transport: the model, the optimizer shard (masters, moments, counters), the
+iteration, the RNG state and the outer state; it starts with zero error feedback (why that is exact:
+megacomp.integrations.torchft). It must run the same configuration: model, optimizer, schedule and compression
+are compared at the transfer and a difference stops the joiner with one line.
+
+Data: each committed step trains replica-batch ``batches_committed + rank`` (one global batch of this replica
+group's layout, drawn from the run's sampler at that position): across losses and rejoins no replica-batch is
+trained twice and none is skipped. The record of every iteration carries ``ft_replicas`` (the quorum size),
+``ft_quorum_id``, ``ft_healed``, ``ft_committed`` and ``ft_time`` (wall clock, for fault timelines).
+
+Compression off and no faults: one replica group is bit-identical to the same run without torchft (a mean over
+one member is the identity). R groups of D data-parallel ranks compute the same mean as one job of R x D ranks,
+in another summation order: the difference is fp32 round-off of the sums, at most about (R + D) x 2^-24 x the sum
+of the gradients' magnitudes per element.
+
+Failure behaviour: ValueError naming the flag for a schedule or optimizer this does not cover (an optimizer other
+than ``adamw``, ZeRO-2, PP > 1 with DiLoCo is fine, megacomp's own ``--outer-algorithm``, ``--ft-outer-steps``
+< 0); the Lighthouse unreachable, a mismatched joiner: megacomp.integrations.torchft's one-line errors.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ...compression import parse_codec_arg
+from ...data import get_batch
+from .base import Feature
+
+MODES = ("none", "torchft")
+FINGERPRINT_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
+                    "params_dtype", "tensor_model_parallel_size", "pipeline_model_parallel_size", "micro_batch_size",
+                    "global_batch_size", "train_iters", "lr", "min_lr", "lr_warmup_iters", "optimizer", "seed",
+                    "zero_stage", "shard_optimizer", "world_size", "compression_resolved")
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Replica groups on torchft's quorum (megacomp.integrations.torchft)."""
+
+    FLAT_PREFIX = "ft_"
+    mode: str = field(default="none", metadata={"flag": "fault_tolerance"})
+    """none, or torchft: this job is one replica group of a fault-tolerant run; survivors continue when a replica
+    group dies and a restarted one rejoins with the live state."""
+    lighthouse: Optional[str] = None
+    """The torchft Lighthouse, http://host:port (default: $TORCHFT_LIGHTHOUSE); scripts/torchft_lighthouse.sh starts one."""
+    replica_id: Optional[str] = None
+    """This replica group's name (default: $REPLICA_ID, else 0); a restarted group keeps its name."""
+    min_replicas: int = 1
+    """Steps commit only with at least this many live replica groups."""
+    timeout: float = 30.0
+    """Seconds one cross-replica collective, the commit vote and the state transfer to a joiner may take: the bound
+    on how long a replica that died inside a collective holds the others."""
+    quorum_timeout: float = 300.0
+    """Seconds to wait for a quorum (must exceed the time between quorums: ft_outer_steps iterations)."""
+    codec: Any = None
+    """Codec of the cross-replica traffic (a name or mapping); default: the compression config's dp_gradient codec
+    (per step) or outer codec (DiLoCo)."""
+    error_feedback: Any = None
+    """Error feedback on the cross-replica traffic ('ef', 'loco'); default: the compression config's
+    dp_gradient_error_feedback (per step) or outer_error_feedback (DiLoCo)."""
+    outer_steps: int = 0
+    """0: join the quorum every step (data parallelism across replicas); H > 0: DiLoCo, quorum every H steps."""
+    replica_slots: int = 8
+    """DiLoCo: replica ids are 0 .. slots-1 and replica k trains data positions iteration x slots + k (positions
+    of a replica that is down are not trained: the quorum size in the log says when)."""
+    outer_lr: float = 0.7
+    """DiLoCo's outer learning rate (ft_outer_steps > 0)."""
+    outer_momentum: float = 0.9
+    """DiLoCo's outer Nesterov momentum (ft_outer_steps > 0; 0 = plain SGD)."""
+
+
+class FaultTolerance(Feature):
+    """Replica groups on torchft's quorum (see the module docstring)."""
+
+    name = "fault_tolerance"
+    CONFIG = FaultToleranceConfig
+    config_key = "ft"
+
+    @classmethod
+    def selected(cls, cfg) -> bool:
+        return cfg.ft.mode != "none"
+
+    @classmethod
+    def check(cls, cfg, world) -> None:
+        f = cfg.ft
+        if f.mode not in MODES:
+            raise ValueError(f"fault_tolerance must be one of {', '.join(MODES)}, got {f.mode!r}")
+        if f.mode == "none":
+            return
+        if cfg.training.optimizer != "adamw":
+            raise ValueError(f"fault_tolerance torchft averages the sharded AdamW's gradient buckets; --optimizer "
+                             f"{cfg.training.optimizer} is not covered: use --optimizer adamw")
+        if cfg.zero.stage != 1:
+            raise ValueError("fault_tolerance torchft needs the whole gradient buckets at the step: use --zero-stage 1")
+        if cfg.outer.algorithm != "none":
+            raise ValueError("fault_tolerance torchft runs its own DiLoCo across replica groups (--ft-outer-steps H); "
+                             "drop --outer-algorithm")
+        if f.outer_steps < 0 or f.min_replicas < 1 or not f.timeout > 0 or not f.quorum_timeout > 0:
+            raise ValueError("ft_outer_steps must be >= 0, ft_min_replicas >= 1, ft_timeout and ft_quorum_timeout > 0")
+        if f.codec is not None:
+            parse_codec_arg(f.codec)  # raises on a bad codec
+
+    def build(self, run) -> None:
+        from ...integrations.torchft import OuterSync, ReplicaQuorum, TorchFTConfig
+        f = self.cfg.ft
+        comp = run.compression
+        diloco = f.outer_steps > 0
+        codec = parse_codec_arg(f.codec) if f.codec is not None else (comp.outer if diloco else comp.dp_gradient)
+        ef = f.error_feedback if f.error_feedback is not None else (
+            comp.outer_error_feedback if diloco else comp.dp_gradient_error_feedback)
+        self.start = run.iteration
+        info = run.run_info()
+        fingerprint = {k: info.get(k) for k in FINGERPRINT_KEYS}
+        fingerprint.update(ft_codec=repr(codec), ft_error_feedback=repr(ef), ft_outer_steps=f.outer_steps,
+                           ft_outer_lr=f.outer_lr, ft_outer_momentum=f.outer_momentum)
+        addr, port = self._replica_store()
+        self.ft = ReplicaQuorum(
+            TorchFTConfig(lighthouse=f.lighthouse, replica_id=f.replica_id or os.environ.get("REPLICA_ID", "0"),
+                          min_replicas=f.min_replicas, timeout_s=f.timeout, quorum_timeout_s=f.quorum_timeout,
+                          group_rank=dist.get_rank(), group_world_size=dist.get_world_size(), store_addr=addr,
+                          store_port=port),
+            state_dict=lambda: self._state(run), load_state_dict=lambda s: self._load(run, s), fingerprint=fingerprint)
+        self.channel = self.ft.channel("replicas", codec, error_feedback=ef)
+        self.outer = OuterSync(list(run.model.parameters()), f.outer_lr, f.outer_momentum) if diloco else None
+        self.quorum = None
+        self.committed = True
+        self.joined = False  # DiLoCo: this process met the others once (at its first iteration)
+        self.at_outer_step = False  # DiLoCo: inside the quorum at the end of an iteration
+        self.slot = 0
+        if diloco:
+            rid = self.ft.config.replica_id
+            if not rid.isdigit() or int(rid) >= f.replica_slots:
+                raise ValueError(f"ft_outer_steps: the replica id {rid!r} must be an integer in [0, ft_replica_slots "
+                                 f"{f.replica_slots}): replica k trains data positions iteration x slots + k")
+            self.slot = int(rid)
+
+    def _replica_store(self):
+        """The replica group's TCPStore for torchft's managers: torchrun's (MASTER_ADDR/MASTER_PORT), else one that
+        rank 0 starts and announces over the replica's own group (mpirun, file rendezvous, one process)."""
+        if "MASTER_PORT" in os.environ or dist.get_world_size() == 1:
+            return None, None
+        import socket
+        self._store = dist.TCPStore(socket.gethostname(), 0, is_master=True, wait_for_workers=False) \
+            if dist.get_rank() == 0 else None
+        where = [(socket.gethostname(), self._store.port) if self._store is not None else None]
+        dist.broadcast_object_list(where, src=0)
+        return where[0]
+
+    def banner(self, run) -> list[str]:
+        f = self.cfg.ft
+        when = (f"DiLoCo across replica groups, quorum every {f.outer_steps} steps (outer lr {f.outer_lr:g}, Nesterov "
+                f"momentum {f.outer_momentum:g})" if self.outer else "data parallel across replica groups, quorum every step")
+        ef = self.channel.error_feedback
+        return [f"fault tolerance: torchft, replica group {self.ft.config.replica_id}, {when}; traffic kind 'replicas' "
+                f"codec {self.channel.codec}{' + error feedback' if ef is not None else ''}; a lost group fails its step "
+                f"within {f.timeout:g} s and the others continue; a restarted group receives the live state"]
+
+    # -- the state a joining replica receives ---------------------------------------------------------
+    def _state(self, run) -> dict:
+        # iterations completed: under DiLoCo the quorum is joined at the end of an iteration (in its step)
+        done = run.iteration + (1 if self.at_outer_step else 0)
+        return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "iteration": done,
+                "rng": torch.get_rng_state(), "outer": self.outer.state_dict() if self.outer else None}
+
+    def _load(self, run, state: dict) -> None:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])  # masters, moments, counters; all-gathers the parameters
+        run.iteration = int(state["iteration"])
+        self.start = run.iteration - self.ft.current_step() if self.outer is None else self.start
+        torch.set_rng_state(state["rng"])
+        if self.outer is not None:
+            self.outer.load_state_dict(state["outer"])
+
+    # -- one iteration --------------------------------------------------------------------------------
+    def _join(self, run):
+        """Join the quorum. A joiner receives the live state; its learning rate comes with the optimizer state: the
+        peer's for this iteration (per step), or the peer's last iteration's for the one inner step after an outer
+        step under DiLoCo (the trainer sets every later one from the received iteration)."""
+        self.quorum = self.ft.start_step()
+        return self.quorum
+
+    def _outer_sync(self, run) -> None:
+        """DiLoCo's quorum point: average the pseudo-gradients of the replicas that trained from the anchor."""
+        q = self.quorum
+        self.committed = self.outer.sync(self.ft, self.channel, contributes=not q.healed)
+        if self.committed:
+            run.optimizer.load_params_from_model()  # the model holds the new anchor: refresh the fp32 masters
+
+    def iteration(self, run, batches, inner):
+        f = self.cfg.ft
+        if self.outer is None:  # per step: quorum, then this step's replica-batch
+            q = self._join(run)
+            b = q.batches_committed + q.rank
+        else:
+            if not self.joined:  # this process's first iteration: meet the others at their next outer step
+                self._join(run)
+                self._outer_sync(run)
+                self.joined = True
+            b = run.iteration * f.replica_slots + self.slot
+        sampler = iter(run.sampler_at(b * run.num_microbatches))
+        batches = [get_batch(run.dataset, next(sampler)) for _ in range(run.num_microbatches)]
+        return inner([(ids.to(run.device), labels.to(run.device)) for ids, labels in batches])
+
+    def step(self, run, inner) -> bool:
+        if self.outer is not None:  # DiLoCo: local steps; the replicas meet after every H-th
+            stepped = inner()
+            if (run.iteration + 1) % self.cfg.ft.outer_steps == 0:
+                self.at_outer_step = True
+                self._join(run)
+                self._outer_sync(run)
+                self.at_outer_step = False
+            return stepped
+        for b in run.optimizer.buckets:  # the whole ZeRO-1 buckets, before the replica's own reduce-scatter
+            self.ft.all_reduce_mean(self.channel, b.grad, key=f"replicas/b{b.index}")
+        self.committed = self.ft.should_commit()
+        if not self.committed:  # a peer died or erred: drop the gradients; the data position is retried
+            for b in run.optimizer.buckets:
+                b.grad.zero_()
+            return False
+        return inner()
+
+    def record(self, run, record: dict) -> None:
+        q = self.quorum
+        if self.outer is None:
+            run.iteration = self.start + self.ft.current_step()  # committed steps only: a dropped step is retried
+            record["iteration"] = run.iteration
+        record.update(ft_time=time.time(), ft_replicas=q.replicas if q else None, ft_quorum_id=q.quorum_id if q else None,
+                      ft_healed=bool(q.healed) if q else False, ft_committed=self.committed)
+
+    def close(self, run) -> None:
+        self.ft.shutdown()
