@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", help="fix the layout as TPxPPxDP (e.g. 4x2x32) instead of searching")
     p.add_argument("--choose", help="write this method's files instead of the fastest's")
     p.add_argument("--out", help="folder for compression.yaml, pretrain.yaml and step_vs_bandwidth.png")
-    p.add_argument("--top", type=int, default=4, help="methods in the plot")
+    p.add_argument("--top", type=int, default=4, help="methods in the plot (0: no plot)")
     return p
 
 
@@ -216,8 +216,9 @@ def run(argv=None) -> list[StepEstimate]:
         print("pretraining flags: " + flags_text({k: v for k, v in cfg.items() if k not in load_yaml(a.model)
                                                    or load_yaml(a.model)[k] != v}))
         png = out / "step_vs_bandwidth.png"
-        print(f"plot: {png}" if plot(model, cluster, results[:a.top], replicas, str(png))
-              else "plot skipped: matplotlib not installed")
+        if a.top > 0:
+            print(f"plot: {png}" if plot(model, cluster, results[:a.top], replicas, str(png))
+                  else "plot skipped: matplotlib not installed")
     return results
 
 

@@ -88,8 +88,9 @@ class StepEstimate:
         return out
 
 
-def _hops(op: str, p: int, lossy: bool, segments: int) -> int:
-    """Sequential message rounds of one call (each pays the latency of the slowest tier it crosses)."""
+def _hops(op: str, p: int, lossy: bool) -> int:
+    """Sequential message rounds of one call, each paying the latency of the slowest tier it crosses. megacomp's
+    pipeline segments are all issued before the first is waited on, so their latencies overlap: paid once."""
     if p < 2:
         return 0
     if op == "send":
@@ -97,7 +98,7 @@ def _hops(op: str, p: int, lossy: bool, segments: int) -> int:
     if not lossy:
         return 2 * (p - 1) if op == "all_reduce" else p - 1
     # megacomp: all-to-all (one round) then, for an all-reduce over > 2 ranks, a ring all-gather on NCCL
-    return segments * (1 + (p - 1 if op == "all_reduce" and p > 2 else 0))
+    return 1 + (p - 1 if op in ("all_reduce", "all_gather") and p > 2 else 0)
 
 
 def collective_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype=FP32,
@@ -140,7 +141,7 @@ def collective_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype
     in_numel = numel * (p if op == "reduce_scatter" else 1)
     segments = sum(wire.segment_counts(in_numel, segment_numel).values()) if lossy else 1
     alpha = max((cluster.link(t).latency_s for t in used), default=0.0)
-    t = _hops(op, p, lossy, segments) * alpha
+    t = _hops(op, p, lossy) * alpha
     if lossy and op != "send":
         E, D = codec_work(op, p)
         t_codec = (E + D) * in_numel * torch.empty((), dtype=dtype).element_size() / cluster.device.codec_Bps
@@ -241,7 +242,9 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
     step = t_pipe + exposed_dp + opt_s
     if sched == "local_steps" and outer:
         H, P = method.outer_steps, method.fragments
-        t_o, tb_o = collective_seconds(routes, outer, "all_reduce", codecs["outer"], math.ceil(n_shard / P), FP32)
+        # each rank exchanges its inner shard's pseudo-gradient (megacomp.outer: "this rank's parameter shards")
+        t_o, tb_o = collective_seconds(routes, outer, method.outer_op, codecs["outer"],
+                                       math.ceil(n_shard / len(inner[0]) / P), FP32)
         syncs_per_step = P / H
         hidden = method.delay * step if P > 1 else 0.0
         e = max(0.0, t_o - hidden) * syncs_per_step

@@ -47,6 +47,9 @@ class Method:
     """local_steps: Streaming DiLoCo fragments (1 = plain DiLoCo)."""
     delay: int = 0
     """local_steps: inner steps a fragment's exchange may overlap (Streaming DiLoCo's tau)."""
+    outer_op: str = "all_reduce"
+    """local_steps: the pseudo-gradient exchange, ``all_reduce`` (DiLoCo) or ``all_gather`` (SparseLoCo, DCT-DiLoCo:
+    every replica's message reaches every other)."""
     outer: Any = None
     """local_steps: codec spec of the pseudo-gradient exchange; onebit: of the momentum; demo: the top-k codec."""
     loss_cost: str = ""
