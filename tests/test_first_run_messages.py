@@ -7,6 +7,7 @@
   nothing is said when everything comes from the cache.
 - A truncated or garbled cached tokenizer model or token-file index raises a ValueError naming the file
   (and the pipeline's entry points rebuild it, saying so); the data pipeline never unpickles a cache file.
+- Plotting the run's metrics writes next to the run and gives the byte ratio as the trainer does.
 """
 import importlib.util
 import logging
@@ -334,3 +335,31 @@ def test_without_flock_the_load_leaves_torchs_lock_alone(fresh_kernels, monkeypa
     monkeypatch.setattr(build, "_load_unlocked", lambda: "module")
     assert build.load() == "module"
     assert (tmp_path / "lock").exists() and capsys.readouterr().err == ""
+
+
+# ---- plotting the first run's metrics --------------------------------------------------------------------------
+
+
+def test_plot_metrics_writes_next_to_the_run_and_gives_the_trainers_ratio(tmp_path, monkeypatch, capsys):
+    """``python -m benchmarks.plot_metrics runs/quickstart`` from anywhere: the PNGs land in runs/quickstart/ (not
+    in the current directory) and the summary's ratio is sent / uncompressed, as the trainer prints it (0.25x for
+    1,000 of 4,000 bytes per iteration)."""
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install matplotlib)")
+    import json
+
+    from benchmarks import plot_metrics
+
+    run = tmp_path / "runs" / "quickstart"
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:
+        for it in range(1, 6):
+            f.write(json.dumps({"iteration": it, "loss": 7.0 - 0.1 * it, "wire_bytes": 1000,
+                                "uncompressed_bytes": 4000, "traffic": {"dp_gradient": [1000, 4000]}}) + "\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert plot_metrics.main([str(run)]) == 0
+    assert sorted(p.name for p in run.glob("*.png")) == ["loss_vs_iteration.png", "loss_vs_wire_bytes.png"]
+    assert list(elsewhere.iterdir()) == []
+    text = capsys.readouterr().out
+    assert "wire 0.01 MB of 0.02 MB (0.25x)" in text, text

@@ -166,6 +166,7 @@ def number_ranges() -> dict:
             "validate_collectives_every", "lr_warmup_iters", "seed", "max_skipped_steps", "exit_interval",
             "save_interval", "keep_checkpoints", "lr", "min_lr", "weight_decay", "clip_grad")},
         "distributed_timeout_minutes": (0, True, None, False),
+        "outer_timeout": (0, True, None, False),
         "initial_loss_scale": (0, True, None, False),
         "adam_beta1": (0, False, 1, True),
         "adam_beta2": (0, False, 1, True),
