@@ -1,17 +1,55 @@
 """What a pretraining run tells its user: the start-up banner and the end-of-run summary (rank 0).
 
 The banner says the layout, the model, the codec and error feedback of every traffic path (and which
-paths this layout does not use), the small-tensor threshold, where metrics go and what the per-iteration
-line's numbers mean. The summary adds up every iteration of the run (warm-up iterations included): tokens,
-time, first and last loss, and per traffic kind the bytes on the wire next to the uncompressed bytes.
+paths this layout does not use), the small-tensor threshold, where metrics go, what the per-iteration
+line's numbers mean and which link kind (within a node, between nodes) each group's traffic crosses. The summary
+adds up every iteration of the run (warm-up iterations included): tokens, time, first and last loss, per traffic
+kind the bytes on the wire next to the uncompressed bytes, and the bytes per link kind, so a run can be compared
+with megacomp.plan's bytes per token per tier.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from ..config import FEATURE_PATHS, TRAFFIC_PATHS, CommCompressionConfig
+from ..parallel_state import rank_grid
+
+LINK_KINDS = ("intra_node", "inter_node")
+"""The link kinds a run can tell apart from its launch (megacomp.plan.cluster.TIERS without sites)."""
+
+
+def traffic_group(kind: str) -> str:
+    """The group a traffic kind travels in: ``tp`` (tp_*, sp_*, loqt_merge_tp), ``pp`` (pp_*) or ``dp`` (every
+    other kind: DP gradients and parameters, the 1-bit momentum, the outer loops' exchange, DeMo, LoQT)."""
+    if kind.startswith(("tp_", "sp_")) or kind == "loqt_merge_tp":
+        return "tp"
+    return "pp" if kind.startswith("pp_") else "dp"
+
+
+def ranks_per_node(world: int) -> int:
+    """Ranks on one node: torchrun's ``LOCAL_WORLD_SIZE``, else every rank on one node (a single-machine run)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return local if 0 < local <= world else world
+
+
+def layout_tiers(world: int, tp: int, pp: int, per_node: int) -> dict[str, str]:
+    """The slowest link each group kind spans (``{"tp": "intra_node", "pp": ..., "dp": ...}``), ranks placed as
+    megacomp.parallel_state.rank_grid and nodes filled in rank order (``per_node`` ranks each)."""
+    out = {}
+    for kind, groups in zip(("tp", "dp", "pp"), rank_grid(world, tp, pp)):
+        spans = any(len({r // per_node for r in g}) > 1 for g in groups)
+        out[kind] = "inter_node" if spans else "intra_node"
+    return out
+
+
+def tiers_line(tiers: dict[str, str], per_node: int) -> str:
+    """The banner's line saying which link kind each group's traffic crosses."""
+    return (f"  links ({per_node} ranks per node): " + ", ".join(f"{k.upper()} traffic {v.replace('_', '-')}"
+                                                                for k, v in tiers.items())
+            + "; the summary adds up bytes per link kind")
 
 
 def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
@@ -87,6 +125,8 @@ class RunTotals:
     first_iteration: Optional[int] = None
     traffic: dict = field(default_factory=dict)
     skipped: int = 0
+    tiers: dict = field(default_factory=dict)
+    """Group kind -> the link kind it crosses (:func:`layout_tiers`); empty: the summary leaves out bytes per link."""
 
     def add(self, record: dict, tokens: int) -> None:
         """Account one iteration's record (as the trainer logs it)."""
@@ -127,4 +167,13 @@ class RunTotals:
             split = (f" (inner {(total_w - outer) / self.tokens:,.1f}, outer {outer / self.tokens:,.1f})"
                      if "outer" in self.traffic else "")
             lines.append(f"    {'per token':<20} {total_w / self.tokens:10,.1f} bytes{split}")
+        if total_u and self.tiers:
+            lines.append("  bytes per link kind (each traffic kind under the slowest link its group spans; compare with "
+                         "megacomp.plan's bytes per token per tier):")
+            per_tier = {t: 0 for t in LINK_KINDS}
+            for kind, (w, _) in self.traffic.items():
+                per_tier[self.tiers.get(traffic_group(kind), "intra_node")] += w
+            for tier, w in per_tier.items():
+                tok = f", {w / self.tokens:,.1f} per token" if self.tokens else ""
+                lines.append(f"    {tier.replace('_', '-'):<20} {w / mb:10.2f} MB{tok}")
         return "\n".join(lines)

@@ -43,6 +43,7 @@ from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, gather_traffic
 from .report import RunTotals, banner
+from .report import layout_tiers, ranks_per_node, tiers_line
 from .signals import ExitSignals
 
 
@@ -179,6 +180,9 @@ class Trainer:
                         backend=dist.get_backend(), device=self.device.type, model=model, params=params,
                         compression_name=name, comp=self.compression_spec, log_dir=cfg.logging.log_dir,
                         resumed_from=resumed)]
+        per_node = ranks_per_node(self.world)  # which link kind each group crosses; the summary adds bytes per kind
+        self.totals.tiers = layout_tiers(self.world, tp, pp, per_node)
+        lines.append(tiers_line(self.totals.tiers, per_node))
         if self.num_chunks > 1:
             lines.append(f"  pipeline: interleaved 1F1B, {self.num_chunks} model chunks per stage "
                          f"({pp * self.num_chunks} virtual stages of {cfg.parallel.num_layers_per_virtual_pipeline_stage} "
