@@ -1,38 +1,19 @@
-"""Analytical alpha-beta model of collective and data-parallel step time, calibrated on the netns benchmark.
+"""Calibration and validation driver of megacomp.plan's step model, plus the old collective projection.
 
+    python -m benchmarks.perf_model --validate-all benchmarks/results --out-dir benchmarks/results/plan
     python -m benchmarks.perf_model results.json [--out section.md] [--plot proj.png]
 
-Notation: S = fp32 bytes of the tensor (nccl-tests convention: all_reduce in/out S, reduce_scatter in S,
-all_gather out S), p = ranks, B = nominal link rate (bytes/s), b = wire bits per element of a codec
-(scales included; 32 for fp32), enc/dec = codec throughput in fp32 bytes per second.
+``--validate-all`` fits the alpha-beta constants (megacomp.plan.calibration) on part of the shaped-link
+measurements and predicts every point the model can express (megacomp.plan.shaped_steps): collectives fitted at
+100 Mbit/s and 1 Gbit/s and held out at 300 Mbit/s; the DP-step overlap share and CPU-contention factor fitted on
+benchmarks/results/benchmarks and held out on every other netns_* DP study; TP / PP / DP training steps predicted at
+100 Mbit/s from their 1 Gbit/s step; local-step runs predicted from DiLoCo's step. It writes calibration.md (every
+point, fitted or held out), calibration.json and published.md (megacomp.plan.published). It measures nothing and
+prints tables; it never asserts a time.
 
-Collectives (one call):
-  wire bytes per rank     W = f_op(p) * S * b/32,  f = 2(p-1)/p for all_reduce, (p-1)/p for RS and AG
-  transfer time           T_w = W / (eta * B)
-  codec compute           T_c = E*S/enc + D*S/dec, with (E, D) the fp32 bytes encoded/decoded per byte of S:
-                            all_reduce p=2: (1, 2)   [each rank encodes its tensor, decode-sums both]
-                            all_reduce p>2: (1+1/p, 2) [RS: encode all chunks, decode-sum; AG: re-encode the
-                                                        shard, decode every slot]
-                            reduce_scatter: (1, 1)   all_gather: (1/p, 1)   uncompressed: (0, 0)
-  uncompressed            T = alpha + T_w
-  compressed all_reduce   pipelined in segments of 1M elements (n = ceil(S/4 / 2^20) segments), so codec
-                          and wire overlap; two-stage pipeline of n equal segments:
-                            T = alpha + max(T_w, T_c) + min(T_w, T_c)/n   (the min term: one segment's
-                            fill/drain; n = 1 gives the serial alpha + T_w + T_c)
-  compressed RS / AG      pipelined the same way (pieces of every chunk travel in turn)
-Calibration (fit): alpha and 1/eta by linear least squares in relative error on the uncompressed points
-(T = alpha + W/B * 1/eta); codec throughputs from codec_throughput when measured, otherwise one throughput
-R per codec (enc = dec = R) by a 1-D search minimising the squared relative error of that codec's points.
-
-DDP step: T_step = T_comp + max(0, T_comm - o * T_bwd) + T_after, T_comp = measured no_communication floor,
-T_bwd = 2/3 T_comp, o = 1 for hooks whose buckets are reduced during backward (DDP fp32/fp16/bf16, the
-megacomp hook), 0 for PowerSGD (one bucket, reduced after backward); T_comm = calls*alpha + the transfer
-(and pipelined codec compute) of wire_bytes_per_step; ZeRO adds its parameter broadcast after the step
-(T_after). The model ignores CPU contention between codec and backward and PowerSGD's matmuls/QR.
-
-Projection (project): ring all_reduce T = 2(p-1)*alpha_c + 2(p-1)/p * S_g/(eta*B) for bf16/fp32 gradients,
-compressed RS+AG T = 2(p-1)*alpha_c + pipeline(2(p-1)/p * N*b/8 / (eta*B), codec on the GPU); every GPU
-number (alpha_c, codec throughput, FLOP/s, tokens) is an explicit, labelled assumption.
+With a bench_report results file it writes the older report section: the fitted constants, every point of that
+file, and a projection of compressed vs bf16/fp32 gradient all-reduce to 8-1024 GPUs, where every GPU number
+(per-hop latency, codec throughput, FLOP/s, tokens) is an explicit, labelled assumption.
 """
 from __future__ import annotations
 

@@ -57,12 +57,15 @@ def layouts(model: ModelSpec, cluster: Cluster) -> list[Layout]:
 
 def best(model: ModelSpec, cluster: Cluster, method: Method, candidates: list[Layout], replicas: int,
          routes: Optional[Routes] = None) -> Optional[StepEstimate]:
-    """The fastest estimate of ``method`` over ``candidates`` (None when no layout fits its replicas)."""
+    """The fastest estimate of ``method`` over ``candidates`` whose memory fits the device (None when no layout
+    fits its replicas or the memory)."""
     found, routes = None, routes or Routes(cluster)
     for lay in candidates:
         if method.schedule == "local_steps" and lay.dp % replicas:
             continue
         e = estimate(model, lay, cluster, method, replicas, routes)
+        if e.memory_bytes > cluster.device.memory_bytes:
+            continue
         if found is None or e.step_s < found.step_s:
             found = e
     return found
@@ -190,12 +193,18 @@ def run(argv=None) -> list[StepEstimate]:
     routes = Routes(cluster)
     results = [e for m in catalogue(replicas) if (e := best(model, cluster, m, candidates, replicas, routes)) is not None]
     results.sort(key=lambda e: e.step_s)
+    if not results:
+        raise ValueError(f"no method fits {model.name} in {dev.memory_bytes / 2 ** 30:.0f} GiB per {dev.name} on any "
+                         f"layout: add GPUs or a bigger device")
     print(f"megacomp plan: {model.name} ({model.params / 1e9:.2f}B parameters, {model.tokens_per_iteration:,} tokens "
           f"per step) on {cluster.gpus} x {dev.name} in {cluster.nodes} nodes, {cluster.sites} sites; links: "
           + "; ".join(f"{t.replace('_', '-')} {cluster.link(t)}" for t in TIERS))
     print(f"assumed: MFU {dev.mfu:g}, codec {dev.codec_Bps / 1e9:.0f} GB/s, link efficiencies as given; local-step "
           f"methods: one replica per site ({replicas})")
     print(table(results))
+    left = [m.name for m in catalogue(replicas) if m.name not in {e.method.name for e in results}]
+    if left:
+        print(f"left out (no layout fits {dev.memory_bytes / 2 ** 30:.0f} GiB per device): {', '.join(left)}")
     choice = results[0]
     if a.choose:
         named = [e for e in results if e.method.name == a.choose]
