@@ -11,7 +11,11 @@ setup(
     description="Compressed collectives, error feedback and Megatron-style parallel layers for PyTorch",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # the Python versions CI runs: 3.11 (.ci/run, megatron-core 0.16.1) and 3.12 (scripts/ci_py312.sh, the newest
+    # megatron-core); others are not tested, so not declared
+    python_requires=">=3.11,<3.13",
+    classifiers=["Programming Language :: Python :: 3", "Programming Language :: Python :: 3.11",
+                 "Programming Language :: Python :: 3.12", "Programming Language :: Python :: 3 :: Only"],
     # benchmarks: the benchmark and study drivers, run as ``python -m benchmarks.<name>``
     packages=find_packages(include=["megacomp", "megacomp.*", "benchmarks", "benchmarks.*"]),
     # the C++ kernels are compiled on first use from their installed sources (megacomp/kernels/cpu/build.py)

@@ -7,7 +7,7 @@
     with comp:                           # or comp.install() ... comp.uninstall()
         loss = ddp_model(tokens).sum(); loss.backward(); ddp_model.finish_grad_sync(); optimizer.step()
 
-Supported: megatron-core 0.16.x (Python 3.10+) and 0.19.x (Python 3.12+), the releases CI tests (0.16.1 and
+Supported: megatron-core 0.16.x (Python 3.11) and 0.19.x (Python 3.12), the releases CI tests (0.16.1 and
 0.19.2); other releases are refused with that list (SUPPORTED_MEGATRON).
 
 What it replaces (every binding of each name in the loaded ``megatron.*`` modules, so a module that did
