@@ -122,6 +122,9 @@ class DTensorTPCompression:
     def install(self) -> "DTensorTPCompression":
         """Replace the three placement methods (see the module docstring). RuntimeError: another
         DTensorTPCompression is installed, or this torch's methods differ from the ones this is written for."""
+        if not hasattr(torch._C, "_current_graph_task_id"):
+            raise RuntimeError(f"DTensor TP integration: this torch ({torch.__version__}) cannot tell a backward pass "
+                               f"apart (no torch._C._current_graph_task_id); it is written for torch 2.13")
         for cls, name, params in _PATCHED:
             fn = getattr(cls, name, None)
             if fn is None:
