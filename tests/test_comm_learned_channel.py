@@ -70,6 +70,8 @@ def test_settings_that_cannot_compress_name_the_fix():
     assert isinstance(cfg.dp_gradient, LGC)
     assert CommCompressionConfig.from_dict(cfg.to_dict()).dp_gradient == cfg.dp_gradient  # YAML round trip
     assert isinstance(make_channel("dp_gradient", cfg.dp_gradient), LearnedChannel)
+    off = make_channel("dp_gradient", CommCompressionConfig().dp_gradient)  # compression off: no autoencoder at all,
+    assert type(off).__name__ == "Channel" and off.codec.is_identity  # the plain Channel (torch.distributed's calls)
     assert LGC(chunk=512, latent=16).message_numel(1264) == 3 * 16 + 2  # 3 chunks, plus the two error sums
 
 
