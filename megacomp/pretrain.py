@@ -178,8 +178,7 @@ def _failed_collective(heartbeat) -> "int | None":
             return EXIT_RANK_LOST
         if kind == "store":
             if heartbeat.claim():
-                print(f"megacomp-pretrain: error: {heartbeat.store_lost_line(heartbeat.interval * 3)}",
-                      file=sys.stderr, flush=True)
+                print(f"megacomp-pretrain: error: {heartbeat.store_lost_line()}", file=sys.stderr, flush=True)
             return EXIT_RANK_LOST
         if kind == "exited":
             return int(beats[0].exit_status)

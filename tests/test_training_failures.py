@@ -476,3 +476,40 @@ def test_a_resumed_iteration_records_the_traffic_of_an_uninterrupted_one(tmp_pat
     run_ranks(_traffic_body, 2, replace(cfg, train_iters=2, save=ck))
     [resumed] = run_ranks(_traffic_body, 2, replace(cfg, load=ck))[0]
     assert resumed == full[-1] and resumed[1]["dp_parameter"][0] > 0
+
+
+@pytest.mark.slow
+def test_losing_rank_0_with_the_store_under_srun_is_one_line_and_status_4(tmp_path, base):
+    """srun-style launch (SLURM_* variables, no torchrun): rank 0 hosts the rendezvous store, so kill -9 of rank 0
+    takes the store with it. Rank 1 names rank 0 from the last beat it read and exits with status 4 at once."""
+    from megacomp.launch import free_port
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump({name: getattr(base, name) for name in base.explicit}))
+    port = str(free_port())
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2",
+               "SLURM_LOCALID": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env.pop("MEGACOMP_DEBUG", None)
+        procs.append(subprocess.Popen([sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file),
+                                       "--train-iters", "100000", "--distributed-timeout-minutes", "0.5"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path))
+    try:
+        for line in procs[0].stdout:
+            if line.startswith("iter      3 |"):
+                break
+        procs[0].kill()
+        start = time.monotonic()
+        _, err = procs[1].communicate(timeout=120)
+        waited = time.monotonic() - start
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[1].returncode == 4 and waited < 20, (procs[1].returncode, waited, err)
+    [line] = error_lines(err)
+    assert re.fullmatch(r"megacomp-pretrain: error: lost the rendezvous store, hosted with rank 0 \(host [^,]+, pid "
+                        rf"{procs[0].pid}\) after iteration \d+: rank 0 or its node was lost; the other ranks stop: "
+                        r"resume from the last checkpoint", line), line
+    assert not megacomp_traceback(err)

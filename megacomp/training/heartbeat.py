@@ -19,12 +19,14 @@ Two ways a verdict is reached, both bounded:
 Exactly one rank prints the verdict: the first to claim it with an atomic ``add`` on the store. A rank that
 stops cleanly (or with an error it reported) writes a last beat with its exit status, so it is never taken
 for a lost one. When the store itself cannot be reached, its host (rank 0's, under srun or mpirun; torchrun
-keeps it in its agent) was lost: the line names rank 0 with the last beat this rank read from it.
+keeps it in its agent) was lost: the line names rank 0 with the last beat this rank read from it, printed by
+one rank per surviving node (local rank 0, or local rank 1 on rank 0's node), since no store is left to
+arbitrate. After the first failed store request nothing touches the store again (each failure makes torch
+print a warning with a C++ stack).
 
-Failure behaviour: the thread never raises; a store error is counted, and the store unreachable for
-``timeout_s`` is itself the verdict. False verdicts need a process alive but unable to run a Python thread
-for ``timeout_s`` (a stopped process is exactly that) or, in :meth:`diagnose`, for three intervals after a
-collective already failed.
+Failure behaviour: the thread never raises; the store unreachable for ``timeout_s`` is itself the verdict. False
+verdicts need a process alive but unable to run a Python thread for ``timeout_s`` (a stopped process is exactly
+that) or, in :meth:`diagnose`, for three intervals after a collective already failed.
 """
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch.distributed as dist
+
+from ..launch import detect_launch_env
 
 PREFIX = "megacomp/heartbeat/"
 VERDICT_KEY = PREFIX + "verdict"
@@ -82,11 +86,12 @@ class Heartbeat:
             the line when it did) when the watched peer is lost; it should end the process.
         store, rank, world: the store and this rank's place (default: the default group's).
         interval: seconds between beats (default :func:`heartbeat_interval`).
+        local_rank: this rank's place on its node (default: the launcher's, megacomp.launch.detect_launch_env).
     """
 
     def __init__(self, timeout_s: float, progress: Callable[[], int], on_verdict: Callable[[str, bool], None],
                  store=None, rank: Optional[int] = None, world: Optional[int] = None,
-                 interval: Optional[float] = None) -> None:
+                 interval: Optional[float] = None, local_rank: Optional[int] = None) -> None:
         self.timeout_s = float(timeout_s)
         self.interval = interval if interval is not None else heartbeat_interval(self.timeout_s)
         self.progress, self.on_verdict = progress, on_verdict
@@ -94,6 +99,8 @@ class Heartbeat:
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
         self.host, self.pid = socket.gethostname(), os.getpid()
+        self.local_rank = detect_launch_env().local_rank if local_rank is None else local_rank
+        self.store_failed_at: Optional[float] = None  # monotonic time of the first failed store request
         self.count = 0
         self.known: dict[int, Beat] = {}  # the last beat read per rank (the watched peer's and rank 0's)
         self._stop = threading.Event()
@@ -112,10 +119,11 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 1.0)
-        try:
-            self._beat(exit_status=exit_status)
-        except Exception:  # noqa: BLE001 - the store went away with its host: nobody is left to read it
-            pass
+        if self.store_failed_at is None:
+            try:
+                self._beat(exit_status=exit_status)
+            except Exception:  # noqa: BLE001 - the store went away with its host: nobody is left to read it
+                pass
 
     # -- the thread ---------------------------------------------------------------------------------------
     def _beat(self, exit_status: Optional[int] = None) -> None:
@@ -140,19 +148,20 @@ class Heartbeat:
         peer = (self.rank + 1) % self.world
         watched = self.world > 1
         last_count, since = None, time.monotonic()
-        store_down_since = None
         while not self._stop.wait(self.interval):
+            if self.store_failed_at is not None:  # judged without touching the store again
+                silent = time.monotonic() - self.store_failed_at
+                if silent > self.timeout_s and not self._stop.is_set():
+                    self.on_verdict(self.store_lost_line(), self.store_reporter())
+                    return
+                continue
             try:
                 self._beat()
                 beat = self.read(peer) if watched else None
                 if peer != 0 and watched:
                     self.read(0)  # rank 0's host and iteration, for the line when the store goes with it
-                store_down_since = None
-            except Exception:  # noqa: BLE001 - the store's host stopped answering; judged below
-                store_down_since = store_down_since or time.monotonic()
-                if time.monotonic() - store_down_since > self.timeout_s and not self._stop.is_set():
-                    self.on_verdict(self.store_lost_line(time.monotonic() - store_down_since), True)
-                    return
+            except Exception:  # noqa: BLE001 - the store's host stopped answering; judged above from now on
+                self.store_failed_at = self.store_failed_at or time.monotonic()
                 continue
             now = time.monotonic()
             if beat is None or beat.exit_status is not None:
@@ -173,19 +182,28 @@ class Heartbeat:
 
     def claim(self) -> bool:
         """Whether this rank is the first to claim the verdict (the one that prints it); atomic on the store.
-        A store that cannot be reached makes every rank that asks the claimant."""
+        Without a store, :meth:`store_reporter` decides."""
+        if self.store_failed_at is not None:
+            return self.store_reporter()
         try:
             return self.store.add(VERDICT_KEY, 1) == 1
-        except Exception:  # noqa: BLE001 - no store, no arbiter: better twice than never
-            return True
+        except Exception:  # noqa: BLE001 - no store, no arbiter
+            self.store_failed_at = time.monotonic()
+            return self.store_reporter()
 
-    def store_lost_line(self, silent_s: float) -> str:
+    def store_reporter(self) -> bool:
+        """Whether this rank prints a verdict no store can arbitrate: local rank 0 of each node, and local rank 1
+        on rank 0's node (whose local rank 0 is the one lost): one line per surviving node."""
+        r0 = self.known.get(0)
+        return self.local_rank == 0 or (self.local_rank == 1 and (r0 is None or r0.host == self.host))
+
+    def store_lost_line(self) -> str:
         """The verdict when the store stopped answering: its host went away, with rank 0 under srun/mpirun."""
         r0 = self.known.get(0)
-        where = f"rank 0 (host {r0.host}, pid {r0.pid}) last reported iteration {r0.iteration}" if r0 else \
-            "rank 0 never reported"
-        return (f"lost the rendezvous store for {silent_s:.0f} s (its host is gone; {where}): a rank or node was "
-                f"lost; the other ranks stop: resume from the last checkpoint")
+        it = max(r0.iteration if r0 else 0, int(self.progress()))
+        where = f"rank 0 (host {r0.host}, pid {r0.pid}) after iteration {it}" if r0 else f"after iteration {it}"
+        return (f"lost the rendezvous store, hosted with {where}: rank 0 or its node was lost; the other ranks "
+                f"stop: resume from the last checkpoint")
 
     # -- after a failed collective ------------------------------------------------------------------------
     def diagnose(self, window_s: Optional[float] = None) -> tuple[str, list[Beat]]:
@@ -195,6 +213,8 @@ class Heartbeat:
         their own when none is lost, ``("store", [])`` when the store cannot be reached, else ``("", [])``."""
         window_s = max(1.0, 3 * self.interval) if window_s is None else window_s
         peers = [r for r in range(self.world) if r != self.rank]
+        if self.store_failed_at is not None:
+            return "store", []
         try:
             first = {r: self.read(r) for r in peers}
             deadline = time.monotonic() + window_s
@@ -203,6 +223,7 @@ class Heartbeat:
                 self._beat()  # the thread may be the one stopped: this rank stays visibly alive meanwhile
             second = {r: self.read(r) for r in peers}
         except Exception:  # noqa: BLE001 - the store's host went away (with rank 0 under srun / mpirun)
+            self.store_failed_at = self.store_failed_at or time.monotonic()
             return "store", []
         def still(r: int) -> bool:  # no beat at all, or a running rank's counter that did not move
             now, before = second[r], first[r]
@@ -223,5 +244,5 @@ def lost_line(lost: list[Beat], silent_s: float, own_iteration: int = 0) -> str:
     more = f" (and {len(lost) - 1} more rank{'s' * (len(lost) > 2)}: {', '.join(str(b.rank) for b in lost[1:])})" \
         if len(lost) > 1 else ""
     return (f"rank {first.rank} (host {first.host}, pid {first.pid}) stopped responding after iteration "
-            f"{max(first.iteration, own_iteration)}: no heartbeat for {silent_s:.0f} s, stalled or lost{more}; the other ranks stop: "
-            f"resume from the last checkpoint")
+            f"{max(first.iteration, own_iteration)}: no heartbeat for {silent_s:.0f} s, stalled or lost{more}; "
+            f"the other ranks stop: resume from the last checkpoint")
