@@ -76,6 +76,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, set
 from torch.futures import Future
 
 from . import checkpoint_integrity as integrity
+from . import reshard
 
 LATEST = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2
@@ -361,13 +362,11 @@ def _state(model, optimizer, extra: bytes, groups, replica: Optional[int] = None
     """What a rank writes (and, less the layout entry, reads back at the same layout): its model and optimizer
     entries, its ``extra`` bytes and its ``layout/rank<r>`` map (megacomp.training.reshard; not under replicas,
     which are never resharded)."""
-    from .reshard import layout_entries
-
     where = _where(groups, replica)
     state = {f"model/{where}": model.state_dict(), f"optim/{where}": optimizer.state_dict(),
              f"extra/rank{dist.get_rank()}": extra}
     if replica is None:
-        state.update(layout_entries(model, optimizer, groups, where))
+        state.update(reshard.layout_entries(model, optimizer, groups, where))
     return state
 
 
@@ -596,6 +595,17 @@ def _drop_optional_state(state: dict, metadata: dcp_md.Metadata) -> None:
                     del local[name]
 
 
+def _safe_load(path: str, metadata: dcp_md.Metadata, root: str, iteration: int):
+    """``load(state)``: DCP's load of ``state`` from ``path`` with the safe reader and planner, a failure raised as
+    :func:`_load_failure`'s one line (what megacomp.training.reshard reads with)."""
+    def load(state: dict) -> None:
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
+        except CheckpointException as e:
+            raise _load_failure(e, root, iteration, path) from None
+    return load
+
+
 def _load_failure(e: CheckpointException, root: str, iteration: int, path: str) -> ValueError:
     """The one-line error for a failed DCP read: the lowest rank's broken file, or the entry that does not fit."""
     failures = [exc for _, (exc, _tb) in sorted(e.failures.items())]
@@ -621,15 +631,13 @@ def load_checkpoint(root: str, model, optimizer, groups, run_info: dict,
     except _Unreadable as e:
         raise _error(e, root, iteration, path) from None
     check_compatible(saved, run_info, path)
-    from . import reshard
-
     if reshard.layout_changed(saved, run_info):
         if replica is not None or saved.get("num_replicas", 1) != 1:
             raise reshard._refuse(path, saved, run_info, "outer-loop replicas are not resharded; resume at the saved "
                                                          "layout")
         optimizer.init_state()
         extra, notes = reshard.load_resharded(path, metadata, saved, run_info, model, optimizer, groups,
-                                              lambda e: _load_failure(e, root, iteration, path))
+                                              _safe_load(path, metadata, root, iteration))
         extra["resharded"] = notes
         return iteration, extra
     optimizer.init_state()
@@ -683,11 +691,9 @@ def load_model_weights(root: str, model, groups, run_info: dict, iteration: Opti
     if diffs:
         raise ValueError(f"cannot fine-tune from {path}: its model differs from this run's ({'; '.join(diffs)}); use "
                          f"the same model shape")
-    from . import reshard
-
     if any(saved.get(k) != run_info.get(k) for k in reshard.LAYOUT_FIELDS[:3]):
         reshard.load_resharded(path, metadata, saved, run_info, model, None, groups,
-                               lambda e: _load_failure(e, root, iteration, path), weights_only=True)
+                               _safe_load(path, metadata, root, iteration), weights_only=True)
         return iteration
     where = _where(groups, None)
     state = {f"model/{where}": model.state_dict()}  # DCP loads just these entries

@@ -53,7 +53,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.metadata as dcp_md
 
 LAYOUT_VERSION = 1
@@ -134,22 +133,15 @@ def _refuse(path: str, saved: dict, run_info: dict, why: str) -> ValueError:
                       f"{why}")
 
 
-def _read(path: str, metadata: dcp_md.Metadata, keys: list[str], fail) -> dict[str, Any]:
-    """The entries ``keys`` of the checkpoint, read with the safe reader (a collective: every rank calls it,
-    each with its own keys). ``fail(exception)`` turns a DCP failure into the error to raise."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from .checkpoint import SafeFileSystemReader, SafeLoadPlanner
-
+def _read(metadata: dcp_md.Metadata, keys: list[str], load) -> dict[str, Any]:
+    """The entries ``keys`` of the checkpoint (a collective: every rank calls it, each with its own keys):
+    ``load(template)`` fills a flat template with the checkpoint's safe reader (megacomp.training.checkpoint)."""
     state: dict[str, Any] = {}
     for k in keys:
         md = metadata.state_dict_metadata[k]
         state[k] = (torch.empty(md.size, dtype=md.properties.dtype) if isinstance(md, dcp_md.TensorStorageMetadata)
                     else b"")
-    try:
-        dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata), planner=SafeLoadPlanner())
-    except CheckpointException as e:
-        raise fail(e) from None
+    load(state)
     return state
 
 
@@ -204,18 +196,20 @@ def _my_slice(full: torch.Tensor, dim: Optional[int], tp_rank: int, tp_size: int
 
 
 def load_resharded(path: str, metadata: dcp_md.Metadata, saved: dict, run_info: dict, model, optimizer, groups,
-                   fail, weights_only: bool = False) -> tuple[Optional[dict], list[str]]:
+                   load, weights_only: bool = False) -> tuple[Optional[dict], list[str]]:
     """Load the checkpoint at ``path`` (written at another layout) into this rank's ``model`` and ``optimizer``
     (see the module docstring); a collective. ``weights_only`` (fine-tuning): the model only. Returns (the
     per-rank ``extra`` state to resume with, None when ``weights_only``; the banner notes). Raises ValueError
-    naming what cannot be resharded; ``fail(exception)`` builds the error for a broken file."""
+    naming what cannot be resharded. ``load(template)``: fills a flat {key: tensor or placeholder} template from
+    the checkpoint with the safe reader, raising the one-line error of a broken file (megacomp.training.checkpoint
+    passes it, so this module reads nothing by itself)."""
     md_keys = metadata.state_dict_metadata
     layout_keys = sorted(k for k in md_keys if k.startswith("layout/rank"))
     if not layout_keys:
         raise _refuse(path, saved, run_info, "it has no layout map (written before megacomp recorded one), so it "
                                              "cannot be resharded; resume at the saved layout")
     where = f"pp{groups.pp_rank}_tp{groups.tp_rank}"
-    old = _Saved(_read(path, metadata, layout_keys, fail))
+    old = _Saved(_read(metadata, layout_keys, load))
     names = global_names(model)
     params = dict(model.named_parameters())
     extra_keys = set(model.state_dict()) - set(names)
@@ -244,7 +238,7 @@ def load_resharded(path: str, metadata: dcp_md.Metadata, saved: dict, run_info: 
         keys.update(k for k in md_keys if k.startswith(f"optim/{first}.dp_rank_0.loss_scaler")
                     or k.startswith(f"optim/{first}.dp_rank_0.error_feedback.steps."))
         keys.add(f"extra/rank{src}")
-    got = _read(path, metadata, sorted(keys), fail)
+    got = _read(metadata, sorted(keys), load)
 
     state = {}
     for local, (glob, dim) in names.items():
