@@ -108,6 +108,16 @@ def _quantized(bucket_group) -> bool:
     return any(check(p) for b in bucket_group.buckets for p in b.params_list for check in checks)
 
 
+def _wait_for_cuda_graph_gradients(bucket_group) -> None:
+    """0.19: a CUDA-graph replay fills gradients asynchronously; wait for its events (none without graphs)."""
+    events = {id(e): e for b in bucket_group.buckets for p in b.params_list
+              if (e := getattr(p, "_cudagraph_wgrad_ready_event", None)) is not None}
+    if events:
+        stream = torch.cuda.current_stream()
+        for event in events.values():
+            stream.wait_event(event)
+
+
 class DDPPatch:
     """The replacement methods of one ``MegatronCompression`` (built by :func:`install`)."""
 
@@ -157,11 +167,17 @@ class DDPPatch:
         if g.is_first_batch and g.grad_reduce_handle is not None:
             return None  # dispatched already in the first batch (megatron-core's rule)
         assert g.grad_reduce_handle is None, "Should not have multiple communication calls outstanding at once"
+        _wait_for_cuda_graph_gradients(g)
+        for bucket in g.buckets:  # 0.19: gradients accumulated outside the buffer (higher-precision main_grad)
+            for param in getattr(bucket, "params_with_extra_main_grads", ()):
+                if getattr(param, "main_grad_copy_in_grad_buffer", None) is not None:
+                    param.main_grad_copy_in_grad_buffer.copy_(param.main_grad)
         if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
             g.check_grads(check_for_nan_or_inf=cfg.check_for_nan_in_grad, check_for_large=cfg.check_for_large_grads)
-        for bucket in g.buckets:  # already includes 1/dp when the collective sums (megatron-core's scaling)
-            if bucket.gradient_scaling_factor != 1.0:
-                bucket.grad_data *= bucket.gradient_scaling_factor
+        with torch.no_grad():  # already includes 1/dp when the collective sums (megatron-core's scaling)
+            for bucket in g.buckets:
+                if bucket.gradient_scaling_factor != 1.0:
+                    bucket.grad_data *= bucket.gradient_scaling_factor
         op = ReduceOp.AVG if cfg.average_in_collective else ReduceOp.SUM
         async_op = bool(cfg.overlap_grad_reduce)
         scatter = cfg.use_distributed_optimizer and not force_all_reduce

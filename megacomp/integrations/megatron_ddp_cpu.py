@@ -3,8 +3,8 @@
 
 megatron-core allocates its data-parallel buffers and a few optimizer scalars on CUDA and checks parameter
 types by their CUDA names, so on a machine without a GPU its DDP and optimizer do not construct. Exactly
-three things stand in the way (megatron-core 0.16 and 0.19), and :func:`megatron_on_cpu` changes only them,
-for as long as it is entered:
+these things stand in the way (three in megatron-core 0.16, a fourth in 0.19), and :func:`megatron_on_cpu`
+changes only them, for as long as it is entered:
 
 1. ``torch.cuda.current_device()``: the device of the gradient and parameter buffers
    (``_ParamAndGradBuffer``) and of the distributed optimizer's gather buffers. It returns ``"cpu"``.
@@ -14,6 +14,9 @@ for as long as it is entered:
 3. ``param.type()`` compared with ``'torch.cuda.FloatTensor'`` / ``'torch.cuda.BFloat16Tensor'`` (the
    distributed and mixed-precision optimizers' parameter check): the same mode answers a CPU tensor's
    ``.type()`` (no arguments) with the CUDA name of its dtype.
+4. ``torch.cuda.current_stream()`` (0.19's ``start_grad_sync`` waits on CUDA-graph events of the parameters
+   on it): it returns a CPU stand-in whose ``wait_event`` / ``wait_stream`` / ``synchronize`` do nothing
+   (CPU work is ordered already; there are no events without CUDA graphs).
 
 For a ``GPTModel``, the layer spec's core attention also needs a swap on CPU: megatron-core's
 ``DotProductAttention`` forks the CUDA RNG tracker for its dropout; :class:`TorchSDPA` is the same causal
@@ -25,8 +28,8 @@ so stock megatron-core runs unmodified on CPU and a comparison against it is a r
 a GPU do not use this (megatron-core runs there as it is).
 
 Failure behaviour: entering it while CUDA is available raises RuntimeError (it would move a GPU job's
-buffers to the CPU); nesting it raises RuntimeError. Leaving it restores ``torch.cuda.current_device``
-and pops the mode.
+buffers to the CPU); nesting it raises RuntimeError. Leaving it restores ``torch.cuda.current_device`` and
+``torch.cuda.current_stream`` and pops the mode.
 """
 from __future__ import annotations
 
@@ -59,6 +62,19 @@ class _CudaNamesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _CpuStream:
+    """What megatron-core asks of ``torch.cuda.current_stream()``, on the CPU: ordering is program order."""
+
+    def wait_event(self, event) -> None:
+        """Nothing to wait for: CPU ops run in program order."""
+
+    def wait_stream(self, stream) -> None:
+        """Nothing to wait for: CPU ops run in program order."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: CPU ops run in program order."""
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Let megatron-core's DDP and optimizer allocate on the CPU (see the module docstring).
@@ -69,22 +85,25 @@ def megatron_on_cpu() -> Iterator[None]:
     if torch.cuda.is_available():
         raise RuntimeError("megatron_on_cpu: CUDA is available; megatron-core runs on the GPU as it is, "
                            "do not move its buffers to the CPU")
-    original = torch.cuda.current_device
+    original, original_stream = torch.cuda.current_device, torch.cuda.current_stream
     if getattr(original, "_megacomp_on_cpu", False):  # refused rather than silently stacked
         raise RuntimeError("megatron_on_cpu is already entered (it cannot be nested)")
 
     def current_device() -> str:
         return "cpu"
 
+    def current_stream(device=None) -> _CpuStream:
+        return _CpuStream()
+
     current_device._megacomp_on_cpu = True
     mode = _CudaNamesOnCpu()
-    torch.cuda.current_device = current_device
+    torch.cuda.current_device, torch.cuda.current_stream = current_device, current_stream
     mode.__enter__()
     try:
         yield
     finally:
         mode.__exit__(None, None, None)
-        torch.cuda.current_device = original
+        torch.cuda.current_device, torch.cuda.current_stream = original, original_stream
 
 
 class TorchSDPA(torch.nn.Module):
