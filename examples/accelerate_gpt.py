@@ -4,7 +4,8 @@
     torchrun --standalone --nproc-per-node 2 examples/accelerate_gpt.py [--steps 16]
 
 On 2 CPU ranks (gloo; Accelerate's MULTI_CPU mode wraps the prepared model in DDP), counting sequences:
-- uncompressed: megacomp's hook with codec None (DDP's default averaging, counted);
+- uncompressed: megacomp's hook with codec None (DDP's default averaging, counted), which must equal
+  Accelerate's DDP without megacomp bit for bit;
 - int4 + LoCo error feedback per bucket (``compress_ddp``), ``accelerator.save_state`` halfway;
 - a fresh model, optimizer, hook state and Accelerator resuming with ``accelerator.load_state``.
 It checks that the loss falls, prints the wire bytes (``wire_megabytes``, as ``accelerator.log`` would take
@@ -47,8 +48,9 @@ def run(codec, steps: int, save_at: int | None = None, resume_from: str | None =
     model = GPTModel(cfg, ModelParallelConfig(process_groups=groups))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model, opt = accelerator.prepare(model, opt)
-    compress_ddp(accelerator, model, CompressedHookState(codec=codec, error_feedback="loco" if codec else None,
-                                                         min_compress_numel=4096))
+    if codec != "stock":  # "stock": Accelerate's DDP as it comes, without megacomp
+        compress_ddp(accelerator, model, CompressedHookState(codec=codec, error_feedback="loco" if codec else None,
+                                                             min_compress_numel=4096))
     first = 0
     if resume_from is not None:
         accelerator.load_state(resume_from)
@@ -81,6 +83,7 @@ def main() -> None:
     box = [tempfile.mkdtemp(prefix="accelerate_ckpt_") if rank == 0 else None]
     dist.broadcast_object_list(box)
     exact = run(None, args.steps)
+    assert exact == run("stock", args.steps), "megacomp's hook with codec None must equal Accelerate's DDP bit for bit"
     straight = run("int4", args.steps, save_at=half, ckpt=box[0])
     wire = wire_megabytes()
     resumed = run("int4", args.steps, save_at=half, resume_from=box[0])
@@ -90,7 +93,8 @@ def main() -> None:
     budget = max(abs(a - b) for a, b in zip(tail, exact[half:]))
     ok = torch.tensor([int(resumed[0] == tail[0] and drift < budget)])
     dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    how = f"first loss bit-identical, then within {drift:.2e} of it (compression moves it {budget:.2e})"
+    how = (f"first loss bit-identical, then within {drift:.2e} of it (compression moves it {budget:.2e}); codec None "
+           f"equals stock Accelerate DDP bit for bit")
     if rank == 0:
         print(f"accelerate ddp: uncompressed loss {exact[0]:.4f} -> {exact[-1]:.4f}; int4 + LoCo {straight[0]:.4f} -> "
               f"{straight[-1]:.4f}; wire: " + ", ".join(f"{k} {v:.3f}" for k, v in wire.items()))

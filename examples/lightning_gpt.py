@@ -14,7 +14,8 @@ then a fresh model, optimizer and megacomp state resume with ``trainer.fit(..., 
 checks that the loss falls and prints the wire bytes (also logged as ``megacomp/dp_gradient_MB``). Resume:
 FSDP2's resumed losses equal the straight run's bit for bit; DDP's first resumed loss does, and since the
 fresh DDP's first iteration averages uncompressed (megacomp.integrations.rank_state says why), the later ones
-must stay nearer the straight run than compression moves the curve (a third run, codec None, measures that).
+must stay nearer the straight run than compression moves the curve (a third run, codec None, measures that;
+it must equal a fourth, stock Lightning DDP without megacomp, bit for bit).
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def make_module(fsdp: bool):
 
 
 def fit(strategy_name: str, epochs: int, ckpt_dir: str, resume_from: str | None = None, codec="int4") -> list[float]:
-    """One Lightning run; returns this rank's losses (from the resumed step on, when resuming)."""
+    """One Lightning run; returns this rank's losses (from the resumed step on, when resuming). ``codec="stock"``:
+    plain Lightning DDP, without megacomp."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -96,15 +98,18 @@ def fit(strategy_name: str, epochs: int, ckpt_dir: str, resume_from: str | None 
 
     module = make_module(fsdp=strategy_name == "fsdp2")
     if strategy_name == "ddp":
-        hook = CompressedHookState(codec=codec, error_feedback="loco" if codec else None, min_compress_numel=4096)
+        hook = CompressedHookState(codec=None if codec == "stock" else codec, error_feedback="loco" if codec not in
+                                   (None, "stock") else None, min_compress_numel=4096)
         strategy, megacomp = DDPStrategy(process_group_backend="gloo"), MegacompCallback(ddp_hook=hook)
+        if codec == "stock":
+            megacomp = None
     else:
         strategy = ModelParallelStrategy(data_parallel_size=dist.get_world_size(), tensor_parallel_size=1,
                                          save_distributed_checkpoint=True, process_group_backend="gloo")
         megacomp = MegacompCallback(fsdp=lambda: module.fsdp)
     saver = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
     trainer = L.Trainer(accelerator="cpu", devices=dist.get_world_size(), strategy=strategy, max_epochs=epochs,
-                        callbacks=[megacomp, saver], logger=False, enable_progress_bar=False,
+                        callbacks=[c for c in (megacomp, saver) if c is not None], logger=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=True)
     comm.reset_stats()
     trainer.fit(module, ckpt_path=resume_from)
@@ -133,11 +138,15 @@ def main() -> None:
         if name == "ddp":  # the resumed DDP's first iteration is exact (megacomp.integrations.lightning): not bit for
             # bit, so: the first resumed loss equals the straight run's (model, optimizer, data restored), and every
             # later one is nearer the straight run than compression itself moves the curve (vs codec None)
-            exact = fit(name, args.epochs, box[0] + "_exact", codec=None)[half * STEPS_PER_EPOCH:]
+            exact_all = fit(name, args.epochs, box[0] + "_exact", codec=None)
+            stock = fit(name, args.epochs, box[0] + "_stock", codec="stock")
+            assert exact_all == stock, "megacomp's hook with codec None must equal stock Lightning DDP bit for bit"
+            exact = exact_all[half * STEPS_PER_EPOCH:]
             drift = max(abs(a - b) for a, b in zip(resumed, tail))
             budget = max(abs(a - b) for a, b in zip(tail, exact))
             same = resumed[0] == tail[0] and drift < budget
-            how = f"first loss bit-identical, then within {drift:.2e} of it (compression moves it {budget:.2e})"
+            how = (f"first loss bit-identical, then within {drift:.2e} of it (compression moves it {budget:.2e}); "
+                   f"codec None equals stock Lightning DDP bit for bit")
         else:
             same = resumed == tail
             how = "bit-identical"
@@ -151,7 +160,7 @@ def main() -> None:
         assert outcome.item(), f"{name}: resume must continue the straight run ({how})"
         dist.barrier()
         if rank == 0:
-            for suffix in ("", "_resumed", "_exact"):
+            for suffix in ("", "_resumed", "_exact", "_stock"):
                 shutil.rmtree(box[0] + suffix, ignore_errors=True)
     dist.destroy_process_group()
 
