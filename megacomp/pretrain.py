@@ -13,7 +13,7 @@ stood still for ``--distributed-timeout-minutes``, or a collective failed while 
 megacomp.training.heartbeat; one survivor names the rank, its host and the last iteration it reached, the
 others stop without a word); 1 for anything else (a traceback: a bug, or a failure of the machine).
 
-A rank that stops on an error it reported itself (a ``--save`` path that is a file, say, seen by rank 0 only)
+A rank that stops on an error it reported itself (an unwritable ``--log-dir``, say: only rank 0 writes there)
 says so in its last heartbeat before its sockets close; the ranks whose collectives then fail exit with the
 same status and print nothing (no gloo tracebacks after the line).
 
