@@ -84,3 +84,13 @@ def test_memory_per_device():
     assert memory_per_device(MODEL, lay, Method("d", "ddp_buckets")) == pytest.approx(18 * n + acts)
     ef = Method("z", "zero1", compression={"dp_gradient_error_feedback": "loco"})
     assert memory_per_device(MODEL, lay, ef) == pytest.approx(2 * n + 4 * n + 12 * n / 4 + 4 * n + acts)
+
+
+def test_zero2_reduces_every_micro_batch_behind_its_backward():
+    c, lay = two_nodes(), Layout(1, 1, 2)
+    one = {t.path: t for t in estimate(MODEL, lay, c, Method("z1", "zero1")).transfers}["dp_gradient"]
+    two = {t.path: t for t in estimate(MODEL, lay, c, Method("z2", "zero2")).transfers}["dp_gradient"]
+    M = 8 // (2 * 2)
+    assert two.seconds == pytest.approx(M * one.seconds)
+    assert two.exposed_s == pytest.approx(M * max(0.0, one.seconds - 2 / 3 * t_mb()))
+    assert two.tier_bytes["inter_node"] == pytest.approx(M * one.tier_bytes["inter_node"])

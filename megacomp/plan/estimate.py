@@ -208,23 +208,25 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
         inner, outer = split_groups(dpg, replicas) if replicas > 1 else (dpg, [])
         dpg = inner
     shard = math.ceil(n_shard / len(dpg[0]))
+    gdt = BF16 if method.gradient_dtype in ("float16", "bfloat16") else FP32
     window_bwd = 2.0 / 3.0 * t_mb  # the last micro-batch's backward: gradients are final only there
     window_fwd = 1.0 / 3.0 * t_mb
     if sched in ("zero1", "zero2", "acco", "local_steps"):
-        t_rs, tb_rs = collective_seconds(routes, dpg, "reduce_scatter", codecs["dp_gradient"], shard, FP32)
+        t_rs, tb_rs = collective_seconds(routes, dpg, "reduce_scatter", codecs["dp_gradient"], shard, gdt)
         t_ag, tb_ag = collective_seconds(routes, dpg, "all_gather", codecs["dp_parameter"], shard, BF16)
         k = 2 if sched == "acco" else 1
+        k_rs = M if sched == "zero2" else k  # megacomp's ZeRO-2 reduce-scatters every micro-batch's gradients
         if sched == "acco":  # both halves' exchanges run while the next half computes
             e_rs = max(0.0, k * (t_rs + t_ag) - t_pipe)
             e_ag = 0.0
         else:
-            e_rs = max(0.0, t_rs - window_bwd) if sched == "zero2" else t_rs
+            e_rs = M * max(0.0, t_rs - window_bwd) if sched == "zero2" else t_rs
             e_ag = max(0.0, t_ag - window_fwd) if method.overlap_param_gather else t_ag
-        transfers += [Transfer("dp_gradient", k * t_rs, e_rs, _scaled(tb_rs, k)),
+        transfers += [Transfer("dp_gradient", k_rs * t_rs, e_rs, _scaled(tb_rs, k_rs)),
                       Transfer("dp_parameter", k * t_ag, e_ag, _scaled(tb_ag, k))]
         exposed_dp += e_rs + e_ag
     elif sched == "ddp_buckets":
-        t_ar, tb = collective_seconds(routes, dpg, "all_reduce", codecs["dp_gradient"], n_shard, FP32)
+        t_ar, tb = collective_seconds(routes, dpg, "all_reduce", codecs["dp_gradient"], n_shard, gdt)
         e = max(0.0, t_ar - window_bwd)
         transfers.append(Transfer("dp_gradient", t_ar, e, tb))
         exposed_dp += e

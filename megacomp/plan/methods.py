@@ -8,7 +8,8 @@ Schedules (what overlaps what; megacomp.plan.estimate costs them):
   zero1            gradients reduce-scattered after backward, parameters all-gathered after the step
                    (megacomp's sharded AdamW; ``overlap_param_gather``: the all-gather hidden behind the next
                    forward of the first micro-batch)
-  zero2            as zero1, the reduce-scatter in buckets during the last backward
+  zero2            megacomp's ZeRO-2: every micro-batch's gradients reduce-scattered in buckets during its own
+                   backward (M x ZeRO-1's reduce-scatter bytes), only the 1/DP gradient shard kept
   acco             gradients and parameters exchanged while the next step computes (ACCO: twice zero1's bytes,
                    one step of delay)
   onebit           1-bit Adam after its warm-up: the momentum all-reduced as signs in ``step()`` (exposed)
@@ -39,6 +40,9 @@ class Method:
     """Codec spec of TP / SP activations and their gradients."""
     pp: Any = None
     """Codec spec of pipeline activations and gradients."""
+    gradient_dtype: str = "float32"
+    """Dtype the DP gradients travel in uncompressed: megacomp keeps fp32 main gradients; ``float16`` /
+    ``bfloat16`` for engines that reduce half-precision gradients (DeepSpeed's fp16 Adam)."""
     overlap_param_gather: bool = False
     """zero1: hide the parameter all-gather behind the next forward."""
     outer_steps: int = 0
@@ -100,6 +104,9 @@ def catalogue(replicas: int = 1) -> list[Method]:
                                  tp_forward=TP_INT8, tp_backward=TP_INT8, sp_all_gather=TP_INT8,
                                  sp_reduce_scatter=TP_INT8, pp_activation=INT8, pp_gradient=INT8),
                flags={"overlap_param_gather": True}),
+        Method("ZeRO-2 int8 grads and params", "zero2", dp_gradient=INT8, dp_parameter=INT8_P, tp=TP_INT8, pp=INT8,
+               loss_cost="as all_int8's DP paths (int8 gradients without error feedback; convergence_ablation)",
+               compression={"preset": "all_int8"}, flags={"zero_stage": 2}),
         Method("ACCO int4+LoCo / int8", "acco", dp_gradient=INT4, dp_parameter=INT8_P, tp=TP_INT8, pp=INT8,
                loss_cost="+0.41% +- 0.17% at 2000 iterations (convergence_acco_long)",
                compression=_comp(dp_gradient=INT4, dp_gradient_error_feedback="loco", dp_parameter=INT8_P,
