@@ -1,4 +1,5 @@
-"""megatron-core's GPTModel at TP 2 with its tensor-parallel traffic compressed by megacomp.
+"""megatron-core's GPTModel at TP 2, then at DP 2 under its own DistributedDataParallel and DistributedOptimizer,
+with the tensor-parallel and then the data-parallel traffic compressed by megacomp.
 
     torchrun --standalone --nproc-per-node 2 examples/megatron_gpt.py [--codec int8] [--steps 20]
 
@@ -12,6 +13,13 @@ tested on the layers only (tests/test_integrations_megatron.py).
 It trains a few steps on counting sequences twice from the same initialisation, without megacomp and with
 ``MegatronCompression`` (int8 on tp_forward / sp paths, int8 + error feedback on tp_backward), and prints
 both losses and the TP bytes megacomp put on the wire. With ``--codec none`` both runs match bit for bit.
+
+Then the same model at TP 1 x DP 2 (each rank its own batches) under megatron-core's ``DistributedDataParallel``
+(overlap_grad_reduce, overlap_param_gather) and ``DistributedOptimizer`` (Adam), again twice: stock, and with
+``MegatronCompression`` on dp_gradient (the codec + LoCo error feedback per bucket) and dp_parameter (the codec).
+megatron-core allocates their buffers on CUDA, so on a CPU-only torch this part runs inside
+``megatron_on_cpu()`` (megacomp.integrations.megatron_ddp_cpu: the buffers' device, 'cuda' scalars and CUDA type
+names, nothing else); on GPU ranks leave that out and put the model on the GPU.
 """
 from __future__ import annotations
 
@@ -22,18 +30,18 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megacomp.integrations.megatron_ddp_cpu import TorchSDPA
+from megacomp.integrations.megatron_ddp_cpu import TorchSDPA, megatron_on_cpu
 
 warnings.filterwarnings("ignore", module="megatron")  # "Apex / Transformer Engine not installed" notices
 
 
-def build(vocab: int, seq: int):
+def build(vocab: int, seq: int, tp: int):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, use_cpu_initialization=True,
-                            tensor_model_parallel_size=dist.get_world_size(), params_dtype=torch.float32)
+                            tensor_model_parallel_size=tp, params_dtype=torch.float32)
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = TorchSDPA
     torch.manual_seed(0)  # every TP rank draws the same full weights and keeps its shard
@@ -41,7 +49,7 @@ def build(vocab: int, seq: int):
 
 
 def train(steps: int, vocab: int, seq: int) -> list[float]:
-    model = build(vocab, seq)
+    model = build(vocab, seq, tp=dist.get_world_size())
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step in range(steps):
@@ -54,6 +62,43 @@ def train(steps: int, vocab: int, seq: int) -> list[float]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    return losses
+
+
+def train_data_parallel(steps: int, vocab: int, seq: int, config) -> list[float]:
+    """megatron-core's DDP + distributed optimizer training step, under ``MegatronCompression(config)``
+    (``None``: stock megatron-core); the losses averaged over the DP ranks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megacomp.integrations.megatron import MegatronCompression
+
+    model = build(vocab, seq, tp=1)
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(
+        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=40_000), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, use_distributed_optimizer=True,
+                                                 clip_grad=1.0), [ddp])
+    comp = MegatronCompression(config).register(ddp) if config else None
+    losses = []
+    if comp is not None:
+        comp.install()
+    try:
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step * dist.get_world_size() + dist.get_rank())  # each DP rank its own
+            ids = (torch.randint(0, vocab, (4, 1), generator=g) + torch.arange(seq)) % vocab
+            pos = torch.arange(seq).unsqueeze(0).expand(4, -1)
+            ddp.zero_grad_buffer()
+            opt.zero_grad()
+            loss = ddp(ids, pos, None, labels=torch.roll(ids, -1, 1)).mean()
+            loss.backward()
+            ddp.finish_grad_sync()  # the last bucket groups' reduce-scatters complete here
+            opt.step()  # its parameter all-gather is dispatched by the next forward (overlap_param_gather)
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / dist.get_world_size())
+    finally:
+        if comp is not None:
+            comp.uninstall()
     return losses
 
 
@@ -91,6 +136,26 @@ def main() -> None:
             print("compression off: bit-identical to megatron-core")
         assert compressed[-1] < compressed[0], "the compressed run must train"
     ps.destroy_model_parallel()
+
+    with megatron_on_cpu():  # megatron-core's DDP buffers on the CPU (see the module docstring)
+        ps.initialize_model_parallel()  # TP 1: every rank is a data-parallel replica
+        plain = train_data_parallel(args.steps, vocab, seq, None)
+        dp_config = {"dp_gradient": codec, "dp_gradient_error_feedback": "loco" if codec else None,
+                     "dp_parameter": codec, "min_compress_numel": 1024}
+        comm.reset_stats()
+        compressed = train_data_parallel(args.steps, vocab, seq, dp_config)
+        ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        print(f"data parallel (megatron-core DDP + DistributedOptimizer, DP {dist.get_world_size()}): {dp_config}")
+        for step in (0, args.steps // 2, args.steps - 1):
+            print(f"step {step + 1:3d}  loss megatron-core {plain[step]:.5f}  with megacomp {compressed[step]:.5f}")
+        for path, s in sorted(comm.stats().items()):
+            print(f"  {path:18s} {s.calls:5d} calls  {s.wire_bytes / 1e6:8.3f} MB on the wire  "
+                  f"({s.ratio:.3f} of {s.uncompressed_bytes / 1e6:.3f} MB uncompressed)")
+        if codec is None:
+            assert plain == compressed, "compression off must match megatron-core's DDP bit for bit"
+            print("compression off: bit-identical to megatron-core's DDP and distributed optimizer")
+        assert compressed[-1] < compressed[0], "the compressed data-parallel run must train"
     dist.destroy_process_group()
 
 

@@ -15,17 +15,18 @@ export OMP_NUM_THREADS=1
 MEGATRON_CORE_NEWEST=0.19.2
 t0=$SECONDS
 PY312=${PY312:-}
+if [ -z "$PY312" ]; then  # the first candidate that really runs Python 3.12 (a pyenv shim may exist but not run)
+  root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+  for cand in "$(command -v python3.12 || true)" $(ls -d "$root"/versions/3.12*/bin/python 2>/dev/null | sort -rV); do
+    if [ -n "$cand" ] && "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+      PY312=$cand
+      break
+    fi
+  done
+fi
 if [ -z "$PY312" ]; then
-  if command -v python3.12 >/dev/null 2>&1; then
-    PY312=$(command -v python3.12)
-  elif command -v pyenv >/dev/null 2>&1 && ls -d "$(pyenv root)"/versions/3.12*/bin/python >/dev/null 2>&1; then
-    PY312=$(ls -d "$(pyenv root)"/versions/3.12*/bin/python | sort -V | tail -1)
-  elif ls -d "$HOME"/.pyenv/versions/3.12*/bin/python >/dev/null 2>&1; then
-    PY312=$(ls -d "$HOME"/.pyenv/versions/3.12*/bin/python | sort -V | tail -1)
-  else
-    echo "ci_py312: no Python 3.12 found; install one (e.g. pyenv install 3.12) or set PY312=/path/to/python3.12" >&2
-    exit 1
-  fi
+  echo "ci_py312: no Python 3.12 found; install one (e.g. pyenv install 3.12) or set PY312=/path/to/python3.12" >&2
+  exit 1
 fi
 VENV=${MEGACOMP_PY312_VENV:-$HOME/.cache/megacomp/py312-venv}
 echo "ci_py312: $("$PY312" --version) from $PY312, venv $VENV, megatron-core $MEGATRON_CORE_NEWEST"
