@@ -15,8 +15,8 @@ Format versions (``format_version`` in megacomp.json): 1 (no field) stored error
 per pipeline communicator and the stochastic streams in a process-wide table; 2 stores them per channel.
 A checkpoint of another version is refused with a message naming both versions. A write goes to ``iter_N.tmp`` and is renamed when every rank is done, and only then does the
 ``latest`` file (itself replaced atomically) point at it: a run killed while saving keeps its last good
-checkpoint. Loading refuses a checkpoint whose model shape, parallel layout, world size or codecs differ,
-naming the fields.
+checkpoint. Loading refuses a checkpoint whose model shape, codecs or data order differ, naming the fields;
+one written at another parallel layout (TP, PP, DP, world size) is resharded (megacomp.training.reshard).
 
 Threat model: a checkpoint directory is data from somewhere else (a shared file system, a download, a
 colleague's run) and ``--load`` must not run code from it. Everything in it that is a pickle is read so:

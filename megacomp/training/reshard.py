@@ -83,12 +83,13 @@ def _stages(model) -> list[tuple[str, Any]]:
 
 
 def global_names(model) -> dict[str, tuple[str, Optional[int]]]:
-    """local parameter name -> (global name, TP split dim or None for a replicated parameter)."""
+    """local parameter name -> (global name, TP split dim or None for a replicated parameter). A module that is not
+    a GPT stage (no ``layer_range``) keeps its names."""
     out = {}
     for prefix, stage in _stages(model):
-        start = stage.layer_range.start
+        start = stage.layer_range.start if hasattr(stage, "layer_range") else None
         for name, p in stage.named_parameters():
-            if name.startswith("layers."):
+            if start is not None and name.startswith("layers."):
                 index, rest = name[len("layers."):].split(".", 1)
                 glob = f"layers.{start + int(index)}.{rest}"
             elif name == "output_weight":  # the last stage's copy of the tied word embedding
@@ -106,6 +107,8 @@ def _optimizer_map(model, optimizer) -> Optional[dict]:
         return None
     names = global_names(model)
     by_id = {id(p): names[n][0] for n, p in model.named_parameters()}
+    if any(id(p) not in by_id for b in optimizer.buckets for p in b.params):  # not the model's: nothing to map
+        return None
     order = {id(m): k for k, m in enumerate(p for g in optimizer.optimizer.param_groups for p in g["params"])}
     buckets = [{"padded": b.padded, "compressed": b.compressed, "state": order[id(m)], "group": b.group,
                 "params": [[by_id[id(p)], off, p.numel(), list(p.shape)] for p, off in zip(b.params, b.offsets)]}
