@@ -11,7 +11,9 @@ with a checkpoint. Each case resumes it at another layout and checks:
   layouts sum in different orders, so their losses differ by round-off that the steps carry on; a resume that
   moved anything wrongly is off by orders of magnitude more (the losses change by ~0.07 per iteration here).
 With compression (loco4: int4 DP gradients with LoCo error feedback), DP 2 -> 4 resumes every DP rank from the
-mean of the saved residuals: the residual sum divided by the DP size, which the next reduction owes, is kept.
+mean of the saved residuals: the residual sum divided by the DP size, which the next reduction owes, is kept; the
+int4 blocks then cover other buckets, so the losses differ by the codec's error, and the check is that the curve
+continues (within one iteration's mean progress).
 """
 import dataclasses
 import json
@@ -113,7 +115,13 @@ def tp2(base, tmp_path_factory):
     return (*_source(replace(base, tensor_model_parallel_size=2), 4, root), root)
 
 
-def _check_resume(cfg, world, root, source_losses, source_state, kinds=("model", "master", "exp_avg", "exp_avg_sq")):
+def _check_resume(cfg, world, root, source_losses, source_state, kinds=("model", "master", "exp_avg", "exp_avg_sq"),
+                  lossy=False):
+    """Resume ``root`` at ``cfg``'s layout on ``world`` ranks; check the state and the losses (see the module
+    docstring; ``lossy``: a codec quantizes other buckets at the new layout, so the losses may differ by the codec's
+    error rather than round-off: they must then stay within one iteration's mean progress of the uninterrupted run
+    at the new layout, which a resume that lost or misplaced state does not). Returns (resumed losses,
+    uninterrupted losses, resumed global state)."""
     resumed = run_ranks(_run, world, replace(cfg, load=str(root)), True)
     assert all(r[2] for r in resumed)
     state = _gather(resumed)
@@ -127,6 +135,8 @@ def _check_resume(cfg, world, root, source_losses, source_state, kinds=("model",
     # (the layouts' sums) can leave the losses of the uninterrupted runs equal while a resumed one moves by an ulp
     rounding = 4 * torch.finfo(torch.float32).eps * max(abs(x) for x in straight)
     envelope = max(rounding, *(abs(a - b) for a, b in zip(source_losses, straight)))
+    if lossy:
+        envelope = sum(abs(a - b) for a, b in zip(straight, straight[1:])) / (len(straight) - 1)
     for i, loss in enumerate(got, start=SAVE_AT):
         assert abs(loss - straight[i]) <= envelope, (i, loss, straight[i], envelope)
     return got, straight, state
@@ -177,7 +187,7 @@ def test_finetune_from_another_layout(base, tp2):
 def test_error_feedback_residuals_keep_their_sum_at_another_dp_size(base, tmp_path):
     cfg = replace(base, compression="loco4")
     losses, state = _source(replace(cfg, tensor_model_parallel_size=2), 4, tmp_path / "ckpt")
-    _, _, resumed = _check_resume(cfg, 4, tmp_path / "ckpt", losses, state)
+    _, _, resumed = _check_resume(cfg, 4, tmp_path / "ckpt", losses, state, lossy=True)
     saved = {k[1]: v for k, v in state.items() if k[0] == "residual/dp2"}
     assert saved and any(v.abs().max() > 0 for v in saved.values())  # the codec left residuals to move
     for glob, before in saved.items():
