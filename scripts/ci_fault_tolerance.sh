@@ -10,18 +10,21 @@
 #     every one of their iterations up to the last one logged;
 #   - the quorum recovers: the restarted group's first record says it was healed from a live peer, and the
 #     survivors' last records show 3 replica groups again;
-#   - the loss falls (last < first) on every replica group, and all groups end on the same loss (they hold the
-#     same parameters after every committed step, the rejoined one included);
+#   - the loss falls (last < first) on every replica group; the restarted group's first loss is nearer the
+#     survivors' loss at that iteration than the untrained model's (it continued from the received state; each
+#     group logs the loss of its own data, so the values differ; bit-equal parameters are tested in
+#     tests/test_integrations_torchft.py);
 #   - the restarted group's log starts at the survivors' iteration (it received the iteration, not 0).
 #
-# Environment: CI_ITERS [30] iterations; KILL_AT [8] the killed group's iteration; CI_OUT
+# Environment: CI_ITERS [120] iterations (enough for the survivors to still be training when the restarted
+# group has started up); KILL_AT [8] the killed group's iteration; CI_OUT
 # [results/ci_fault_tolerance/<date>]; CI_RUN_TIMEOUT [600] s for the whole launch; PYTHON [python];
 # MEGACOMP_DATA_CACHE (tokenizer/token cache, reused between runs). Runtime on 2 busy CPU cores: see the report
 # printed at the end (about 2-4 minutes).
 set -uo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$REPO"
-ITERS=${CI_ITERS:-30}
+ITERS=${CI_ITERS:-120}
 KILL_AT=${KILL_AT:-8}
 RUN_TIMEOUT=${CI_RUN_TIMEOUT:-600}
 OUT=${CI_OUT:-$REPO/results/ci_fault_tolerance/$(date +%Y%m%d-%H%M%S)}
@@ -35,7 +38,7 @@ cleanup() { for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null; done; }
 trap cleanup EXIT
 
 PORT=$("$PYTHON" -c "import socket; s = socket.socket(); s.bind(('', 0)); print(s.getsockname()[1])")
-BIND="[::]:$PORT" HEARTBEAT_TIMEOUT_MS=2000 bash scripts/torchft_lighthouse.sh >"$OUT/lighthouse.log" 2>&1 &
+BIND="[::]:$PORT" MIN_REPLICAS=2 HEARTBEAT_TIMEOUT_MS=2000 bash scripts/torchft_lighthouse.sh >"$OUT/lighthouse.log" 2>&1 &
 PIDS+=($!)
 LIGHTHOUSE=http://localhost:$PORT
 for _ in $(seq 1 600); do grep -q "^lighthouse:" "$OUT/lighthouse.log" && break; sleep 0.1; done
@@ -44,7 +47,7 @@ grep -q "^lighthouse:" "$OUT/lighthouse.log" || { echo "ci_fault_tolerance: the 
 replica() {  # replica ID LOGDIR: one replica group (one rank) in the background
   "$PYTHON" -m megacomp.pretrain --config configs/gpt_tiny.yaml --train-iters "$ITERS" --log-interval 1 \
     --lr-warmup-iters 2 --compression dp_int8 --ft-codec int8 --ft-error-feedback ef \
-    --fault-tolerance torchft --ft-lighthouse "$LIGHTHOUSE" --ft-replica-id "$1" --ft-timeout 10 \
+    --fault-tolerance torchft --ft-lighthouse "$LIGHTHOUSE" --ft-replica-id "$1" --ft-timeout 10 --ft-min-replicas 2 --ft-quorum-timeout 120 \
     --log-dir "$2" >"$2.out" 2>&1 &
   PIDS+=($!)
 }
@@ -80,13 +83,14 @@ out, iters = sys.argv[1], int(sys.argv[2])
 def rows(name):
     return [json.loads(line) for line in open(f"{out}/{name}/metrics.jsonl")]
 r0, r1, r2, back = rows("r0"), rows("r1"), rows("r2"), rows("r2-restarted")
+at = {x["iteration"]: x["loss"] for x in r0 if x["ft_committed"]}  # the survivor's loss per committed iteration
 checks = {
     "survivors reached the last iteration": all(r[-1]["iteration"] == iters for r in (r0, r1)),
     "quorum dropped to 2 while replica 2 was down": any(x["ft_replicas"] == 2 for x in r0),
     "restarted replica healed from a live peer": back[0]["ft_healed"] and back[0]["iteration"] > 1,
     "quorum recovered to 3": r0[-1]["ft_replicas"] == 3 and back[-1]["iteration"] == iters,
     "loss falls on every replica group": all(r[-1]["loss"] < r[0]["loss"] for r in (r0, r1, back)),
-    "all groups end on the same loss": r0[-1]["loss"] == r1[-1]["loss"] == back[-1]["loss"],
+    "restarted replica continued from the trained model": back[0]["loss"] < (r0[0]["loss"] + at[back[0]["iteration"]]) / 2,
 }
 for name, ok in checks.items():
     print(f"ci_fault_tolerance: {'ok  ' if ok else 'FAIL'} {name}")

@@ -81,7 +81,7 @@ def _train_step(model, opt, flat_grad_fn, b):
     return True
 
 
-def _replica(rid, lighthouse, codec, steps, out, sleep_s=0.0, die_inside_at=None):
+def _replica(rid, lighthouse, codec, steps, out, sleep_s=0.0, die_inside_at=None, expect=0):
     """One replica group: train ``steps`` committed steps, log one line per step, save the final parameters."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -94,6 +94,7 @@ def _replica(rid, lighthouse, codec, steps, out, sleep_s=0.0, die_inside_at=None
                        fingerprint={"model": "mlp16-32-4", "codec": str(codec)})
     ch = ft.channel("dp_replicas", codec, error_feedback="ef" if codec else None)
     log = open(os.path.join(out, f"{rid}.log"), "a")
+    _ready(out, rid, expect)
     while ft.current_step() < _target(out, steps):
         q = ft.start_step()
         b = q.batches_committed + q.rank
@@ -113,6 +114,14 @@ def _replica(rid, lighthouse, codec, steps, out, sleep_s=0.0, die_inside_at=None
         time.sleep(sleep_s)
     torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"{rid}.pt"))
     ft.shutdown()
+
+
+def _ready(out, rid, expect):
+    """Start together: announce this replica and wait until ``expect`` replicas have (0: a restarted replica, which
+    joins whatever quorum is running). Replicas forked a moment apart would otherwise start in separate quorums of
+    one and heal from each other, which is correct but not what these tests look at."""
+    open(os.path.join(out, f"ready.{rid}"), "w").close()
+    _wait(lambda: sum(f.startswith("ready.") for f in os.listdir(out)) >= expect, 120, "the other replicas")
 
 
 def _target(out, steps):
@@ -174,7 +183,7 @@ def test_killed_replica_survivors_continue_and_rejoined_replica_equals_them_bit_
     lh, addr = _lighthouse()
     steps = 100000  # until told (_stop_at)
     try:
-        procs = {r: _start(r, addr, "int8", steps, out, 0.05) for r in range(3)}
+        procs = {r: _start(r, addr, "int8", steps, out, 0.05, expect=3) for r in range(3)}
         _wait(lambda: len([x for x in _log(out, 2) if x["committed"] and x["replicas"] == 3]) >= 5, 90, "3 replicas")
         procs[2].kill()  # SIGKILL: a preempted node
         killed = time.time()
@@ -209,8 +218,8 @@ def test_replica_dying_inside_a_compressed_collective_does_not_hang_the_others(t
     out = str(tmp_path)
     lh, addr = _lighthouse()
     try:
-        procs = [_start(0, addr, "int4", 12, out), _start(1, addr, "int4", 12, out),
-                 _start(2, addr, "int4", 12, out, die_inside_at=4)]
+        procs = [_start(0, addr, "int4", 12, out, expect=3), _start(1, addr, "int4", 12, out, expect=3),
+                 _start(2, addr, "int4", 12, out, die_inside_at=4, expect=3)]
         procs[2].join(120)
         assert procs[2].exitcode == -signal.SIGKILL
         _finish(procs[:2])
@@ -244,7 +253,7 @@ def test_compression_off_without_faults_equals_the_plain_gloo_run_bit_for_bit(tm
     out = str(tmp_path)
     lh, addr = _lighthouse(min_replicas=2)
     try:
-        _finish([_start(r, addr, None, 6, out) for r in range(2)])
+        _finish([_start(r, addr, None, 6, out, expect=2) for r in range(2)])
     finally:
         lh.terminate()
         lh.wait()
@@ -299,7 +308,7 @@ def test_unreachable_lighthouse_is_one_clear_line():
         ReplicaQuorum(TorchFTConfig(), state_dict=dict, load_state_dict=lambda s: None, fingerprint={})
 
 
-def _diloco_replica(rid, lighthouse, codec, steps, out, h=4, sleep_s=0.0):
+def _diloco_replica(rid, lighthouse, codec, steps, out, h=4, sleep_s=0.0, expect=0):
     """One DiLoCo replica group: local Adam steps, a quorum and an OuterSync every ``h`` steps (and once at its
     start, where a restarted replica meets the others and receives the outer state)."""
     from megacomp.integrations.torchft import OuterSync
@@ -331,6 +340,7 @@ def _diloco_replica(rid, lighthouse, codec, steps, out, h=4, sleep_s=0.0):
                   f"committed={int(ok)} took=0\n")
         log.flush()
 
+    _ready(out, rid, expect)
     meet()
     while it["done"] < _target(out, steps):
         x, y = _batch(10000 * rid + it["done"])
@@ -352,13 +362,13 @@ def test_diloco_replica_killed_and_rejoined_at_an_outer_step_equals_the_survivor
     steps = 100000  # until told (_stop_at), a multiple of h
     ctx = mp.get_context("fork")
 
-    def start(r):
-        p = ctx.Process(target=_diloco_replica, args=(r, addr, "int4", steps, out), kwargs={"sleep_s": 0.05})
+    def start(r, expect=0):
+        p = ctx.Process(target=_diloco_replica, args=(r, addr, "int4", steps, out), kwargs={"sleep_s": 0.05, "expect": expect})
         p.start()
         return p
 
     try:
-        procs = {r: start(r) for r in range(3)}
+        procs = {r: start(r, expect=3) for r in range(3)}
         _wait(lambda: sum(1 for x in _log(out, 2) if x["replicas"] == 3 and x["committed"]) >= 3, 90, "3 replicas")
         procs[2].kill()
         killed = time.time()

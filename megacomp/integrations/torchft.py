@@ -260,6 +260,8 @@ class ReplicaQuorum:
                 else:  # the server residuals belong to the old partition of the reduced tensor
                     for key in [k for k in ef.keys() if k.endswith("/server")]:
                         ef.reset(key)
+        for ch in self.channels:  # arguments are checked across replicas once per membership (a joiner's first step)
+            ch.set_validate(self._members is None or changed or self._healed)
         self._members = members
         self._snapshots = [ch.error_feedback.state_dict() if ch.error_feedback is not None else None
                            for ch in self.channels]

@@ -7,9 +7,10 @@ compression config's ``dp_gradient`` codec and error feedback; under ``--ft-oute
 
 Two schedules:
   per step (``--ft-outer-steps 0``, the default: data parallelism across replicas): every iteration joins the
-      quorum before its forward pass, the ZeRO-1 gradient buckets (full size, before the replica's own
-      reduce-scatter) are averaged over the live replicas, and the sharded optimizer steps only when every
-      replica committed the step (``Manager.should_commit``); otherwise the gradients are dropped and the
+      quorum before its forward pass; after backward, each rank's reduced ZeRO-1 gradient shard (the sum over its
+      replica's DP ranks) is averaged over the rank of the same shard in every live replica (torchft connects
+      group rank k of every replica group), and the sharded optimizer steps only when every replica committed
+      the step (``Manager.should_commit``); otherwise the gradients and their residuals are dropped and the
       iteration is retried with the same data position.
   DiLoCo (``--ft-outer-steps H``): replicas train alone for H steps; at every H-th step they join the quorum and
       average the pseudo-gradient theta_anchor - theta_local (outer SGD, ``--ft-outer-lr``, Nesterov
@@ -48,6 +49,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from ...comm import CompressedWork
 from ...compression import parse_codec_arg
 from ...data import get_batch
 from .base import Feature
@@ -236,12 +238,19 @@ class FaultTolerance(Feature):
                 self._outer_sync(run)
                 self.at_outer_step = False
             return stepped
-        for b in run.optimizer.buckets:  # the whole ZeRO-1 buckets, before the replica's own reduce-scatter
-            self.ft.all_reduce_mean(self.channel, b.grad, key=f"replicas/b{b.index}")
+        opt = run.optimizer
+        saved_ef = opt.ef.state_dict() if opt.ef is not None else None  # the replica's own dp_gradient residuals
+        for b in opt.buckets:  # this rank's shard of each bucket, summed over the replica's DP ranks by backward's
+            if b.work is None:  # reduce-scatter; a bucket no gradient reached is reduced (zeros) by the step
+                continue
+            b.work.wait()
+            b.work = CompressedWork(lambda: None)  # done: the step finds the shard where it expects it
+            self.ft.all_reduce_mean(self.channel, b.reduced, key=f"replicas/b{b.index}")
         self.committed = self.ft.should_commit()
-        if not self.committed:  # a peer died or erred: drop the gradients; the data position is retried
-            for b in run.optimizer.buckets:
-                b.grad.zero_()
+        if not self.committed:  # a peer died or erred: drop the gradients (and their residuals); the data is retried
+            opt.zero_grad()
+            if saved_ef is not None:
+                opt.ef.load_state_dict(saved_ef)
             return False
         return inner()
 
