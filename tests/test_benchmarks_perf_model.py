@@ -110,7 +110,7 @@ def test_validate_all_on_the_stored_measurements():
     kinds = {(r.kind, r.held_out) for r in v.rows}
     assert {("collective", False), ("collective", True), ("ddp", False), ("ddp", True), ("train", True),
             ("local_steps", True)} <= kinds
-    assert 0.0 <= o <= 1.0 and kappa >= 0.0
+    assert all(0.0 <= x <= 1.0 for x in o) and kappa >= 0.0  # (torch DDP, megacomp) overlap shares
     assert all("300mbit" in r.point for r in v.rows if r.kind == "collective" and r.held_out)
     text = pm.validation_markdown(model, o, kappa, v, notes)
     assert text.count("| held out |") == sum(r.held_out for r in v.rows)

@@ -40,3 +40,15 @@ def test_exposure_per_window():
     comm, codec = ss.phase_seconds(LINK, coded, RATE, 2)
     assert codec == pytest.approx(4e6 / 4e9 + 2 * 4e6 / 8e9)  # p = 2: encode once, decode-sum both
     assert ss.predict_step(LINK, [coded], RATE, 2, floor, 1.0, 2.0) == pytest.approx(floor + comm + 2 * codec)
+
+
+def test_each_engine_has_its_own_overlap():
+    n, floor = 3_438_080, 0.3
+    (torch_ph,) = ss.method_phases("ddp_fp32", n, 2, 2 * 2 ** 20)
+    (mc_ph,) = ss.method_phases("megacomp_hook_int4_loco", n, 2, 2 * 2 ** 20)
+    assert (torch_ph.engine, mc_ph.engine) == ("torch", "megacomp")
+    # (o_torch, o_megacomp): only the megacomp exchange's share changes its prediction
+    assert ss.predict_step(LINK, [torch_ph], RATE, 2, floor, (0.2, 0.9)) == ss.predict_step(LINK, [torch_ph], RATE, 2,
+                                                                                          floor, 0.2)
+    assert ss.predict_step(LINK, [mc_ph], RATE, 2, floor, (0.2, 0.9)) == ss.predict_step(LINK, [mc_ph], RATE, 2,
+                                                                                       floor, 0.9)

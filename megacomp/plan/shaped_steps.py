@@ -13,7 +13,8 @@ plan's schedules are checked against measurements: megacomp.plan.estimate's over
            megacomp.plan.wire (the codecs) unless the method's bytes come from elsewhere (PowerSGD's low-rank
            factors, 0/1 Adam's skipped rounds: the measured bytes per step)
   kappa    codec work competes with backward for the machine's two cores (fitted)
-  o        fraction of the backward a bucketed exchange really overlaps on two cores (fitted; the forward and
+  o        fraction of the backward a bucketed exchange really overlaps on two cores, one per engine: torch's
+           DDP buckets and hooks, megacomp's collectives finished on a background thread (fitted; the forward and
            next-step windows are taken whole: no fitted run has them, so their factor cannot be fitted)
 
 Error bound: none a priori; benchmarks/results/plan lists every point's error. Failure behaviour: a method the
@@ -50,10 +51,17 @@ class Phase:
     """Calls (buckets) of this phase."""
     window: str
     """after_backward, in_backward, in_forward or in_step."""
+    engine: str = "torch"
+    """Who runs the exchange: ``torch`` (DDP's buckets and hooks on the autograd thread) or ``megacomp`` (its
+    collectives, finished on a background thread); each has its own fitted overlap share."""
 
 
 def method_phases(method: str, params: int, world: int, bucket_bytes: float, measured_bytes=None):
     """The exchanges of a benchmark method (netns_bench's names), or None when the method is not modelled."""
+    return _engine(method, _phases(method, params, world, bucket_bytes, measured_bytes))
+
+
+def _phases(method: str, params: int, world: int, bucket_bytes: float, measured_bytes=None):
     S, n = 4.0 * params, params
     buckets = max(1, math.ceil(S / bucket_bytes))
     shard = math.ceil(n / world)
@@ -91,6 +99,13 @@ def method_phases(method: str, params: int, world: int, bucket_bytes: float, mea
     return None
 
 
+def _engine(method: str, phases):
+    """``phases`` with the engine that runs ``method`` (megacomp_* methods: megacomp's, the rest torch's)."""
+    if phases is None or not method.startswith("megacomp_"):
+        return phases
+    return [Phase(p.op, p.codec, p.wire_bytes, p.codec_bytes, p.calls, p.window, "megacomp") for p in phases]
+
+
 def phase_seconds(model: Model, phase: Phase, rate_Bps: float, world: int) -> tuple[float, float]:
     """(communication seconds, codec seconds) of one phase with the fitted link and codecs."""
     op = "all_reduce" if phase.op == "broadcast" else phase.op
@@ -104,33 +119,40 @@ def phase_seconds(model: Model, phase: Phase, rate_Bps: float, world: int) -> tu
 _WINDOWS = (("after_backward", 0.0), ("in_backward", 2.0 / 3.0), ("in_forward", 1.0 / 3.0), ("in_step", 1.0))
 
 
-def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: float, overlap: float = 1.0,
+def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: float, overlap=1.0,
                  contention: float = 0.0) -> float:
-    """T_step of the module docstring."""
+    """T_step of the module docstring; ``overlap``: o for both engines, or (o_torch, o_megacomp)."""
+    o_of = dict(zip(("torch", "megacomp"), overlap if isinstance(overlap, tuple) else (overlap, overlap)))
     windows = dict(_WINDOWS)
     by_window: dict = {}
     codec_s = 0.0
     last_bucket = 0.0
     for ph in phases:
         t, tc = phase_seconds(model, ph, rate_Bps, world)
-        by_window[ph.window] = by_window.get(ph.window, 0.0) + t
+        key = (ph.window, ph.engine)
+        by_window[key] = by_window.get(key, 0.0) + t
         codec_s += tc
         if ph.window == "in_backward":
             last_bucket = max(last_bucket, t / ph.calls)
     exposed = 0.0
-    for w, t in by_window.items():
-        hidden = (overlap if w == "in_backward" else 1.0) * windows[w] * floor_s
+    for (w, engine), t in by_window.items():
+        hidden = (o_of[engine] if w == "in_backward" else 1.0) * windows[w] * floor_s
         exposed += max(last_bucket if w == "in_backward" else 0.0, t - hidden)
     return floor_s + exposed + contention * codec_s
 
 
-def fit_overlap_contention(model: Model, points) -> tuple[float, float]:
-    """(o, kappa) minimising the squared relative error over ``points`` = [(phases, rate, world, floor, measured)]
-    on a grid (o in [0, 1] by 0.02, kappa in [0, 20] by 0.25)."""
-    best = (1.0, 0.0, math.inf)
-    for o in np.linspace(0.0, 1.0, 51):
-        for k in np.linspace(0.0, 20.0, 81):
-            err = sum(((predict_step(model, ph, r, w, f, o, k) - m) / m) ** 2 for ph, r, w, f, m in points)
-            if err < best[2]:
-                best = (float(o), float(k), err)
+def fit_overlap_contention(model: Model, points) -> tuple[tuple[float, float], float]:
+    """((o_torch, o_megacomp), kappa) minimising the squared relative error over ``points`` = [(phases, rate,
+    world, floor, measured)] on a grid (o in [0, 1] by 0.04, kappa in [0, 10] by 0.5). An engine with no point
+    in backward keeps o = 1 (nothing to fit it on)."""
+    engines = {ph.engine for phases, *_ in points for ph in phases if ph.window == "in_backward"}
+    grid = np.linspace(0.0, 1.0, 26)
+    best = ((1.0, 1.0), 0.0, math.inf)
+    for ot in grid if "torch" in engines else (1.0,):
+        for om in grid if "megacomp" in engines else (1.0,):
+            for k in np.linspace(0.0, 10.0, 21):
+                o = (float(ot), float(om))
+                err = sum(((predict_step(model, ph, r, w, f, o, k) - m) / m) ** 2 for ph, r, w, f, m in points)
+                if err < best[2]:
+                    best = (o, float(k), err)
     return best[0], best[1]
