@@ -43,6 +43,9 @@ CASES = {  # family: (TP, PP, flat settings, the traffic kind that must travel c
     "error_probe": (2, 1, {"compression": {**EVERY_PATH, "error_probe_interval": 1}}, "tp_forward"),
     "aqsgd": (1, 2, {"dataset_samples": 16, "compression": {**EVERY_PATH, "pp_activation_delta": True}},
               "pp_activation"),
+    # one replica group on torchft's quorum (rank 0 hosts the Lighthouse): its own kind, replicas, carries nothing
+    # with one group (tests/test_integrations_torchft.py runs several); the layout's paths keep their codecs
+    "fault_tolerance": (2, 1, {"fault_tolerance": "torchft", "ft_lighthouse": "local"}, "tp_forward"),
 }
 
 

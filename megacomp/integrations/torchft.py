@@ -377,6 +377,15 @@ def _flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
 
 
+def local_lighthouse(min_replicas: int = 1):
+    """torchft's LighthouseServer in this process on a free port (for one machine: a try-out, a test); returns the
+    server (``.address()``, ``.shutdown()``). Replica groups on other machines need scripts/torchft_lighthouse.sh."""
+    _torchft()
+    from torchft._torchft import LighthouseServer
+    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200, quorum_tick_ms=10,
+                            heartbeat_timeout_ms=2000)
+
+
 # -- the Lighthouse -------------------------------------------------------------------------------------
 
 def lighthouse_main(argv: Optional[list] = None) -> None:

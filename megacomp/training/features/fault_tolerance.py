@@ -70,7 +70,8 @@ class FaultToleranceConfig:
     """none, or torchft: this job is one replica group of a fault-tolerant run; survivors continue when a replica
     group dies and a restarted one rejoins with the live state."""
     lighthouse: Optional[str] = None
-    """The torchft Lighthouse, http://host:port (default: $TORCHFT_LIGHTHOUSE); scripts/torchft_lighthouse.sh starts one."""
+    """The torchft Lighthouse, http://host:port (default: $TORCHFT_LIGHTHOUSE); scripts/torchft_lighthouse.sh starts one.
+    ``local``: this job's rank 0 hosts one (groups on the same machine only)."""
     replica_id: Optional[str] = None
     """This replica group's name (default: $REPLICA_ID, else 0); a restarted group keeps its name."""
     min_replicas: int = 1
@@ -129,7 +130,7 @@ class FaultTolerance(Feature):
             parse_codec_arg(f.codec)  # raises on a bad codec
 
     def build(self, run) -> None:
-        from ...integrations.torchft import OuterSync, ReplicaQuorum, TorchFTConfig
+        from ...integrations.torchft import OuterSync, ReplicaQuorum, TorchFTConfig, local_lighthouse
         f = self.cfg.ft
         comp = run.compression
         diloco = f.outer_steps > 0
@@ -142,8 +143,15 @@ class FaultTolerance(Feature):
         fingerprint.update(ft_codec=repr(codec), ft_error_feedback=repr(ef), ft_outer_steps=f.outer_steps,
                            ft_outer_lr=f.outer_lr, ft_outer_momentum=f.outer_momentum)
         addr, port = self._replica_store()
+        self.lighthouse = None
+        lighthouse = f.lighthouse
+        if lighthouse == "local":  # rank 0 hosts one (a single machine); its address goes to the replica's ranks
+            self.lighthouse = local_lighthouse(f.min_replicas) if dist.get_rank() == 0 else None
+            where = [self.lighthouse.address() if self.lighthouse is not None else None]
+            dist.broadcast_object_list(where, src=0)
+            lighthouse = where[0]
         self.ft = ReplicaQuorum(
-            TorchFTConfig(lighthouse=f.lighthouse, replica_id=f.replica_id or os.environ.get("REPLICA_ID", "0"),
+            TorchFTConfig(lighthouse=lighthouse, replica_id=f.replica_id or os.environ.get("REPLICA_ID", "0"),
                           min_replicas=f.min_replicas, timeout_s=f.timeout, quorum_timeout_s=f.quorum_timeout,
                           group_rank=dist.get_rank(), group_world_size=dist.get_world_size(), store_addr=addr,
                           store_port=port),
@@ -264,3 +272,5 @@ class FaultTolerance(Feature):
 
     def close(self, run) -> None:
         self.ft.shutdown()
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
