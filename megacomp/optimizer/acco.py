@@ -66,6 +66,7 @@ from ..comm.common import global_ranks
 from ..comm.spans import span
 from ..comm.stats import held_records, replay
 from ..comm.transport import _transport, use_duplex
+from ..parallel_state import default_group_timeout
 from .distributed_optimizer import DistributedOptimizer
 
 log = logging.getLogger("megacomp")
@@ -76,7 +77,8 @@ def private_group(group):
     with its gloo direction groups made now, on the calling thread, not lazily on a background one."""
     if group is None and dist.get_world_size() == 1:
         return group
-    clone = dist.new_group(global_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True)
+    clone = dist.new_group(global_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True,
+                           timeout=default_group_timeout())  # a stall fails like the world group's collectives
     if use_duplex(clone, None):
         _transport(clone).direction_groups()
     return clone
