@@ -17,8 +17,9 @@ The model and data are those of ``configs/gpt_tiny.yaml`` (4 layers, hidden 64, 
 token file of megacomp.data, 16 sequences per global batch, warm-up + cosine learning rate), in megatron-core's
 GPTModel (local layer spec; core attention TorchSDPA). Bytes per step: megacomp.comm.stats over every
 iteration, summed over ranks; the stock run's bytes are the uncompressed bytes of the same collectives
-(megatron-core's reduce-scatter and all-gather of the same buckets). It writes ``results.json`` and
-``README.md`` (a table: final loss mean ± spread over seeds, the gap to stock paired by seed, bytes per step).
+(megatron-core's reduce-scatter and all-gather of the same buckets). It writes ``results.json`` (after every
+seed) and ``table.md`` (final loss mean ± spread over seeds, the gap to stock paired by seed, bytes per step),
+which the study's README.md quotes.
 Timing is not measured here (the ranks share 2 busy cores).
 """
 from __future__ import annotations
