@@ -17,9 +17,9 @@ both losses and the TP bytes megacomp put on the wire. With ``--codec none`` bot
 Then the same model at TP 1 x DP 2 (each rank its own batches) under megatron-core's ``DistributedDataParallel``
 (overlap_grad_reduce, overlap_param_gather) and ``DistributedOptimizer`` (Adam), again twice: stock, and with
 ``MegatronCompression`` on dp_gradient (the codec + LoCo error feedback per bucket) and dp_parameter (the codec).
-megatron-core allocates their buffers on CUDA, so on a CPU-only torch this part runs inside
-``megatron_on_cpu()`` (megacomp.integrations.megatron_ddp_cpu: the buffers' device, 'cuda' scalars and CUDA type
-names, nothing else); on GPU ranks leave that out and put the model on the GPU.
+megatron-core allocates their buffers on CUDA, so this CPU example runs that part inside ``megatron_on_cpu()``
+(megacomp.integrations.megatron_ddp_cpu: the buffers' device, 'cuda' scalars and CUDA type names, nothing else);
+on GPU ranks leave that out and put the model on the GPU.
 """
 from __future__ import annotations
 

@@ -24,11 +24,11 @@ softmax attention through ``torch.nn.functional.scaled_dot_product_attention`` (
 ``spec.submodules.self_attention.submodules.core_attention``.
 
 Nothing else is changed: the arithmetic, the collectives (gloo) and the bucketing are megatron-core's own,
-so stock megatron-core runs unmodified on CPU and a comparison against it is a real one. On a machine with
-a GPU do not use this (megatron-core runs there as it is).
+so stock megatron-core runs unmodified on CPU and a comparison against it is a real one. It does this even
+where CUDA is available (CPU tests on a GPU machine): a GPU training job should not enter it, megatron-core
+runs there as it is.
 
-Failure behaviour: entering it while CUDA is available raises RuntimeError (it would move a GPU job's
-buffers to the CPU); nesting it raises RuntimeError. Leaving it restores ``torch.cuda.current_device`` and
+Failure behaviour: nesting it raises RuntimeError. Leaving it restores ``torch.cuda.current_device`` and
 ``torch.cuda.current_stream`` and pops the mode.
 """
 from __future__ import annotations
@@ -80,11 +80,8 @@ def megatron_on_cpu() -> Iterator[None]:
     """Let megatron-core's DDP and optimizer allocate on the CPU (see the module docstring).
 
     Raises:
-        RuntimeError: CUDA is available (use the GPU as it is), or the context is already entered.
+        RuntimeError: the context is already entered.
     """
-    if torch.cuda.is_available():
-        raise RuntimeError("megatron_on_cpu: CUDA is available; megatron-core runs on the GPU as it is, "
-                           "do not move its buffers to the CPU")
     original, original_stream = torch.cuda.current_device, torch.cuda.current_stream
     if getattr(original, "_megacomp_on_cpu", False):  # refused rather than silently stacked
         raise RuntimeError("megatron_on_cpu is already entered (it cannot be nested)")
