@@ -137,7 +137,11 @@ def analyse(fault: dict, free: dict, replicas: int, tokens_per_step: int) -> dic
     last_0 = {int(x["iteration"]): x["loss"] for x in free["steps"][0] if x.get("ft_committed")}
     common = sorted(set(last_f) & set(last_0))
     it = common[-1] if common else None
-    return {"kill_every_s": fault["kill_every"], "kills": per_kill, "wall_s": wall, "goodput": goodput,
+    window = common[-20:]  # one group's loss is one batch's: the mean over the last 20 common iterations is steadier
+    mean_f = sum(last_f[i] for i in window) / len(window) if window else None
+    mean_0 = sum(last_0[i] for i in window) / len(window) if window else None
+    return {"loss_mean20": mean_f, "loss_mean20_fault_free": mean_0,
+            "loss_mean20_rel_diff": (mean_f / mean_0 - 1) if window else None, "kill_every_s": fault["kill_every"], "kills": per_kill, "wall_s": wall, "goodput": goodput,
             "fault_free_steps_per_s": free_rate, "tokens_per_step": tokens_per_step, "loss_iteration": it,
             "loss": last_f.get(it), "loss_fault_free": last_0.get(it),
             "loss_rel_diff": (last_f[it] / last_0[it] - 1) if it is not None else None}
@@ -150,8 +154,8 @@ def _fmt(v, spec=".1f"):
 def table(results: list[dict]) -> str:
     """The markdown table (one row per kill interval; per-kill times as median / max over the kills)."""
     rows = ["| kill every | kills | survivors next step (s) median / max | rejoined steps (s) median / max | back to "
-            "90% rate (s) median / max | goodput | loss vs fault-free (same iteration) |",
-            "|---|---|---|---|---|---|---|"]
+            "90% rate (s) median / max | goodput | loss vs fault-free (same iteration) | mean loss, last 20 common iterations |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         def mm(key):
             vals = sorted(k[key] for k in r["kills"] if k[key] is not None)
@@ -161,7 +165,9 @@ def table(results: list[dict]) -> str:
         rows.append(f"| {r['kill_every_s']:g} s | {len(r['kills'])} | {mm('survivors_next_step_s')} | "
                     f"{mm('rejoined_steps_s')} | {mm('back_to_rate_s')} | {_fmt(100 * r['goodput'], '.0f')}% | "
                     f"{_fmt(r['loss'], '.4f')} vs {_fmt(r['loss_fault_free'], '.4f')} at iteration {r['loss_iteration']} "
-                    f"({_fmt(100 * r['loss_rel_diff'] if r['loss_rel_diff'] is not None else None, '+.2f')}%) |")
+                    f"({_fmt(100 * r['loss_rel_diff'] if r['loss_rel_diff'] is not None else None, '+.2f')}%) | "
+                    f"{_fmt(r.get('loss_mean20'), '.4f')} vs {_fmt(r.get('loss_mean20_fault_free'), '.4f')} "
+                    f"({_fmt(100 * r['loss_mean20_rel_diff'] if r.get('loss_mean20_rel_diff') is not None else None, '+.2f')}%) |")
     return "\n".join(rows)
 
 
@@ -206,7 +212,11 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     if args.from_results:
         saved = json.load(open(out / "results.json"))
-        runs, results = saved["runs"], saved["results"]
+        runs = saved["runs"]
+        for r in runs:
+            r["steps"] = {int(k): v for k, v in r["steps"].items()}
+        free = next(r for r in runs if not r["kill_every"])
+        results = [analyse(r, free, saved["args"]["replicas"], 0) for r in runs if r["kill_every"]]
     else:
         free = run(args, None, out)
         runs = [free] + [run(args, n, out) for n in args.kill_every]

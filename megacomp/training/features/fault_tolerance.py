@@ -71,7 +71,8 @@ class FaultToleranceConfig:
     group dies and a restarted one rejoins with the live state."""
     lighthouse: Optional[str] = None
     """The torchft Lighthouse, http://host:port (default: $TORCHFT_LIGHTHOUSE); scripts/torchft_lighthouse.sh starts one.
-    ``local``: this job's rank 0 hosts one (groups on the same machine only)."""
+    ``local``: this job's rank 0 hosts one of its own (a single replica group: a try-out; several groups need one
+    shared Lighthouse)."""
     replica_id: Optional[str] = None
     """This replica group's name (default: $REPLICA_ID, else 0); a restarted group keeps its name."""
     min_replicas: int = 1
