@@ -3,10 +3,11 @@
 - Compression off: the losses of every iteration are bit-identical to the non-interleaved schedule's at
   PP2 x VP2, at TP2 x PP2 x VP2 with sequence parallelism and at PP2 x VP2 x DP2 (gradient clipping on).
 - Compressed (every kind, error feedback on PP and DP gradients): a run killed and resumed continues the
-  same curve bit for bit (the per-virtual-boundary error feedback is checkpointed); a checkpoint of the
-  non-interleaved layout is refused, naming the field.
+  same curve bit for bit (the per-virtual-boundary error feedback is checkpointed); the same checkpoint resumes
+  without virtual stages too (resharded).
 - Bad settings are refused with the fix.
 """
+import math
 from dataclasses import replace
 
 import pytest
@@ -57,9 +58,13 @@ def test_compressed_interleaved_run_resumes_bit_identically(base, tmp_path):
     rest = run_ranks(_train_body, 2, replace(cfg, load=str(tmp_path / "ckpt")))[0]
     assert first + losses(rest) == full
     assert rest[-1][1]["pp_gradient"][0] < rest[-1][1]["pp_gradient"][1]  # really compressed
-    plain = replace(cfg, num_layers_per_virtual_pipeline_stage=None, load=str(tmp_path / "ckpt"), save=None)
-    with pytest.raises(AssertionError, match="num_layers_per_virtual_pipeline_stage: checkpoint 1 vs this run None"):
-        run_ranks(_train_body, 2, plain)
+    # without virtual stages the same checkpoint reshards onto the plain 1F1B layout (megacomp.training.reshard):
+    # the schedule crosses other stage boundaries with compressed activations, so the losses continue within the
+    # codecs' error, not bit for bit
+    plain = replace(cfg, num_layers_per_virtual_pipeline_stage=None, load=str(tmp_path / "ckpt"), save=None,
+                    train_iters=6)  # the checkpoint holds iteration 4
+    resharded = losses(run_ranks(_train_body, 2, plain)[0])
+    assert len(resharded) == 2 and all(math.isfinite(x) for x in resharded)
 
 
 def test_bad_interleaving_settings_are_refused(base):
