@@ -43,7 +43,7 @@ _CONSTANT_TABLES = {  # module-level dicts/lists/sets only read after import (lo
     ("megacomp/config.py", "_DTYPES"), ("megacomp/compression/error_feedback.py", "PRESETS"),
     ("megacomp/comm/common.py", "_DTYPES"), ("megacomp/comm/common.py", "_OPS"),
     ("megacomp/launch.py", "_RANK_VARS"), ("megacomp/codec_tour.py", "CODECS"),
-    ("megacomp/data/tokenizer.py", "TRAINER_OPTIONS"), ("megacomp/training/checkpoint.py", "METADATA_GLOBALS"),
+    ("megacomp/data/tokenizer.py", "TRAINER_OPTIONS"), ("megacomp/training/checkpoint_reader.py", "METADATA_GLOBALS"),
     ("megacomp/kernels/triton/codec_triton.py", "_F8"), ("megacomp/kernels/cpu/build.py", "SOURCES"),
     ("megacomp/kernels/cpu/build.py", "HEADERS"), ("megacomp/training/pretrain_config.py", "BASE_COMPONENTS"),
     ("megacomp/training/features/lomo_fused.py", "LOMO_OPTIMIZERS"),
