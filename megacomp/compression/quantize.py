@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 try:  # the scale helpers the reference shares with the Triton kernels (a leaf module: no import cycle)
-    from megacomp.kernels.scales import sign_scale_exponents, sign_scale_from_sums
+    from megacomp.kernels.scales import canonical_nan, sign_scale_exponents, sign_scale_from_sums
     from megacomp.kernels.scales import dual_exponents as _dual_exponents
     from megacomp.kernels.scales import pow2_f64 as _pow2_f64
 except ModuleNotFoundError as exc:  # pragma: no cover - an install without kernels/
@@ -287,7 +287,7 @@ def encode_scaled_reference(
     amax_b = absb.amax(dim=1, keepdim=True)  # propagates NaN and inf
 
     if fmt.kind == "sign":
-        scale = amax_b if stochastic else _sign_mean_scale(absb, amax_b, n)
+        scale = canonical_nan(amax_b) if stochastic else _sign_mean_scale(absb, amax_b, n)
         if stochastic:
             safe = torch.where(scale > 0, scale, torch.ones_like(scale))
             bits = u < ((1.0 + xb / safe) * 0.5).reshape(-1)[:n]

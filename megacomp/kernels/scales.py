@@ -26,6 +26,13 @@ def pow2_f64(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int64) + 1023) << 52).view(torch.float64)
 
 
+def canonical_nan(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with every NaN replaced by the NaN ``torch.full`` writes on ``t``'s device. A scale taken straight
+    from a block maximum carries whichever NaN the max kernel produced (torch's CUDA ``amax``: 0x7FFFFFFF; the
+    Triton kernel and the CPU: 0x7FC00000), and the bytes on the wire must not depend on which kernel ran."""
+    return torch.where(torch.isnan(t), torch.full_like(t, float("nan")), t)
+
+
 def sign_scale_exponents(amax_b: torch.Tensor):
     """(ok, k) per block of the sign codec: ok = finite positive amax; k = 24 - e for amax = m 2^e
     (k = 23 where not ok), so every |x| 2^k of the block is below 2^24."""
@@ -43,4 +50,4 @@ def sign_scale_from_sums(total: torch.Tensor, k: torch.Tensor, ok: torch.Tensor,
     counts = torch.full_like(amax_b, float(width), dtype=torch.float64)
     counts[-1] = n - (amax_b.shape[0] - 1) * width  # the last block's padding is not data
     mean = ((total.double() * pow2_f64(-k)) / counts).float()
-    return torch.where(ok, mean, amax_b)
+    return torch.where(ok, mean, canonical_nan(amax_b))

@@ -225,7 +225,7 @@ class TritonCodecs:
         """The sign codec (the C++ entry point's signature). Nearest: bits and exact block sums in Triton, the
         scale formula on the sums with the reference's torch ops (../scales.py: sign_scale_from_sums). Stochastic
         (``key``: the call's counter_rng key): block maxima, then the bits from the counter-based draws."""
-        from ..scales import sign_scale_exponents, sign_scale_from_sums
+        from ..scales import canonical_nan, sign_scale_exponents, sign_scale_from_sums
 
         n = x.numel()
         if x.dtype not in INPUT_DTYPES or not x.is_contiguous() or n > MAX_NUMEL:
@@ -241,7 +241,7 @@ class TritonCodecs:
         if key is not None:  # stochastic: scale = amax_b, then the bits with the counter-based draws
             if key.dtype != torch.int64 or key.numel() != 1 or key.device != x.device:
                 raise Unsupported("triton encode: key must be one int64 element on the input's device")
-            amax_b = self._block_amax(x, n, width, nb)
+            amax_b = canonical_nan(self._block_amax(x, n, width, nb))  # the reference's NaN on this device
             out[:4 * nb].copy_(amax_b.view(torch.uint8))
             div = torch.where(amax_b > 0, amax_b, torch.ones_like(amax_b))
             t = TILE // 8
