@@ -55,11 +55,12 @@ from .channel import Channel
 from .common import all_reduce_bytes, op_name
 from .options import CommOptions
 from .stats import PROCESS_STATS, StatsTable
+from .whole_bucket import WholeBucketChannel
 
 log = logging.getLogger("megacomp")
 
 
-class LearnedChannel:
+class LearnedChannel(WholeBucketChannel):
     """A traffic path compressed with a learned autoencoder (see the module docstring).
 
     Args:
@@ -95,35 +96,6 @@ class LearnedChannel:
 
     def __repr__(self) -> str:
         return f"LearnedChannel({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
-
-    # -- the Channel surface the optimizer and hook read -------------------------------------------------
-    lossy = True
-    """Always lossy once frozen (the training calls are counted as what they are: uncompressed)."""
-    keeps_own_error_feedback = True
-    """The residuals are its own (classic error feedback on the sender's own decoding)."""
-    reduces_whole_buckets = True
-    """A bucket is reduced whole, and the autoencoders are state of their own."""
-    low_rank = True
-    """Reduces with :meth:`all_reduce_coalesced` (the call the optimizer and hook make for a whole-bucket path)."""
-    adaptive = False
-    """One compression level."""
-
-    @property
-    def levels(self) -> tuple:
-        """Itself: the one channel that carries this path's bytes."""
-        return (self,)
-
-    def level_for(self, key: str) -> "LearnedChannel":
-        """Itself, for every key."""
-        return self
-
-    def compresses(self, numel: int) -> bool:
-        """Whether a call of ``numel`` elements in total is compressed (``numel >= min_compress_numel``)."""
-        return numel >= self.min_compress_numel
-
-    def uncompressed(self) -> Channel:
-        """A plain channel with this path's name, group, options and stats table."""
-        return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats)
 
     def set_validate(self, enabled: bool) -> None:
         """Turn the cross-rank argument check of later calls on or off."""

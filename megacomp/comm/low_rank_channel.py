@@ -46,11 +46,12 @@ from .channel import Channel
 from .common import all_reduce_bytes, op_name
 from .options import CommOptions
 from .stats import PROCESS_STATS, StatsTable
+from .whole_bucket import WholeBucketChannel
 
 log = logging.getLogger("megacomp")
 
 
-class LowRankChannel:
+class LowRankChannel(WholeBucketChannel):
     """A traffic path compressed with PowerSGD (see the module docstring).
 
     Args:
@@ -85,35 +86,6 @@ class LowRankChannel:
 
     def __repr__(self) -> str:
         return f"LowRankChannel({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
-
-    # -- the Channel surface the optimizer and hook read -------------------------------------------------
-    lossy = True
-    """Always lossy (PowerSGD never sends the dense tensor)."""
-    keeps_own_error_feedback = True
-    """PowerSGD's residuals are its own (the ``error_feedback`` field of the settings)."""
-    reduces_whole_buckets = True
-    """A bucket's matrices are all-reduced whole, and the warm-start Q is state of its own."""
-    low_rank = True
-    """Reduces with :meth:`all_reduce_coalesced`."""
-    adaptive = False
-    """One compression level."""
-
-    @property
-    def levels(self) -> tuple:
-        """Itself: the one channel that carries this path's bytes."""
-        return (self,)
-
-    def level_for(self, key: str) -> "LowRankChannel":
-        """Itself, for every key."""
-        return self
-
-    def compresses(self, numel: int) -> bool:
-        """Whether a call of ``numel`` elements in total is compressed (``numel >= min_compress_numel``)."""
-        return numel >= self.min_compress_numel
-
-    def uncompressed(self) -> Channel:
-        """A plain channel with this path's name, group, options and stats table."""
-        return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats)
 
     def set_validate(self, enabled: bool) -> None:
         """Turn the cross-rank argument check of later calls on or off."""
