@@ -20,28 +20,15 @@ from dataclasses import replace
 import pytest
 
 from distributed import RankFailure, run_ranks
-from megacomp.training import Trainer
 from megacomp.training import checkpoint_integrity as integrity
 from megacomp.training.checkpoint import latest_iteration
-from test_training_failures import error_lines, launch, megacomp_traceback
+from test_training_failures import _train_body, base, error_lines, launch, megacomp_traceback  # noqa: F401 (base: a fixture)
 
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def base(tiny_config):
-    """The tiny config at 4 iterations (data cache built once)."""
-    cfg = replace(tiny_config, train_iters=4)
-    run_ranks(_train_body, 1, replace(cfg, train_iters=1))
-    return cfg
-
-
-def _train_body(rank, world, cfg):
-    trainer = Trainer(cfg)
-    try:
-        return [h["loss"] for h in trainer.train()]
-    finally:
-        trainer.close()
+def _losses(rank, world, cfg):
+    return [loss for loss, _skipped in _train_body(rank, world, cfg)]
 
 
 # -- digests ---------------------------------------------------------------------------------------------
@@ -79,20 +66,20 @@ def _flip(shard, nbytes=4096):
 @pytest.mark.slow
 def test_flipped_bytes_are_refused_and_fallback_resumes_exactly(tmp_path, base):
     save = tmp_path / "ck"
-    full = run_ranks(_train_body, WORLD, replace(base, save=str(save), save_interval=1))[0]
+    full = run_ranks(_losses, WORLD, replace(base, save=str(save), save_interval=1))[0]
     assert latest_iteration(str(save)) == 4
     shard = max((save / "iter_0000004").glob("*.distcp"), key=lambda p: p.stat().st_size)
     size = shard.stat().st_size
     _flip(shard)
     assert shard.stat().st_size == size
     with pytest.raises(RankFailure) as info:
-        run_ranks(_train_body, WORLD, replace(base, load=str(save), train_iters=6), timeout=90)
+        run_ranks(_losses, WORLD, replace(base, load=str(save), train_iters=6), timeout=90)
     last = {r: e.strip().splitlines()[-1] for r, e in info.value.errors.items()}
     assert sorted(last) == list(range(WORLD)) and len(set(last.values())) == 1, last  # every rank, alike
     assert last[0].startswith(f"ValueError: checkpoint file {shard} is unreadable (corrupt: its SHA-256 is "), last[0]
     assert "iteration 3 is the newest checkpoint that verifies: add --load-fallback" in last[0]
     # the fallback resumes from iteration 3 and continues exactly as the uninterrupted run did
-    rest = run_ranks(_train_body, WORLD, replace(base, load=str(save), load_fallback=True))[0]
+    rest = run_ranks(_losses, WORLD, replace(base, load=str(save), load_fallback=True))[0]
     assert rest == full[3:]
 
 
@@ -117,7 +104,7 @@ def test_a_live_holder_is_refused_by_name_and_a_dead_one_taken_over(tmp_path):
         sleeper.wait()
     lock = integrity.SaveDirLock(str(tmp_path))
     took = lock.acquire()  # the same holder, now dead: taken over
-    assert f"took over the lock of slurm job 42" in took and f"its process {sleeper.pid} on this host" in took
+    assert "took over the lock of slurm job 42" in took and f"its process {sleeper.pid} on this host" in took
     lock.check()
     second = integrity.SaveDirLock(str(tmp_path))  # a later run in this process (the first was never released)
     assert "it was left by an earlier run of this process" in second.acquire()
@@ -189,14 +176,14 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, bas
     ``while``: a resumed run saving into a new --save directory on the same disk, with 8 kB less free than a
     checkpoint takes: the space runs out inside DCP's write."""
     save = small_disk / "ck"
-    run_ranks(_train_body, WORLD, replace(base, save=str(save), train_iters=2))
+    run_ranks(_losses, WORLD, replace(base, save=str(save), train_iters=2))
     previous = sum(p.stat().st_size for p in (save / "iter_0000002").iterdir())
     _fill(small_disk, previous // 2 if when == "before" else previous - 8192)
     target = save if when == "before" else small_disk / "ck2"
     status, out, err = launch(tmp_path, base, 2, "--save", str(target), "--load", str(save), "--train-iters", "3")
     assert status != 0, err
     [line] = error_lines(err)
-    assert line.startswith(f"megacomp-pretrain: error: cannot save the checkpoint to ") and "iter_0000003" in line, line
+    assert line.startswith("megacomp-pretrain: error: cannot save the checkpoint to ") and "iter_0000003" in line, line
     assert "the checkpoint needs about " in line and " MB was free" in line, line
     intact = (f"the latest checkpoint (iteration 2, {save / 'iter_0000002'}) is untouched" if when == "before"
               else "no earlier checkpoint was affected")
@@ -208,5 +195,5 @@ def test_a_full_disk_is_one_line_and_keeps_the_previous_checkpoint(tmp_path, bas
     assert sorted(p.name for p in save.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     assert not target.exists() or not list(target.glob("iter_0000003*"))
     (small_disk / "filler").unlink()  # space again: the previous checkpoint resumes
-    rest = run_ranks(_train_body, WORLD, replace(base, load=str(save), train_iters=3))[0]
+    rest = run_ranks(_losses, WORLD, replace(base, load=str(save), train_iters=3))[0]
     assert len(rest) == 1
