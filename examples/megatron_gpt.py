@@ -102,6 +102,22 @@ def train_data_parallel(steps: int, vocab: int, seq: int, config) -> list[float]
     return losses
 
 
+
+def report(steps: int, plain: list, compressed: list, codec, engine: str) -> None:
+    """Print the two runs' losses and this run's wire bytes per path; check that compression off matched
+    ``engine`` bit for bit and that the compressed run trained."""
+    from megacomp import comm
+
+    for step in (0, steps // 2, steps - 1):
+        print(f"step {step + 1:3d}  loss megatron-core {plain[step]:.5f}  with megacomp {compressed[step]:.5f}")
+    for path, s in sorted(comm.stats().items()):
+        print(f"  {path:18s} {s.calls:5d} calls  {s.wire_bytes / 1e6:8.3f} MB on the wire  "
+              f"({s.ratio:.3f} of {s.uncompressed_bytes / 1e6:.3f} MB uncompressed)")
+    if codec is None:
+        assert plain == compressed, f"compression off must match {engine} bit for bit"
+        print(f"compression off: bit-identical to {engine}")
+    assert compressed[-1] < compressed[0], "the compressed run must train"
+
 def main() -> None:
     from megatron.core import parallel_state as ps
 
@@ -126,15 +142,7 @@ def main() -> None:
         compressed = train(args.steps, vocab, seq)
     if dist.get_rank() == 0:
         print(comp)
-        for step in (0, args.steps // 2, args.steps - 1):
-            print(f"step {step + 1:3d}  loss megatron-core {plain[step]:.5f}  with megacomp {compressed[step]:.5f}")
-        for path, s in sorted(comm.stats().items()):
-            print(f"  {path:18s} {s.calls:5d} calls  {s.wire_bytes / 1e6:8.3f} MB on the wire  "
-                  f"({s.ratio:.3f} of {s.uncompressed_bytes / 1e6:.3f} MB uncompressed)")
-        if codec is None:
-            assert plain == compressed, "compression off must match megatron-core bit for bit"
-            print("compression off: bit-identical to megatron-core")
-        assert compressed[-1] < compressed[0], "the compressed run must train"
+        report(args.steps, plain, compressed, codec, "megatron-core")
     ps.destroy_model_parallel()
 
     with megatron_on_cpu():  # megatron-core's DDP buffers on the CPU (see the module docstring)
@@ -147,15 +155,7 @@ def main() -> None:
         ps.destroy_model_parallel()
     if dist.get_rank() == 0:
         print(f"data parallel (megatron-core DDP + DistributedOptimizer, DP {dist.get_world_size()}): {dp_config}")
-        for step in (0, args.steps // 2, args.steps - 1):
-            print(f"step {step + 1:3d}  loss megatron-core {plain[step]:.5f}  with megacomp {compressed[step]:.5f}")
-        for path, s in sorted(comm.stats().items()):
-            print(f"  {path:18s} {s.calls:5d} calls  {s.wire_bytes / 1e6:8.3f} MB on the wire  "
-                  f"({s.ratio:.3f} of {s.uncompressed_bytes / 1e6:.3f} MB uncompressed)")
-        if codec is None:
-            assert plain == compressed, "compression off must match megatron-core's DDP bit for bit"
-            print("compression off: bit-identical to megatron-core's DDP and distributed optimizer")
-        assert compressed[-1] < compressed[0], "the compressed data-parallel run must train"
+        report(args.steps, plain, compressed, codec, "megatron-core's DDP and distributed optimizer")
     dist.destroy_process_group()
 
 
