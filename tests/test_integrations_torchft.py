@@ -1,6 +1,7 @@
 """megacomp.integrations.torchft: compressed replica traffic on torchft's quorum, with a real Lighthouse on gloo.
 
-Each replica group is one forked process (one rank) joining a Lighthouse that runs in its own process
+Each replica group is one spawned process (one rank; spawned, not forked: a fork of a test process that ran
+other tests inherits their threads and process-group objects, and aborted at garbage collection) joining a Lighthouse that runs in its own process
 (``python -m megacomp.integrations.torchft``, torchft's LighthouseServer); replicas are killed with SIGKILL and
 restarted, as a preempted node would be.
 
@@ -34,8 +35,8 @@ HEARTBEAT_MS = 1000  # the Lighthouse declares a silent replica dead after this
 
 @pytest.fixture(autouse=True, scope="module")
 def _kernels_loaded():
-    """Load (or build, once) the C++ codec kernels in this process before replicas are forked from it, so no
-    replica spends its first step building them."""
+    """Build the C++ codec kernels once (cached on disk) before replicas are spawned, so no replica spends its
+    first step building them."""
     from megacomp import kernels
     kernels.backend_name("cpu")
 
@@ -118,7 +119,7 @@ def _replica(rid, lighthouse, codec, steps, out, sleep_s=0.0, die_inside_at=None
 
 def _ready(out, rid, expect):
     """Start together: announce this replica and wait until ``expect`` replicas have (0: a restarted replica, which
-    joins whatever quorum is running). Replicas forked a moment apart would otherwise start in separate quorums of
+    joins whatever quorum is running). Replicas started a moment apart would otherwise start in separate quorums of
     one and heal from each other, which is correct but not what these tests look at."""
     open(os.path.join(out, f"ready.{rid}"), "w").close()
     _wait(lambda: sum(f.startswith("ready.") for f in os.listdir(out)) >= expect, 120, "the other replicas")
@@ -143,7 +144,7 @@ def _stop_at(out, rid, ahead=10):
 
 
 def _start(*args, **kwargs):
-    p = mp.get_context("fork").Process(target=_replica, args=args, kwargs=kwargs)
+    p = mp.get_context("spawn").Process(target=_replica, args=args, kwargs=kwargs)
     p.start()
     return p
 
@@ -277,7 +278,7 @@ def _mismatched(rid, lighthouse, codec, out):
 def test_a_replica_with_another_compression_setting_is_refused_in_one_line_and_the_others_continue(tmp_path):
     out = str(tmp_path)
     lh, addr = _lighthouse()
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
     try:
         procs = [ctx.Process(target=_mismatched, args=(0, addr, "int8", out))]
         procs[0].start()
@@ -360,7 +361,7 @@ def test_diloco_replica_killed_and_rejoined_at_an_outer_step_equals_the_survivor
     out = str(tmp_path)
     lh, addr = _lighthouse()
     steps = 100000  # until told (_stop_at), a multiple of h
-    ctx = mp.get_context("fork")
+    ctx = mp.get_context("spawn")
 
     def start(r, expect=0):
         p = ctx.Process(target=_diloco_replica, args=(r, addr, "int4", steps, out), kwargs={"sleep_s": 0.05, "expect": expect})

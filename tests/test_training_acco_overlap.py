@@ -67,12 +67,10 @@ def test_resume_continues_the_uninterrupted_run_bit_for_bit(base, tmp_path, over
     rest = run_ranks(_run_body, 2, replace(cfg, load=str(tmp_path / "ckpt")))[0]
     assert len(first[0]) == 3 and first[0] + rest[0] == full[0]
     assert all(a.equal(b) for a, b in zip(rest[2], full[2]))
-    # the stopped run booked its last update too; the resumed one all-gathers the loaded parameters once more (as
-    # any resume of the sharded optimizer does): 13 parameter all-gathers of the same size instead of 12 (ACCO: 2
-    # per step), 7 instead of 6 (DPU: 1 per step)
-    gathers = 12 if overlap == "acco" else 6
+    # the stopped run booked its last update too; the all-gather of loading the checkpoint is not an iteration's
+    # traffic (the loop's table starts when the loop does), so the two halves add up to the uninterrupted run
     assert first[1]["dp_gradient"] + rest[1]["dp_gradient"] == full[1]["dp_gradient"]
-    assert (first[1]["dp_parameter"] + rest[1]["dp_parameter"]) * gathers == full[1]["dp_parameter"] * (gathers + 1)
+    assert first[1]["dp_parameter"] + rest[1]["dp_parameter"] == full[1]["dp_parameter"]
 
 
 @pytest.mark.parametrize("change,match", [

@@ -148,7 +148,9 @@ class Heartbeat:
         peer = (self.rank + 1) % self.world
         watched = self.world > 1
         last_count, since = None, time.monotonic()
-        while not self._stop.wait(self.interval):
+        # quick ticks until rank 0's beat was read once: the line for a store lost with rank 0 names its host and
+        # pid, and a run can lose rank 0 before the first full interval
+        while not self._stop.wait(self.interval if 0 in self.known or self.rank == 0 else min(self.interval, 0.5)):
             if self.store_failed_at is not None:  # judged without touching the store again
                 silent = time.monotonic() - self.store_failed_at
                 if silent > self.timeout_s and not self._stop.is_set():

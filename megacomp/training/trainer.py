@@ -142,7 +142,8 @@ class Trainer:
             resumed = f"resumed the fine-tuning run from {c.save} at iteration {self.iteration} (--finetune: " \
                       f"{c.load} is only read when {c.save} holds no checkpoint yet)" + (f"; {note}" if note else "")
         elif c.finetune:  # raises FileNotFoundError when --load holds no checkpoint
-            it, note = select_checkpoint(c.load, c.load_fallback)
+            # no checkpoint at all: load_model_weights says so in fine-tuning's words
+            it, note = select_checkpoint(c.load, c.load_fallback) if latest_iteration(c.load) is not None else (None, None)
             it = load_model_weights(c.load, self.model, self.groups, self.run_info(), iteration=it)
             for f in self.features:
                 f.weights_loaded(self)  # e.g. the optimizer's fp32 masters from the loaded weights
