@@ -66,9 +66,14 @@ def _report(errors: dict) -> str:
     return "".join(f"\n--- rank {r} ---\n{e}" for r, e in sorted(errors.items()))
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the list of results."""
-    ctx = mp.get_context("fork")
+def run_ranks(fn, world_size: int, *args, timeout: float = 120.0, pg_timeout: float = 60.0,
+              start_method: str = "fork"):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the list of results.
+
+    ``start_method``: "fork" (fast: torch is already imported) or "spawn" (a clean process: for bodies that start
+    threads of their own, e.g. torchft's Manager, which a fork of a long-running test process can deadlock or
+    abort in; ``fn`` and ``args`` must then be importable / picklable)."""
+    ctx = mp.get_context(start_method)
     queue = ctx.Queue()
     fd, init_file = tempfile.mkstemp(prefix="megacomp-pg-")
     os.close(fd)

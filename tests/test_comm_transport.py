@@ -227,7 +227,7 @@ def test_channel_over_a_torchft_process_group_object_equals_the_plain_group_bit_
     same algorithm on the same bytes (all-to-all / all-gather of the encodings), with the same wire counts and the
     same error-feedback state. What an object group cannot serve (p2p, duplex) and mismatched codecs raise one line."""
     pytest.importorskip("torchft")
-    for results, ef, errors, mismatch in run_ranks(_object_group_body, world):
+    for results, ef, errors, mismatch in run_ranks(_object_group_body, world, start_method="spawn"):
         for codec in (None, "int8", "int4"):
             plain, obj = results[codec, "plain"], results[codec, "object"]
             for a, b in zip(plain[0], obj[0]):
