@@ -54,7 +54,7 @@ from ..compression.learned import (LGC, chunked, decode, encode, init_autoencode
 from .channel import Channel
 from .common import all_reduce_bytes, op_name
 from .options import CommOptions
-from .stats import PROCESS_STATS, StatsTable
+from .stats import StatsTable
 from .whole_bucket import WholeBucketChannel
 
 log = logging.getLogger("megacomp")
@@ -74,14 +74,8 @@ class LearnedChannel(WholeBucketChannel):
 
     def __init__(self, name: str, codec: Any = "lgc", *, group=None, min_compress_numel: int = 0,
                  options: Optional[CommOptions] = None, stats: Optional[StatsTable] = None) -> None:
-        self.name = name
         self.codec: LGC = make_learned(codec)
-        if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
-            raise ValueError(f"megacomp channel {name!r}: min_compress_numel must be an int >= 0, "
-                             f"got {min_compress_numel!r}")
-        self.group, self.min_compress_numel = group, min_compress_numel
-        self.options = options if options is not None else CommOptions.from_env()
-        self.stats = stats if stats is not None else PROCESS_STATS
+        super().__init__(name, group=group, min_compress_numel=min_compress_numel, options=options, stats=stats)
         self.error_feedback = ErrorFeedback("ef")
         # the exchanges run on a private table; each call records its total under this path's name
         self._wire_stats = StatsTable()
@@ -94,8 +88,6 @@ class LearnedChannel(WholeBucketChannel):
         self.last_error: dict[str, float] = {}
         self._said_plain: set[str] = set()
 
-    def __repr__(self) -> str:
-        return f"LearnedChannel({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
 
     def set_validate(self, enabled: bool) -> None:
         """Turn the cross-rank argument check of later calls on or off."""

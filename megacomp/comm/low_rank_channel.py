@@ -45,7 +45,7 @@ from ..compression.low_rank import PowerSGD, initial_q, make_low_rank, matrix_sh
 from .channel import Channel
 from .common import all_reduce_bytes, op_name
 from .options import CommOptions
-from .stats import PROCESS_STATS, StatsTable
+from .stats import StatsTable
 from .whole_bucket import WholeBucketChannel
 
 log = logging.getLogger("megacomp")
@@ -66,14 +66,8 @@ class LowRankChannel(WholeBucketChannel):
 
     def __init__(self, name: str, codec: Any = "powersgd", *, group=None, min_compress_numel: int = 0,
                  options: Optional[CommOptions] = None, stats: Optional[StatsTable] = None) -> None:
-        self.name = name
         self.codec: PowerSGD = make_low_rank(codec)
-        if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
-            raise ValueError(f"megacomp channel {name!r}: min_compress_numel must be an int >= 0, "
-                             f"got {min_compress_numel!r}")
-        self.group, self.min_compress_numel = group, min_compress_numel
-        self.options = options if options is not None else CommOptions.from_env()
-        self.stats = stats if stats is not None else PROCESS_STATS
+        super().__init__(name, group=group, min_compress_numel=min_compress_numel, options=options, stats=stats)
         self.error_feedback: Optional[ErrorFeedback] = ErrorFeedback("ef") if self.codec.error_feedback else None
         # the factor all-reduces run on a private table; each call records its total under this path's name,
         # next to the dense tensors' uncompressed bytes
@@ -84,8 +78,6 @@ class LowRankChannel(WholeBucketChannel):
         self.q: dict[str, torch.Tensor] = {}
         self.draws: dict[str, int] = {}  # start matrices drawn per key (warm_start=False: one per step)
 
-    def __repr__(self) -> str:
-        return f"LowRankChannel({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
 
     def set_validate(self, enabled: bool) -> None:
         """Turn the cross-rank argument check of later calls on or off."""

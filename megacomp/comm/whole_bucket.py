@@ -3,12 +3,29 @@ LowRankChannel, LGC's LearnedChannel): what the sharded optimizer and the DDP ho
 ``all_reduce_coalesced``. Behaviour lives in the subclasses; this only answers the routing questions."""
 from __future__ import annotations
 
+from typing import Optional
+
 from .channel import Channel
+from .options import CommOptions
+from .stats import PROCESS_STATS, StatsTable
 
 
 class WholeBucketChannel:
-    """Routing answers for a whole-bucket path. Subclasses set ``name``, ``group``, ``options``, ``stats`` and
-    ``min_compress_numel``."""
+    """Routing answers for a whole-bucket path, and the settings every such path has (subclasses add ``codec``
+    and their state)."""
+
+    def __init__(self, name: str, *, group=None, min_compress_numel: int = 0, options: Optional[CommOptions] = None,
+                 stats: Optional[StatsTable] = None) -> None:
+        """Raises ValueError naming the path when ``min_compress_numel`` is not an int >= 0."""
+        if not isinstance(min_compress_numel, int) or min_compress_numel < 0:
+            raise ValueError(f"megacomp channel {name!r}: min_compress_numel must be an int >= 0, "
+                             f"got {min_compress_numel!r}")
+        self.name, self.group, self.min_compress_numel = name, group, min_compress_numel
+        self.options = options if options is not None else CommOptions.from_env()
+        self.stats = stats if stats is not None else PROCESS_STATS
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, codec={self.codec}, min_compress_numel={self.min_compress_numel})"
 
     lossy = True
     """Lossy: the dense tensor is never sent as is (the subclasses' warm-up calls are counted as uncompressed)."""
