@@ -15,14 +15,16 @@ from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, Powe
                           check_own_error_feedback, make_codec, make_compressor, make_error_feedback_config,
                           parse_codec_arg)
 from .compression.learned import LGC
+from .compression.unbiased import UnbiasedCodec, make_unbiased_codec, unbiased_name
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
 TRAFFIC_PATHS = ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter",
                  "pp_activation", "pp_gradient", "dp_gradient", "dp_parameter")
 """The paths every run has: always a codec after construction (identity when not set); one channel each
 in :class:`Channels`."""
-FEATURE_PATHS = ("dp_momentum", "outer", "loqt_merge", "loqt_merge_tp")
-"""The paths of optional training features (1-bit optimizers, outer loops, LoQT): None when not set, which
+FEATURE_PATHS = ("dp_momentum", "outer", "loqt_merge", "loqt_merge_tp", "replicas")
+"""The paths of optional training features (1-bit optimizers, outer loops, LoQT, torchft's replica groups): None
+when not set, which
 means the feature's own default (see each field); the feature builds its channel with
 ``megacomp.comm.make_channel``."""
 ALL_TRAFFIC_PATHS = TRAFFIC_PATHS + FEATURE_PATHS
@@ -118,8 +120,10 @@ class CommCompressionConfig:
     codec)."""
     outer: Optional[CodecLike] = None
     """Pseudo-gradient exchange of the outer loops over replicas (DiLoCo, Streaming DiLoCo, NoLoCo, MT-DAO,
-    SparseLoCo; megacomp.outer). Not set: uncompressed, except SparseLoCo's default
-    ``{name: int2, k: 64, chunk: 4096}`` (megacomp.outer.sparseloco.DEFAULT_CODEC); ``none``: uncompressed."""
+    SparseLoCo, LoDAdaC's gossip, LoCoDL's d_i; megacomp.outer). Not set: uncompressed, except SparseLoCo's default
+    ``{name: int2, k: 64, chunk: 4096}`` (megacomp.outer.sparseloco.DEFAULT_CODEC); ``none``: uncompressed. LoCoDL
+    takes the unbiased compressors here (``randk`` with ``k``, ``usq2``, ``usq4``, ``usq8``;
+    megacomp.compression.unbiased), which no other outer algorithm accepts."""
     outer_error_feedback: Optional[Any] = None
     """Error feedback ('ef', 'loco' or a mapping) on the outer exchange, as the other ``*_error_feedback`` fields
     (None: off). Needs ``outer`` set to a lossy codec; SparseLoCo refuses it (its accumulator is its error
@@ -131,6 +135,16 @@ class CommCompressionConfig:
     """LoQT's tensor-parallel all-reduce of each layer's Gram matrix at a merge step (fp64; its top eigenvectors
     are the new projection). Not set: uncompressed. The overflow flag and the compensation's error norms
     always travel uncompressed."""
+    replicas: Optional[CodecLike] = None
+    """Traffic between replica groups under ``--fault-tolerance torchft`` (megacomp.integrations.torchft), over
+    torchft's quorum: the averaged gradient shards of every step, or the pseudo-gradients under
+    ``--ft-outer-steps``; often the slowest link of the run (between sites). Not set: the ``dp_gradient`` codec per
+    step, the ``outer`` codec under ``--ft-outer-steps`` (uncompressed when that is not set either);
+    ``--ft-codec`` overrides it; ``none``: uncompressed."""
+    replicas_error_feedback: Optional[Any] = None
+    """Error feedback ('ef', 'loco' or a mapping) on the ``replicas`` path, as the other ``*_error_feedback`` fields.
+    Not set: the error feedback that goes with the codec's default (``dp_gradient_error_feedback`` or
+    ``outer_error_feedback``) when ``replicas`` is not set, off when it is. Needs a lossy ``replicas`` codec."""
 
     def __post_init__(self) -> None:
         for name in TRAFFIC_PATHS:
@@ -168,7 +182,11 @@ class CommCompressionConfig:
         for name in FEATURE_PATHS:
             value = getattr(self, name)
             if value is not None:
-                codec = make_codec(parse_codec_arg(value))
+                spec = parse_codec_arg(value)
+                if name == "outer" and unbiased_name(spec) is not None:  # LoCoDL's compressors (checked there)
+                    self.outer = make_unbiased_codec(spec)
+                    continue
+                codec = make_codec(spec)
                 if codec.structured and name != "outer":  # only the outer loops' all-gather carries top-k / DCT
                     raise ValueError(f"{name}: codec {codec} selects or transforms entries; this path needs a value "
                                      f"codec (sign, int2, int4, int8, fp8_*, bf16, none)")
@@ -184,7 +202,17 @@ class CommCompressionConfig:
             if self.outer is None:
                 raise ValueError("outer_error_feedback needs a lossy outer codec, and outer is not set (uncompressed, or "
                                  "SparseLoCo's accumulator, which is its own error feedback); set outer, e.g. int4")
+            if isinstance(self.outer, UnbiasedCodec):
+                raise ValueError(f"outer_error_feedback with the unbiased outer codec {self.outer.name}: LoCoDL's control "
+                                 f"variates correct its compression error; drop outer_error_feedback")
             check_error_feedback_codec(self.outer, self.outer_error_feedback, "outer_error_feedback (path outer)")
+        if self.replicas_error_feedback is not None:
+            self.replicas_error_feedback = make_error_feedback_config(self.replicas_error_feedback)
+            if self.replicas is None:
+                raise ValueError("replicas_error_feedback needs a lossy replicas codec, and replicas is not set; set "
+                                 "replicas (e.g. int8) or drop replicas_error_feedback")
+            check_error_feedback_codec(self.replicas, self.replicas_error_feedback,
+                                       "replicas_error_feedback (path replicas)")
 
     def options(self) -> CommOptions:
         """The transport options every channel of this config gets (validation on)."""
@@ -255,7 +283,8 @@ class CommCompressionConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in FEATURE_PATHS or f.name in ("dp_momentum_error_feedback", "outer_error_feedback"):
+            if f.name in FEATURE_PATHS or f.name in ("dp_momentum_error_feedback", "outer_error_feedback",
+                                                     "replicas_error_feedback"):
                 if value is None:
                     continue
                 if isinstance(value, Codec) and value.is_identity:
@@ -264,6 +293,8 @@ class CommCompressionConfig:
             if isinstance(value, Codec):
                 value = None if value.is_identity else value.to_dict()
             elif isinstance(value, (PowerSGD, Accordion)):
+                value = value.to_dict()
+            elif isinstance(value, UnbiasedCodec):  # LoCoDL's outer compressor
                 value = value.to_dict()
             elif isinstance(value, LGC):  # learned gradient compression settings (dp_gradient)
                 value = value.to_dict()

@@ -1,4 +1,4 @@
-"""megacomp.config.CommCompressionConfig's feature paths (dp_momentum, outer, loqt_merge, loqt_merge_tp): unset stays
+"""megacomp.config.CommCompressionConfig's feature paths (dp_momentum, outer, loqt_merge, loqt_merge_tp, replicas): unset stays
 unset through construction and from_dict / to_dict, an explicit 'none' is the identity, keys are validated, and
 configs that do not set them are recorded exactly as before; build_channels / channel() use the one factory."""
 from __future__ import annotations
@@ -9,13 +9,13 @@ from megacomp.comm import AccordionChannel, Channel, LowRankChannel
 from megacomp.compression import ErrorFeedbackConfig, make_codec
 from megacomp.config import ALL_TRAFFIC_PATHS, FEATURE_PATHS, TRAFFIC_PATHS, CommCompressionConfig
 
-NEW_KEYS = set(FEATURE_PATHS) | {"dp_momentum_error_feedback", "outer_error_feedback"}
+NEW_KEYS = set(FEATURE_PATHS) | {"dp_momentum_error_feedback", "outer_error_feedback", "replicas_error_feedback"}
 
 
 def test_the_path_tuples():
     assert TRAFFIC_PATHS == ("tp_forward", "tp_backward", "sp_all_gather", "sp_reduce_scatter", "pp_activation",
                              "pp_gradient", "dp_gradient", "dp_parameter")
-    assert FEATURE_PATHS == ("dp_momentum", "outer", "loqt_merge", "loqt_merge_tp")
+    assert FEATURE_PATHS == ("dp_momentum", "outer", "loqt_merge", "loqt_merge_tp", "replicas")
     assert ALL_TRAFFIC_PATHS == TRAFFIC_PATHS + FEATURE_PATHS
 
 
@@ -59,6 +59,22 @@ def test_codecs_and_error_feedback_round_trip():
     assert seeded.for_rank(2).outer.seed == 3  # feature paths keep their seeds
 
 
+def test_unbiased_outer_codecs_and_the_replicas_path_round_trip():
+    """LoCoDL's unbiased compressors are set under ``outer`` like any codec; ``replicas`` (torchft's cross-replica
+    traffic) is one more feature path with its own error feedback."""
+    from megacomp.compression.unbiased import make_unbiased_codec
+
+    cfg = CommCompressionConfig.from_dict({"outer": "{name: randk, k: 64}", "replicas": "int8",
+                                           "replicas_error_feedback": "loco"})
+    assert cfg.outer == make_unbiased_codec({"name": "randk", "k": 64}) and cfg.enabled
+    assert cfg.replicas == make_codec("int8")
+    assert cfg.replicas_error_feedback == ErrorFeedbackConfig(beta=0.8, reset_interval=512)
+    data = cfg.to_dict()
+    assert data["outer"] == {"name": "randk", "k": 64, "chunk": 4096}
+    assert CommCompressionConfig.from_dict(data) == cfg
+    assert CommCompressionConfig(outer="usq4").outer == make_unbiased_codec("usq4")
+
+
 @pytest.mark.parametrize("data,match", [
     ({"dp_momentum_codec": "sign"}, "unknown CommCompressionConfig key"),
     ({"outer_error_feedback": "ef"}, "outer_error_feedback needs a lossy outer codec"),
@@ -69,6 +85,11 @@ def test_codecs_and_error_feedback_round_trip():
     ({"loqt_merge": "powersgd"}, "powersgd"),
     ({"outer": "{name: int4"}, "not a valid YAML mapping"),
     ({"dp_gradient": "powersgd", "dp_gradient_error_feedback": "ef"}, "leave dp_gradient_error_feedback at None"),
+    ({"outer": "usq4", "outer_error_feedback": "ef"}, "unbiased outer codec usq4: LoCoDL's control variates"),
+    ({"outer": {"name": "randk", "k": 90, "chunk": 64}}, "k=90 is larger than the chunk of 64"),
+    ({"replicas_error_feedback": "ef"}, "replicas_error_feedback needs a lossy replicas codec"),
+    ({"replicas": "none", "replicas_error_feedback": "loco"}, "error feedback needs a lossy codec"),
+    ({"replicas": "randk"}, "unknown codec 'randk'"),
 ])
 def test_bad_values_raise_naming_the_key(data, match):
     with pytest.raises(ValueError, match=match):

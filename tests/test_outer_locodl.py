@@ -180,6 +180,20 @@ def test_pretraining_flags_for_locodl_are_checked():
         check(PretrainConfig(outer_algorithm="locodl", num_replicas=4, outer_codec="usq4", outer_error_feedback="ef"),
               world_size=4)
     check(PretrainConfig(outer_algorithm="locodl", num_replicas=4, outer_codec="{name: randk, k: 64}"), world_size=4)
+    # the compression config's outer path takes the same compressors (one place for every path's codec)
+    preset = {"outer": {"name": "usq4", "block_size": 64}}
+    check(PretrainConfig(outer_algorithm="locodl", num_replicas=4, compression=preset), world_size=4)
+    from megacomp.training.features.outer_loop import locodl_config
+    from megacomp.compression.unbiased import make_unbiased_codec
+    assert locodl_config(PretrainConfig(outer_algorithm="locodl", num_replicas=4, compression=preset)).codec \
+        == make_unbiased_codec("usq4", block_size=64)
+    for algorithm in ("diloco", "streaming_diloco"):
+        with pytest.raises(ValueError, match=f"outer codec usq4 is an unbiased compressor, which only --outer-algorithm "
+                                             f"locodl takes; for {algorithm} use a value codec"):
+            check(PretrainConfig(outer_algorithm=algorithm, num_replicas=4, compression=preset), world_size=4)
+        with pytest.raises(ValueError, match="outer codec randk is an unbiased compressor"):
+            check(PretrainConfig(outer_algorithm=algorithm, num_replicas=4, outer_codec="{name: randk, k: 8}"),
+                  world_size=4)
 
 
 @pytest.mark.slow

@@ -29,3 +29,10 @@ def test_summary_adds_bytes_per_link_kind():
     assert "intra-node                 1.00 MB, 1,000.0 per token" in text
     assert "inter-node                 2.50 MB, 2,500.0 per token" in text
     assert "per link kind" not in RunTotals().summary(0)
+    assert "between-replica-groups" not in text  # only runs across torchft replica groups have that link
+    ft = RunTotals(tiers=layout_tiers(2, 1, 1, 2))
+    ft.add({"iteration_time_s": 1.0, "loss": 3.0, "iteration": 1,
+            "traffic": {"dp_gradient": [1e6, 4e6], "replicas": [3e6, 3e6]}}, 1000)
+    text = ft.summary(1)
+    assert traffic_group("replicas") == "replicas"
+    assert "intra-node                 1.00 MB" in text and "between-replica-groups     3.00 MB, 3,000.0 per token" in text

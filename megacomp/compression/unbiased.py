@@ -143,6 +143,15 @@ def make_unbiased_codec(spec: Any = None, **options: Any):
                            "an unbiased codec mapping needs a 'name' (e.g. {name: randk, k: 64})")
 
 
+def unbiased_name(spec: Any) -> Optional[str]:
+    """The name of the unbiased compressor ``spec`` selects (an UnbiasedCodec, a name or a mapping with one of
+    UNBIASED_CODEC_NAMES), else None: how a config tells LoCoDL's compressors from the value codecs."""
+    if isinstance(spec, UnbiasedCodec):
+        return spec.name
+    name = spec.get("name") if isinstance(spec, Mapping) else spec.strip() if isinstance(spec, str) else None
+    return name if name in UNBIASED_CODEC_NAMES else None
+
+
 def omega_of(codec, numel: int) -> float:
     """omega of a codec from :func:`make_unbiased_codec` (0 for the identity)."""
     return 0.0 if codec.is_identity else codec.omega(numel)

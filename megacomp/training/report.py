@@ -17,15 +17,21 @@ from typing import Optional
 from ..config import FEATURE_PATHS, TRAFFIC_PATHS, CommCompressionConfig
 from ..parallel_state import rank_grid
 
-LINK_KINDS = ("intra_node", "inter_node")
+REPLICA_LINK = "between_replica_groups"
+"""The link kind of torchft's cross-replica traffic: replica groups are separate jobs, usually on other nodes or
+sites, so their link is not known from this group's layout and is reported apart."""
+LINK_KINDS = ("intra_node", "inter_node", REPLICA_LINK)
 """The link kinds a run can tell apart from its launch (megacomp.plan.cluster.TIERS without sites)."""
 
 
 def traffic_group(kind: str) -> str:
-    """The group a traffic kind travels in: ``tp`` (tp_*, sp_*, loqt_merge_tp), ``pp`` (pp_*) or ``dp`` (every
-    other kind: DP gradients and parameters, the 1-bit momentum, the outer loops' exchange, DeMo, LoQT)."""
+    """The group a traffic kind travels in: ``tp`` (tp_*, sp_*, loqt_merge_tp), ``pp`` (pp_*), ``replicas``
+    (torchft's replica groups) or ``dp`` (every other kind: DP gradients and parameters, the 1-bit momentum, the
+    outer loops' exchange, DeMo, LoQT)."""
     if kind.startswith(("tp_", "sp_")) or kind == "loqt_merge_tp":
         return "tp"
+    if kind == "replicas":  # torchft's traffic between replica groups (separate jobs): never inside one group
+        return "replicas"
     return "pp" if kind.startswith("pp_") else "dp"
 
 
@@ -96,7 +102,8 @@ def banner(*, world: int, tp: int, pp: int, dp: int, sp: bool, backend: str, dev
         lines.append(f"    {p:<18} {describe_path(comp, p)}")
     if unused:
         lines.append("  not used by this layout: " + ", ".join(f"{p} ({why})" for p, why in unused.items()))
-    owners = {"dp_momentum": "1-bit optimizers", "outer": "outer loops", "loqt_merge": "LoQT", "loqt_merge_tp": "LoQT"}
+    owners = {"dp_momentum": "1-bit optimizers", "outer": "outer loops", "loqt_merge": "LoQT", "loqt_merge_tp": "LoQT",
+              "replicas": "torchft replica groups"}
     lines.append("  training families' paths (their lines below say what each run sends): " + ", ".join(
         f"{p} {describe_path(comp, p) if getattr(comp, p) is not None else 'default'} ({owners[p]})"
         for p in FEATURE_PATHS))
@@ -172,8 +179,11 @@ class RunTotals:
                          "megacomp.plan's bytes per token per tier):")
             per_tier = {t: 0 for t in LINK_KINDS}
             for kind, (w, _) in self.traffic.items():
-                per_tier[self.tiers.get(traffic_group(kind), "intra_node")] += w
+                group = traffic_group(kind)
+                per_tier[REPLICA_LINK if group == "replicas" else self.tiers.get(group, "intra_node")] += w
             for tier, w in per_tier.items():
+                if tier == REPLICA_LINK and not w:  # only runs across torchft replica groups have this link
+                    continue
                 tok = f", {w / self.tokens:,.1f} per token" if self.tokens else ""
-                lines.append(f"    {tier.replace('_', '-'):<20} {w / mb:10.2f} MB{tok}")
+                lines.append(f"    {tier.replace('_', '-'):<22} {w / mb:8.2f} MB{tok}")
         return "\n".join(lines)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ...compression import parse_codec_arg
+from ...compression.unbiased import unbiased_name
 from ...optimizer import MultiTimescaleAdamW
 from ...outer import DiLoCo, DiLoCoConfig, ReplicaWatch, build_replica_groups
 from ...outer.locodl import LoCoDL, LoCoDLConfig
@@ -170,6 +171,10 @@ class OuterLoop(Feature):
         o = cfg.outer
         if o.algorithm not in OUTER_ALGORITHMS:
             raise ValueError(f"outer_algorithm must be one of {', '.join(OUTER_ALGORITHMS)}, got {o.algorithm!r}")
+        unbiased = unbiased_name(parse_codec_arg(o.codec) if o.codec is not None else cfg.compression_config().outer)
+        if o.algorithm != "locodl" and unbiased is not None:
+            raise ValueError(f"outer codec {unbiased} is an unbiased compressor, which only --outer-algorithm locodl "
+                             f"takes; for {o.algorithm} use a value codec (int4, int8, ...) or top-k ({{name: int2, k: 64}})")
         if o.algorithm in ("diloco", "mt_dao") and (o.fragments != 1 or o.delay or o.mixing):
             raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo (and NoLoCo) settings: "
                              "use --outer-algorithm streaming_diloco")
