@@ -1,42 +1,49 @@
-"""LoDAdaC-style decentralised training: local Adam(W) steps, then compressed gossip with error feedback.
+"""LoDAdaC: K local Adam-type steps, then compressed gossip over a graph (Liu et al., TMLR 2026, arXiv 2604.09970).
 
-LoDAdaC (Liu et al., TMLR 2026, arXiv 2604.09970) combines several local Adam-type steps between exchanges,
-decentralised gossip over a graph and (possibly biased) compressors. The paper's exact update was not
-available to us (only its abstract), so this is the CHOCO-style compressed gossip (Koloskova et al., 2019)
-with error feedback, after H local steps of the inner optimizer (AdamW, its moments local to each replica);
-it is a reconstruction, not the authors' code. Per exchange n, on replica i with weights x_i, neighbours N_i(n)
-(megacomp.outer.topology) and mixing weight w = 1 / (|N_i| + 1):
+This is the paper's Algorithm 1 (Section 3.1), split the way a trainer runs it: :class:`LoDAdaCAdam` is lines 5-8
+(the local update, one call per iteration t, ``r_t`` from Table 2) and :class:`LoDAdaC` is lines 9-12 (every K-th
+iteration the compressed gossip, with the y_i of Section 3.1 so that only compressed messages travel). Per agent
+(replica) i, iteration t, with W the mixing matrix of megacomp.outer.topology (doubly stochastic, W_ij = 1 / (d + 1)
+on the diagonal and each edge of a d-regular graph) and Q the codec:
 
-    compression off (identity codec, gossip step 1):
-        x_i <- w x_i + sum_{j in N_i} w x_j                decentralised averaging with W (self first, then
-                                                           the neighbours in replica order, in fp32)
-    compressed (any value codec, biased ones included; gossip step gamma):
-        for every neighbour j:   q_i = C(x_i - xh_i)       xh_i: the copy of x_i that j holds (CHOCO's public
-                                 xh_i <- xh_i + q_i        copy); what C drops stays in x_i - xh_i and is
-                                 send q_i to j             sent later: that difference is the error feedback
-                                 receive q_j; xh_j <- xh_j + q_j
-        x_i <- x_i + gamma sum_{j in N_i} w (xh_j - xh_i)
+    g_i = stochastic gradient at x_i^t
+    m_i^t = b1 m_i^{t-1} + (1 - b1) g_i                    (no bias correction)
+    u_i^t = r_t(g_i^0 .. g_i^t)                            Adam: b2 u_i^{t-1} + (1 - b2) g_i * g_i; AMSGrad: the
+                                                           running max of that EMA; AdaGrad: the mean of g_i * g_i
+    x_i^{t+1/2} = x_i^t - alpha m_i^t / (sqrt(u_i^{t-1}) + delta)       the PREVIOUS u (u^{-1} = 0)
+    if (t + 1) mod K == 0:
+        q_i = Q[x_i^{t+1/2} - xh_i^t];  xh_i^{t+1} = xh_i^t + q_i     q_i is the only message, sent to each neighbour
+        y_i^{t+1} = y_i^t + sum_j W_ji q_j                           (j = i included), so y_i = sum_j W_ji xh_j
+        x_i^{t+1} = x_i^{t+1/2} + gamma (y_i^{t+1} - xh_i^{t+1})
+    else: x_i^{t+1} = x_i^{t+1/2}; xh, y unchanged
 
-On a static graph (ring, torus, exponential) every neighbour holds the same xh_i, so q_i is encoded once
-and sent to each neighbour; with ``random_peer`` a replica keeps one (xh_i, xh_j) pair per peer it has met,
-so the copies of a pair stay consistent however the draws go (memory: 2 x parameters per peer met, at most
-R - 1). xh starts at 0. With the identity codec and gamma = 1 the compressed rule is the averaging rule in
-exact arithmetic; the averaging form is used then, so compression off is decentralised Adam with W exactly
-(a test restates it). Sum over i of x_i is preserved by both rules (W symmetric; up to fp32 rounding).
+Initialisation (line 2): x_i^0 = xh_i^0 = y_i^0 = x^0, replica 0's weights (one broadcast when the engine is built,
+uncounted setup, as for LoCoDL), m^{-1} = u^{-1} = 0. With the identity codec (compression off) xh_i = x_i^{t+1/2}
+exactly, so the message is x_i^{t+1/2} itself and y_i = sum_j W_ji x_j^{t+1/2} is summed directly (self first, then
+the neighbours in replica order, fp32): x <- x + gamma (y - x), and with gamma = 1 x <- y, decentralised averaging with
+W bit for bit. Defaults: gamma = 1 uncompressed, 0.5 with a lossy codec (the authors' release); Lemma 3.1 asks
+gamma <= (1 - rho)(1 - eta^2) / 100, rho = ||W - J||_2 (topology.mixing_rho), eta the codec's contraction.
+delta defaults to 1e-4: Algorithm 1's first step is alpha m^0 / delta (u^{-1} = 0), and the authors' release adds
+1e-8 under the square root, sqrt(u + 1e-8), which is 1e-4 at u = 0.
 
-Bytes: each replica sends one encoding to each neighbour per exchange: |N_i| x wire_bytes, recorded per
-neighbour under the channel's tag (``outer``), against the fp32 size as the uncompressed figure.
+Options that leave Algorithm 1 (off by default, named in the training banner): ``bias_correction`` (Adam's
+1 / (1 - b^t) factors on m and on the previous u) and ``apply_weight_decay`` (AdamW's decoupled x -= alpha lambda x
+with each parameter group's ``weight_decay``). ``random_peer`` is outside the paper too (its W changes at every
+exchange; a perfect matching has rho = 1): each pair keeps its own (xh_i, xh_j) copies, started at x^0, and
+x_i += gamma / 2 (xh_j - xh_i) with the pair's copies (CHOCO per edge).
 
-Error bound: the message delivered to j is exactly q_i (the same bytes, decoded the same way on both ends),
-so xh_i on i and on j are bit-identical, and over any run sum_n q_i(n) = xh_i (final) - xh_i (initial): the
-residual x_i - xh_i carries everything the codec dropped (it telescopes). Consensus contracts with W's
-spectral gap when the codec is exact; with a contractive codec (||C(v) - v|| <= (1 - delta) ||v||) CHOCO
-contracts for gamma small enough (gamma ~ delta; the default for a lossy codec is 0.5).
+Bytes: each exchange sends q_i once per neighbour, |N_i| x wire_bytes, recorded per neighbour under the channel's
+tag (``outer``) against the fp32 size.
+
+Error bound: the delivered q_i is the sender's own bytes decoded the same way, so xh_i - x^0 is exactly the fp32 sum
+of the messages i sent (it telescopes) and y_i = sum_j W_ji xh_j up to the fp32 rounding of the additions; what Q
+drops stays in x_i - xh_i and is sent later. Sum_i x_i is preserved by the gossip (W doubly stochastic; to fp32
+rounding). Lemma 3.1 bounds the consensus error by alpha^2 n K^2 C for gamma as above.
 
 Failure behaviour: ValueError (one line, naming the fix) for a topology that does not fit the replica count
-(megacomp.outer.topology.check_topology), H < 1, gamma outside (0, 1], a structured compressor (PowerSGD)
-or error feedback on the codec (the copies are the error feedback); a lost replica raises ReplicaLost
-through the watch.
+(megacomp.outer.topology.check_topology), K < 1, gamma outside (0, 1], a structured compressor (PowerSGD) or error
+feedback on the codec (xh is the error feedback), bad optimizer settings (betas, delta, rule), or a state saved by
+another configuration; a lost replica raises ReplicaLost through the watch.
 """
 from __future__ import annotations
 
@@ -53,26 +60,110 @@ from .liveness import ReplicaWatch
 from .topology import check_topology, is_static, neighbours
 
 GOSSIP_TAG = 73  # point-to-point tag of the gossip message (distinct from NoLoCo's and the pipeline's)
+RULES = ("adam", "amsgrad", "adagrad")  # Table 2's r_t
+DEFAULT_DELTA = 1e-4
+
+
+class LoDAdaCAdam(torch.optim.Optimizer):
+    """Algorithm 1, lines 5-8: x -= lr m^t / (sqrt(u^{t-1}) + delta), u^t = r_t (Table 2), no bias correction.
+
+    Args:
+        params: parameters or parameter groups (a group's ``lr`` is alpha; its ``weight_decay`` is read only with
+            ``apply_weight_decay``).
+        lr: alpha. betas: (b1, b2); b2 is unused by ``adagrad``. eps: delta, added outside the square root.
+        rule: ``adam`` (u = b2 u + (1 - b2) g^2), ``amsgrad`` (uh = that EMA, u = max(u, uh)) or ``adagrad``
+            (u = mean of g^2 over the steps so far).
+        bias_correction: divide m^t by 1 - b1^(t+1) and u^{t-1} by 1 - b2^t (Adam's; not Algorithm 1).
+        apply_weight_decay: AdamW's decoupled decay x -= lr wd x before the step (not Algorithm 1).
+        weight_decay: the default of the groups' ``weight_decay``.
+
+    Error bound: each step is a handful of fp32 operations on the parameter's dtype (the state is the parameter's
+    dtype), about 10 roundings; the division amplifies them by at most lr / delta.
+
+    Raises:
+        ValueError: lr < 0, a beta outside [0, 1), delta <= 0, an unknown rule.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = DEFAULT_DELTA,
+                 weight_decay: float = 0.0, rule: str = "adam", bias_correction: bool = False,
+                 apply_weight_decay: bool = False) -> None:
+        if lr < 0:
+            raise ValueError(f"LoDAdaC alpha (lr) must be >= 0, got {lr}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"LoDAdaC betas must be in [0, 1), got {tuple(betas)}")
+        if not eps > 0:
+            raise ValueError(f"LoDAdaC delta (eps) must be > 0 (the first step divides by it), got {eps}")
+        if rule not in RULES:
+            raise ValueError(f"LoDAdaC local rule must be one of {', '.join(RULES)} (Table 2), got {rule!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, rule=rule,
+                        bias_correction=bias_correction, apply_weight_decay=apply_weight_decay)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None):
+        """One iteration t of lines 6-8 for every parameter with a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, delta, rule = group["lr"], group["eps"], group["rule"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p)  # m
+                    state["u"] = torch.zeros_like(p)  # u^{t-1}
+                    if rule == "amsgrad":
+                        state["u_ema"] = torch.zeros_like(p)  # AMSGrad's u-hat
+                    elif rule == "adagrad":
+                        state["grad_sq_sum"] = torch.zeros_like(p)
+                t = state["step"]
+                m, u = state["exp_avg"], state["u"]
+                if group["apply_weight_decay"] and group["weight_decay"]:
+                    p.mul_(1 - lr * group["weight_decay"])
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                # the denominator reads u^{t-1} before it becomes u^t (line 8)
+                if group["bias_correction"] and rule != "adagrad" and t > 0:
+                    denom = (u / (1 - b2 ** t)).sqrt_().add_(delta)
+                else:
+                    denom = u.sqrt().add_(delta)
+                step_m = m / (1 - b1 ** (t + 1)) if group["bias_correction"] else m
+                if rule == "adam":
+                    u.mul_(b2).addcmul_(g, g, value=1 - b2)
+                elif rule == "amsgrad":
+                    state["u_ema"].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    torch.maximum(u, state["u_ema"], out=u)
+                else:
+                    s = state["grad_sq_sum"].addcmul_(g, g)
+                    torch.div(s, t + 1, out=u)
+                p.addcdiv_(step_m, denom, value=-lr)
+                state["step"] = t + 1
+        return loss
 
 
 @dataclass
 class LoDAdaCConfig:
-    """Settings of LoDAdaC-style gossip (see the module docstring)."""
+    """Settings of LoDAdaC's communication (Algorithm 1, lines 9-12; see the module docstring)."""
 
     outer_steps: int = 10
-    """H: local optimizer steps between two gossip exchanges."""
+    """K: local steps per communication round (gossip when (t + 1) mod K == 0)."""
     topology: str = "ring"
-    """ring, torus, exponential or random_peer (megacomp.outer.topology)."""
+    """ring, torus, exponential (Algorithm 1's fixed W) or random_peer (a new matching each round; not in the paper)."""
     gossip_lr: Optional[float] = None
     """gamma, the consensus step in (0, 1]; None: 1 with the identity codec, 0.5 with a lossy one."""
     codec: Any = None
-    """Value codec of the gossip messages (int4, int2, top-k, ...; biased is fine) or None (uncompressed)."""
+    """Q: value codec of the gossip messages (int4, int2, top-k, ...; biased is fine) or None (uncompressed)."""
     seed: int = 0
     """Seed of random_peer's draws (the same on every rank)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.outer_steps, int) or self.outer_steps < 1:
-            raise ValueError(f"LoDAdaC outer_steps (H) must be an int >= 1, got {self.outer_steps!r}")
+            raise ValueError(f"LoDAdaC outer_steps (K) must be an int >= 1, got {self.outer_steps!r}")
         if self.topology not in ("ring", "torus", "exponential", "random_peer"):
             raise ValueError(f"LoDAdaC topology must be ring, torus, exponential or random_peer, got {self.topology!r}")
         codec = parse_codec_arg(self.codec)
@@ -92,15 +183,15 @@ class LoDAdaCConfig:
 
 
 class LoDAdaC:
-    """Local steps plus compressed gossip over ``outer_group`` (one rank per replica). Call :meth:`step` after every
-    local optimizer step.
+    """Algorithm 1's communication over ``outer_group`` (one rank per replica). Call :meth:`step` after every local
+    optimizer step (:class:`LoDAdaCAdam` for Algorithm 1's own update).
 
     Args:
-        params: this rank's parameters (any float dtype; the gossip state is fp32).
+        params: this rank's parameters (any float dtype; xh and y are fp32). Set to replica 0's values (line 2).
         outer_group: one rank per replica (megacomp.outer.build_replica_groups' ``outer``).
         config: LoDAdaCConfig.
-        channel: counts the bytes (its name is the traffic tag); default: an uncompressed ``outer`` channel (the
-            codec is applied here, once per message).
+        channel: counts the bytes (its name is the traffic tag); default: an uncompressed ``outer`` channel (Q is
+            applied here, once per message).
         after_sync: called after the parameters were replaced (the trainer reloads the optimizer's masters).
         watch: arrival checks before each exchange (megacomp.outer.ReplicaWatch) or None.
 
@@ -122,9 +213,16 @@ class LoDAdaC:
             list(range(dist.get_world_size()))
         self.channel = channel if channel is not None else make_channel("outer", None, group=outer_group)
         self.codec = config.codec
-        self.averaging = self.codec.is_identity and config.gossip_lr == 1
+        self.exact = self.codec.is_identity  # Q = I: xh = x^{t+1/2}, the message is x itself
         self.numel = sum(p.numel() for p in self.params)
-        # CHOCO's copies: "mine/<key>" = xh_i as the peer(s) of <key> hold it, "peer/<j>" = xh_j (fp32, flat)
+        with torch.no_grad():
+            x0 = _flat(self.params)
+            dist.broadcast(x0, self.outer_ranks[0], group=outer_group)  # line 2: x_i^0 = x^0 (replica 0's)
+            self._write(x0)
+        # xh_i and y_i = sum_j W_ji xh_j (fixed W); random_peer: "mine/<j>", "peer/<j>" per pair, from x0
+        self.xhat = x0.clone() if not self.exact and is_static(config.topology) else None
+        self.y = x0.clone() if self.xhat is not None else None
+        self.x0 = x0 if not self.exact and not is_static(config.topology) else None
         self.copies: dict[str, torch.Tensor] = {}
         self.inner_steps = 0
         self.exchanges = 0
@@ -136,7 +234,8 @@ class LoDAdaC:
         return neighbours(c.topology, self.replicas, self.replica, c.seed, self.exchanges)
 
     def step(self) -> bool:
-        """Count one local step; gossip every H of them. Returns whether the parameters were replaced."""
+        """Count iteration t (the parameters hold x^{t+1/2}); gossip when (t + 1) mod K == 0. Returns whether the
+        parameters were replaced."""
         self.inner_steps += 1
         if self.inner_steps % self.config.outer_steps:
             return False
@@ -145,48 +244,55 @@ class LoDAdaC:
 
     @torch.no_grad()
     def sync(self) -> None:
-        """One gossip exchange now (module docstring); point-to-point with the neighbours only."""
-        n, peers = self.exchanges, self.peers
+        """Line 10 now (module docstring); point-to-point with the neighbours only."""
+        n, peers, gamma = self.exchanges, self.peers, self.config.gossip_lr
         if self.watch is not None:
             self.watch.announce(n)
             self.watch.await_all(n, [self.replica, *peers])
-        x = _flat(self.params)
+        x = _flat(self.params)  # x^{t+1/2}
         w = 1.0 / (len(peers) + 1)
-        if self.averaging:
+        if self.exact:
             received = self._swap({j: x for j in peers})
-            out = x * w
+            y = x * w
             for j in peers:
-                out.add_(received[j], alpha=w)
-            x = out
-        else:
+                y.add_(received[j], alpha=w)
+            x = y if gamma == 1 else x.add_(y - x, alpha=gamma)
+        elif self.xhat is not None:
+            buf = self.codec.encode_flat(x - self.xhat)  # Q[x^{t+1/2} - xh^t], encoded once for every neighbour
+            q = self.codec.decode_flat(buf, self.numel, torch.float32)
+            self.xhat.add_(q)
+            received = self._swap({j: buf for j in peers}, encoded=True)
+            self.y.add_(q, alpha=w)
+            for j in peers:
+                self.y.add_(received[j], alpha=w)
+            x.add_(self.y - self.xhat, alpha=gamma)
+        else:  # random_peer: the pair's own copies
             sends = {}
             for j in peers:
-                key = "mine/all" if is_static(self.config.topology) else f"mine/{j}"
-                if key not in sends:
-                    mine = self._copy(key)
-                    buf = self.codec.encode_flat(x - mine)
-                    mine.add_(self.codec.decode_flat(buf, self.numel, torch.float32))  # xh_i += q_i
-                    sends[key] = buf
-                sends[j] = sends[key]
-            received = self._swap({j: sends[j] for j in peers}, encoded=True)
+                mine = self._copy(f"mine/{j}")
+                sends[j] = self.codec.encode_flat(x - mine)
+                mine.add_(self.codec.decode_flat(sends[j], self.numel, torch.float32))
+            received = self._swap(sends, encoded=True)
             mix = torch.zeros_like(x)
             for j in peers:
-                theirs = self._copy(f"peer/{j}").add_(received[j])  # xh_j += q_j
-                mine = self._copy("mine/all" if is_static(self.config.topology) else f"mine/{j}")
-                mix.add_(theirs - mine, alpha=w)
-            x.add_(mix, alpha=self.config.gossip_lr)
+                theirs = self._copy(f"peer/{j}").add_(received[j])
+                mix.add_(theirs - self._copy(f"mine/{j}"), alpha=w)
+            x.add_(mix, alpha=gamma)
         self.exchanges += 1
+        self._write(x)
+        if self.after_sync is not None:
+            self.after_sync()
+
+    def _write(self, x: torch.Tensor) -> None:
         off = 0
         for p in self.params:
             k = p.numel()
             p.copy_(x[off:off + k].view_as(p))
             off += k
-        if self.after_sync is not None:
-            self.after_sync()
 
     def _copy(self, key: str) -> torch.Tensor:
         if key not in self.copies:
-            self.copies[key] = torch.zeros(self.numel, dtype=torch.float32, device=self.params[0].device)
+            self.copies[key] = self.x0.clone()
         return self.copies[key]
 
     def _swap(self, outgoing: dict, encoded: bool = False) -> dict:
@@ -209,18 +315,27 @@ class LoDAdaC:
         """Nothing in flight (every exchange completes inside :meth:`sync`)."""
 
     def state_dict(self) -> dict[str, Any]:
-        """The copies, the step and exchange counters (see the module docstring)."""
-        return {"config": self.config.to_dict(), "copies": {k: v.clone() for k, v in self.copies.items()},
+        """xh, y (or random_peer's pair copies and x^0), the iteration and exchange counters; m and u are the local
+        optimizer's state."""
+        def keep(t):
+            return None if t is None else t.clone()
+        return {"config": self.config.to_dict(), "algorithm": "lodadac-algorithm-1", "xhat": keep(self.xhat),
+                "y": keep(self.y), "x0": keep(self.x0), "copies": {k: v.clone() for k, v in self.copies.items()},
                 "inner_steps": self.inner_steps, "exchanges": self.exchanges}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. Raises ValueError for another configuration or parameter count."""
+        """Restore :meth:`state_dict`. Raises ValueError for another configuration, parameter count or format."""
+        if state.get("algorithm") != "lodadac-algorithm-1":
+            raise ValueError("LoDAdaC state was saved by the earlier CHOCO-style engine, not Algorithm 1; start this "
+                             "run from the weights alone (load without the outer state) or from scratch")
         if state["config"] != self.config.to_dict():
             raise ValueError(f"LoDAdaC state was saved with {state['config']}, this run uses {self.config.to_dict()}; "
                              f"resume with the same outer configuration")
-        for k, v in state["copies"].items():
-            if v.numel() != self.numel:
-                raise ValueError(f"LoDAdaC state holds copies of {v.numel()} parameters, this rank has {self.numel}; "
-                                 f"resume with the same model and layout")
+        tensors = [t for t in (state["xhat"], state["y"], state["x0"], *state["copies"].values()) if t is not None]
+        if any(t.numel() != self.numel for t in tensors):
+            raise ValueError(f"LoDAdaC state holds vectors of {tensors[0].numel()} parameters, this rank has "
+                             f"{self.numel}; resume with the same model and layout")
+        for name in ("xhat", "y", "x0"):
+            setattr(self, name, None if state[name] is None else state[name].clone())
         self.copies = {k: v.clone() for k, v in state["copies"].items()}
         self.inner_steps, self.exchanges = int(state["inner_steps"]), int(state["exchanges"])

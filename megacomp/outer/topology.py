@@ -2,20 +2,24 @@
 
 Every topology here is a regular undirected graph (for ``random_peer``: at each exchange), and the mixing
 matrix gives each replica and each of its d neighbours the weight 1 / (d + 1), so W is symmetric and doubly
-stochastic (a regular graph's uniform weights):
+stochastic (a regular graph's uniform weights; the weights of LoDAdaC's released code for its ring, whose
+Assumption 2 asks W doubly stochastic with rho = ||W - J||_2 < 1, J the all-1/R matrix):
 
     ring          i - 1 and i + 1 (mod R); R = 2 gives one neighbour
     torus         a rows x cols grid with wrap-around (rows <= cols, the most square factorisation with both >= 2):
                   up, down, left, right, duplicates merged (a side of 2 gives one neighbour along it)
     exponential   i +- 2^k (mod R) for every 2^k < R (the undirected exponential graph; circulant, so regular)
     random_peer   NoLoCo's draw (megacomp.outer.noloco.gossip_groups with groups of 2): a random perfect
-                  matching per exchange, from a generator seeded with (seed, exchange), the same on every rank
+                  matching per exchange, from a generator seeded with (seed, exchange), the same on every rank;
+                  each matching is disconnected (rho = 1), so it is outside LoDAdaC's Assumption 2
 
 Failure behaviour: :func:`check_topology` raises ValueError with one line naming the fix for an unknown
 topology, fewer than 2 replicas, a torus over a replica count with no factorisation rows x cols with both >= 2
 (a prime), or random_peer over an odd replica count.
 """
 from __future__ import annotations
+
+import torch
 
 from .noloco import gossip_groups
 
@@ -83,3 +87,11 @@ def mixing_matrix(topology: str, replicas: int, seed: int = 0, exchange: int = 0
         w = 1.0 / (len(peers) + 1)
         rows.append([w if j == i or j in peers else 0.0 for j in range(replicas)])
     return rows
+
+
+def mixing_rho(topology: str, replicas: int) -> float:
+    """rho = ||W - J||_2 (J = 11^T / R), the quantity of LoDAdaC's Assumption 2 and Lemma 3.1: < 1 for the connected
+    static graphs here (information spreads), 1 for one random_peer matching. Computed in fp64 (eigenvalues of the
+    symmetric W - J; exact to ~1e-15)."""
+    w = torch.tensor(mixing_matrix(topology, replicas), dtype=torch.float64)
+    return float(torch.linalg.eigvalsh(w - 1.0 / replicas).abs().max())
