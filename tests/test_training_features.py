@@ -87,6 +87,15 @@ def test_help_groups_flags_by_component():
     assert "--freeze-step" in text and "--outer-codec" in text and "--zero-stage" in text
 
 
+def test_help_is_printed_by_rank_zero_only(capsys, monkeypatch):
+    """Under torchrun every rank parses ``--help``: rank 0 prints it, the others print nothing; all exit 0."""
+    for rank, printed in (("0", True), ("1", False), ("3", False)):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit) as stop:
+            build_parser().parse_args(["--help"])
+        assert stop.value.code == 0 and ("--outer-codec" in capsys.readouterr().out) is printed
+
+
 def test_only_choice_is_made_and_said_but_never_over_a_typed_flag():
     cfg = PretrainConfig(optimizer="zero_one_adam")
     cfg.explicit = frozenset()

@@ -84,6 +84,12 @@ class CommandLineParser(argparse.ArgumentParser):
         hint = f" ({'; '.join(h.replace(' (', ': ', 1).rstrip(')') for h in hints)})" if hints else ""
         raise ValueError(f"{message}{hint}; megacomp-pretrain --help lists every flag")
 
+    def print_help(self, file=None):
+        """Print the help from rank 0 only (torchrun's ``RANK``; a process without one prints it): under a
+        launcher every rank parses the same ``--help``, and one copy is enough. Every rank then exits 0."""
+        if os.environ.get("RANK", "0") in ("", "0"):
+            super().print_help(file)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: ``--config FILE`` and one ``--flat-name`` flag per field of the configuration tree,
