@@ -26,7 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.netns_dp_worker import ONEBIT_METHODS
 from megacomp.plan import shaped_steps as ss
+from megacomp.plan.workload import ModelSpec
 
 from megacomp.plan.calibration import (SEGMENT_ELEMS, MiB, Codec, Model, Row, Validation, _codec_time, _points,  # noqa: F401
                                        codec_work, fit, pipeline, predict_collective, wire_bytes)
@@ -56,8 +58,44 @@ def _floor(records: list, d: dict) -> float | None:
     return statistics.median(times) if times else None
 
 
-def _ddp_points(model: Model, records: list, source: str):
-    """(label, phases, rate, world, floor, measured, method, bytes check) of every modelled DP record."""
+def benchmark_gpt(d: dict) -> ModelSpec:
+    """The GPT of benchmarks.netns_dp_worker for a record (its hidden size and layers; 4 heads, 64 tokens, a 1024
+    vocabulary, 8 samples per rank). Raises ValueError when its parameter count is not the record's."""
+    spec = ModelSpec(d["layers"], d["hidden"], 4, 64, 1024, micro_batch_size=8, global_batch_size=8 * d["world"])
+    if spec.params != d["params"]:
+        raise ValueError(f"record {d['method']}: {d['params']} parameters, but the benchmark GPT with hidden "
+                         f"{d['hidden']} and {d['layers']} layers has {spec.params}; update benchmark_gpt")
+    return spec
+
+
+def step_flops(d: dict) -> float:
+    """Forward + backward FLOPs of one rank's step of the benchmark GPT (megacomp.plan.workload)."""
+    spec = benchmark_gpt(d)
+    return spec.flops_per_token * spec.micro_batch_size * spec.seq_length
+
+
+def benchmark_machine(records: list, memcpy_Bps: float) -> ss.Machine:
+    """The Machine of megacomp.plan.shaped_steps from the session that measured the codecs (benchmarks/results/
+    benchmarks): F = the benchmark GPT's step FLOPs over its median no-communication step (median over rates),
+    B = twice ``memcpy_Bps`` (its measured copy rate: a copy reads and writes every byte)."""
+    rates = [step_flops(d) / statistics.median(d["times_s"]) for d in records
+             if d["method"] == "no_communication" and d.get("times_s")]
+    return ss.Machine(statistics.median(rates), 2.0 * memcpy_Bps)
+
+
+def measured_step(d: dict) -> float:
+    """Median step of a record, over the iterations the model describes: for the 1-bit family (netns_dp_worker's
+    ONEBIT_METHODS) the ones after its full-precision warm-up (the first max(1, iterations // 5), as the worker
+    sets ``freeze_step``), whose bytes the record holds; for every other method all but the first two."""
+    if d["method"] in ONEBIT_METHODS and d.get("all_times_s"):
+        every = d["all_times_s"]
+        return statistics.median(every[max(1, len(every) // 5):])
+    return statistics.median(d["times_s"])
+
+
+def _ddp_points(model: Model, records: list, source: str, mach: ss.Machine | None = None):
+    """(label, phases, rate, world, floor, measured, work seconds) of every modelled DP record (work on ``mach``;
+    none without it)."""
     for d in records:
         if d["method"] == "no_communication" or not d.get("times_s"):
             continue
@@ -66,9 +104,13 @@ def _ddp_points(model: Model, records: list, source: str):
                                   d.get("wire_bytes_per_step"))
         if floor is None or phases is None:
             continue
+        work_s = 0.0
+        if mach is not None:
+            work = ss.method_work(d["method"], benchmark_gpt(d).parameter_shapes())
+            work_s = work.seconds(mach.flop_rate, mach.memory_Bps)
         seed = f" seed {d['seed']}" if "seed" in d else ""
         label = f"{source}: {d['method']} {d['params'] / 1e6:.2f}M p{d['world']} @{d['rate']}{seed}"
-        yield label, phases, d["rate_Bps"], d["world"], floor, statistics.median(d["times_s"])
+        yield label, phases, d["rate_Bps"], d["world"], floor, measured_step(d), work_s
 
 
 def validate(model: Model, results: dict, overlap: float = 1.0, contention: float = 0.0) -> Validation:
@@ -78,7 +120,7 @@ def validate(model: Model, results: dict, overlap: float = 1.0, contention: floa
         label = f"{r['op']} {r['codec']} {r['mib']:g} MiB p{r['world']} @{r['rate']}"
         rows.append(Row("collective", label, tm, predict_collective(model, r["op"], r["codec"], S, r["world"],
                                                                     r["rate_Bps"])))
-    for label, phases, rate, world, floor, tm in _ddp_points(model, results.get("ddp", []), "benchmarks"):
+    for label, phases, rate, world, floor, tm, *_ in _ddp_points(model, results.get("ddp", []), "benchmarks"):
         rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, overlap, contention)))
     return Validation(rows)
 
@@ -100,18 +142,23 @@ def validate_all(results_dir: str | Path) -> tuple[Model, float, float, Validati
         label = f"{r['op']} {r['codec']} {r['mib']:g} MiB p{r['world']} @{r['rate']}"
         rows.append(Row("collective", label, tm, predict_collective(model, r["op"], r["codec"], S, r["world"],
                                                                     r["rate_Bps"]), held_out=r["rate"] == HELD_OUT_RATE))
-    train = list(_ddp_points(model, bench["ddp"], "benchmarks"))
+    int4 = model.codecs.get("int4")
+    if int4 is not None and "sign" not in model.codecs:  # the 1-bit family's codec has no throughput measurement
+        model.codecs["sign"] = Codec(int4.encode_Bps, int4.decode_Bps, "assumed: int4's measured throughput (a "
+                                     "scale pass and a quantise-and-pack pass per encode, as int4)")
+    mach = benchmark_machine(bench["ddp"], float(bench["codec_throughput"]["memcpy"]["encode_Bps"]))
+    train = list(_ddp_points(model, bench["ddp"], "benchmarks", mach))
     o, kappa = ss.fit_overlap_contention(model, [p[1:] for p in train])
-    for label, phases, rate, world, floor, tm in train:
-        rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa)))
+    for label, phases, rate, world, floor, tm, work_s in train:
+        rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa, work_s)))
     notes = []
     for f in sorted(root.glob("netns_*/*.json")):
         data = json.loads(f.read_text())
         if data.get("workload") not in ("ddp", "profile"):
             continue
         recs = data["records"]
-        for label, phases, rate, world, floor, tm in _ddp_points(model, recs, f"{f.parent.name}/{f.stem}"):
-            rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa), True))
+        for label, phases, rate, world, floor, tm, work_s in _ddp_points(model, recs, f"{f.parent.name}/{f.stem}", mach):
+            rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa, work_s), True))
         skipped = sorted({d["method"] for d in recs if d["method"] != "no_communication"
                           and ss.method_phases(d["method"], d["params"], d["world"], 2 * MiB,
                                                d.get("wire_bytes_per_step")) is None})
@@ -311,8 +358,10 @@ def plot(projection: Projection, path: str, codec: str = "int4", baseline: str =
     return True
 
 
-def validation_markdown(model: Model, o: float, kappa: float, v: Validation, notes: list[str]) -> str:
-    """The calibration page: fitted constants, error summaries (fitted vs held-out, per kind) and every point."""
+def validation_markdown(model: Model, o: float, kappa: float, v: Validation, notes: list[str],
+                        mach: ss.Machine | None = None) -> str:
+    """The calibration page: fitted constants, error summaries (fitted vs held-out, per kind) and every point
+    (``mach``: the Machine the methods' CPU work ran on, listed with the constants)."""
     out = ["# Calibration and held-out validation of the step model on the shaped-link runs", "",
            "Generated by `python -m benchmarks.perf_model --validate-all benchmarks/results --out-dir "
            "benchmarks/results/plan` from the measurements already in `benchmarks/results/` (nothing re-measured).",
@@ -326,7 +375,14 @@ def validation_markdown(model: Model, o: float, kappa: float, v: Validation, not
     o_t, o_m = o if isinstance(o, tuple) else (o, o)
     out += [f"| o: share of backward a bucketed exchange overlaps, torch DDP / megacomp | {o_t:.2f} / {o_m:.2f} | "
             f"benchmarks/results/benchmarks DP steps |",
-            f"| kappa: CPU contention per second of codec work | {kappa:.2f} | the same |", "",
+            f"| kappa: CPU contention per second of codec work | {kappa:.2f} | the same |"]
+    if mach is not None:
+        out += [f"| F: FLOP rate of a method's matrix products (megacomp.plan.cpu_work) | {mach.flop_rate / 1e9:.1f} "
+                f"GFLOP/s | measured, not fitted: the benchmark GPT's step FLOPs / its no-communication step, "
+                f"benchmarks/results/benchmarks |",
+                f"| B: memory traffic rate of a method's elementwise passes | {mach.memory_Bps / 1e9:.1f} GB/s | measured, "
+                f"not fitted: twice the memcpy rate of the same session (read + write) |"]
+    out += ["",
             "## Errors", "", "| points | fitted: n, median, max abs. error | held out: n, median, max abs. error |",
             "|---|---|---|"]
     names = {"collective": "collectives", "ddp": "DP steps", "train": "TP / PP / DP training steps",
@@ -339,7 +395,9 @@ def validation_markdown(model: Model, o: float, kappa: float, v: Validation, not
         out.append(f"| {title} | {cells[0]} | {cells[1]} |")
     out += ["", "Held out: collectives at 300 Mbit/s; every DP step outside benchmarks/results/benchmarks; every "
             "training step at 100 Mbit/s (predicted from the same run's 1 Gbit/s step); every local-step run "
-            "(predicted from DiLoCo H=50's step at the same rate).", ""]
+            "(predicted from DiLoCo H=50's step at the same rate). The 1-bit family's measured step is the median of its "
+            "iterations after the full-precision warm-up (the first fifth), the steady state the model and the "
+            "record's bytes describe; every other method's, of all its iterations but the first two.", ""]
     if notes:
         out += ["Not modelled (left out of the table): " + "; ".join(notes) + ".", ""]
     out += ["## Every point", "", "| kind | point | fitted / held out | measured s | predicted s | error |",
@@ -368,7 +426,9 @@ def main(argv=None) -> None:
         model, o, kappa, v, notes = validate_all(a.validate_all)
         out = Path(a.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "calibration.md").write_text(validation_markdown(model, o, kappa, v, notes))
+        bench = json.loads((Path(a.validate_all) / "benchmarks" / "results.json").read_text())
+        mach = benchmark_machine(bench["ddp"], float(bench["codec_throughput"]["memcpy"]["encode_Bps"]))
+        (out / "calibration.md").write_text(validation_markdown(model, o, kappa, v, notes, mach))
         (out / "calibration.json").write_text(json.dumps({
             "overlap": o, "contention": kappa, "links": model.links,
             "rows": [dict(kind=r.kind, point=r.point, held_out=r.held_out, measured_s=r.measured_s,

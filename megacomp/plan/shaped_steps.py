@@ -2,11 +2,14 @@
 plan's schedules are checked against measurements: megacomp.plan.estimate's overlap rules with the fitted link
 (megacomp.plan.calibration) and the measured no-communication step as the compute.
 
-  T_step = T_floor + exposed(schedule) + kappa x T_codec
-  exposed: after_backward   T_comm                                    (PowerSGD, 1-bit Adam in step(), ZeRO-1's
-                                                                       reduce-scatter and all-gather)
+  T_step = T_floor + exposed(schedule) + kappa x T_codec + T_work
+  exposed: after_backward   T_comm                                    (PowerSGD, run in the hook or after backward;
+                                                                       1-bit Adam in step(); ZeRO-1's all-gather;
+                                                                       torch ZeRO's broadcast)
            in_backward      max(T_last bucket, T_comm - o x 2/3 T_floor)  (DDP buckets, the megacomp hook,
-                                                                           1-bit Adam's exchange in backward)
+                                                                           1-bit Adam's exchange in backward,
+                                                                           megacomp ZeRO-1's reduce-scatter,
+                                                                           launched by its gradient hooks)
            in_forward       max(0, T_comm - 1/3 T_floor)               (the overlapped parameter all-gather)
            in_step          max(0, T_comm - T_floor)                   (ACCO and DPU: the next step's compute)
   T_comm = calls x alpha + pipeline(wire bytes / (eta B), codec time) per phase, wire bytes from
@@ -16,6 +19,14 @@ plan's schedules are checked against measurements: megacomp.plan.estimate's over
   o        fraction of the backward a bucketed exchange really overlaps on two cores, one per engine: torch's
            DDP buckets and hooks, megacomp's collectives finished on a background thread (fitted; the forward and
            next-step windows are taken whole: no fitted run has them, so their factor cannot be fitted)
+  T_work   the method's CPU work on the critical path besides its codecs (megacomp.plan.cpu_work: PowerSGD's
+           products and passes, Accordion's norm sums, the 1-bit family's momentum forming, 1-bit LAMB's longer
+           step), on the run's Machine; nothing fitted
+  Machine  the session that measured the codecs (benchmarks/results/benchmarks): F = the benchmark GPT's forward +
+           backward FLOPs per step / its no-communication step; B = twice its measured memcpy rate (a copy reads
+           and writes). Every run uses these, as it uses the codec throughputs measured there: the floors of one
+           study's seeds (same code, same session) differ by up to 20%, so a run's floor is too noisy a measure of
+           its machine's speed to rescale its CPU work by (doing so gave a 36.6% held-out maximum).
 
 Error bound: none a priori; benchmarks/results/plan lists every point's error. Failure behaviour: a method the
 table does not know returns None (the validation skips it and says so).
@@ -30,6 +41,7 @@ import torch
 
 from . import wire
 from .calibration import Model, _codec_time, pipeline
+from .cpu_work import Work, accordion_observe_work, onebit_work, powersgd_work
 
 INT4 = "int4"
 """Calibration name of the int4 codec."""
@@ -80,13 +92,17 @@ def _phases(method: str, params: int, world: int, bucket_bytes: float, measured_
     if method.startswith(("ddp_powersgd", "megacomp_powersgd", "megacomp_accordion", "megacomp_zero_one_adam")):
         if measured_bytes is None:
             return None
-        return [Phase("all_reduce", "none", measured_bytes, 0, 3, "after_backward")]
+        # torch's hook: one bucket, three all-reduces (P, Q, the rest); megacomp's: three per bucket, each finished
+        # in the hook before backward goes on (megacomp.comm.low_rank_channel): exposed either way
+        calls = 3 * buckets if method.startswith(("megacomp_powersgd", "megacomp_accordion")) else 3
+        return [Phase("all_reduce", "none", measured_bytes, 0, calls, "after_backward")]
     if method.startswith(("megacomp_onebit_adam", "megacomp_onebit_lamb")):
         sign = {"name": "sign", "block_size": 0}
         where = "after_backward" if "in_step" in method else "in_backward"
         return [Phase("all_reduce", "sign", wire.all_reduce_bytes(sign, n, world), S, buckets, where)]
     if "_int4_loco_int8" in method:  # the sharded optimizer: reduce-scatter int4, all-gather int8
-        rs = Phase("reduce_scatter", INT4, wire.reduce_scatter_bytes(int4, shard, world), S, buckets, "after_backward")
+        # the reduce-scatter of each bucket starts from the gradient hooks, in backward (DistributedOptimizer)
+        rs = Phase("reduce_scatter", INT4, wire.reduce_scatter_bytes(int4, shard, world), S, buckets, "in_backward")
         ag = Phase("all_gather", "int8", wire.all_gather_bytes(int8p, shard, world, torch.bfloat16), S / world,
                    buckets, "after_backward")
         if "overlap_gather" in method:
@@ -106,6 +122,32 @@ def _engine(method: str, phases):
     return [Phase(p.op, p.codec, p.wire_bytes, p.codec_bytes, p.calls, p.window, "megacomp") for p in phases]
 
 
+@dataclass(frozen=True)
+class Machine:
+    """The CPU that runs a method's work (module docstring): its compute rate and memory traffic rate."""
+
+    flop_rate: float
+    """F: FLOPs per second (the benchmark GPT's step FLOPs over its no-communication step)."""
+    memory_Bps: float
+    """B: bytes read + written per second by elementwise passes (twice the measured memcpy rate)."""
+
+
+def method_work(method: str, shapes) -> Work:
+    """CPU work of a benchmark method besides its codecs, on the critical path (megacomp.plan.cpu_work); ``shapes``:
+    the model's parameter shapes. Zero for the methods that add none the model counts."""
+    numel = sum(math.prod(s) for s in shapes)
+    if method.startswith(("ddp_powersgd", "megacomp_powersgd")):
+        engine = "torch" if method.startswith("ddp_") else "megacomp"
+        return powersgd_work(shapes, int(method.rsplit("powersgd", 1)[1]), engine)
+    if method == "megacomp_accordion":  # at its low (rank 1) level at the end of the run, whose bytes are measured
+        return powersgd_work(shapes, 1, "megacomp") + accordion_observe_work(numel)
+    if method.startswith("megacomp_onebit_lamb"):
+        return onebit_work(numel, lamb=True)
+    if method.startswith("megacomp_onebit_adam"):
+        return onebit_work(numel)
+    return Work()
+
+
 def phase_seconds(model: Model, phase: Phase, rate_Bps: float, world: int) -> tuple[float, float]:
     """(communication seconds, codec seconds) of one phase with the fitted link and codecs."""
     op = "all_reduce" if phase.op == "broadcast" else phase.op
@@ -120,8 +162,9 @@ _WINDOWS = (("after_backward", 0.0), ("in_backward", 2.0 / 3.0), ("in_forward", 
 
 
 def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: float, overlap=1.0,
-                 contention: float = 0.0) -> float:
-    """T_step of the module docstring; ``overlap``: o for both engines, or (o_torch, o_megacomp)."""
+                 contention: float = 0.0, work_s: float = 0.0) -> float:
+    """T_step of the module docstring; ``overlap``: o for both engines, or (o_torch, o_megacomp); ``work_s``: T_work
+    in seconds (Work.seconds on the Machine)."""
     o_of = dict(zip(("torch", "megacomp"), overlap if isinstance(overlap, tuple) else (overlap, overlap)))
     windows = dict(_WINDOWS)
     by_window: dict = {}
@@ -138,13 +181,13 @@ def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: flo
     for (w, engine), t in by_window.items():
         hidden = (o_of[engine] if w == "in_backward" else 1.0) * windows[w] * floor_s
         exposed += max(last_bucket if w == "in_backward" else 0.0, t - hidden)
-    return floor_s + exposed + contention * codec_s
+    return floor_s + exposed + contention * codec_s + work_s
 
 
 def fit_overlap_contention(model: Model, points) -> tuple[tuple[float, float], float]:
     """((o_torch, o_megacomp), kappa) minimising the squared relative error over ``points`` = [(phases, rate,
-    world, floor, measured)] on a grid (o in [0, 1] by 0.04, kappa in [0, 10] by 0.5). An engine with no point
-    in backward keeps o = 1 (nothing to fit it on)."""
+    world, floor, measured[, work seconds])] on a grid (o in [0, 1] by 0.04, kappa in [0, 10] by 0.5).
+    An engine with no point in backward keeps o = 1 (nothing to fit it on)."""
     engines = {ph.engine for phases, *_ in points for ph in phases if ph.window == "in_backward"}
     grid = np.linspace(0.0, 1.0, 26)
     best = ((1.0, 1.0), 0.0, math.inf)
@@ -152,7 +195,8 @@ def fit_overlap_contention(model: Model, points) -> tuple[tuple[float, float], f
         for om in grid if "megacomp" in engines else (1.0,):
             for k in np.linspace(0.0, 10.0, 21):
                 o = (float(ot), float(om))
-                err = sum(((predict_step(model, ph, r, w, f, o, k) - m) / m) ** 2 for ph, r, w, f, m in points)
+                err = sum(((predict_step(model, ph, r, w, f, o, k, *extra) - m) / m) ** 2
+                          for ph, r, w, f, m, *extra in points)
                 if err < best[2]:
                     best = (o, float(k), err)
     return best[0], best[1]

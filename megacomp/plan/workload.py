@@ -51,6 +51,14 @@ class ModelSpec:
         per_layer = 4 * h * h + 4 * h + 2 * h * self.ffn + self.ffn + h + 4 * h
         return L * per_layer + (self.vocab_size + self.seq_length) * h + 2 * h
 
+    def parameter_shapes(self) -> list[tuple]:
+        """The shapes of megacomp.models.gpt's parameters without TP, in its order: position and word embeddings,
+        per layer ln1 (weight, bias), QKV (3h x h, 3h), projection (h x h, h), ln2, fc1 (ffn x h, ffn), fc2
+        (h x ffn, h); the final norm. Their sizes add up to :attr:`params`."""
+        h, f = self.hidden_size, self.ffn
+        layer = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,), (h, f), (h,)]
+        return [(self.seq_length, h), (self.vocab_size, h)] + layer * self.num_layers + [(h,), (h,)]
+
     @property
     def flops_per_token(self) -> float:
         """Forward + backward FLOPs per token (Megatron's formula, no recomputation; for a 4h MLP)."""
