@@ -87,6 +87,19 @@ def test_help_groups_flags_by_component():
     assert "--freeze-step" in text and "--outer-codec" in text and "--zero-stage" in text
 
 
+def test_typed_settings_of_an_unselected_family_are_noted_in_the_banner():
+    from megacomp.training.arguments import parse_args
+
+    cfg = parse_args(["--config", "configs/gpt_tiny.yaml", "--outer-steps", "7", "--outer-lr", "0.5", "--ft-timeout",
+                      "3", "--zero-stage", "2"])
+    assert resolve(cfg, 1) == [
+        "note: --ft-timeout is set, but this run does not use the fault_tolerance family: no effect",
+        "note: --outer-lr, --outer-steps are set, but this run does not use the outer family: no effect"]
+    used = parse_args(["--config", "configs/gpt_tiny.yaml", "--outer-algorithm", "diloco", "--num-replicas", "2",
+                       "--outer-steps", "7"])
+    assert not any("no effect" in line for line in resolve(used, 2))
+
+
 def test_help_is_printed_by_rank_zero_only(capsys, monkeypatch):
     """Under torchrun every rank parses ``--help``: rank 0 prints it, the others print nothing; all exit 0."""
     for rank, printed in (("0", True), ("1", False), ("3", False)):

@@ -223,7 +223,26 @@ def resolve(cfg: PretrainConfig, world_size: Optional[int] = None) -> list[str]:
     lines = [line for f in FEATURES if f.selected(cfg) for line in f.resolve(cfg, world_size)]
     if cfg.zero.shard is None:
         cfg.zero.shard = True
-    return lines
+    return lines + unused_settings(cfg)
+
+
+def unused_settings(cfg: PretrainConfig) -> list[str]:
+    """One banner note per training family that this run does not select but whose settings were typed on the
+    command line with a value other than the default (e.g. ``--outer-steps 50`` without ``--outer-algorithm``):
+    they have no effect, which the user should see rather than discover later. Settings from a YAML file are not
+    reported (a shared config file may set every family's options)."""
+    flat = PretrainConfig.flat_fields()
+    out = []
+    for f in FEATURES:
+        if f.config_key is None or f.config_shared or f.selected(cfg):
+            continue
+        default, mine = f.CONFIG(), getattr(cfg, f.config_key)
+        typed = [n for n in sorted(getattr(cfg, "explicit", ()))
+                 if flat.get(n, (None,))[0] == f.config_key and getattr(mine, flat[n][1]) != getattr(default, flat[n][1])]
+        if typed:
+            out.append(f"note: {', '.join(_flag(n) for n in typed)} {'is' if len(typed) == 1 else 'are'} set, but this "
+                       f"run does not use the {f.name} family: no effect")
+    return out
 
 
 def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:

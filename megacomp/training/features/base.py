@@ -40,6 +40,9 @@ class Feature:
     state_key: Optional[str] = None
     optimizer_names: tuple = ()
     """The ``--optimizer`` choices that select this family (an optimizer family builds ``run.optimizer``)."""
+    config_shared: bool = False
+    """Whether other families read settings of this family's component too (then a typed setting of it is never
+    reported as unused when this family is not selected)."""
 
     def __init__(self, cfg) -> None:
         self.cfg = cfg

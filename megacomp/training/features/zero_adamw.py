@@ -58,6 +58,7 @@ class ZeROAdamW(Feature):
     optimizer_names = ("adamw",)
     CONFIG = ZeROConfig
     config_key = "zero"
+    config_shared = True  # the other optimizer families read its sharding and variance-freeze settings
 
     @classmethod
     def check(cls, cfg, world) -> None:
