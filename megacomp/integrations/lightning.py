@@ -24,10 +24,10 @@ What :class:`MegacompCallback` does:
   ``checkpoint["megacomp"]``, gathered from all ranks (megacomp.integrations.rank_state: Lightning writes that
   part of the checkpoint from rank 0 only); ``on_load_checkpoint`` gives each rank its own entry back, so a
   ``trainer.fit(..., ckpt_path=...)`` continues with the residuals the saved run had.
-- DDP resume: the first resumed iteration averages uncompressed (a fresh DDP's first iteration uses
-  another bucket layout than the one the saved residuals belong to; megacomp.integrations.rank_state), so
-  the resumed curve differs from an uninterrupted run by that one exact step; FSDP2 units keep one layout,
-  so an FSDP2 resume is bit-identical.
+- resume is bit for bit: the hook state is registered with the module's parameter names and keyed by each
+  bucket's parameters, and the fresh DDP's first iteration (its initial bucket layout) is reduced in the saved
+  layout, where the restored residuals belong (megacomp.optimizer.ddp_hook); FSDP2 units keep one layout. A
+  ``trainer.fit(..., ckpt_path=...)`` therefore continues exactly as the uninterrupted run, compressed or not.
 
 Error bounds and compression off: those of the hook (megacomp.optimizer.ddp_hook; ``codec=None`` is DDP's
 default averaging bit for bit) and of megacomp.integrations.fsdp. Bytes: ``megacomp.comm.stats()``
@@ -46,9 +46,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import stats
-from ..optimizer import CompressedHookState, compressed_allreduce_hook
+from ..optimizer import CompressedHookState
 from .fsdp import FSDPCompression
-from .rank_state import DDPHookRankState, PerRankState
+from .rank_state import PerRankState
 
 CHECKPOINT_KEY = "megacomp"
 """Where the callback keeps its state in Lightning's checkpoint dict."""
@@ -72,13 +72,13 @@ class MegacompCallback(Callback):
     def _states(self) -> dict[str, PerRankState]:
         out = {}
         if self.ddp_hook is not None:
-            out["ddp_hook"] = DDPHookRankState(self.ddp_hook)
+            out["ddp_hook"] = PerRankState(self.ddp_hook)
         if self.fsdp is not None:
             out["fsdp"] = PerRankState(self.fsdp)
         return out
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        """Register the DDP hook on the strategy's DDP model."""
+        """Register the DDP hook on the strategy's DDP model (keyed by its parameter names)."""
         if self.ddp_hook is None:
             return
         model = trainer.strategy.model
@@ -88,7 +88,7 @@ class MegacompCallback(Callback):
         if getattr(trainer.strategy, "_ddp_comm_hook", None) is not None:
             raise ValueError("MegacompCallback(ddp_hook=...): the DDPStrategy has its own ddp_comm_hook; give the "
                              "hook to this callback only (Lightning registers strategy hooks on CUDA only)")
-        model.register_comm_hook(self.ddp_hook, compressed_allreduce_hook)
+        self.ddp_hook.register(model)  # model.register_comm_hook(self.ddp_hook, compressed_allreduce_hook), named
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         """Log the data-parallel wire bytes so far (this process's count, megacomp.comm.stats)."""
