@@ -15,7 +15,9 @@ plan's schedules are checked against measurements: megacomp.plan.estimate's over
   T_comm = calls x alpha + pipeline(wire bytes / (eta B), codec time) per phase, wire bytes from
            megacomp.plan.wire (the codecs) unless the method's bytes come from elsewhere (PowerSGD's low-rank
            factors, 0/1 Adam's skipped rounds: the measured bytes per step)
-  kappa    codec work competes with backward for the machine's two cores (fitted)
+  kappa    codec work that runs while the model computes (an exchange in backward, forward or the next step)
+           competes with it for the machine's two cores (fitted); an exchange after backward has nothing to
+           compete with, its codec time is in its T_comm
   o        fraction of the backward a bucketed exchange really overlaps on two cores, one per engine: torch's
            DDP buckets and hooks, megacomp's collectives finished on a background thread (fitted; the forward and
            next-step windows are taken whole: no fitted run has them, so their factor cannot be fitted)
@@ -174,7 +176,8 @@ def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: flo
         t, tc = phase_seconds(model, ph, rate_Bps, world)
         key = (ph.window, ph.engine)
         by_window[key] = by_window.get(key, 0.0) + t
-        codec_s += tc
+        if ph.window != "after_backward":  # contention: only codec work that runs while the model computes
+            codec_s += tc
         if ph.window == "in_backward":
             last_bucket = max(last_bucket, t / ph.calls)
     exposed = 0.0
