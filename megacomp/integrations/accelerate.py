@@ -20,9 +20,10 @@ What each does:
   checkpointing the same way.
 - checkpoints: Accelerate writes custom objects from the main process only, so the registered object
   (megacomp.integrations.rank_state) gathers every rank's state when ``save_state`` asks for it (all ranks
-  call ``save_state``) and gives each rank its own entry back in ``load_state``. A resumed DDP averages its
-  first iteration uncompressed (rank_state: a fresh DDP's first bucket layout is not the saved residuals'),
-  so a DDP resume differs from an uninterrupted run by that one exact step; FSDP2 resumes bit for bit.
+  call ``save_state``) and gives each rank its own entry back in ``load_state``. Resume is bit for bit: the hook
+  state is keyed by each bucket's parameters (names, from the prepared model) and the fresh DDP's first
+  iteration (its initial bucket layout) is reduced in the saved layout (megacomp.optimizer.ddp_hook); FSDP2
+  units keep one layout.
 
 Error bounds and compression off: those of megacomp.optimizer.ddp_hook (``codec=None`` is DDP's default
 averaging bit for bit) and megacomp.integrations.fsdp. Bytes: ``megacomp.comm.stats()``; :func:`wire_megabytes`
@@ -41,19 +42,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..comm import stats
 from ..config import CommCompressionConfig
-from ..optimizer import CompressedHookState, compressed_allreduce_hook
+from ..optimizer import CompressedHookState
 from .fsdp import FSDPCompression
-from .rank_state import DDPHookRankState, PerRankState
+from .rank_state import PerRankState
 
 
-def compress_ddp(accelerator, model: torch.nn.Module, state: CompressedHookState) -> DDPHookRankState:
-    """Register megacomp's DDP hook with ``state`` on the prepared ``model`` and ``state`` for checkpointing;
-    returns the registered checkpoint object. ValueError: ``model`` is not DDP-wrapped."""
+def compress_ddp(accelerator, model: torch.nn.Module, state: CompressedHookState) -> PerRankState:
+    """Register megacomp's DDP hook with ``state`` on the prepared ``model`` (keyed by its parameter names) and
+    ``state`` for checkpointing; returns the registered checkpoint object. ValueError: ``model`` is not DDP-wrapped."""
     if not isinstance(model, DistributedDataParallel):
         raise ValueError(f"compress_ddp: the model is {type(model).__name__}, not DDP; pass the model returned by "
                          f"accelerator.prepare in a multi-process data-parallel run (FSDP2: compress_fsdp2)")
-    model.register_comm_hook(state, compressed_allreduce_hook)
-    saved = DDPHookRankState(state)
+    state.register(model)  # model.register_comm_hook(state, compressed_allreduce_hook), keyed by parameter name
+    saved = PerRankState(state)
     accelerator.register_for_checkpointing(saved)
     return saved
 
