@@ -198,7 +198,8 @@ class CompressedHookState:
 
     def parameter_residuals(self) -> dict[str, torch.Tensor]:
         """Each parameter's flat worker residual (fp32, a slice of its bucket's) by parameter key, for the
-        buckets of :attr:`layout` that hold one (PowerSGD: its per-matrix residuals are keyed per parameter)."""
+        buckets of :attr:`layout` that hold one. (PowerSGD keeps its residuals per matrix, keys
+        ``<bucket key>/<j>``, already one per parameter: not listed here.)"""
         out = {}
         ef = self.error_feedback
         for key, entries in self.layout if ef is not None else ():
