@@ -439,3 +439,29 @@ def test_fault_tolerance_settings_it_does_not_cover_are_refused_in_one_line(tiny
         with pytest.raises(ValueError, match=re.escape(msg)) as e:
             check(cfg, 2)
         assert "\n" not in str(e.value)
+
+
+def test_a_preset_with_replicas_int8_gives_the_channel_codec_of_ft_codec_int8(tmp_path):
+    """The cross-replica channel's codec comes from --ft-codec, else the compression preset's ``replicas:`` entry,
+    else the dp_gradient (per step) / outer (DiLoCo) path; the banner names the source."""
+    from megacomp.comm import Channel
+    from megacomp.training.features.fault_tolerance import FaultToleranceConfig, replica_channel_settings
+    from megacomp.training.pretrain_config import load_compression
+    preset = tmp_path / "replicas_int8.yaml"
+    preset.write_text("dp_gradient: {name: int4, block_size: 64}\nreplicas: int8\n")
+    by_preset = replica_channel_settings(FaultToleranceConfig(mode="torchft"), load_compression(str(preset)))
+    by_flag = replica_channel_settings(FaultToleranceConfig(mode="torchft", codec="int8"), load_compression("none"))
+    assert Channel("replicas", by_preset[0]).codec == Channel("replicas", by_flag[0]).codec
+    assert str(Channel("replicas", by_preset[0]).codec).startswith("int8")
+    assert by_preset[1] is None and by_preset[2] == "the compression config's replicas"
+    assert by_flag[2] == "--ft-codec"
+    # the flag overrides the preset; neither set: today's default paths, with their error feedback
+    assert replica_channel_settings(FaultToleranceConfig(mode="torchft", codec="int4"),
+                                    load_compression(str(preset)))[2] == "--ft-codec"
+    loco4 = load_compression("loco4")
+    codec, ef, source = replica_channel_settings(FaultToleranceConfig(mode="torchft"), loco4)
+    assert codec is loco4.dp_gradient and ef is loco4.dp_gradient_error_feedback and "dp_gradient" in source
+    preset.write_text("outer: int4\nouter_error_feedback: ef\nreplicas: int8\nreplicas_error_feedback: ef\n")
+    codec, ef, source = replica_channel_settings(FaultToleranceConfig(mode="torchft", outer_steps=4),
+                                                 load_compression(str(preset)))
+    assert str(Channel("replicas", codec).codec).startswith("int8") and ef is not None and source.endswith("replicas")

@@ -2,8 +2,10 @@
 
 Each replica group is its own job (``megacomp-pretrain`` under torchrun, or one process) with its own TP x PP x DP
 layout; the groups meet in torchft's quorum, formed by a Lighthouse (scripts/torchft_lighthouse.sh), and their
-traffic goes through a megacomp channel on torchft's group, compressed with the ``--ft-codec`` (default: the
-compression config's ``dp_gradient`` codec and error feedback; under ``--ft-outer-steps`` its ``outer`` ones).
+traffic goes through a megacomp channel on torchft's group (traffic kind ``replicas``), compressed with the
+``--ft-codec``, else the compression config's ``replicas`` path (YAML ``replicas:`` / ``replicas_error_feedback:``),
+else its ``dp_gradient`` codec and error feedback (under ``--ft-outer-steps`` its ``outer`` ones); the banner says
+which (replica_channel_settings).
 
 Schedules:
   per step (``--ft-outer-steps 0``, the default: data parallelism across replicas): every iteration joins the
@@ -100,11 +102,12 @@ class FaultToleranceConfig:
     quorum_timeout: float = 300.0
     """Seconds to wait for a quorum (must exceed the time between quorums: ft_outer_steps iterations)."""
     codec: Any = None
-    """Codec of the cross-replica traffic (a name or mapping); default: the compression config's dp_gradient codec
-    (per step) or outer codec (DiLoCo)."""
+    """Codec of the cross-replica traffic (a name or mapping); overrides the compression config's ``replicas`` path;
+    default: that path when set, else the config's dp_gradient codec (per step) or outer codec (DiLoCo)."""
     error_feedback: Any = None
     """Error feedback on the cross-replica traffic ('ef', 'loco'); default: the compression config's
-    dp_gradient_error_feedback (per step) or outer_error_feedback (DiLoCo)."""
+    replicas_error_feedback when its replicas path is set, else its dp_gradient_error_feedback (per step) or
+    outer_error_feedback (DiLoCo)."""
     outer_steps: int = 0
     """0: join the quorum every step (data parallelism across replicas); H > 0: DiLoCo, quorum every H steps."""
     fragments: int = 1
@@ -118,6 +121,31 @@ class FaultToleranceConfig:
     """DiLoCo's outer learning rate (ft_outer_steps > 0)."""
     outer_momentum: float = 0.9
     """DiLoCo's outer Nesterov momentum (ft_outer_steps > 0; 0 = plain SGD)."""
+
+
+def replica_channel_settings(f: FaultToleranceConfig, compression) -> tuple[Any, Any, str]:
+    """The cross-replica channel's codec, its error feedback, and where the codec came from (for the banner).
+
+    Codec, first that is set: ``--ft-codec``; the compression config's ``replicas`` path (YAML key ``replicas:``);
+    its ``dp_gradient`` codec (per step) or ``outer`` codec (``--ft-outer-steps``), today's default. Error feedback,
+    first that is set: ``--ft-error-feedback``; ``replicas_error_feedback`` when the ``replicas`` path is set (off
+    when only its codec is: the entry is one unit); the error feedback of the default path. The channel checks the
+    pair (error feedback needs a lossy codec) and refuses a bad one in one line."""
+    path = "outer" if f.outer_steps > 0 else "dp_gradient"
+    own = compression.replicas is not None or compression.replicas_error_feedback is not None
+    if f.codec is not None:
+        codec, source = parse_codec_arg(f.codec), "--ft-codec"
+    elif compression.replicas is not None:
+        codec, source = compression.replicas, "the compression config's replicas"
+    else:
+        codec, source = getattr(compression, path), f"the compression config's {path} (replicas not set)"
+    if f.error_feedback is not None:
+        ef = f.error_feedback
+    elif own:
+        ef = compression.replicas_error_feedback
+    else:
+        ef = getattr(compression, f"{path}_error_feedback")
+    return codec, ef, source
 
 
 class FaultTolerance(Feature):
@@ -164,9 +192,7 @@ class FaultTolerance(Feature):
         f = self.cfg.ft
         comp = run.compression
         diloco = f.outer_steps > 0
-        codec = parse_codec_arg(f.codec) if f.codec is not None else (comp.outer if diloco else comp.dp_gradient)
-        ef = f.error_feedback if f.error_feedback is not None else (
-            comp.outer_error_feedback if diloco else comp.dp_gradient_error_feedback)
+        codec, ef, self.codec_source = replica_channel_settings(f, comp)
         self.start = run.iteration
         info = run.run_info()
         fingerprint = {k: info.get(k) for k in FINGERPRINT_KEYS}
@@ -223,7 +249,8 @@ class FaultTolerance(Feature):
                 if self.outer else "data parallel across replica groups, quorum every step")
         ef = self.channel.error_feedback
         return [f"fault tolerance: torchft, replica group {self.ft.config.replica_id}, {when}; traffic kind 'replicas' "
-                f"codec {self.channel.codec}{' + error feedback' if ef is not None else ''}; a lost group fails its step "
+                f"codec {self.channel.codec}{' + error feedback' if ef is not None else ''} (from {self.codec_source}); "
+                f"a lost group fails its step "
                 f"within {f.timeout:g} s and the others continue; a restarted group receives the live state"]
 
     # -- the state a joining replica receives ---------------------------------------------------------
