@@ -9,7 +9,8 @@
 
 Modules: cluster (devices, links, tiers), workload (model, layout), wire (bytes per collective from the codecs),
 routing (bytes per tier), methods (the catalogue), estimate (the step model), calibration (alpha-beta constants
-fitted on shaped links), published (published runs), cli (``python -m megacomp.plan``). The model is an
+fitted on shaped links), shaped_steps and cpu_work (the DP-step model of the shaped-link runs and the CPU work a
+method adds besides its codecs), published (published runs), cli (``python -m megacomp.plan``). The model is an
 analytical estimate: its errors against measurements and published runs are in benchmarks/results/plan.
 """
 from .cluster import DEVICES, TIERS, Cluster, Device, Link, device, parse_link
