@@ -393,6 +393,15 @@ def validation_markdown(model: Model, o: float, kappa: float, v: Validation, not
             sm = v.summary(kind, held)
             cells.append(f"{sm['n']}, {100 * sm['median']:.1f}%, {100 * sm['max']:.1f}%" if sm["n"] else "none")
         out.append(f"| {title} | {cells[0]} | {cells[1]} |")
+    per = {}
+    for r in v.rows:
+        if r.kind == "ddp" and r.held_out:
+            per.setdefault(r.point.split(": ", 1)[1].split(" ")[0], []).append(abs(r.rel_err))
+    if per:
+        out += ["", "Held-out DP steps per method (the target: median <= 10%, max <= 25% for each):", "",
+                "| method | points | median abs. error | max abs. error |", "|---|---|---|---|"]
+        for name, errs in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
+            out.append(f"| {name} | {len(errs)} | {100 * statistics.median(errs):.1f}% | {100 * max(errs):.1f}% |")
     out += ["", "Held out: collectives at 300 Mbit/s; every DP step outside benchmarks/results/benchmarks; every "
             "training step at 100 Mbit/s (predicted from the same run's 1 Gbit/s step); every local-step run "
             "(predicted from DiLoCo H=50's step at the same rate). The 1-bit family's measured step is the median of its "
