@@ -1,5 +1,7 @@
 """The DDP communication hook (megacomp.optimizer.ddp_hook): with codec=None it is bit-identical to plain
 DDP; with int4 + LoCo it trains like plain DDP on a small regression task."""
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -134,6 +136,7 @@ def _run(rank, state, steps, first=0, resume=None, cap=0.1, named=True):
     ddp = DDP(model(), bucket_cap_mb=cap)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     if resume is not None:
+        resume = copy.deepcopy(resume)  # the optimizer would adopt (and update) the saved momentum buffers
         ddp.module.load_state_dict(resume[0])
         opt.load_state_dict(resume[1])
         state.load_state_dict(resume[2])
@@ -221,3 +224,42 @@ def test_server_residuals_follow_their_parameters_into_other_buckets():
     old = torch.cat([r[4][0] for r in results]).sort().values
     new = torch.cat([r[4][1] for r in results]).sort().values
     assert old.abs().sum() > 0 and torch.equal(old, new)
+
+
+def _per_parameter(state, table):
+    """PowerSGD's per-matrix state (``<bucket key>/<j>``) by parameter name, through the state's layout."""
+    return {p: table[f"{key}/{j}"] for key, entries in state.layout for j, (p, _) in enumerate(entries)
+            if f"{key}/{j}" in table}
+
+
+def _powersgd_other_cap_body(rank, world):
+    hook = dict(codec={"name": "powersgd", "rank": 2}, min_compress_numel=0)
+    _, _, saved = _run(rank, CompressedHookState(**hook), 4, cap=0.1)
+    before = CompressedHookState(**hook)
+    before.load_state_dict(saved[2])
+    moved = CompressedHookState(**hook, start_iter=4 + 2)  # two plain iterations: the second moves the state
+    _run(rank, moved, 2, first=4, resume=saved, cap=0.004)
+    go_on = CompressedHookState(**hook)  # iteration 5 in the saved layout, 6 moved into the new one and compressed
+    _, p_go_on, _ = _run(rank, go_on, 2, first=4, resume=saved, cap=0.004)
+    ref = CompressedHookState(**hook)  # the same two iterations in the saved layout throughout
+    _, p_ref, _ = _run(rank, ref, 2, first=4, resume=saved, cap=0.1)
+    errors = lambda s: {k: s.error_feedback.error(k) for k in s.error_feedback.keys()}  # noqa: E731
+    same = lambda a, b: a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    q_moved = same(_per_parameter(before, before.channel.q), _per_parameter(moved, moved.channel.q))
+    e_moved = same(_per_parameter(before, errors(before)), _per_parameter(moved, errors(moved)))
+    layout_keys = {k for k, _ in go_on.layout}
+    only_current = all(k.rsplit("/", 1)[0] in layout_keys for k in list(go_on.channel.q) + list(errors(go_on)))
+    # PowerSGD works per matrix (and two ranks sum P and Q exactly in any order): the new layout changes nothing
+    as_ref = (same(_per_parameter(ref, ref.channel.q), _per_parameter(go_on, go_on.channel.q))
+              and same(_per_parameter(ref, errors(ref)), _per_parameter(go_on, errors(go_on)))
+              and all(torch.equal(a, b) for a, b in zip(p_ref, p_go_on)))
+    return q_moved, e_moved, only_current, as_ref, len(before.channel.q)
+
+
+@pytest.mark.slow
+def test_powersgd_state_follows_its_parameters_into_other_buckets():
+    """PowerSGD's warm-start Q and residual are per matrix: restored under another bucket_cap_mb each parameter's
+    are the saved ones bit for bit; a compressed iteration that moves it into the new layout continues exactly as
+    the saved layout would (state and parameters), and leaves state under the new layout's keys only."""
+    for q_moved, e_moved, only_current, as_ref, matrices in run_ranks(_powersgd_other_cap_body, 2):
+        assert matrices >= 2 and q_moved and e_moved and only_current and as_ref

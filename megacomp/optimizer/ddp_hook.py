@@ -431,8 +431,9 @@ def _store(ef, key: str, error: torch.Tensor, steps: int) -> None:
 
 
 def _rename(channel, ef, old: str, new: str) -> None:
-    """Move PowerSGD's per-matrix state (residual, warm-start Q, start-matrix draws) from key ``old`` to ``new``."""
-    if old == new:
+    """Move PowerSGD's per-matrix state (residual, warm-start Q, start-matrix draws) from key ``old`` to ``new``,
+    unless ``new`` has state already (moved, and maybe updated, earlier in this iteration)."""
+    if old == new or new in channel.q or new in channel.draws or (ef is not None and ef.error(new) is not None):
         return
     if ef is not None and ef.error(old) is not None:
         _store(ef, new, ef.error(old).clone(), ef.steps.get(old, 0))
