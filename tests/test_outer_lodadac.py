@@ -177,7 +177,8 @@ def _consensus_body(rank, world, drift_rounds, rounds, codec, gamma):
         dists.append(distance_and_sum()[0])
     s1 = distance_and_sum()[1]
     scale = float(x.abs().max())
-    return d0, dists, float((s1 - s0).abs().max()), scale, comm.stats()["outer"].wire_bytes, engine.codec.wire_bytes(500)
+    wire = comm.stats()["outer"].wire_bytes
+    return d0, dists, float((s1 - s0).abs().max()), scale, wire, engine.codec.wire_bytes(500)
 
 
 def test_compressed_gossip_shrinks_consensus_distance_and_keeps_the_sum():
@@ -275,6 +276,22 @@ def test_topology_refused_for_the_replica_count_at_build_and_in_flags():
     with pytest.raises(ValueError, match="gossip copies are its error feedback"):
         check(PretrainConfig(outer_algorithm="lodadac", num_replicas=4, outer_codec="int4", outer_error_feedback="ef"),
               world_size=4)
+
+
+def test_training_uses_algorithm_1s_local_update_and_checks_its_flags():
+    from megacomp.training import PretrainConfig
+    from megacomp.training.arguments import check
+    from megacomp.training.features.outer_loop import lodadac_optimizer
+
+    made = lodadac_optimizer(PretrainConfig(outer_algorithm="lodadac", num_replicas=4))
+    assert made.func is LoDAdaCAdam  # the paper's defaults: no bias correction, no weight decay
+    assert made.keywords == {"eps": 1e-4, "rule": "adam", "bias_correction": False, "apply_weight_decay": False}
+    base = {"outer_algorithm": "lodadac", "num_replicas": 4}
+    for extra, words in [({"lodadac_delta": 0.0}, "lodadac_delta must be > 0"),
+                         ({"lodadac_rule": "lion"}, "lodadac_rule must be one of adam, amsgrad, adagrad"),
+                         ({"adam_freeze_variance_step": 5}, "both replace the inner optimizer")]:
+        with pytest.raises(ValueError, match=words):
+            check(PretrainConfig(**base, **extra), world_size=4)
 
 
 @pytest.mark.slow

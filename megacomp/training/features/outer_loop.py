@@ -29,9 +29,10 @@ from ...compression.unbiased import unbiased_name
 from ...optimizer import MultiTimescaleAdamW
 from ...outer import DiLoCo, DiLoCoConfig, ReplicaWatch, build_replica_groups
 from ...outer.locodl import LoCoDL, LoCoDLConfig
-from ...outer.lodadac import LoDAdaC, LoDAdaCConfig
+from ...outer.lodadac import RULES as LODADAC_RULES
+from ...outer.lodadac import LoDAdaC, LoDAdaCAdam, LoDAdaCConfig
 from ...outer.mt_dao import average_optimizer_state
-from ...outer.topology import check_topology
+from ...outer.topology import check_topology, mixing_rho
 from ...outer.sparseloco import DEFAULT_CODEC as SPARSELOCO_CODEC
 from .base import Feature
 
@@ -46,7 +47,8 @@ class OuterConfig:
     algorithm: str = "none"
     """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao, sparseloco, locodl
     or lodadac (megacomp.outer; sparseloco with a DCT codec is DCT-momentum DiLoCo; locodl: local training plus
-    unbiased compression with control variates; lodadac: local AdamW steps plus compressed gossip)."""
+    unbiased compression with control variates; lodadac: the paper's Algorithm 1, local Adam-type steps plus
+    compressed gossip)."""
     num_replicas: int = field(default=1, metadata={"flag": "num_replicas"})
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
@@ -88,6 +90,15 @@ class OuterConfig:
     """LoCoDL: rho in (0, 1], how far the models move to the consensus point at a communication. Default: chi."""
     topology: str = "ring"
     """LoDAdaC: gossip graph of the replicas: ring, torus, exponential or random_peer (NoLoCo's random pairs)."""
+    lodadac_rule: str = field(default="adam", metadata={"flag": "lodadac_rule"})
+    """LoDAdaC: the local update's r_t (the paper's Table 2): adam, amsgrad or adagrad."""
+    lodadac_delta: float = field(default=1e-4, metadata={"flag": "lodadac_delta"})
+    """LoDAdaC: delta in x -= lr m / (sqrt(u_prev) + delta); the first step divides by it (u starts at 0). 1e-4 is
+    the authors' release (sqrt(u + 1e-8) at u = 0)."""
+    lodadac_bias_correction: bool = field(default=False, metadata={"flag": "lodadac_bias_correction"})
+    """LoDAdaC: Adam's bias correction of m and u (not in the paper's Algorithm 1; off by default)."""
+    lodadac_weight_decay: bool = field(default=False, metadata={"flag": "lodadac_weight_decay"})
+    """LoDAdaC: apply --weight-decay as AdamW's decoupled decay (not in the paper's Algorithm 1; off by default)."""
 
 
 def mt_dao_optimizer_kwargs(cfg) -> dict:
@@ -135,6 +146,19 @@ def lodadac_config(cfg) -> LoDAdaCConfig:
     if o.error_feedback is not None or cfg.compression_config().outer_error_feedback is not None:
         raise ValueError("LoDAdaC's gossip copies are its error feedback; drop outer_error_feedback")
     return LoDAdaCConfig(outer_steps=o.steps, topology=o.topology, gossip_lr=o.lr, codec=codec, seed=cfg.training.seed)
+
+
+def lodadac_optimizer(cfg):
+    """The local update of a LoDAdaC run, megacomp.outer.lodadac.LoDAdaCAdam (Algorithm 1, lines 5-8) with the
+    --lodadac-* settings, for the sharded optimizer. Raises ValueError for delta <= 0 or an unknown rule."""
+    o = cfg.outer
+    if o.lodadac_rule not in LODADAC_RULES:
+        raise ValueError(f"lodadac_rule must be one of {', '.join(LODADAC_RULES)} (the paper's Table 2), got "
+                         f"{o.lodadac_rule!r}")
+    if not o.lodadac_delta > 0:
+        raise ValueError(f"lodadac_delta must be > 0 (Algorithm 1's first step divides by it), got {o.lodadac_delta}")
+    return functools.partial(LoDAdaCAdam, eps=o.lodadac_delta, rule=o.lodadac_rule,
+                             bias_correction=o.lodadac_bias_correction, apply_weight_decay=o.lodadac_weight_decay)
 
 
 def outer_config(cfg) -> DiLoCoConfig:
@@ -191,7 +215,11 @@ class OuterLoop(Feature):
             locodl_config(cfg)  # raises on bad values
         elif o.algorithm == "lodadac":
             lodadac_config(cfg)
+            lodadac_optimizer(cfg)
             check_topology(o.topology, o.num_replicas)
+            if cfg.zero.freeze_variance_step:
+                raise ValueError("adam_freeze_variance_step and outer_algorithm lodadac both replace the inner "
+                                 "optimizer; use one of them")
         else:
             outer_config(cfg)  # raises on bad values
         if o.fragments > cfg.model.num_layers:
@@ -221,6 +249,8 @@ class OuterLoop(Feature):
         run.dp_group, run.replica = self.replicas.inner, self.replicas.replica
         if o.algorithm == "mt_dao":
             run.inner_optimizer_class = functools.partial(MultiTimescaleAdamW, **mt_dao_optimizer_kwargs(self.cfg))
+        if o.algorithm == "lodadac":
+            run.inner_optimizer_class = lodadac_optimizer(self.cfg)
         watch = ReplicaWatch(self.replicas.outer_ranks, self.replicas.replica, o.timeout)
         if o.algorithm in ("locodl", "lodadac"):
             engine, config = (LoCoDL, locodl_config) if o.algorithm == "locodl" else (LoDAdaC, lodadac_config)
@@ -246,10 +276,20 @@ class OuterLoop(Feature):
                     f"{e.chi:g}, rho {e.rho:g}, unbiased codec {oc.codec} (omega {e.omega:.3g}), d_i all-gathered "
                     f"(traffic kind 'outer'); control variates u_i, v and the copy y in fp32"]
         if self.cfg.outer.algorithm == "lodadac":
-            return [f"outer loop: LoDAdaC-style gossip (CHOCO compressed gossip with error feedback after "
-                    f"{oc.outer_steps} local AdamW steps) over {replicas} replicas of {dp // replicas} DP rank(s), "
-                    f"topology {oc.topology}, gossip step {oc.gossip_lr:g}, codec {oc.codec} (traffic kind 'outer', "
-                    f"bytes per neighbour)"]
+            o = self.cfg.outer
+            off = [name for name, on in (("bias correction", o.lodadac_bias_correction),
+                                         (f"decoupled weight decay {self.cfg.training.weight_decay:g}",
+                                          o.lodadac_weight_decay)) if on]
+            local = (f"local {o.lodadac_rule} (Table 2: m, the previous u, delta {o.lodadac_delta:g}, lr from the "
+                     f"schedule; " + (f"with {' and '.join(off)}, which Algorithm 1 does not have" if off else
+                                      "no bias correction, no weight decay") + ")")
+            graph = ("topology random_peer (a new W each round, outside the paper: per-pair copies)"
+                     if oc.topology == "random_peer" else
+                     f"topology {oc.topology} (rho {mixing_rho(oc.topology, replicas):.3g})")
+            return [f"outer loop: LoDAdaC (Algorithm 1) over {replicas} replicas of {dp // replicas} DP rank(s): "
+                    f"{local}; every K = {oc.outer_steps} steps xh += Q[x - xh] sent to each neighbour, x += gamma "
+                    f"{oc.gossip_lr:g} (sum_j W_ji xh_j - xh), {graph}, Q {oc.codec} (traffic kind 'outer', bytes per "
+                    f"neighbour)"]
         per = f"{replicas} replicas of {dp // replicas} DP rank(s), sync every {oc.outer_steps} steps"
         codec = (f"pseudo-gradient codec {oc.codec}{' + error feedback' if oc.error_feedback else ''} (traffic kind "
                  f"'outer')")
