@@ -61,6 +61,8 @@ def test_zero1_overlapped_gather_and_codec_pipeline():
     assert shard % 128 == 0
     t_codec = 2 * 2 * shard * 4 / DEV.codec_Bps  # (E, D) = (1, 1) per byte of the 2-chunk input
     assert rs.seconds == pytest.approx(1e-3 + pipeline(wire_bytes / 1e6, t_codec, 1))
+    # started from the gradient hooks in the last micro-batch's backward: only what 2/3 of it does not hide shows
+    assert rs.exposed_s == pytest.approx(max(0.0, rs.seconds - 2 / 3 * t_mb())) and rs.exposed_s < rs.seconds
 
 
 def test_local_steps_amortise_the_outer_exchange():

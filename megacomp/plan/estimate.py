@@ -220,7 +220,10 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
             e_rs = max(0.0, k * (t_rs + t_ag) - t_pipe)
             e_ag = 0.0
         else:
-            e_rs = M * max(0.0, t_rs - window_bwd) if sched == "zero2" else t_rs
+            # megacomp's sharded optimizer starts each bucket's reduce-scatter from its gradient hooks, during the
+            # last micro-batch's backward (ZeRO-2: every micro-batch's); the shaped-link runs confirm it
+            # (benchmarks/results/plan: ZeRO-1 at 100 Mbit/s was over-predicted by 16-20% with it exposed)
+            e_rs = M * max(0.0, t_rs - window_bwd) if sched == "zero2" else max(0.0, t_rs - window_bwd)
             e_ag = max(0.0, t_ag - window_fwd) if method.overlap_param_gather else t_ag
         transfers += [Transfer("dp_gradient", k_rs * t_rs, e_rs, _scaled(tb_rs, k_rs)),
                       Transfer("dp_parameter", k * t_ag, e_ag, _scaled(tb_ag, k))]

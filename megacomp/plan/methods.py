@@ -5,7 +5,8 @@ travels with it).
 Schedules (what overlaps what; megacomp.plan.estimate costs them):
 
   ddp_buckets      gradients all-reduced in buckets during the last micro-batch's backward (DDP, LOMO-style hooks)
-  zero1            gradients reduce-scattered after backward, parameters all-gathered after the step
+  zero1            gradients reduce-scattered in buckets during the last micro-batch's backward (from the
+                   gradient hooks), parameters all-gathered after the step
                    (megacomp's sharded AdamW; ``overlap_param_gather``: the all-gather hidden behind the next
                    forward of the first micro-batch)
   zero2            megacomp's ZeRO-2: every micro-batch's gradients reduce-scattered in buckets during its own
