@@ -7,12 +7,9 @@ only. :class:`PerRankState` wraps any object with ``state_dict`` / ``load_state_
 (a collective: call it on all ranks, as both frameworks do when they save), its ``load_state_dict`` hands each
 rank its own entry back.
 
-:class:`DDPHookRankState` is the same for megacomp's DDP hook state, plus what a resume into a fresh DDP needs:
-DDP's first iteration buckets the gradients in its initial order (reverse parameter order) and only then
-rebuilds its buckets in gradient-ready order, the layout the saved residuals belong to (their keys name the
-bucket index and size, which both layouts can share); so after loading, the hook's ``start_iter`` moves to the
-first resumed iteration, which averages uncompressed, and compression with the restored residuals continues
-from the second. A resumed run therefore differs from an uninterrupted one by that one exact step.
+megacomp's DDP hook state needs nothing more: it keys each bucket's residuals by the bucket's parameters and reduces
+a fresh DDP's first iteration in the saved bucket layout (megacomp.optimizer.ddp_hook), so a resumed run continues
+bit for bit.
 
 Failure behaviour: loading with another world size raises ValueError (error-feedback residuals do not
 reshard); the wrapped object's own checks (codec, units) raise as they do.
@@ -57,13 +54,3 @@ class PerRankState:
                              f"run has {world}; resume with {state['world']} ranks (residuals do not reshard)")
         self.obj.load_state_dict(state["ranks"][dist.get_rank(self.group)])
 
-
-class DDPHookRankState(PerRankState):
-    """:class:`PerRankState` of a ``CompressedHookState`` (megacomp.optimizer.ddp_hook) that a fresh DDP resumes
-    with (see the module docstring: the first resumed iteration is uncompressed)."""
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore this rank's hook state, then keep the fresh DDP's first (initial-layout) iteration uncompressed."""
-        super().load_state_dict(state)
-        hook = self.obj
-        hook.start_iter = max(hook.start_iter, hook.iteration + 1)
