@@ -112,6 +112,10 @@ def _algorithm1_body(rank, world, steps, k, codec, gamma):
 @pytest.mark.parametrize("k,codec,gamma", [(1, None, 1.0), (3, None, 0.6), (3, "int4", 0.5),
                                            (3, {"name": "none", "k": 16, "chunk": 32}, 0.5)])
 def test_ring_of_four_is_algorithm_1(k, codec, gamma):
+    # torch.optim's first step imports torch._dynamo: once, here, not in each forked rank
+    warm = torch.nn.Parameter(torch.zeros(1))
+    warm.grad = torch.zeros(1)
+    LoDAdaCAdam([warm]).step()
     steps = 7
     for worst in run_ranks(_algorithm1_body, 4, steps, k, codec, gamma):
         # per iteration the fp32 path rounds <= 16 times on values of the weights' scale (the Adam step ~10, the
