@@ -115,14 +115,14 @@ class LoDAdaCAdam(torch.optim.Optimizer):
                 g = p.grad
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
+                    state["step"] = torch.tensor(0.0)  # a 0-d CPU tensor, as torch's AdamW (checkpoints reshard it)
                     state["exp_avg"] = torch.zeros_like(p)  # m
                     state["u"] = torch.zeros_like(p)  # u^{t-1}
                     if rule == "amsgrad":
                         state["u_ema"] = torch.zeros_like(p)  # AMSGrad's u-hat
                     elif rule == "adagrad":
                         state["grad_sq_sum"] = torch.zeros_like(p)
-                t = state["step"]
+                t = int(state["step"])
                 m, u = state["exp_avg"], state["u"]
                 if group["apply_weight_decay"] and group["weight_decay"]:
                     p.mul_(1 - lr * group["weight_decay"])
@@ -142,7 +142,7 @@ class LoDAdaCAdam(torch.optim.Optimizer):
                     s = state["grad_sq_sum"].addcmul_(g, g)
                     torch.div(s, t + 1, out=u)
                 p.addcdiv_(step_m, denom, value=-lr)
-                state["step"] = t + 1
+                state["step"] += 1
         return loss
 
 
