@@ -456,7 +456,7 @@ SUITES["locodl"] = {"layout": [], "variants": {
     "LoCoDL p=1/50, usq4": {"args": [*LOCODL, "--outer-codec", "usq4"]},
     "LoCoDL p=1/50, rand-k 1/16": {"args": [*LOCODL, "--outer-codec", "{name: randk, k: 256, chunk: 4096}"]},
 }}
-# LoDAdaC-style gossip (megacomp.outer.lodadac: H local AdamW steps, CHOCO compressed gossip with error feedback)
+# LoDAdaC (megacomp.outer.lodadac, the paper's Algorithm 1: H local Adam-type steps, compressed gossip through tracked copies)
 # next to DiLoCo and NoLoCo, 4 replicas, H = 50
 LODADAC = ["--outer-algorithm", "lodadac", "--num-replicas", "4", "--outer-steps", "50"]
 SUITES["lodadac"] = {"layout": [], "variants": {

@@ -3,8 +3,8 @@ exchange a compressed pseudo-gradient. Implemented: DiLoCo, Streaming DiLoCo and
 DiLoCo; NoLoCo's gossip step in noloco.py), MT-DAO (the engine's averaging plus mt_dao.py's moment averaging
 and megacomp.optimizer.MultiTimescaleAdamW), with bounded waits for lost replicas (liveness.py).
 SparseLoCo and DCT-momentum DiLoCo (sparseloco.py) use the same API. LoCoDL (locodl.py: local training plus
-unbiased compression of x_i - y with control variates, communicating with probability p) and LoDAdaC-style
-decentralised training (lodadac.py: local steps plus CHOCO compressed gossip with error feedback over the
+unbiased compression of x_i - y with control variates, communicating with probability p) and LoDAdaC
+(lodadac.py, the paper's Algorithm 1: local Adam-type steps plus compressed gossip through tracked copies over the
 graphs of topology.py) have their own engines with the same step / state_dict / finish methods."""
 from .diloco import DiLoCo, DiLoCoConfig
 from .groups import ReplicaGroups, build_replica_groups
