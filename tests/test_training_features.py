@@ -30,6 +30,7 @@ EVERY_PATH = {  # values every family accepts (the 1-bit family and LOMO need dp
     "dp_momentum": {"name": "int4", "block_size": 0}, "dp_momentum_error_feedback": True,
     "outer": {"name": "int8", "block_size": 64}, "outer_error_feedback": "ef",
     "loqt_merge": "bf16", "loqt_merge_tp": "bf16", "min_compress_numel": 256,
+    "replicas": {"name": "int8", "block_size": 64}, "replicas_error_feedback": "ef",
 }
 CASES = {  # family: (TP, PP, flat settings, the traffic kind that must travel compressed)
     "adamw": (2, 1, {}, "tp_forward"),
