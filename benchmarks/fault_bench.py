@@ -30,9 +30,12 @@ fault-free launch of the same seed; with ``--seeds`` several seeds give its mean
 fault-free launches' own seed-to-seed spread (the noise floor a 1% verdict has to clear).
 
 Straggler (``--straggler-outer-steps 0 20``): launches without faults in which group 0 is slowed ``--slowdown``
-times by the benchmark (SIGSTOP / SIGCONT in 200 ms periods, stopped 1 - 1/slowdown of each: no change to the
-trainer), once per schedule (0: per-step quorum; H: DiLoCo's quorum every H steps), each next to the same
-schedule without the straggler; reports the other groups' iterations per second with and without it.
+times by the benchmark, once per schedule (0: per-step quorum; H: DiLoCo's quorum every H steps), each next to the
+same schedule without the straggler; reports the other groups' iterations per second with and without it. The
+slowdown is a pause per step, applied from outside (no change to the trainer): after each iteration group 0 logs,
+it is stopped (SIGSTOP, then SIGCONT) for (slowdown - 1) x the step time of the launch without the straggler. A pause
+rather than a duty cycle: on cores shared by more processes than cores, a process stopped part of the time loses
+little (the others' share grows, its own shrinks less), so a duty cycle barely slows it.
 """
 from __future__ import annotations
 
@@ -76,9 +79,10 @@ def _records(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in open(path)] if path.exists() else []
 
 
-def run(args, kill_every: float | None, out: Path, seed: int, *, outer_steps: int = 0, slowdown: float = 1.0,
+def run(args, kill_every: float | None, out: Path, seed: int, *, outer_steps: int = 0, pause_s: float = 0.0,
         duration: float | None = None, tag: str | None = None) -> dict:
-    """One launch (``kill_every`` None: no faults; ``slowdown`` > 1: group 0 is a straggler); returns its timeline."""
+    """One launch (``kill_every`` None: no faults; ``pause_s`` > 0: group 0 is a straggler, stopped that long after
+    each iteration it logs); returns its timeline."""
     tag = tag or (f"seed{seed}/kill{int(kill_every)}" if kill_every else f"seed{seed}/fault_free")
     duration = duration or args.duration
     base = out / "runs" / tag
@@ -88,7 +92,8 @@ def run(args, kill_every: float | None, out: Path, seed: int, *, outer_steps: in
     procs = {r: _replica(args, addr, r, base / f"r{r}.{0}", seed, outer_steps) for r in range(args.replicas)}
     kills, t0 = [], time.time()
     next_kill, victim = t0 + (kill_every or 1e18), 0
-    period, stopped = 0.2, False  # the straggler: stopped for (1 - 1/slowdown) of every period
+    stopped_until, seen = 0.0, 0  # the straggler: stopped until this time after each iteration it logs
+    metrics = base / "r0.0" / "metrics.jsonl"
     try:
         while time.time() - t0 < duration and any(p.poll() is None for p in procs.values()):
             if time.time() >= next_kill:
@@ -99,15 +104,21 @@ def run(args, kill_every: float | None, out: Path, seed: int, *, outer_steps: in
                 procs[victim] = _replica(args, addr, victim, base / f"r{victim}.{lives[victim]}", seed, outer_steps)
                 victim = (victim + 1) % args.replicas
                 next_kill += kill_every
-            if slowdown > 1 and procs[0].poll() is None:
-                want = (time.time() - t0) % period < period * (1 - 1 / slowdown)
-                if want != stopped:
-                    procs[0].send_signal(signal.SIGSTOP if want else signal.SIGCONT)
-                    stopped = want
-            time.sleep(0.01 if slowdown > 1 else 0.05)
+            if pause_s > 0 and procs[0].poll() is None:
+                now = time.time()
+                if stopped_until and now >= stopped_until:
+                    procs[0].send_signal(signal.SIGCONT)
+                    stopped_until = 0.0
+                elif not stopped_until and metrics.exists():
+                    lines = metrics.read_bytes().count(b"\n")
+                    if lines > seen:
+                        seen = lines
+                        procs[0].send_signal(signal.SIGSTOP)
+                        stopped_until = now + pause_s
+            time.sleep(0.005 if pause_s > 0 else 0.05)
     finally:
         end = time.time()
-        if stopped:
+        if stopped_until:
             procs[0].send_signal(signal.SIGCONT)
         for p in procs.values():
             if p.poll() is None:
@@ -125,7 +136,7 @@ def run(args, kill_every: float | None, out: Path, seed: int, *, outer_steps: in
         for life in range(lives[r] + 1):
             rows += [dict(x, life=life) for x in _records(base / f"r{r}.{life}") if x.get("ft_time")]
         steps[r] = rows
-    return {"kill_every": kill_every, "seed": seed, "outer_steps": outer_steps, "slowdown": slowdown, "t0": t0,
+    return {"kill_every": kill_every, "seed": seed, "outer_steps": outer_steps, "pause_s": pause_s, "t0": t0,
             "end": end, "kills": kills, "steps": steps, "load_average_1min_at_end": os.getloadavg()[0]}
 
 
@@ -241,14 +252,15 @@ def table(results: list[dict], free_losses: list) -> str:
 
 def straggler_table(rows_: list[dict], slowdown: float) -> str:
     """Markdown: per schedule, the other groups' rate without and with a straggler."""
-    rows = [f"| schedule | others it/s, no straggler | others it/s, group 0 slowed {slowdown:g}x | others slowed by | "
-            f"straggler's own it/s |", "|---|---|---|---|---|"]
+    rows = [f"| schedule | others it/s, no straggler | pause per step of group 0 (s) | others it/s with it | others "
+            f"slowed by | straggler's own it/s ({slowdown:g}x slower would be) |", "|---|---|---|---|---|---|"]
     for r in rows_:
         even, slow = r["even"]["others_it_per_s"], r["slow"]["others_it_per_s"]
         name = "per-step quorum" if not r["outer_steps"] else f"DiLoCo, quorum every {r['outer_steps']} steps"
         factor = f"{even / slow:.2f}x" if even and slow else "-"
-        rows.append(f"| {name} | {_fmt(even, '.2f')} | {_fmt(slow, '.2f')} | {factor} | "
-                    f"{_fmt(r['slow']['straggler_it_per_s'], '.2f')} |")
+        rows.append(f"| {name} | {_fmt(even, '.2f')} | {_fmt(r.get('pause_s'), '.3f')} | {_fmt(slow, '.2f')} | "
+                    f"{factor} | {_fmt(r['slow']['straggler_it_per_s'], '.2f')} "
+                    f"({_fmt(even / slowdown if even else None, '.2f')}) |")
     return "\n".join(rows)
 
 
@@ -318,10 +330,14 @@ def main(argv=None) -> None:
         stragglers = []
         for h in args.straggler_outer_steps:
             pair = {"outer_steps": h}
-            for kind, slow in (("even", 1.0), ("slow", args.slowdown)):
-                launch = run(args, None, out, args.seeds[0], outer_steps=h, slowdown=slow,
-                             duration=args.straggler_duration, tag=f"straggler/H{h}_{kind}")
-                pair[kind] = straggler_rates(launch)
+            even = run(args, None, out, args.seeds[0], outer_steps=h, duration=args.straggler_duration,
+                       tag=f"straggler/H{h}_even")
+            pair["even"] = straggler_rates(even)
+            step_s = 1 / pair["even"]["others_it_per_s"]
+            pair["pause_s"] = (args.slowdown - 1) * step_s
+            slow = run(args, None, out, args.seeds[0], outer_steps=h, pause_s=pair["pause_s"],
+                       duration=args.straggler_duration, tag=f"straggler/H{h}_slow")
+            pair["slow"] = straggler_rates(slow)
             stragglers.append(pair)
         saved_runs = [dict(r, steps={str(k): v for k, v in r["steps"].items()}) for r in runs]
         json.dump({"args": vars(args), "runs": saved_runs, "stragglers": stragglers}, open(out / "results.json", "w"))
