@@ -233,6 +233,8 @@ class CompressedHookState:
             return
         ef = self.error_feedback
         if self.channel.low_rank:  # per-matrix residual and Q: rename each parameter's
+            if not _matrix_tables(self.channel):  # LGC: one autoencoder per whole bucket; a new bucket trains its own
+                return
             for j, (pkey, _) in enumerate(entries):
                 home = homes.get(pkey)
                 if home is not None:
@@ -430,14 +432,20 @@ def _store(ef, key: str, error: torch.Tensor, steps: int) -> None:
     ef.steps[key] = steps
 
 
+def _matrix_tables(channel) -> list:
+    """PowerSGD's per-matrix state tables (warm-start Q, start-matrix draws), keyed ``bucket/matrix``; none for
+    other channels (LGC's whole-bucket channel keeps one autoencoder per bucket, which cannot move elsewhere)."""
+    return [channel.q, channel.draws] if channel.low_rank and hasattr(channel, "q") else []
+
+
 def _rename(channel, ef, old: str, new: str) -> None:
     """Move PowerSGD's per-matrix state (residual, warm-start Q, start-matrix draws) from key ``old`` to ``new``,
     unless ``new`` has state already (moved, and maybe updated, earlier in this iteration)."""
-    if old == new or new in channel.q or new in channel.draws or (ef is not None and ef.error(new) is not None):
+    if old == new or any(new in t for t in _matrix_tables(channel)) or (ef is not None and ef.error(new) is not None):
         return
     if ef is not None and ef.error(old) is not None:
         _store(ef, new, ef.error(old).clone(), ef.steps.get(old, 0))
-    for table in (channel.q, channel.draws):
+    for table in _matrix_tables(channel):
         if old in table:
             table[new] = table[old]
 
@@ -451,7 +459,7 @@ def _drop(channel, ef, keys: set) -> None:
         for k in [k for k in ef.keys() if k.startswith(prefixes)]:
             ef.reset(k)
             ef.steps.pop(k, None)
-    for table in [channel.q, channel.draws] if channel.low_rank else []:
+    for table in _matrix_tables(channel):
         for k in [k for k in table if k.startswith(prefixes)]:
             del table[k]
 
