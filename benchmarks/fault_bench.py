@@ -74,6 +74,15 @@ def _replica(args, lighthouse: str, rid: int, log_dir: Path, seed: int, outer_st
     return subprocess.Popen(cmd, stdout=open(f"{log_dir}.out", "w"), stderr=subprocess.STDOUT, cwd=REPO, env=env)
 
 
+KEEP = ("iteration", "loss", "ft_time", "ft_committed", "ft_replicas", "ft_healed")
+"""The fields of each logged iteration the analysis reads (the results file keeps only these)."""
+
+
+def _short(value):
+    """Floats to 4 decimals (milliseconds of wall time; losses to 1e-4), so the results file stays small."""
+    return round(value, 4) if isinstance(value, float) else value
+
+
 def _records(log_dir: Path) -> list[dict]:
     path = log_dir / "metrics.jsonl"
     return [json.loads(line) for line in open(path)] if path.exists() else []
@@ -134,7 +143,8 @@ def run(args, kill_every: float | None, out: Path, seed: int, *, outer_steps: in
     for r in range(args.replicas):
         rows = []
         for life in range(lives[r] + 1):
-            rows += [dict(x, life=life) for x in _records(base / f"r{r}.{life}") if x.get("ft_time")]
+            rows += [{**{k: _short(x.get(k)) for k in KEEP}, "life": life} for x in _records(base / f"r{r}.{life}")
+                     if x.get("ft_time")]
         steps[r] = rows
     return {"kill_every": kill_every, "seed": seed, "outer_steps": outer_steps, "pause_s": pause_s, "t0": t0,
             "end": end, "kills": kills, "steps": steps, "load_average_1min_at_end": os.getloadavg()[0]}
@@ -340,7 +350,8 @@ def main(argv=None) -> None:
             pair["slow"] = straggler_rates(slow)
             stragglers.append(pair)
         saved_runs = [dict(r, steps={str(k): v for k, v in r["steps"].items()}) for r in runs]
-        json.dump({"args": vars(args), "runs": saved_runs, "stragglers": stragglers}, open(out / "results.json", "w"))
+        json.dump({"args": vars(args), "runs": saved_runs, "stragglers": stragglers}, open(out / "results.json", "w"),
+                  separators=(",", ":"))
     free = {r["seed"]: r for r in runs if not r["kill_every"]}
     results = [analyse(r, free[r["seed"]], replicas, tokens) for r in runs if r["kill_every"]]
     free_losses = []
