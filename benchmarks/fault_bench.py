@@ -197,14 +197,14 @@ def analyse(fault: dict, free: dict, replicas: int, tokens_per_step: int) -> dic
             "loss_mean20_fault_free": mean_0, "loss_mean20_rel_diff": (mean_f / mean_0 - 1) if window else None}
 
 
-def _ms(values: list) -> str:
-    """``mean ± sample std (n)`` of the finite values."""
+def _ms(values: list, spec: str = "+.2f") -> str:
+    """``mean ± sample sd`` of the finite values (the mean in ``spec``)."""
     v = [x for x in values if x is not None and x == x]
     if not v:
         return "-"
     mean = sum(v) / len(v)
     sd = (sum((x - mean) ** 2 for x in v) / (len(v) - 1)) ** 0.5 if len(v) > 1 else 0.0
-    return f"{mean:+.2f} ± {sd:.2f}" if any(x < 0 for x in v) or mean < 5 else f"{mean:.0f} ± {sd:.0f}"
+    return f"{mean:{spec}} ± {sd:{spec.lstrip('+')}}"
 
 
 def straggler_rates(run_: dict, straggler: int = 0) -> dict:
@@ -243,7 +243,7 @@ def table(results: list[dict], free_losses: list) -> str:
         rs = [r for r in results if r["kill_every_s"] == n]
         rows.append(f"| {n:g} s | {len(rs)} | {sum(len(r['kills']) for r in rs)} | {mm(rs, 'survivors_next_step_s')} | "
                     f"{mm(rs, 'rejoined_steps_s')} | {mm(rs, 'back_to_rate_s')} | "
-                    f"{_ms([pct(r['goodput']) for r in rs])} | {_ms([pct(r['loss_mean20_rel_diff']) for r in rs])} |")
+                    f"{_ms([pct(r['goodput']) for r in rs], '.0f')} | {_ms([pct(r['loss_mean20_rel_diff']) for r in rs])} |")
     floor = [x for x in free_losses if x is not None]
     if len(floor) > 1:
         mean = sum(floor) / len(floor)
