@@ -356,31 +356,42 @@ def _diloco_replica(rid, lighthouse, codec, steps, out, h=4, sleep_s=0.0, expect
     ft.shutdown()
 
 
+def _kill_and_rejoin(target, addr: str, out: str, *, ready_s: float, rejoin_records: int, rejoin_s: float,
+                     stop_ahead: int, what: str) -> float:
+    """Start replicas 0-2 of ``target`` (spawned) on the Lighthouse at ``addr``, kill replica 2 once it has committed 3
+    steps with all three, wait for two of the survivors' synchronisations without it, restart it, wait for
+    ``rejoin_records`` of its committed records, then stop every replica ``stop_ahead`` steps past replica 0 and
+    return the time of the restart (records after it are the rejoined replica's)."""
+    ctx = mp.get_context("spawn")
+
+    def start(r, expect=0):
+        p = ctx.Process(target=target, args=(r, addr, "int4", 100000, out), kwargs={"sleep_s": 0.05, "expect": expect})
+        p.start()
+        return p
+
+    procs = {r: start(r, expect=3) for r in range(3)}
+    _wait(lambda: sum(1 for x in _log(out, 2) if x["replicas"] == 3 and x["committed"]) >= 3, ready_s, "3 replicas")
+    procs[2].kill()
+    killed = time.time()
+    _wait(lambda: sum(1 for x in _log(out, 0) if x["t"] > killed and x["committed"] and x["replicas"] == 2) >= 2,
+          60, f"the survivors' {what}")
+    procs[2].join()
+    restarted = time.time()
+    procs[2] = start(2)
+    _wait(lambda: sum(1 for x in _log(out, 2) if x["t"] > restarted and x["committed"]) >= rejoin_records, rejoin_s,
+          "the rejoin")
+    _stop_at(out, 0, ahead=stop_ahead)  # replica 0's last record is a synchronisation step: all three reach it
+    _finish(list(procs.values()))
+    return restarted
+
+
 @pytest.mark.slow
 def test_diloco_replica_killed_and_rejoined_at_an_outer_step_equals_the_survivors_bit_for_bit(tmp_path):
     out = str(tmp_path)
     lh, addr = _lighthouse()
-    steps = 100000  # until told (_stop_at), a multiple of h
-    ctx = mp.get_context("spawn")
-
-    def start(r, expect=0):
-        p = ctx.Process(target=_diloco_replica, args=(r, addr, "int4", steps, out), kwargs={"sleep_s": 0.05, "expect": expect})
-        p.start()
-        return p
-
-    try:
-        procs = {r: start(r, expect=3) for r in range(3)}
-        _wait(lambda: sum(1 for x in _log(out, 2) if x["replicas"] == 3 and x["committed"]) >= 3, 90, "3 replicas")
-        procs[2].kill()
-        killed = time.time()
-        _wait(lambda: sum(1 for x in _log(out, 0) if x["t"] > killed and x["committed"] and x["replicas"] == 2) >= 2,
-              60, "the survivors' outer steps")
-        procs[2].join()
-        restarted = time.time()
-        procs[2] = start(2)
-        _wait(lambda: sum(1 for x in _log(out, 2) if x["t"] > restarted and x["committed"]) >= 2, 90, "the rejoin")
-        _stop_at(out, 0, ahead=12)  # replica 0's last record is an outer step (a multiple of 4): all three reach it
-        _finish(list(procs.values()))
+    try:  # outer steps every 4 iterations: stop 12 past replica 0, a multiple of 4
+        restarted = _kill_and_rejoin(_diloco_replica, addr, out, ready_s=90, rejoin_records=2, rejoin_s=90,
+                                     stop_ahead=12, what="outer steps")
     finally:
         lh.terminate()
         lh.wait()

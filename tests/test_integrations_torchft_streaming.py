@@ -32,8 +32,8 @@ pytest.importorskip("torchft")
 from distributed import run_ranks  # noqa: E402
 from megacomp.integrations.torchft import OuterSync, ReplicaQuorum, TorchFTConfig  # noqa: E402
 from megacomp.outer.diloco import _split  # noqa: E402
-from test_integrations_torchft import (TIMEOUT_S, _batch, _finish, _kernels_loaded, _lighthouse, _log,  # noqa: E402,F401
-                                       _model, _ready, _stop_at, _target, _wait)  # _kernels_loaded: autouse fixture
+from test_integrations_torchft import (TIMEOUT_S, _batch, _finish, _kernels_loaded, _kill_and_rejoin,  # noqa: E402,F401
+                                       _lighthouse, _log, _model, _ready, _target, _wait)  # _kernels_loaded: autouse fixture
 
 H, F = 4, 2  # outer steps, fragments: fragment 0 after steps 4, 8, ...; fragment 1 after steps 2, 6, ...
 
@@ -164,29 +164,10 @@ def test_compression_off_without_faults_equals_megacomp_streaming_diloco_bit_for
 def test_replica_killed_and_rejoined_at_a_fragment_sync_equals_the_survivors_bit_for_bit(tmp_path):
     out = str(tmp_path)
     lh, addr = _lighthouse()
-    steps = 100000  # until told (_stop_at)
-    ctx = mp.get_context("spawn")
-
-    def start(r, expect=0):
-        p = ctx.Process(target=_stream_replica, args=(r, addr, "int4", steps, out), kwargs={"sleep_s": 0.05, "expect": expect})
-        p.start()
-        return p
-
-    try:
-        procs = {r: start(r, expect=3) for r in range(3)}
-        # 300 s: a spawned replica's start-up includes loading (or, after a source change, building) the codec kernels
-        _wait(lambda: sum(1 for x in _log(out, 2) if x["replicas"] == 3 and x["committed"]) >= 3, 300, "3 replicas")
-        procs[2].kill()
-        killed = time.time()
-        _wait(lambda: sum(1 for x in _log(out, 0) if x["t"] > killed and x["committed"] and x["replicas"] == 2) >= 2,
-              60, "the survivors' fragment synchronisations")
-        procs[2].join()
-        restarted = time.time()
-        procs[2] = start(2)
-        # three synchronisations after the heal: the joiner has met both fragments since
-        _wait(lambda: sum(1 for x in _log(out, 2) if x["t"] > restarted and x["committed"]) >= 3, 300, "the rejoin")
-        _stop_at(out, 0, ahead=3 * H)  # replica 0's last record is a synchronisation step: all three reach it
-        _finish(list(procs.values()))
+    try:  # 300 s: a spawned replica's start-up includes loading (or, after a source change, building) the codec
+        # kernels; three synchronisations after the heal: the joiner has met both fragments since
+        restarted = _kill_and_rejoin(_stream_replica, addr, out, ready_s=300, rejoin_records=3, rejoin_s=300,
+                                     stop_ahead=3 * H, what="fragment synchronisations")
     finally:
         lh.terminate()
         lh.wait()
