@@ -342,6 +342,14 @@ def _diloco_replica(rid, lighthouse, codec, steps, out, h=4, sleep_s=0.0, expect
         log.flush()
 
     _ready(out, rid, expect)
+    _train_locally(model, opt, rid, it, out, steps, sleep_s, lambda done: done % h == 0, meet)
+    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"{rid}.pt"))
+    ft.shutdown()
+
+
+def _train_locally(model, opt, rid: int, it: dict, out: str, steps: int, sleep_s: float, syncs, meet) -> None:
+    """The outer-loop replicas' body: meet the others, then inner steps on replica ``rid``'s own batches until the
+    target step, meeting again after every step for which ``syncs(done)`` holds (``it["done"]`` counts the steps)."""
     meet()
     while it["done"] < _target(out, steps):
         x, y = _batch(10000 * rid + it["done"])
@@ -349,11 +357,9 @@ def _diloco_replica(rid, lighthouse, codec, steps, out, h=4, sleep_s=0.0, expect
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         it["done"] += 1
-        if it["done"] % h == 0:
+        if syncs(it["done"]):
             meet()
         time.sleep(sleep_s)
-    torch.save([p.detach().clone() for p in model.parameters()], os.path.join(out, f"{rid}.pt"))
-    ft.shutdown()
 
 
 def _kill_and_rejoin(target, addr: str, out: str, *, ready_s: float, rejoin_records: int, rejoin_s: float,

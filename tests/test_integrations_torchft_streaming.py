@@ -33,7 +33,7 @@ from distributed import run_ranks  # noqa: E402
 from megacomp.integrations.torchft import OuterSync, ReplicaQuorum, TorchFTConfig  # noqa: E402
 from megacomp.outer.diloco import _split  # noqa: E402
 from test_integrations_torchft import (TIMEOUT_S, _batch, _finish, _kernels_loaded, _kill_and_rejoin,  # noqa: E402,F401
-                                       _lighthouse, _log, _model, _ready, _target, _wait)  # _kernels_loaded: autouse fixture
+                                       _lighthouse, _log, _model, _ready, _train_locally, _wait)  # _kernels_loaded: autouse fixture
 
 H, F = 4, 2  # outer steps, fragments: fragment 0 after steps 4, 8, ...; fragment 1 after steps 2, 6, ...
 
@@ -102,16 +102,7 @@ def _stream_replica(rid, lighthouse, codec, steps, out, sleep_s=0.0, expect=0):
         log.flush()
 
     _ready(out, rid, expect)
-    meet()
-    while it["done"] < _target(out, steps):
-        x, y = _batch(10000 * rid + it["done"])
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        it["done"] += 1
-        if outer.due(it["done"], H):
-            meet()
-        time.sleep(sleep_s)
+    _train_locally(model, opt, rid, it, out, steps, sleep_s, lambda done: bool(outer.due(done, H)), meet)
     torch.save({"params": [p.detach().clone() for p in model.parameters()],
                 "anchors": [a.detach().clone() for a in outer.anchors], "last": outer.due(it["done"], H)},
                os.path.join(out, f"{rid}.pt"))
