@@ -267,7 +267,8 @@ def bench_ddp(args, records: Optional[list] = None, profile: bool = False) -> li
         for seed, method in [(sd, m) for sd in seeds for m in args.methods.split(",")]:
             out = run_pair([sys.executable, "-m", "benchmarks.netns_dp_worker", method, str(args.iters), str(args.hidden),
                             str(args.layers), str(args.bucket_mb), *(["profile"] if profile else []),
-                            *([f"seed={seed}"] if seed is not None else [])],
+                            *([f"seed={seed}"] if seed is not None else []),
+                            *(["flush_denormal"] if getattr(args, "flush_denormal", False) else [])],
                            args.port, args.timeout)[0]
             res = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
             records.append({"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "method": method, "world": 2,
@@ -275,6 +276,7 @@ def bench_ddp(args, records: Optional[list] = None, profile: bool = False) -> li
                             "bucket_mb": args.bucket_mb, "times_s": res["times"][2:], "all_times_s": res["times"],
                             "losses": res["losses"], "loss": res["losses"][-1], "wire_bytes_per_step": res["wire"],
                             **({"seed": seed} if seed is not None else {}),
+                            **({"flush_denormal": True} if res.get("flush_denormal") else {}),
                             **({"profile": res["profile"]} if profile else {})})
             print((profile_table if profile else ddp_table)(records[start:])[-2], flush=True)
     return (profile_table if profile else ddp_table)(records[start:])
@@ -448,6 +450,9 @@ def main() -> None:
                    help="DDP bucket_cap_mb for every method but PowerSGD (one bucket: torch's hook breaks with more on gloo)")
     p.add_argument("--seeds", default="", help="ddp / profile: comma list of seeds (weights and data order), each "
                                                "method run once per seed, with a table over seeds")
+    p.add_argument("--flush-denormal", action="store_true",
+                   help="ddp / profile: the workers flush subnormal floats to zero (torch.set_flush_denormal), so a "
+                        "method whose weights lead the CPU into subnormal arithmetic is timed without that slowdown")
     p.add_argument("--port", type=int, default=29731)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default="results/netns")

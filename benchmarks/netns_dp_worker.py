@@ -1,7 +1,7 @@
 """One rank of benchmarks/netns_bench.py's DP-step workloads (``ddp``, ``profile``): a small GPT (TP 1) trained with one
 method's data-parallel communication, on two ranks that torchrun-style environment variables describe.
 
-    python -m benchmarks.netns_dp_worker METHOD ITERS HIDDEN LAYERS BUCKET_MB [profile] [seed=N]
+    python -m benchmarks.netns_dp_worker METHOD ITERS HIDDEN LAYERS BUCKET_MB [profile] [seed=N] [flush_denormal]
 
 Methods: torch DDP (fp32, its fp16/bf16 and PowerSGD hooks), ZeroRedundancyOptimizer, a no-communication floor,
 megacomp's DDP hook (int4 + LoCo, PowerSGD, Accordion), the 1-bit family, megacomp's sharded optimizer and ACCO / DPU
@@ -64,7 +64,7 @@ def powersgd_bytes(model, rank: int, world: int) -> int:
 
 
 def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: float = 25.0, profile: bool = False,
-               seed: Optional[int] = None) -> None:
+               seed: Optional[int] = None, flush_denormal: bool = False) -> None:
     """One rank of a torch-DDP training run of a small GPT (TP 1) with ``method``'s communication. ``profile``: record
     megacomp.comm.spans from iteration 3 on and report rank 0's exclusive seconds per phase and thread, per step."""
     import torch
@@ -81,6 +81,9 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     from megacomp.optimizer import CompressedHookState, compressed_allreduce_hook
 
     torch.set_num_threads(1)
+    # subnormal floats slow x86 arithmetic many times over (GPUs do not pay this); the 1-bit family's weights lead
+    # some seeds' forward/backward into them on CPU: flushing them measures its step without that artefact
+    torch.set_flush_denormal(flush_denormal)
     init_distributed()
     world = dist.get_world_size()
     groups = parallel_state.initialize_model_parallel(1, 1)
@@ -91,6 +94,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     params = sum(p.numel() for p in model.parameters())
     one_bucket = method.startswith("ddp_powersgd")  # torch's PowerSGD hook breaks with several buckets on gloo
     freeze = max(1, iters // 5)
+    # ACCO and DPU are sharded methods of their own ("megacomp_accordion" is not ACCO)
+    acco, dpu = method.startswith("megacomp_acco_"), method.startswith("megacomp_dpu_")
     bare = method in ONEBIT_METHODS or method in SHARDED_METHODS  # the optimizer does the exchange, no DDP wrapper
     ddp = model if bare else DDP(model, bucket_cap_mb=1024 if one_bucket else bucket_mb)
     wire = {"ddp_fp32": 4, "zero_redundancy": 4, "ddp_fp16_hook": 2, "ddp_bf16_hook": 2}.get(method, 0) * params
@@ -142,8 +147,8 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
             param_codec={"name": "int8", "block_size": 256}, min_compress_numel=4096)
         opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
                                    bucket_size=int(bucket_mb * (1 << 20) / 4), **codecs)
-        if "acco" in method or "dpu" in method:
-            opt = ACCO(opt, delay_compensation="acco" in method)  # dpu: the update one step late, no halves
+        if acco or dpu:
+            opt = ACCO(opt, delay_compensation=acco)  # dpu: the update one step late, no halves
         elif "overlap_gather" in method:  # the parameter all-gather finishes per bucket in the next forward
             opt.overlap_param_gather(model)
     elif method == "zero_redundancy":
@@ -156,7 +161,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
     # Each iteration is timed from one barrier to the next and includes everything in between (the batch, the loss
     # all-reduce): communication left in flight by one step (an overlapped all-gather, ACCO's jobs) is then paid
     # inside some iteration, never in an untimed gap; the last iteration waits for it before its barrier.
-    overlapped = "acco" in method or "dpu" in method or "overlap_gather" in method
+    overlapped = acco or dpu or "overlap_gather" in method
     dist.barrier()
     t_prev, t_prev_ns = time.perf_counter(), time.perf_counter_ns()
     for it in range(iters):
@@ -165,7 +170,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
         if profile and it == 2:
             spans.enable()
         ids, labels = get_batch(data, next(sampler))
-        if "acco" in method:  # half A at the estimate, half B at the parameters (megacomp.optimizer.acco)
+        if acco:  # half A at the estimate, half B at the parameters (megacomp.optimizer.acco)
             h = ids.shape[0] // 2
             with spans.span("forward_backward"):
                 first = ddp(ids[:h], labels[:h])
@@ -189,7 +194,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
             # wire bytes of one step (ACCO: an estimate and an update; the gather: the one launched by this step),
             # then the last step's communication lands inside this iteration
             last_step_wire = sum(s.wire_bytes for k, s in comm.stats().items() if k.startswith("dp_"))
-            opt.finish() if ("acco" in method or "dpu" in method) else opt.wait_params()
+            opt.finish() if (acco or dpu) else opt.wait_params()
         dist.barrier()
         now, now_ns = time.perf_counter(), time.perf_counter_ns()
         times.append(now - t_prev)
@@ -203,7 +208,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
                                                      if k.startswith("dp_"))
     elif method.startswith("megacomp"):
         wire = comm.stats()["dp_gradient"].wire_bytes  # measured, last iteration
-    result = {"times": times, "losses": losses, "params": params, "wire": wire}
+    result = {"times": times, "losses": losses, "params": params, "wire": wire, "flush_denormal": flush_denormal}
     if profile:  # mean exclusive seconds per step of each phase, iterations 3..
         recs, prof = spans.records(), {}
         for start, end in windows[2:]:
@@ -220,7 +225,7 @@ def ddp_worker(method: str, iters: int, hidden: int, layers: int, bucket_mb: flo
 
 
 if __name__ == "__main__":
-    extra = sys.argv[6:]  # "profile", "seed=N"
+    extra = sys.argv[6:]  # "profile", "seed=N", "flush_denormal"
     seeds = [int(a[5:]) for a in extra if a.startswith("seed=")]
     ddp_worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-               "profile" in extra, seeds[0] if seeds else None)
+               "profile" in extra, seeds[0] if seeds else None, "flush_denormal" in extra)
