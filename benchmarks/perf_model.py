@@ -3,13 +3,9 @@
     python -m benchmarks.perf_model --validate-all benchmarks/results --out-dir benchmarks/results/plan
     python -m benchmarks.perf_model results.json [--out section.md] [--plot proj.png]
 
-``--validate-all`` fits the alpha-beta constants (megacomp.plan.calibration) on part of the shaped-link
-measurements and predicts every point the model can express (megacomp.plan.shaped_steps): collectives fitted at
-100 Mbit/s and 1 Gbit/s and held out at 300 Mbit/s; the DP-step overlap share and CPU-contention factor fitted on
-benchmarks/results/benchmarks and held out on every other netns_* DP study; TP / PP / DP training steps predicted at
-100 Mbit/s from their 1 Gbit/s step; local-step runs predicted from DiLoCo's step. It writes calibration.md (every
-point, fitted or held out), calibration.json and published.md (megacomp.plan.published). It measures nothing and
-prints tables; it never asserts a time.
+``--validate-all`` runs benchmarks.step_validation (what is fitted on what, what is held out) and writes
+calibration.md (every point, fitted or held out), calibration.json and published.md (megacomp.plan.published). It
+measures nothing and prints tables; it never asserts a time.
 
 With a bench_report results file it writes the older report section: the fitted constants, every point of that
 file, and a projection of compressed vs bf16/fp32 gradient all-reduce to 8-1024 GPUs, where every GPU number
@@ -20,15 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
-from benchmarks.netns_dp_worker import ONEBIT_METHODS
+from benchmarks.step_validation import _ddp_points, benchmark_machine, validate_all, validation_markdown
 from megacomp.plan import shaped_steps as ss
-from megacomp.plan.workload import ModelSpec
 
 from megacomp.plan.calibration import (SEGMENT_ELEMS, MiB, Codec, Model, Row, Validation, _codec_time, _points,  # noqa: F401
                                        codec_work, fit, pipeline, predict_collective, wire_bytes)
@@ -50,69 +42,6 @@ def predict_step(model: Model, method: str, params: int, world: int, rate_Bps: f
     return ss.predict_step(model, phases, rate_Bps, world, t_compute, overlap, contention)
 
 
-def _floor(records: list, d: dict) -> float | None:
-    """Median no-communication step of ``d``'s file, rate, model size (and seed, when the file has seeds)."""
-    same = [f for f in records if f["method"] == "no_communication" and f["rate"] == d["rate"]
-            and f["params"] == d["params"] and f.get("seed") == d.get("seed")]
-    times = [t for f in same for t in f["times_s"]]
-    return statistics.median(times) if times else None
-
-
-def benchmark_gpt(d: dict) -> ModelSpec:
-    """The GPT of benchmarks.netns_dp_worker for a record (its hidden size and layers; 4 heads, 64 tokens, a 1024
-    vocabulary, 8 samples per rank). Raises ValueError when its parameter count is not the record's."""
-    spec = ModelSpec(d["layers"], d["hidden"], 4, 64, 1024, micro_batch_size=8, global_batch_size=8 * d["world"])
-    if spec.params != d["params"]:
-        raise ValueError(f"record {d['method']}: {d['params']} parameters, but the benchmark GPT with hidden "
-                         f"{d['hidden']} and {d['layers']} layers has {spec.params}; update benchmark_gpt")
-    return spec
-
-
-def step_flops(d: dict) -> float:
-    """Forward + backward FLOPs of one rank's step of the benchmark GPT (megacomp.plan.workload)."""
-    spec = benchmark_gpt(d)
-    return spec.flops_per_token * spec.micro_batch_size * spec.seq_length
-
-
-def benchmark_machine(records: list, memcpy_Bps: float) -> ss.Machine:
-    """The Machine of megacomp.plan.shaped_steps from the session that measured the codecs (benchmarks/results/
-    benchmarks): F = the benchmark GPT's step FLOPs over its median no-communication step (median over rates),
-    B = twice ``memcpy_Bps`` (its measured copy rate: a copy reads and writes every byte)."""
-    rates = [step_flops(d) / statistics.median(d["times_s"]) for d in records
-             if d["method"] == "no_communication" and d.get("times_s")]
-    return ss.Machine(statistics.median(rates), 2.0 * memcpy_Bps)
-
-
-def measured_step(d: dict) -> float:
-    """Median step of a record, over the iterations the model describes: for the 1-bit family (netns_dp_worker's
-    ONEBIT_METHODS) the ones after its full-precision warm-up (the first max(1, iterations // 5), as the worker
-    sets ``freeze_step``), whose bytes the record holds; for every other method all but the first two."""
-    if d["method"] in ONEBIT_METHODS and d.get("all_times_s"):
-        every = d["all_times_s"]
-        return statistics.median(every[max(1, len(every) // 5):])
-    return statistics.median(d["times_s"])
-
-
-def _ddp_points(model: Model, records: list, source: str, mach: ss.Machine | None = None):
-    """(label, phases, rate, world, floor, measured, work seconds) of every modelled DP record (work on ``mach``;
-    none without it)."""
-    for d in records:
-        if d["method"] == "no_communication" or not d.get("times_s"):
-            continue
-        floor = _floor(records, d)
-        phases = ss.method_phases(d["method"], d["params"], d["world"], d.get("bucket_mb", 25) * MiB,
-                                  d.get("wire_bytes_per_step"))
-        if floor is None or phases is None:
-            continue
-        work_s = 0.0
-        if mach is not None:
-            work = ss.method_work(d["method"], benchmark_gpt(d).parameter_shapes())
-            work_s = work.seconds(mach.flop_rate, mach.memory_Bps)
-        seed = f" seed {d['seed']}" if "seed" in d else ""
-        label = f"{source}: {d['method']} {d['params'] / 1e6:.2f}M p{d['world']} @{d['rate']}{seed}"
-        yield label, phases, d["rate_Bps"], d["world"], floor, measured_step(d), work_s
-
-
 def validate(model: Model, results: dict, overlap: float = 1.0, contention: float = 0.0) -> Validation:
     """Every collective and DP-step point of one bench_report results file (all marked as fitted)."""
     rows = []
@@ -123,112 +52,6 @@ def validate(model: Model, results: dict, overlap: float = 1.0, contention: floa
     for label, phases, rate, world, floor, tm, *_ in _ddp_points(model, results.get("ddp", []), "benchmarks"):
         rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, overlap, contention)))
     return Validation(rows)
-
-
-HELD_OUT_RATE = "300mbit"  # collectives at this rate are never fitted on
-
-
-def validate_all(results_dir: str | Path) -> tuple[Model, float, float, Validation, list[str]]:
-    """Fit on part of the shaped-link measurements and predict every point (module docstring of
-    megacomp.plan.shaped_steps): collectives fitted on 100 Mbit/s and 1 Gbit/s, held out at 300 Mbit/s; the DP-step
-    overlap o and contention kappa fitted on benchmarks/results/benchmarks' DP steps, held out on every other
-    netns_* DP run; TP / PP / DP training steps predicted at 100 Mbit/s from their 1 Gbit/s step; local-step
-    runs predicted from DiLoCo's step at the same rate. Returns (model, o, kappa, rows, notes)."""
-    root = Path(results_dir)
-    bench = json.loads((root / "benchmarks" / "results.json").read_text())
-    model = fit(bench, keep=lambda r: r["rate"] != HELD_OUT_RATE)
-    rows: list[Row] = []
-    for r, S, tm in _points(bench):
-        label = f"{r['op']} {r['codec']} {r['mib']:g} MiB p{r['world']} @{r['rate']}"
-        rows.append(Row("collective", label, tm, predict_collective(model, r["op"], r["codec"], S, r["world"],
-                                                                    r["rate_Bps"]), held_out=r["rate"] == HELD_OUT_RATE))
-    int4 = model.codecs.get("int4")
-    if int4 is not None and "sign" not in model.codecs:  # the 1-bit family's codec has no throughput measurement
-        model.codecs["sign"] = Codec(int4.encode_Bps, int4.decode_Bps, "assumed: int4's measured throughput (a "
-                                     "scale pass and a quantise-and-pack pass per encode, as int4)")
-    mach = benchmark_machine(bench["ddp"], float(bench["codec_throughput"]["memcpy"]["encode_Bps"]))
-    train = list(_ddp_points(model, bench["ddp"], "benchmarks", mach))
-    o, kappa = ss.fit_overlap_contention(model, [p[1:] for p in train])
-    for label, phases, rate, world, floor, tm, work_s in train:
-        rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa, work_s)))
-    notes = []
-    for f in sorted(root.glob("netns_*/*.json")):
-        data = json.loads(f.read_text())
-        if data.get("workload") not in ("ddp", "profile"):
-            continue
-        recs = data["records"]
-        for label, phases, rate, world, floor, tm, work_s in _ddp_points(model, recs, f"{f.parent.name}/{f.stem}", mach):
-            rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa, work_s), True))
-        skipped = sorted({d["method"] for d in recs if d["method"] != "no_communication"
-                          and ss.method_phases(d["method"], d["params"], d["world"], 2 * MiB,
-                                               d.get("wire_bytes_per_step")) is None})
-        if skipped:
-            notes.append(f"{f.parent.name}/{f.stem}: not modelled: {', '.join(skipped)}")
-    rows += list(_train_rows(model, root, o))
-    rows += list(_local_step_rows(model, root, o))
-    return model, o, kappa, Validation(rows), notes
-
-
-def _train_calls(layout: str, iters_cfg: dict) -> int:
-    """Messages per iteration of the tiny GPT's training step (4 layers, 4 micro-batches of 4)."""
-    L, M = 4, 4
-    if layout.startswith("tp"):
-        return 4 * L * M  # two all-reduces per layer forward, two backward, per micro-batch
-    if layout.startswith("pp"):
-        return 2 * M * (2 if "vp2" in layout else 1)  # an activation and a gradient per micro-batch and boundary
-    return 2  # dp2: the gradient reduce-scatter and parameter all-gather
-    
-
-def _train_rows(model: Model, root: Path, overlap: float):
-    """TP / PP / DP pretraining steps at 100 Mbit/s predicted from the same run's 1 Gbit/s step: the compute is
-    T(1 Gbit/s) minus its communication, the communication the measured bytes on the fitted link (exposed: TP and
-    PP traffic sits on the critical path)."""
-    files = [root / "benchmarks" / "results.json", root / "netns_tp" / "train.json", root / "netns_pipeline" / "train.json"]
-    alpha, eta = model.link("all_reduce")
-    for f in files:
-        data = json.loads(f.read_text())
-        recs = data.get("train") or data.get("records") or []
-        by = {(r["layout"], r["compression"], r["rate"]): r for r in recs if r.get("times_s")}
-        for (layout, comp, rate), r in sorted(by.items()):
-            base = by.get((layout, comp, "1gbit"))
-            if rate == "1gbit" or base is None:
-                continue
-            calls = _train_calls(layout, {})
-            per_rank = lambda rec: rec["wire_bytes_per_iter"] / 2  # noqa: E731 (the two ranks' bytes, summed)
-            comm = lambda rec: calls * alpha + per_rank(rec) / (eta * rec["rate_Bps"])  # noqa: E731
-            floor = statistics.median(base["times_s"]) - comm(base)
-            label = f"{f.parent.name}: train {layout} {comp} @{rate} (from its 1gbit step)"
-            yield Row("train", label, statistics.median(r["times_s"]), floor + comm(r), True)
-
-
-def _local_step_rows(model: Model, root: Path, overlap: float):
-    """Local-step runs: the compute of an iteration is DiLoCo H=50's step at the same rate minus its amortised
-    exchange; each variant adds its own bytes per iteration on the fitted link (DDP fp32 and LoCo: the pretraining
-    loop's sharded optimizer, whose reduce-scatter and all-gather run after backward; the outer exchanges
-    blocking; Streaming DiLoCo's hidden behind its delay)."""
-    alpha, eta = model.link("all_reduce")
-    rates = {"100mbit": 12.5e6, "10mbit": 1.25e6}
-    for f in (root / "netns" / "local_steps.json", root / "netns_powersgd" / "local_steps.json"):
-        recs = json.loads(f.read_text())["records"]
-        for rate, B in rates.items():
-            ref = next((r for r in recs if r["rate"] == rate and r["variant"] == "DiLoCo H=50"), None)
-            if ref is None:
-                continue
-            per_iter = lambda r: r["wire_bytes"] / r["iters"] / 2  # noqa: E731 (bytes per rank per iteration)
-            floor = statistics.median(ref["times_s"]) - (per_iter(ref) / (eta * B) + alpha / 50)
-            for r in recs:
-                if r["rate"] != rate or r is ref:
-                    continue
-                t_comm = per_iter(r) / (eta * B)
-                v = r["variant"]
-                if v.startswith(("DDP", "LoCo")):  # the pretraining loop's sharded optimizer: after backward
-                    t = floor + t_comm
-                elif v.startswith("Streaming"):
-                    t = floor + max(0.0, t_comm - 5 * floor / 50)  # hidden behind tau = 5 inner steps per H = 50
-                else:
-                    t = floor + t_comm + alpha / 50
-                label = f"{f.parent.name}/local_steps: {v} @{rate}"
-                yield Row("local_steps", label, statistics.median(r["times_s"][2:] or r["times_s"]), t, True)
 
 
 # -- projection to GPU clusters ------------------------------------------------------------------------
@@ -358,65 +181,6 @@ def plot(projection: Projection, path: str, codec: str = "int4", baseline: str =
     return True
 
 
-def validation_markdown(model: Model, o: float, kappa: float, v: Validation, notes: list[str],
-                        mach: ss.Machine | None = None) -> str:
-    """The calibration page: fitted constants, error summaries (fitted vs held-out, per kind) and every point
-    (``mach``: the Machine the methods' CPU work ran on, listed with the constants)."""
-    out = ["# Calibration and held-out validation of the step model on the shaped-link runs", "",
-           "Generated by `python -m benchmarks.perf_model --validate-all benchmarks/results --out-dir "
-           "benchmarks/results/plan` from the measurements already in `benchmarks/results/` (nothing re-measured).",
-           "", "## Fitted constants", "", "| constant | value | fitted on |", "|---|---|---|"]
-    for op, (alpha, eta, n) in sorted(model.links.items()):
-        out.append(f"| {op}: alpha, eta | {alpha * 1e3:.3f} ms, {eta:.3f} | its own {n} fp32 points at 100 Mbit/s "
-                   f"and 1 Gbit/s |")
-    for name, c in sorted(model.codecs.items()):
-        out.append(f"| {name} codec: encode / decode | {c.encode_Bps / 1e9:.2f} / {c.decode_Bps / 1e9:.2f} GB/s | "
-                   f"{c.source} (single-threaded, this CPU) |")
-    o_t, o_m = o if isinstance(o, tuple) else (o, o)
-    out += [f"| o: share of backward a bucketed exchange overlaps, torch DDP / megacomp | {o_t:.2f} / {o_m:.2f} | "
-            f"benchmarks/results/benchmarks DP steps |",
-            f"| kappa: CPU contention per second of codec work | {kappa:.2f} | the same |"]
-    if mach is not None:
-        out += [f"| F: FLOP rate of a method's matrix products (megacomp.plan.cpu_work) | {mach.flop_rate / 1e9:.1f} "
-                f"GFLOP/s | measured, not fitted: the benchmark GPT's step FLOPs / its no-communication step, "
-                f"benchmarks/results/benchmarks |",
-                f"| B: memory traffic rate of a method's elementwise passes | {mach.memory_Bps / 1e9:.1f} GB/s | measured, "
-                f"not fitted: twice the memcpy rate of the same session (read + write) |"]
-    out += ["",
-            "## Errors", "", "| points | fitted: n, median, max abs. error | held out: n, median, max abs. error |",
-            "|---|---|---|"]
-    names = {"collective": "collectives", "ddp": "DP steps", "train": "TP / PP / DP training steps",
-             "local_steps": "local-step runs"}
-    for kind, title in names.items():
-        cells = []
-        for held in (False, True):
-            sm = v.summary(kind, held)
-            cells.append(f"{sm['n']}, {100 * sm['median']:.1f}%, {100 * sm['max']:.1f}%" if sm["n"] else "none")
-        out.append(f"| {title} | {cells[0]} | {cells[1]} |")
-    per = {}
-    for r in v.rows:
-        if r.kind == "ddp" and r.held_out:
-            per.setdefault(r.point.split(": ", 1)[1].split(" ")[0], []).append(abs(r.rel_err))
-    if per:
-        out += ["", "Held-out DP steps per method (the target: median <= 10%, max <= 25% for each):", "",
-                "| method | points | median abs. error | max abs. error |", "|---|---|---|---|"]
-        for name, errs in sorted(per.items(), key=lambda kv: -statistics.median(kv[1])):
-            out.append(f"| {name} | {len(errs)} | {100 * statistics.median(errs):.1f}% | {100 * max(errs):.1f}% |")
-    out += ["", "Held out: collectives at 300 Mbit/s; every DP step outside benchmarks/results/benchmarks; every "
-            "training step at 100 Mbit/s (predicted from the same run's 1 Gbit/s step); every local-step run "
-            "(predicted from DiLoCo H=50's step at the same rate). The 1-bit family's measured step is the median of its "
-            "iterations after the full-precision warm-up (the first fifth), the steady state the model and the "
-            "record's bytes describe; every other method's, of all its iterations but the first two.", ""]
-    if notes:
-        out += ["Not modelled (left out of the table): " + "; ".join(notes) + ".", ""]
-    out += ["## Every point", "", "| kind | point | fitted / held out | measured s | predicted s | error |",
-            "|---|---|---|---|---|---|"]
-    for r in v.rows:
-        out.append(f"| {r.kind} | {r.point} | {'held out' if r.held_out else 'fitted'} | {r.measured_s:.4f} | "
-                   f"{r.predicted_s:.4f} | {100 * r.rel_err:+.1f}% |")
-    return "\n".join(out) + "\n"
-
-
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="?", help="JSON written by benchmarks/bench_report.py")
@@ -432,12 +196,12 @@ def main(argv=None) -> None:
     ap.add_argument("--tflops", type=float, default=400.0, help="ASSUMED achieved TFLOP/s per GPU")
     a = ap.parse_args(argv)
     if a.validate_all:
-        model, o, kappa, v, notes = validate_all(a.validate_all)
+        model, o, kappa, v, notes, extra = validate_all(a.validate_all)
         out = Path(a.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         bench = json.loads((Path(a.validate_all) / "benchmarks" / "results.json").read_text())
         mach = benchmark_machine(bench["ddp"], float(bench["codec_throughput"]["memcpy"]["encode_Bps"]))
-        (out / "calibration.md").write_text(validation_markdown(model, o, kappa, v, notes, mach))
+        (out / "calibration.md").write_text(validation_markdown(model, o, kappa, v, notes, mach, extra))
         (out / "calibration.json").write_text(json.dumps({
             "overlap": o, "contention": kappa, "links": model.links,
             "rows": [dict(kind=r.kind, point=r.point, held_out=r.held_out, measured_s=r.measured_s,

@@ -102,15 +102,3 @@ def test_markdown_and_cli(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "ASSUME" in r.stdout and "### Fitted parameters" in out.read_text()
-
-
-@pytest.mark.slow
-def test_validate_all_on_the_stored_measurements():
-    model, o, kappa, v, notes = pm.validate_all(pm.Path(__file__).resolve().parent.parent / "benchmarks" / "results")
-    kinds = {(r.kind, r.held_out) for r in v.rows}
-    assert {("collective", False), ("collective", True), ("ddp", False), ("ddp", True), ("train", True),
-            ("local_steps", True)} <= kinds
-    assert all(0.0 <= x <= 1.0 for x in o) and kappa >= 0.0  # (torch DDP, megacomp) overlap shares
-    assert all("300mbit" in r.point for r in v.rows if r.kind == "collective" and r.held_out)
-    text = pm.validation_markdown(model, o, kappa, v, notes)
-    assert text.count("| held out |") == sum(r.held_out for r in v.rows)

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from benchmarks import perf_model as pm
+from benchmarks import step_validation as sv
 from megacomp.plan import cpu_work as cw, shaped_steps as ss
 from megacomp.plan.workload import ModelSpec
 
@@ -74,9 +75,9 @@ def test_benchmark_gpt_shapes_and_method_work():
     assert ss.method_work("megacomp_onebit_adam_in_step", shapes) == cw.onebit_work(numel)
     assert ss.method_work("ddp_fp32", shapes) == cw.Work()
     # the record check: a GPT the worker did not build is refused in one line
-    assert pm.benchmark_gpt({"method": "x", "layers": 4, "hidden": 256, "world": 2, "params": 3_438_080}) == GPT
+    assert sv.benchmark_gpt({"method": "x", "layers": 4, "hidden": 256, "world": 2, "params": 3_438_080}) == GPT
     with pytest.raises(ValueError, match="benchmark_gpt"):
-        pm.benchmark_gpt({"method": "x", "layers": 4, "hidden": 256, "world": 2, "params": 1})
+        sv.benchmark_gpt({"method": "x", "layers": 4, "hidden": 256, "world": 2, "params": 1})
 
 
 def test_work_adds_to_the_step_and_zero1_reduces_in_backward():
@@ -91,5 +92,5 @@ def test_onebit_steps_are_measured_after_the_warm_up():
     # 20 iterations: the worker's freeze_step is 20 // 5 = 4, so iterations 4.. are the steady state
     every = [9.0] * 4 + [1.0] * 9 + [2.0] * 7
     rec = {"method": "megacomp_onebit_adam", "all_times_s": every, "times_s": every[2:]}
-    assert pm.measured_step(rec) == 1.0  # median of 9 ones and 7 twos
-    assert pm.measured_step({**rec, "method": "ddp_fp32"}) == 1.5  # all but the first two, as recorded
+    assert sv.measured_step(rec) == 1.0  # median of 9 ones and 7 twos
+    assert sv.measured_step({**rec, "method": "ddp_fp32"}) == 1.5  # all but the first two, as recorded

@@ -55,3 +55,10 @@ def test_each_engine_has_its_own_overlap():
                                                                                           floor, 0.2)
     assert ss.predict_step(LINK, [mc_ph], RATE, 2, floor, (0.2, 0.9)) == ss.predict_step(LINK, [mc_ph], RATE, 2,
                                                                                        floor, 0.9)
+
+
+def test_torch_zero_broadcasts_hold_the_link_for_the_whole_model():
+    """torch's ZeroRedundancyOptimizer broadcasts each rank's shard in turn: its phase is timed on S, not (p-1)/p S."""
+    n = 1_000_000
+    phases = ss.method_phases("zero_redundancy", n, 2, 25 * 2 ** 20)
+    assert [(p.op, p.wire_bytes, p.window) for p in phases][1] == ("broadcast", 4.0 * n, "after_backward")

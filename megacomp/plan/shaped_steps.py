@@ -2,7 +2,7 @@
 plan's schedules are checked against measurements: megacomp.plan.estimate's overlap rules with the fitted link
 (megacomp.plan.calibration) and the measured no-communication step as the compute.
 
-  T_step = T_floor + exposed(schedule) + kappa x T_codec + T_work
+  T_step = T_floor + exposed(schedule) + kappa x T_codec + T_work + T_extra
   exposed: after_backward   T_comm                                    (PowerSGD, run in the hook or after backward;
                                                                        1-bit Adam in step(); ZeRO-1's all-gather;
                                                                        torch ZeRO's broadcast)
@@ -14,7 +14,7 @@ plan's schedules are checked against measurements: megacomp.plan.estimate's over
            in_step          max(0, T_comm - T_floor)                   (ACCO and DPU: the next step's compute)
   T_comm = calls x alpha + pipeline(wire bytes / (eta B), codec time) per phase, wire bytes from
            megacomp.plan.wire (the codecs) unless the method's bytes come from elsewhere (PowerSGD's low-rank
-           factors, 0/1 Adam's skipped rounds: the measured bytes per step)
+           factors, 0/1 Adam's skipped rounds: the measured bytes per step, 0/1 Adam's codec on that share)
   kappa    codec work that runs while the model computes (an exchange in backward, forward or the next step)
            competes with it for the machine's two cores (fitted); an exchange after backward has nothing to
            compete with, its codec time is in its T_comm
@@ -24,6 +24,11 @@ plan's schedules are checked against measurements: megacomp.plan.estimate's over
   T_work   the method's CPU work on the critical path besides its codecs (megacomp.plan.cpu_work: PowerSGD's
            products and passes, Accordion's norm sums, the 1-bit family's momentum forming, 1-bit LAMB's longer
            step), on the run's Machine; nothing fitted
+  T_extra  the method's CPU cost that T_work's operation counts miss (Python and dispatch overhead per tensor,
+           finiteness checks whose kernel runs far below the memory rate, allocation, ACCO's two half-batch passes):
+           measured, per parameter, on an unshaped link (benchmarks/results/plan/unshaped, 10 Gbit/s: the method's step
+           minus the step this model predicts there, median over seeds) and scaled by the parameter count; the
+           shaped-link points it is then checked on are never used
   Machine  the session that measured the codecs (benchmarks/results/benchmarks): F = the benchmark GPT's forward +
            backward FLOPs per step / its no-communication step; B = twice its measured memcpy rate (a copy reads
            and writes). Every run uses these, as it uses the codec throughputs measured there: the floors of one
@@ -58,7 +63,7 @@ class Phase:
     codec: str
     """Calibration codec name (``none``, ``int4``, ``int8``, ``bf16``...)."""
     wire_bytes: float
-    """Bytes one rank sends."""
+    """Bytes one rank sends (torch ZeRO's broadcasts: the bytes their sequence holds the link for)."""
     codec_bytes: float
     """fp32 bytes the codec encodes (0 for an uncompressed phase)."""
     calls: int
@@ -87,11 +92,22 @@ def _phases(method: str, params: int, world: int, bucket_bytes: float, measured_
         return [Phase("all_reduce", "none", wire.all_reduce_bytes("none", n, world, torch.bfloat16), 0,
                       buckets, "in_backward")]
     if method == "zero_redundancy":
+        # torch's ZeroRedundancyOptimizer broadcasts each rank's updated shard from that rank, one rank after
+        # another: a rank sends (p - 1) / p S, but the p broadcasts of S / p hold the link for S / B in all (the
+        # calibration run: 2.38 s at 100 Mbit/s, 1.85 s predicted with (p - 1) / p S), so the phase is timed on S
         return [Phase("all_reduce", "none", wire.all_reduce_bytes("none", n, world), 0, buckets, "in_backward"),
-                Phase("broadcast", "none", (world - 1) / world * S, 0, world, "after_backward")]
+                Phase("broadcast", "none", S, 0, world, "after_backward")]
     if method.startswith("megacomp_hook_int4"):
         return [Phase("all_reduce", INT4, wire.all_reduce_bytes(int4, n, world), S, buckets, "in_backward")]
-    if method.startswith(("ddp_powersgd", "megacomp_powersgd", "megacomp_accordion", "megacomp_zero_one_adam")):
+    if method.startswith("megacomp_zero_one_adam"):
+        if measured_bytes is None:
+            return None
+        # 1-bit Adam's sign exchange on the share of steps that synchronise (its local steps skip it): the codec
+        # encodes that share of the momentum, the wire carries the measured bytes
+        sign = {"name": "sign", "block_size": 0}
+        share = measured_bytes / wire.all_reduce_bytes(sign, n, world)
+        return [Phase("all_reduce", "sign", measured_bytes, share * S, buckets, "after_backward")]
+    if method.startswith(("ddp_powersgd", "megacomp_powersgd", "megacomp_accordion")):
         if measured_bytes is None:
             return None
         # torch's hook: one bucket, three all-reduces (P, Q, the rest); megacomp's: three per bucket, each finished
@@ -150,30 +166,33 @@ def method_work(method: str, shapes) -> Work:
     return Work()
 
 
-def phase_seconds(model: Model, phase: Phase, rate_Bps: float, world: int) -> tuple[float, float]:
-    """(communication seconds, codec seconds) of one phase with the fitted link and codecs."""
+def phase_seconds(model: Model, phase: Phase, rate_Bps: float, world: int, stage_s: float = 0.0) -> tuple[float, float]:
+    """(communication seconds, codec seconds) of one phase with the fitted link and codecs; ``stage_s``: more
+    seconds in its codec stage (pipelined with the wire, not counted in the codec seconds returned)."""
     op = "all_reduce" if phase.op == "broadcast" else phase.op
     alpha, eta = model.link(op if phase.codec == "none" else "all_reduce")
     t_wire = phase.wire_bytes / (eta * rate_Bps)
     t_codec = _codec_time(model, op, phase.codec, phase.codec_bytes, world) if phase.codec_bytes else 0.0
     segments = math.ceil(phase.codec_bytes / 4 / model.segment_elems) if phase.codec_bytes else 1
-    return phase.calls * alpha + pipeline(t_wire, t_codec, segments), t_codec
+    return phase.calls * alpha + pipeline(t_wire, t_codec + stage_s, segments), t_codec
 
 
 _WINDOWS = (("after_backward", 0.0), ("in_backward", 2.0 / 3.0), ("in_forward", 1.0 / 3.0), ("in_step", 1.0))
 
 
 def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: float, overlap=1.0,
-                 contention: float = 0.0, work_s: float = 0.0) -> float:
+                 contention: float = 0.0, work_s: float = 0.0, stage_s: float = 0.0) -> float:
     """T_step of the module docstring; ``overlap``: o for both engines, or (o_torch, o_megacomp); ``work_s``: T_work
-    in seconds (Work.seconds on the Machine)."""
+    (and a serial T_extra) in seconds; ``stage_s``: a T_extra that runs in the codec stage of the compressed phases
+    (:func:`extra_in_codec_stage`), shared among them by the bytes they encode."""
     o_of = dict(zip(("torch", "megacomp"), overlap if isinstance(overlap, tuple) else (overlap, overlap)))
     windows = dict(_WINDOWS)
     by_window: dict = {}
     codec_s = 0.0
     last_bucket = 0.0
+    coded = sum(ph.codec_bytes for ph in phases)
     for ph in phases:
-        t, tc = phase_seconds(model, ph, rate_Bps, world)
+        t, tc = phase_seconds(model, ph, rate_Bps, world, stage_s * ph.codec_bytes / coded if coded else 0.0)
         key = (ph.window, ph.engine)
         by_window[key] = by_window.get(key, 0.0) + t
         if ph.window != "after_backward":  # contention: only codec work that runs while the model computes
@@ -185,6 +204,14 @@ def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: flo
         hidden = (o_of[engine] if w == "in_backward" else 1.0) * windows[w] * floor_s
         exposed += max(last_bucket if w == "in_backward" else 0.0, t - hidden)
     return floor_s + exposed + contention * codec_s + work_s
+
+
+def extra_in_codec_stage(method: str) -> bool:
+    """Whether a method's T_extra runs in its exchange's codec stage, beside the wire, rather than on the step's
+    critical path: the 1-bit family's exchange encodes every segment with worker and server error feedback (an
+    encode, a decode for the residual, a finiteness check and a blend, each side) inside megacomp's pipelined
+    collective, so its cost beyond the bare sign codec overlaps the transfer of the other segments."""
+    return method.startswith(("megacomp_onebit_", "megacomp_zero_one_adam"))
 
 
 def fit_overlap_contention(model: Model, points) -> tuple[tuple[float, float], float]:
