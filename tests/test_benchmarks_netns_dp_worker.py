@@ -11,7 +11,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("method", ["megacomp_accordion", "megacomp_acco_int4_loco_int8"])
 def test_worker_runs_each_method_on_its_own_path(method):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
