@@ -28,7 +28,9 @@ plan's schedules are checked against measurements: megacomp.plan.estimate's over
            finiteness checks whose kernel runs far below the memory rate, allocation, ACCO's two half-batch passes):
            measured, per parameter, on an unshaped link (benchmarks/results/plan/unshaped, 10 Gbit/s: the method's step
            minus the step this model predicts there, median over seeds) and scaled by the parameter count; the
-           shaped-link points it is then checked on are never used
+           shaped-link points it is then checked on are never used. It adds to the critical path, except for the
+           1-bit family (:func:`extra_in_codec_stage`), where it joins the codec stage inside pipeline() and so
+           hides behind a slower wire
   Machine  the session that measured the codecs (benchmarks/results/benchmarks): F = the benchmark GPT's forward +
            backward FLOPs per step / its no-communication step; B = twice its measured memcpy rate (a copy reads
            and writes). Every run uses these, as it uses the codec throughputs measured there: the floors of one
