@@ -89,7 +89,6 @@ def _ddp_records(model: Model, records: list, source: str, mach: ss.Machine | No
             work = ss.method_work(d["method"], benchmark_gpt(d).parameter_shapes())
             work_s = work.seconds(mach.flop_rate, mach.memory_Bps)
         per_param, stage = (extra or {}).get(_key(d), (0.0, False))
-        stage = stage and any(ph.codec_bytes for ph in phases)  # no compressed phase: nowhere but the critical path
         work_s += 0.0 if stage else per_param * d["params"]
         seed = f" seed {d['seed']}" if "seed" in d else ""
         label = f"{source}: {d['method']} {d['params'] / 1e6:.2f}M p{d['world']} @{d['rate']}{seed}"
@@ -124,12 +123,12 @@ def unmodelled_work(model: Model, overlap, contention: float, records: list, mac
     (``records``): the extra that makes the predicted step the measured one (serial: their difference; in the codec
     stage: found by bisection, the predicted step being nondecreasing in it), divided by the parameters, the median
     over seeds."""
-    per: dict[str, list[float]] = {}
+    per: dict[tuple[str, bool], list[tuple[float, bool]]] = {}
     for d, (_, phases, rate, world, floor, tm, work_s, _) in _ddp_records(model, records, "unshaped", mach, None):
         def step(stage_s: float) -> float:
             return ss.predict_step(model, phases, rate, world, floor, overlap, contention, work_s, stage_s)
         extra = tm - step(0.0)
-        in_stage = ss.extra_in_codec_stage(d["method"]) and any(ph.codec_bytes for ph in phases)
+        in_stage = ss.extra_in_codec_stage(d["method"])
         if in_stage and extra > 0:
             lo, hi = 0.0, 10.0 * extra + 1.0
             for _ in range(100):
@@ -258,7 +257,7 @@ modelled method, and the 1-bit family again with subnormals flushed (``QUIET + "
 
 
 def _per_method(rows) -> list[str]:
-    per: dict[str, list[float]] = {}
+    per: dict[tuple[str, bool], list[tuple[float, bool]]] = {}
     for r in rows:
         name = r.point.split(": ", 1)[1].split(" ")[0]
         flushed = r.point.split(": ", 1)[0].split("/")[0].endswith("_flush")

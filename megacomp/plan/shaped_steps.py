@@ -88,6 +88,7 @@ def _phases(method: str, params: int, world: int, bucket_bytes: float, measured_
     shard = math.ceil(n / world)
     int4 = {"name": "int4", "block_size": 128}
     int8p = {"name": "int8", "block_size": 256}
+    sign = {"name": "sign", "block_size": 0}
     if method == "ddp_fp32":
         return [Phase("all_reduce", "none", wire.all_reduce_bytes("none", n, world), 0, buckets, "in_backward")]
     if method in ("ddp_fp16_hook", "ddp_bf16_hook"):
@@ -106,7 +107,6 @@ def _phases(method: str, params: int, world: int, bucket_bytes: float, measured_
             return None
         # 1-bit Adam's sign exchange on the share of steps that synchronise (its local steps skip it): the codec
         # encodes that share of the momentum, the wire carries the measured bytes
-        sign = {"name": "sign", "block_size": 0}
         share = measured_bytes / wire.all_reduce_bytes(sign, n, world)
         return [Phase("all_reduce", "sign", measured_bytes, share * S, buckets, "after_backward")]
     if method.startswith(("ddp_powersgd", "megacomp_powersgd", "megacomp_accordion")):
@@ -117,7 +117,6 @@ def _phases(method: str, params: int, world: int, bucket_bytes: float, measured_
         calls = 3 * buckets if method.startswith(("megacomp_powersgd", "megacomp_accordion")) else 3
         return [Phase("all_reduce", "none", measured_bytes, 0, calls, "after_backward")]
     if method.startswith(("megacomp_onebit_adam", "megacomp_onebit_lamb")):
-        sign = {"name": "sign", "block_size": 0}
         where = "after_backward" if "in_step" in method else "in_backward"
         return [Phase("all_reduce", "sign", wire.all_reduce_bytes(sign, n, world), S, buckets, where)]
     if "_int4_loco_int8" in method:  # the sharded optimizer: reduce-scatter int4, all-gather int8
@@ -186,7 +185,8 @@ def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: flo
                  contention: float = 0.0, work_s: float = 0.0, stage_s: float = 0.0) -> float:
     """T_step of the module docstring; ``overlap``: o for both engines, or (o_torch, o_megacomp); ``work_s``: T_work
     (and a serial T_extra) in seconds; ``stage_s``: a T_extra that runs in the codec stage of the compressed phases
-    (:func:`extra_in_codec_stage`), shared among them by the bytes they encode."""
+    (:func:`extra_in_codec_stage`), shared among them by the bytes they encode (on the critical path when no phase
+    is compressed)."""
     o_of = dict(zip(("torch", "megacomp"), overlap if isinstance(overlap, tuple) else (overlap, overlap)))
     windows = dict(_WINDOWS)
     by_window: dict = {}
@@ -205,7 +205,7 @@ def predict_step(model: Model, phases, rate_Bps: float, world: int, floor_s: flo
     for (w, engine), t in by_window.items():
         hidden = (o_of[engine] if w == "in_backward" else 1.0) * windows[w] * floor_s
         exposed += max(last_bucket if w == "in_backward" else 0.0, t - hidden)
-    return floor_s + exposed + contention * codec_s + work_s
+    return floor_s + exposed + contention * codec_s + work_s + (0.0 if coded else stage_s)
 
 
 def extra_in_codec_stage(method: str) -> bool:
@@ -218,7 +218,7 @@ def extra_in_codec_stage(method: str) -> bool:
 
 def fit_overlap_contention(model: Model, points) -> tuple[tuple[float, float], float]:
     """((o_torch, o_megacomp), kappa) minimising the squared relative error over ``points`` = [(phases, rate,
-    world, floor, measured[, work seconds])] on a grid (o in [0, 1] by 0.04, kappa in [0, 10] by 0.5).
+    world, floor, measured[, work seconds[, codec-stage seconds]])] on a grid (o in [0, 1] by 0.04, kappa in [0, 10] by 0.5).
     An engine with no point in backward keeps o = 1 (nothing to fit it on)."""
     engines = {ph.engine for phases, *_ in points for ph in phases if ph.window == "in_backward"}
     grid = np.linspace(0.0, 1.0, 26)
