@@ -263,3 +263,36 @@ def test_powersgd_state_follows_its_parameters_into_other_buckets():
     the saved layout would (state and parameters), and leaves state under the new layout's keys only."""
     for q_moved, e_moved, only_current, as_ref, matrices in run_ranks(_powersgd_other_cap_body, 2):
         assert matrices >= 2 and q_moved and e_moved and only_current and as_ref
+
+
+FINISH_THEN_EXIT = r"""
+import time, torch, torch.distributed as dist
+from megacomp.optimizer.ddp_hook import _finish_in_thread
+dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+buf = torch.ones(8)
+fut = torch.futures.Future()
+def busy(f):  # keeps the finishing thread inside torch's future code, taking the GIL back every millisecond
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        time.sleep(0.001)
+    return f.value()
+fut.then(busy)
+_finish_in_thread(dist.all_reduce(buf, async_op=True), buf, fut, 0)
+fut.wait()
+dist.destroy_process_group()
+"""
+
+
+def test_a_process_exits_cleanly_while_a_bucket_thread_finishes(tmp_path):
+    """The hook's finishing thread may still be in torch's C++ future code when the main thread (woken by the
+    completed future) reaches interpreter shutdown; that must wait for it, not abort ("terminate called without
+    an active exception", exit -6, as a daemon thread did)."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    res = subprocess.run([sys.executable, "-c", FINISH_THEN_EXIT.format(store=tmp_path / "store")], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, f"exit status {res.returncode}: {res.stderr[-2000:]}"

@@ -379,8 +379,7 @@ def _reduce(state: CompressedHookState, buf: torch.Tensor, key: str, shapes: lis
     if work is None or state.channel.adaptive:
         fut.set_result(buf)
     elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex, buf.device)):
-        threading.Thread(target=_finish, args=([work], buf, fut), daemon=True,
-                         name=f"megacomp-ddp-bucket{index}").start()
+        _finish_in_thread(work, buf, fut, index)
     else:
         _finish([work], buf, fut)
     return fut
@@ -462,6 +461,14 @@ def _drop(channel, ef, keys: set) -> None:
     for table in _matrix_tables(channel):
         for k in [k for k in table if k.startswith(prefixes)]:
             del table[k]
+
+
+def _finish_in_thread(work, buf: torch.Tensor, fut: torch.futures.Future, index: int) -> None:
+    """Run :func:`_finish` in a thread of its own. Not a daemon: completing the future wakes DDP's main thread
+    before this thread has left torch's C++ future code (its callbacks, then taking the GIL back), and a daemon
+    thread still there when the interpreter shuts down is ended by a forced unwind that aborts the process
+    ("terminate called without an active exception"). Python joins a non-daemon thread before shutting down."""
+    threading.Thread(target=_finish, args=([work], buf, fut), name=f"megacomp-ddp-bucket{index}").start()
 
 
 def _finish(box: list, buf: torch.Tensor, fut: torch.futures.Future) -> None:
