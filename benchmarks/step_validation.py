@@ -12,6 +12,7 @@ predicted at 100 Mbit/s from their 1 Gbit/s step; local-step runs predicted from
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -23,9 +24,10 @@ from megacomp.plan.workload import ModelSpec
 
 
 def _floor(records: list, d: dict) -> float | None:
-    """Median no-communication step of ``d``'s file, rate, model size (and seed, when the file has seeds)."""
+    """Median no-communication step of ``d``'s file, rate, model size, subnormal setting (the floor's arithmetic
+    must be the run's: flushing changes the compute time) and seed, when the file has seeds."""
     same = [f for f in records if f["method"] == "no_communication" and f["rate"] == d["rate"]
-            and f["params"] == d["params"] and f.get("seed") == d.get("seed")]
+            and f["params"] == d["params"] and f.get("seed") == d.get("seed") and _key(f)[1] == _key(d)[1]]
     times = [t for f in same for t in f["times_s"]]
     return statistics.median(times) if times else None
 
@@ -88,6 +90,9 @@ def _ddp_records(model: Model, records: list, source: str, mach: ss.Machine | No
         if mach is not None:
             work = ss.method_work(d["method"], benchmark_gpt(d).parameter_shapes())
             work_s = work.seconds(mach.flop_rate, mach.memory_Bps)
+        if extra and _key(d) not in extra:  # a missing T_extra would predict the step without it, unsaid
+            raise KeyError(f"no unshaped-link run of {d['method']} with flush_denormal={_key(d)[1]} to take its "
+                           f"T_extra from: run netns_bench ddp --rates 10gbit with it into {UNSHAPED[1].parent}")
         per_param, stage = (extra or {}).get(_key(d), (0.0, False))
         work_s += 0.0 if stage else per_param * d["params"]
         seed = f" seed {d['seed']}" if "seed" in d else ""
@@ -107,9 +112,19 @@ def floor_note(phases, rate_Bps: float, floor_s: float, measured_s: float) -> st
             f"nominal rate, {bound:.4f} s")
 
 
+def shared_floor_notes(points: list) -> list:
+    """The rows of one study (``points``: (floor seconds, Row)), each flagged whose floor is that of a flagged row
+    (:func:`floor_note`): one launch's no-communication step is the floor of every method at its rate and seed, so
+    a floor shown slowed by one of them is wrong for all of them."""
+    bad = {floor: row.point for floor, row in points if row.note}
+    return [row if row.note or floor not in bad else
+            dataclasses.replace(row, note=f"inconsistent floor: shared with {bad[floor].split(': ', 1)[1]}")
+            for floor, row in points]
+
+
 UNSHAPED = (Path("plan") / "unshaped" / "ddp.json", Path("plan") / "unshaped_flush" / "ddp.json")
-"""The runs of every modelled method on an unshaped link (10 Gbit/s), under the results folder; the second, the
-1-bit family's with subnormal floats flushed (netns_bench --flush-denormal)."""
+"""The runs of every modelled method on an unshaped link (10 Gbit/s), under the results folder: with subnormal floats
+as they come, and flushed (netns_bench --flush-denormal)."""
 
 
 def _key(d: dict) -> tuple[str, bool]:
@@ -175,10 +190,11 @@ def validate_all(results_dir: str | Path) -> tuple[Model, float, float, Validati
         if data.get("workload") not in ("ddp", "profile"):
             continue
         recs = data["records"]
-        for label, phases, rate, world, floor, tm, work_s, stage_s in _ddp_points(
-                model, recs, f"{f.parent.name}/{f.stem}", mach, extra):
-            rows.append(Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa, work_s,
-                                                              stage_s), True, floor_note(phases, rate, floor, tm)))
+        points = list(_ddp_points(model, recs, f"{f.parent.name}/{f.stem}", mach, extra))
+        rows += shared_floor_notes([
+            (floor, Row("ddp", label, tm, ss.predict_step(model, phases, rate, world, floor, o, kappa, work_s,
+                                                          stage_s), True, floor_note(phases, rate, floor, tm)))
+            for label, phases, rate, world, floor, tm, work_s, stage_s in points])
         skipped = sorted({d["method"] for d in recs if d["method"] != "no_communication"
                           and ss.method_phases(d["method"], d["params"], d["world"], 2 * MiB,
                                                d.get("wire_bytes_per_step")) is None})
@@ -253,7 +269,7 @@ def _local_step_rows(model: Model, root: Path, overlap: float):
 
 QUIET = "netns_plan_heldout"
 """The held-out studies measured for this validation on an otherwise idle machine, 3 seeds (their own summary): every
-modelled method, and the 1-bit family again with subnormals flushed (``QUIET + "_flush"``)."""
+modelled method with subnormal floats as they come, and again flushed (``QUIET + "_flush"``)."""
 
 
 def _per_method(rows) -> list[str]:
@@ -313,8 +329,8 @@ def validation_markdown(model: Model, o: float, kappa: float, v: Validation, not
     odd = [r for r in v.rows if r.note]
     quiet = [r for r in held if r.point.startswith(QUIET)]
     if quiet:
-        out += ["", f"Held-out DP steps of {QUIET} and {QUIET}_flush (every modelled method, and the 1-bit family with "
-                "subnormals flushed; 3 seeds, 100 Mbit/s and 1 Gbit/s, 25 MB buckets, measured for this validation "
+        out += ["", f"Held-out DP steps of {QUIET} and {QUIET}_flush (every modelled method, with subnormal floats as "
+                "they come and flushed; 3 seeds, 100 Mbit/s and 1 Gbit/s, 25 MB buckets, measured for this validation "
                 "with nothing else running) per method (the target: median <= 10%, max <= 25% "
                 "for each):", ""] + _per_method(quiet)
     if held:

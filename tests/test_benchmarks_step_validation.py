@@ -58,3 +58,25 @@ def test_unmodelled_work_is_the_step_the_model_misses_per_parameter():
     assert stage_s == pytest.approx(6e-8 * params, rel=1e-6)
     assert (ss.predict_step(model, phases, rate, world, fl, (0.5, 0.5), 1.0, work_s, stage_s)
             - ss.predict_step(model, phases, rate, world, fl, (0.5, 0.5), 1.0, work_s)) < stage_s
+    # a run whose T_extra was never measured (here: subnormals flushed, only unflushed runs measured) is an error,
+    # not a prediction without it
+    with pytest.raises(KeyError, match="no unshaped-link run of megacomp_onebit_adam_in_step with flush_denormal=True"):
+        list(sv._ddp_records(model, [recs[0] | {"flush_denormal": True}, recs[2] | {"flush_denormal": True}], "t",
+                             mach, got))
+
+
+def test_a_floor_is_taken_with_the_same_subnormal_setting_and_a_bad_floor_flags_every_run_on_it():
+    """The no-communication floor of a run comes from the launch with its own subnormal setting (flushing changes
+    the compute time); a floor one run shows to be slowed (its step below floor + unhidden transfer) is flagged for
+    every run that shares it, and for no other."""
+    base = dict(rate="1gbit", params=10, seed=1, method="no_communication")
+    recs = [base | {"times_s": [0.10] * 3}, base | {"times_s": [0.14] * 3, "flush_denormal": True}]
+    run = {"method": "ddp_fp32", "rate": "1gbit", "params": 10, "seed": 1}
+    assert sv._floor(recs, run) == 0.10
+    assert sv._floor(recs, run | {"flush_denormal": True}) == 0.14
+    rows = [(0.14, sv.Row("ddp", "s: a @1gbit seed 1", 0.2, 0.3, True)),
+            (0.14, sv.Row("ddp", "s: b @1gbit seed 1", 0.1, 0.2, True, "inconsistent floor: the step ...")),
+            (0.10, sv.Row("ddp", "s: a @1gbit seed 2", 0.2, 0.2, True))]
+    got = sv.shared_floor_notes(rows)
+    assert got[0].note == "inconsistent floor: shared with b @1gbit seed 1"
+    assert got[1].note == "inconsistent floor: the step ..." and got[2].note == ""
