@@ -92,7 +92,7 @@ def _ddp_records(model: Model, records: list, source: str, mach: ss.Machine | No
             work_s = work.seconds(mach.flop_rate, mach.memory_Bps)
         if extra and _key(d) not in extra:  # a missing T_extra would predict the step without it, unsaid
             raise KeyError(f"no unshaped-link run of {d['method']} with flush_denormal={_key(d)[1]} to take its "
-                           f"T_extra from: run netns_bench ddp --rates 10gbit with it into {UNSHAPED[1].parent}")
+                           f"T_extra from: run netns_bench ddp --rates 10gbit with it into {UNSHAPED[_key(d)[1]].parent}")
         per_param, stage = (extra or {}).get(_key(d), (0.0, False))
         work_s += 0.0 if stage else per_param * d["params"]
         seed = f" seed {d['seed']}" if "seed" in d else ""
