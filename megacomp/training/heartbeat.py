@@ -30,6 +30,7 @@ that) or, in :meth:`diagnose`, for three intervals after a collective already fa
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -108,22 +109,31 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="megacomp-heartbeat", daemon=True)
 
     def start(self) -> "Heartbeat":
-        """Write the first beat and start the thread; returns self."""
+        """Write the first beat and start the thread; returns self. Until :meth:`stop`, an exit handler stops the
+        thread before the interpreter shuts down: a daemon thread still inside a store request then would be ended
+        by a forced unwind through torch's C++ code, which aborts the process ("terminate called without an active
+        exception") instead of exiting with its status."""
         self._beat()
         self._thread.start()
+        atexit.register(self._halt)
         return self
 
     def stop(self, exit_status: Optional[int] = 0) -> None:
         """Stop the thread and write a last beat with ``exit_status``, so no peer takes this rank for lost
         (call it before the process groups close). Never raises: the store may be gone already."""
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=self.interval + 1.0)
+        atexit.unregister(self._halt)
+        self._halt()
         if self.store_failed_at is None:
             try:
                 self._beat(exit_status=exit_status)
             except Exception:  # noqa: BLE001 - the store went away with its host: nobody is left to read it
                 pass
+
+    def _halt(self) -> None:
+        """End the thread (waiting at most one interval and a second for a store request in flight)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.interval + 1.0)
 
     # -- the thread ---------------------------------------------------------------------------------------
     def _beat(self, exit_status: Optional[int] = None) -> None:
