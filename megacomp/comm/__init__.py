@@ -6,6 +6,8 @@ Two ways in:
 - :class:`LowRankChannel`: the same for a PowerSGD path (low-rank factors instead of a codec);
 - :class:`AccordionChannel`: a path switched between two compression levels by Accordion's rule;
 - :class:`LearnedChannel`: the same for learned gradient compression (an autoencoder per bucket, LGC);
+- :class:`HierarchicalChannel`: a path over a group that spans nodes (a ``HierarchicalGroup``): a codec and error
+  feedback per hop, so the slow link carries each node's bytes once;
 - :func:`make_channel`: the one factory that picks among the three from a path's setting (a codec, PowerSGD
   or Accordion settings) and applies the "PowerSGD keeps its own error feedback" rule;
 - the free functions, with the names and arguments of torch.distributed plus keyword-only ``codec=``
@@ -20,6 +22,8 @@ from .common import CompressedWork, all_gather_base, comm_device
 from .channel import Channel
 from .collectives import server_numel
 from .low_rank_channel import LowRankChannel
+from .hierarchical import HierarchicalChannel
+from .hop_groups import HierarchicalGroup, Hop, HopCodecs, hop_codecs, make_hop_codecs, new_hierarchical_group
 from .accordion_channel import AccordionChannel
 from .learned_channel import LearnedChannel
 from .factory import AnyChannel, make_channel
@@ -30,7 +34,8 @@ from .stats import StatsTable, WireStats, reset_stats, stats
 from .transport import use_duplex
 
 __all__ = [
-    "AccordionChannel", "AnyChannel", "LearnedChannel", "Channel", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
+    "AccordionChannel", "AnyChannel", "LearnedChannel", "Channel", "HierarchicalChannel", "HierarchicalGroup", "Hop",
+    "HopCodecs", "hop_codecs", "make_hop_codecs", "new_hierarchical_group", "CommOptions", "CompressedWork", "LowRankChannel", "ReduceOp", "StatsTable", "WireStats", "all_gather_base",
     "all_gather_into_tensor", "all_reduce", "all_to_all_single", "comm_device", "irecv", "isend", "make_channel", "recv",
     "reduce_scatter_tensor", "reset_stats", "send", "server_numel", "stats", "use_duplex",
 ]

@@ -7,6 +7,9 @@
   Accordion settings (``{name: accordion, low: ..., high: ...}``)              -> :class:`AccordionChannel`
   LGC settings (``{name: lgc, latent: 32, chunk: 512}``)                       -> :class:`LearnedChannel`
 
+and, over a megacomp.comm.hop_groups.HierarchicalGroup, a value codec or a codec per hop ->
+:class:`HierarchicalChannel` (PowerSGD, Accordion and LGC see whole buckets: they run flat on the whole group);
+
 with the rule of megacomp.compression.compressor applied once here: PowerSGD (and Accordion over PowerSGD
 levels) keeps its own error feedback, so ``error_feedback`` must then be None; a value codec (or Accordion
 over codec levels) gets the error feedback it is given. Every config, optimizer, hook and outer loop that
@@ -29,10 +32,12 @@ from .channel import Channel
 from .low_rank_channel import LowRankChannel
 from .learned_channel import LearnedChannel
 from ..compression.learned import LGC
+from .hierarchical import HierarchicalChannel
+from .hop_groups import HierarchicalGroup, HopCodecs, is_hop_mapping
 from .options import CommOptions
 from .stats import StatsTable
 
-AnyChannel = Union[Channel, LowRankChannel, AccordionChannel, LearnedChannel]
+AnyChannel = Union[Channel, HierarchicalChannel, LowRankChannel, AccordionChannel, LearnedChannel]
 """A traffic path's channel, whichever compressor it carries."""
 
 
@@ -57,6 +62,14 @@ def make_channel(name: str, spec: Any = None, *, group=None, error_feedback: Any
     Raises:
         ValueError / TypeError: see the module docstring.
     """
+    if isinstance(group, HierarchicalGroup):
+        if isinstance(spec, HopCodecs) or is_hop_mapping(spec) or not _whole_bucket(spec):
+            return HierarchicalChannel(name, spec, group=group, error_feedback=error_feedback,
+                                       min_compress_numel=min_compress_numel, options=options, stats=stats)
+        group = group.group  # PowerSGD / Accordion / LGC see whole buckets: they run flat (their owners say so)
+    elif isinstance(spec, HopCodecs) or is_hop_mapping(spec):
+        raise ValueError(f"megacomp channel {name!r}: a codec per hop ({spec}) needs a group that crosses several link "
+                         f"kinds (a HierarchicalGroup); this group is flat: give the path one codec")
     compressor = make_compressor(spec)
     check_own_error_feedback(compressor, error_feedback, f"megacomp channel {name!r}", error_feedback_arg)
     common = dict(group=group, min_compress_numel=min_compress_numel, options=options, stats=stats)
@@ -67,3 +80,8 @@ def make_channel(name: str, spec: Any = None, *, group=None, error_feedback: Any
     if isinstance(compressor, LGC):  # learned gradient compression (megacomp.comm.learned_channel)
         return LearnedChannel(name, compressor, **common)
     return Channel(name, compressor, error_feedback=error_feedback, **common)
+
+
+def _whole_bucket(spec: Any) -> bool:
+    """Whether a setting names a compressor that must see whole buckets (PowerSGD, Accordion, LGC)."""
+    return isinstance(make_compressor(spec), (Accordion, PowerSGD, LGC))

@@ -10,6 +10,9 @@ and its stochastic-rounding stream then persist).
 Explicit state only: ``error_feedback`` is None or an ``ErrorFeedback`` object the caller owns (the
 residual lives in it, under ``ef_key``, else ``tag``, else the collective's name, plus '/worker' and
 '/server'). A spec string or config raises ValueError: nothing is kept per call site.
+``group`` may be a megacomp.comm.HierarchicalGroup (megacomp.comm.new_hierarchical_group): all_reduce,
+reduce_scatter_tensor and all_gather_into_tensor then run hop by hop (megacomp.comm.hierarchical), ``codec`` being
+the slowest hop's codec or a mapping from link kind to codec; the other calls run flat over its whole group.
 A seeded stochastic codec used here starts its stream at the seed on every call (a pure function of
 input and seed); pass ``generator=`` or use a Channel for a stream that continues.
 """
@@ -22,6 +25,8 @@ from torch.distributed import ReduceOp
 
 from ..compression import CodecLike, ErrorFeedback
 from .channel import Channel
+from .hierarchical import HierarchicalChannel
+from .hop_groups import HierarchicalGroup
 from .options import CommOptions
 
 
@@ -31,6 +36,9 @@ def _one_off(what: str, codec: CodecLike, group, error_feedback, validate: Optio
         raise ValueError(f"megacomp.comm ({what}): error_feedback must be an ErrorFeedback object that you own and "
                          f"checkpoint (e.g. ErrorFeedback('loco')), got {error_feedback!r}; state is never kept per "
                          f"call site. For traffic sent every step, build a megacomp.comm.Channel once instead")
+    if isinstance(group, HierarchicalGroup):  # a hop per link kind: the codec on the slowest, or one per hop
+        return HierarchicalChannel(what, codec, group=group, error_feedback=error_feedback,
+                                   options=CommOptions.from_env(validate=validate), generator=generator)
     return Channel(what, codec, group=group, error_feedback=error_feedback,
                    options=CommOptions.from_env(validate=validate), generator=generator)
 
