@@ -10,7 +10,8 @@ from typing import Any, Mapping, Optional
 
 import torch
 
-from .comm import AnyChannel, Channel, CommOptions, make_channel
+from .comm import AnyChannel, Channel, CommOptions, HopCodecs, hop_codecs, make_channel
+from .comm.hop_groups import is_hop_mapping, make_hop_codecs
 from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec,
                           check_own_error_feedback, make_codec, make_compressor, make_error_feedback_config,
                           parse_codec_arg)
@@ -27,6 +28,9 @@ FEATURE_PATHS = ("dp_momentum", "outer", "loqt_merge", "loqt_merge_tp", "replica
 when not set, which
 means the feature's own default (see each field); the feature builds its channel with
 ``megacomp.comm.make_channel``."""
+HOP_PATHS = ("dp_gradient", "dp_parameter")
+"""The paths that may set a codec per link kind (``{inter_node: int4, intra_node: none}``): the data-parallel
+exchanges, which run hop by hop when the DP group spans nodes with several of its ranks on each."""
 ALL_TRAFFIC_PATHS = TRAFFIC_PATHS + FEATURE_PATHS
 """Every traffic path a config can set (what a banner lists)."""
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -67,13 +71,17 @@ class CommCompressionConfig:
     pp_gradient: Optional[CodecLike] = None
     """Activation gradients sent backward between pipeline stages."""
     dp_gradient: Optional[CodecLike] = None
-    """Data-parallel gradient reduce-scatter / all-reduce: a codec, PowerSGD settings
+    """Data-parallel gradient reduce-scatter / all-reduce: a codec (on the slowest link the DP group crosses; a DP
+    group with several ranks on each of several nodes reduces inside each node first, uncompressed, then across
+    nodes with this codec: megacomp.comm.hierarchical), a codec per link kind (``{inter_node: {name: int4,
+    block_size: 128}, intra_node: bf16}``; links not named travel uncompressed), PowerSGD settings
     (``{name: powersgd, rank: 4}``; megacomp.compression.low_rank), which bring their own error feedback, or
     Accordion settings (``{name: accordion, low: ..., high: ..., eta: 0.5, interval: 10}``) switching
     between two such levels; or learned gradient compression (``{name: lgc, latent: 32, chunk: 512}``;
     megacomp.compression.learned), an autoencoder per bucket with its own error feedback."""
     dp_parameter: Optional[CodecLike] = None
-    """Data-parallel parameter all-gather after the sharded optimizer step."""
+    """Data-parallel parameter all-gather after the sharded optimizer step: a codec (on the slowest link the DP
+    group crosses, as dp_gradient) or a codec per link kind."""
     tp_backward_error_feedback: Optional[Any] = None
     """Error feedback ('ef', 'loco' or a mapping) on the tp_backward collectives, one state per layer.
     Sound only when a layer sees the same activation shape every step (it carries one step's
@@ -148,8 +156,15 @@ class CommCompressionConfig:
 
     def __post_init__(self) -> None:
         for name in TRAFFIC_PATHS:
+            spec = parse_codec_arg(getattr(self, name))
+            if isinstance(spec, HopCodecs) or is_hop_mapping(spec):
+                if name not in HOP_PATHS:
+                    raise ValueError(f"{name}: a codec per link kind applies to {' and '.join(HOP_PATHS)} (the "
+                                     f"exchanges that run hop by hop); give {name} one codec")
+                setattr(self, name, make_hop_codecs(spec, name))
+                continue
             make = make_compressor if name == "dp_gradient" else make_codec
-            setattr(self, name, make(parse_codec_arg(getattr(self, name))))
+            setattr(self, name, make(spec))
         self._check_feature_paths()
         env = CommOptions.from_env()
         if self.segment_numel is None:
@@ -171,10 +186,10 @@ class CommCompressionConfig:
         if not isinstance(self.pp_activation_delta_warmup_visits, int) or self.pp_activation_delta_warmup_visits < 1:
             raise ValueError(f"pp_activation_delta_warmup_visits must be an int >= 1 (the first visit fills AQ-SGD's "
                              f"cache), got {self.pp_activation_delta_warmup_visits!r}")
-        check_own_error_feedback(self.dp_gradient, self.dp_gradient_error_feedback, "dp_gradient",
+        check_own_error_feedback(_ef_codec(self.dp_gradient), self.dp_gradient_error_feedback, "dp_gradient",
                                  "dp_gradient_error_feedback")
         for path in _EF_PATHS:
-            check_error_feedback_codec(getattr(self, path), getattr(self, path + "_error_feedback"),
+            check_error_feedback_codec(_ef_codec(getattr(self, path)), getattr(self, path + "_error_feedback"),
                                        f"{path}_error_feedback (path {path})")
 
     def _check_feature_paths(self) -> None:
@@ -218,17 +233,31 @@ class CommCompressionConfig:
         """The transport options every channel of this config gets (validation on)."""
         return CommOptions(validate=True, duplex=self.duplex, segment_numel=self.segment_numel)
 
-    def build_channels(self, groups=None) -> "Channels":
+    def build_channels(self, groups=None, dp_hierarchy=None, dp_link: Optional[str] = None) -> "Channels":
         """One :class:`megacomp.comm.Channel` per traffic path, each owning its error-feedback state; built once
         per run (per rank: call on ``for_rank(rank)`` for per-rank seeds). ``groups``: a
         ``parallel_state.ProcessGroups`` whose tp/dp groups become the channels' default groups (None:
-        callers pass their group per call)."""
+        callers pass their group per call). ``dp_hierarchy``: the DP group's hops (a
+        megacomp.comm.HierarchicalGroup over ``groups.dp``): the DP paths then run hop by hop, the path's codec on the
+        slowest hop (or one per hop). ``dp_link``: the one link kind a flat DP group crosses, which picks a per-hop
+        setting's codec for it (None: a per-hop setting needs ``dp_hierarchy``).
+
+        Raises:
+            ValueError: a per-hop setting naming a hop the DP group does not cross, or one without ``dp_hierarchy``
+                or ``dp_link``."""
         opts = self.options()
         tp = getattr(groups, "tp", None)
-        dp = getattr(groups, "dp", None)
+        dp = getattr(groups, "dp", None) if dp_hierarchy is None else dp_hierarchy
         group_of = {"tp_forward": tp, "tp_backward": tp, "sp_all_gather": tp, "sp_reduce_scatter": tp,
                     "pp_activation": None, "pp_gradient": None, "dp_gradient": dp, "dp_parameter": dp}
-        return Channels(**{path: self.channel(path, getattr(self, path), group=group_of[path],
+        specs = {path: getattr(self, path) for path in TRAFFIC_PATHS}
+        for path in HOP_PATHS:
+            if isinstance(specs[path], HopCodecs) and dp_hierarchy is None:
+                if dp_link is None:
+                    raise ValueError(f"{path} sets a codec per link kind ({specs[path]}), but the run's topology is "
+                                     f"not known here; give {path} one codec")
+                specs[path] = hop_codecs(specs[path], (dp_link,), path)[dp_link]  # the one hop a flat group has
+        return Channels(**{path: self.channel(path, specs[path], group=group_of[path],
                                               error_feedback=getattr(self, path + "_error_feedback", None),
                                               options=opts)
                            for path in TRAFFIC_PATHS})
@@ -292,7 +321,7 @@ class CommCompressionConfig:
                     continue
             if isinstance(value, Codec):
                 value = None if value.is_identity else value.to_dict()
-            elif isinstance(value, (PowerSGD, Accordion)):
+            elif isinstance(value, (PowerSGD, Accordion, HopCodecs)):
                 value = value.to_dict()
             elif isinstance(value, UnbiasedCodec):  # LoCoDL's outer compressor
                 value = value.to_dict()
@@ -417,6 +446,14 @@ class ModelParallelConfig:
             raise ValueError(f"the tensor-parallel group has {size} ranks but config.tensor_model_parallel_size is "
                              f"{self.tensor_model_parallel_size}; make them agree")
         return tp_group
+
+
+def _ef_codec(value):
+    """The codec error feedback is checked against: a per-hop setting's slowest lossy codec (identity if none)."""
+    if isinstance(value, HopCodecs):
+        lossy = [c for _, c in value.codecs if not c.is_identity]
+        return lossy[-1] if lossy else make_codec(None)
+    return value
 
 
 def load_yaml(path: str) -> dict[str, Any]:

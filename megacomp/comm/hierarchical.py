@@ -114,6 +114,21 @@ class HierarchicalChannel(Channel):
         sits on the chunk that hop sends: 1/P of the tensor)."""
         return numel // self._faster_size()
 
+    def init_residuals(self, key: str, numel: int, all_reduce: bool = False) -> None:
+        """Zero residuals where none exist yet, per lossy hop: the slowest hop's ``key + '/worker'`` (and
+        ``'/server'`` for an all-reduce over more than two nodes) on the chunk it sends, each lossy faster hop's
+        ``key + '@<link>/worker'`` on the tensor that hop reduces."""
+        if self.error_feedback is None:
+            return
+        faster = self._faster_size()
+        size = -(-numel // faster) * faster if all_reduce else numel
+        hops = self.hierarchy.hops
+        for i, (h, ch) in enumerate(zip(hops, self._stages)):
+            last = i == len(hops) - 1
+            if not ch.codec.is_identity:
+                ch.init_residuals(self._hop_key(key, h.link, last), size, all_reduce and last)
+            size //= len(h.ranks)
+
     def _faster_size(self) -> int:
         size = 1
         for h in self.hierarchy.hops[:-1]:

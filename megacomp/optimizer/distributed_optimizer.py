@@ -426,11 +426,12 @@ class DistributedOptimizer(GradientReduction, ParamGather):
             return
         n_local = dist.get_world_size(self.hierarchy[0]) if self.hierarchy is not None else 1
         for b in self.buckets:
-            if b.compressed:  # the error lives on the input of the compressed (inter-node) reduce-scatter
+            if not b.compressed:
+                continue
+            if self.hierarchy is not None:  # the error lives on the input of the compressed (inter-node) reduce-scatter
                 self.ef.init_key(f"dp_gradient/b{b.index}/worker", (b.padded // n_local,))
-                if not self.sharded and self.world > 2:  # the all-reduce's server error on this rank's chunk
-                    self.ef.init_key(f"dp_gradient/b{b.index}/server",
-                                     (comm.server_numel(b.padded, self.world, self.rank, self.grad_channel),))
+            else:  # the channel knows where its residuals sit (per hop, for a hierarchical channel)
+                self.grad_channel.init_residuals(f"dp_gradient/b{b.index}", b.padded, all_reduce=not self.sharded)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard, under a key naming the DP rank (so torch.distributed.checkpoint keeps every

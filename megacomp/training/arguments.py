@@ -285,6 +285,15 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if c.finetune and c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
         raise ValueError("finetune with --save equal to --load would restart from weights only on every requeue: save "
                          "the fine-tuning run to its own directory (a restart then resumes from it)")
+    if p.dp_collectives not in ("auto", "flat"):
+        raise ValueError(f"dp_collectives must be auto (hop by hop where the DP group spans nodes with several ranks "
+                         f"on each) or flat, got {p.dp_collectives!r}")
+    if p.ranks_per_node < 0 or p.nodes_per_site < 0:
+        raise ValueError(f"ranks_per_node and nodes_per_site must be >= 0 (0: from the launcher / one site), got "
+                         f"{p.ranks_per_node} and {p.nodes_per_site}")
+    if world_size is not None and p.ranks_per_node and world_size % p.ranks_per_node:
+        raise ValueError(f"ranks_per_node {p.ranks_per_node} does not divide the {world_size} ranks: every node holds "
+                         f"the same number of ranks; fix --ranks-per-node")
     for feature in FEATURES:
         feature.check(cfg, world_size)
     virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage

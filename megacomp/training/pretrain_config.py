@@ -62,6 +62,17 @@ class ParallelConfig:
     """Timeout of collectives: a dead rank makes the others fail after at most this long."""
     validate_collectives_every: int = 0
     """Check collective arguments across ranks on every call (1) or only in the first iteration (0)."""
+    ranks_per_node: int = 0
+    """Ranks on each node, for launchers that do not say (torchrun, Slurm and MPI do; namespaces on one machine share
+    a host name): ranks r x k ... r x k + k - 1 on node r. 0 = what the launcher says (host names as the fallback).
+    A value that contradicts the launcher is refused (megacomp.placement)."""
+    nodes_per_site: int = 0
+    """Nodes per site (launchers do not know sites): nodes n x s ... n x s + s - 1 in site n. 0 = one site."""
+    dp_collectives: str = "auto"
+    """auto: a DP group with several ranks on each of several nodes exchanges hop by hop (inside each node
+    uncompressed, then across nodes with the path's codec; megacomp.comm.hierarchical), so the slow link carries each
+    node's bytes once; other groups exchange flat. flat: one exchange over the whole DP group (a node's data crosses
+    the slow link once per rank of it on the node)."""
 
 
 @dataclass

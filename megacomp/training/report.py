@@ -16,18 +16,28 @@ from typing import Optional
 
 from ..config import FEATURE_PATHS, TRAFFIC_PATHS, CommCompressionConfig
 from ..parallel_state import rank_grid
+from ..placement import Topology
 
 REPLICA_LINK = "between_replica_groups"
 """The link kind of torchft's cross-replica traffic: replica groups are separate jobs, usually on other nodes or
 sites, so their link is not known from this group's layout and is reported apart."""
-LINK_KINDS = ("intra_node", "inter_node", REPLICA_LINK)
-"""The link kinds a run can tell apart from its launch (megacomp.plan.cluster.TIERS without sites)."""
+LINK_KINDS = ("intra_node", "inter_node", "inter_site", REPLICA_LINK)
+"""The link kinds a run reports bytes for (megacomp.placement.LINKS, then torchft's replica link)."""
+_ORDER = {"intra_node": 0, "inter_node": 1, "inter_site": 2}
+
+
+def split_tag(kind: str) -> tuple[str, Optional[str]]:
+    """A traffic tag's kind and the link it names: ``dp_gradient@intra_node`` -> (dp_gradient, intra_node), the tag
+    of one hop of a hierarchical exchange (megacomp.comm.hierarchical); a plain tag names no link (None)."""
+    base, _, link = kind.partition("@")
+    return base, (link or None)
 
 
 def traffic_group(kind: str) -> str:
     """The group a traffic kind travels in: ``tp`` (tp_*, sp_*, loqt_merge_tp), ``pp`` (pp_*), ``replicas``
     (torchft's replica groups) or ``dp`` (every other kind: DP gradients and parameters, the 1-bit momentum, the
     outer loops' exchange, DeMo, LoQT)."""
+    kind = split_tag(kind)[0]
     if kind.startswith(("tp_", "sp_")) or kind == "loqt_merge_tp":
         return "tp"
     if kind == "replicas":  # torchft's traffic between replica groups (separate jobs): never inside one group
@@ -41,21 +51,46 @@ def ranks_per_node(world: int) -> int:
     return local if 0 < local <= world else world
 
 
-def layout_tiers(world: int, tp: int, pp: int, per_node: int) -> dict[str, str]:
+def layout_tiers(world: int, tp: int, pp: int, placement) -> dict[str, str]:
     """The slowest link each group kind spans (``{"tp": "intra_node", "pp": ..., "dp": ...}``), ranks placed as
-    megacomp.parallel_state.rank_grid and nodes filled in rank order (``per_node`` ranks each)."""
+    megacomp.parallel_state.rank_grid; ``placement``: a megacomp.placement.Topology, or ranks per node (nodes filled
+    in rank order)."""
+    if isinstance(placement, int):
+        placement = Topology.uniform(world, placement if world % placement == 0 else world)
     out = {}
     for kind, groups in zip(("tp", "dp", "pp"), rank_grid(world, tp, pp)):
-        spans = any(len({r // per_node for r in g}) > 1 for g in groups)
-        out[kind] = "inter_node" if spans else "intra_node"
+        out[kind] = max((placement.slowest_link(g) for g in groups), key=_ORDER.__getitem__)
     return out
 
 
-def tiers_line(tiers: dict[str, str], per_node: int) -> str:
-    """The banner's line saying which link kind each group's traffic crosses."""
-    return (f"  links ({per_node} ranks per node): " + ", ".join(f"{k.upper()} traffic {v.replace('_', '-')}"
+def tiers_line(tiers: dict[str, str], placement) -> str:
+    """The banner's line saying which link kind each group's traffic crosses (``placement``: the topology's
+    description, or ranks per node)."""
+    where = f"{placement} ranks per node" if isinstance(placement, int) else placement
+    return (f"  links ({where}): " + ", ".join(f"{k.upper()} traffic {v.replace('_', '-')}"
                                                                 for k, v in tiers.items())
             + "; the summary adds up bytes per link kind")
+
+
+def dp_hops_line(hierarchy, channels, mode: str, dp_link: str, dp_size: int) -> str:
+    """The banner's line saying how the DP exchanges run: hop by hop (the hops, each DP path's codec per hop) or flat,
+    and why."""
+    if dp_size == 1:
+        return "  DP exchanges: none (DP 1)"
+    link = dp_link.replace("_", "-")
+    if hierarchy is None:
+        why = ("--dp-collectives flat" if mode == "flat" else "the DP group stays inside one node"
+               if dp_link == "intra_node" else "one rank of each DP group per node: nothing to combine first")
+        return f"  DP exchanges: flat over the {link} link ({why})"
+    hops = " then ".join(f"{h.link.replace('_', '-')} ({len(h.ranks)} ranks)" for h in hierarchy.hops)
+    paths = []
+    for path in ("dp_gradient", "dp_parameter"):
+        ch = getattr(channels, path)
+        codecs = getattr(ch, "hop_codecs", None)
+        paths.append(f"{path} " + (", ".join(f"{k.replace('_', '-')} {c}" for k, c in codecs.items()) if codecs
+                                   else f"flat ({ch.name} sees whole buckets)"))
+    return (f"  DP exchanges hop by hop, {hops}, so the {link} link carries each node's bytes once: " + "; ".join(paths)
+            + "; the other DP-group traffic (1-bit momentum, DeMo, outer loops) exchanges flat")
 
 
 def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
@@ -175,14 +210,14 @@ class RunTotals:
                      if "outer" in self.traffic else "")
             lines.append(f"    {'per token':<20} {total_w / self.tokens:10,.1f} bytes{split}")
         if total_u and self.tiers:
-            lines.append("  bytes per link kind (each traffic kind under the slowest link its group spans; compare with "
-                         "megacomp.plan's bytes per token per tier):")
+            lines.append("  bytes per link kind (a hop of a hierarchical exchange under its own link, other traffic under "
+                         "the slowest link its group spans; compare with megacomp.plan's bytes per token per tier):")
             per_tier = {t: 0 for t in LINK_KINDS}
             for kind, (w, _) in self.traffic.items():
-                group = traffic_group(kind)
-                per_tier[REPLICA_LINK if group == "replicas" else self.tiers.get(group, "intra_node")] += w
+                group, link = traffic_group(kind), split_tag(kind)[1]
+                per_tier[link or (REPLICA_LINK if group == "replicas" else self.tiers.get(group, "intra_node"))] += w
             for tier, w in per_tier.items():
-                if tier == REPLICA_LINK and not w:  # only runs across torchft replica groups have this link
+                if tier in (REPLICA_LINK, "inter_site") and not w:  # only runs across replica groups / sites
                     continue
                 tok = f", {w / self.tokens:,.1f} per token" if self.tokens else ""
                 lines.append(f"    {tier.replace('_', '-'):<22} {w / mb:8.2f} MB{tok}")

@@ -30,6 +30,7 @@ from .. import comm, parallel_state
 from ..config import ModelParallelConfig
 from ..data import DistributedBatchSampler, get_batch, prepare_data
 from ..launch import init_distributed
+from ..placement import detect_topology
 from ..models.chunks import GPTChunks
 from ..models.gpt import GPTConfig, GPTModel, split_layers
 from ..optimizer.model_grads import finalize_model_grads
@@ -42,8 +43,8 @@ from .checkpoint_integrity import SaveDirLock
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, gather_traffic
-from .report import RunTotals, banner
-from .report import layout_tiers, ranks_per_node, tiers_line
+from .report import RunTotals, banner, dp_hops_line
+from .report import layout_tiers, tiers_line
 from .signals import ExitSignals
 
 
@@ -89,7 +90,13 @@ class Trainer:
         g = self.groups
         self.compression_spec = cfg.compression_config()  # as configured (recorded in checkpoints)
         self.compression = self.compression_spec.for_rank(dist.get_rank())  # per-rank stochastic-rounding seeds
-        self.channels = self.compression.build_channels(g)  # one per traffic path, used by everything below
+        # where ranks sit; a DP group with several ranks on each of several nodes exchanges hop by hop
+        self.topology = detect_topology(p.ranks_per_node, p.nodes_per_site)
+        self.dp_hierarchy = comm.new_hierarchical_group(
+            self.topology, parallel_state.rank_grid(self.world, g.tp_size, g.pp_size)[1], group=g.dp,
+            timeout=parallel_state.group_timeout(p.distributed_timeout_minutes)) if p.dp_collectives == "auto" else None
+        self.channels = self.compression.build_channels(  # one per traffic path, used by everything below
+            g, dp_hierarchy=self.dp_hierarchy, dp_link=self.topology.slowest_link(g.dp_ranks))
         d = cfg.data
         self.tokenizer, self.dataset = prepare_data(d.data_path, cfg.model.vocab_size, cfg.model.seq_length,
                                                     d.data_cache_dir, max_bytes=d.tokenizer_max_bytes)
@@ -181,9 +188,11 @@ class Trainer:
                         backend=dist.get_backend(), device=self.device.type, model=model, params=params,
                         compression_name=name, comp=self.compression_spec, log_dir=cfg.logging.log_dir,
                         resumed_from=resumed)]
-        per_node = ranks_per_node(self.world)  # which link kind each group crosses; the summary adds bytes per kind
-        self.totals.tiers = layout_tiers(self.world, tp, pp, per_node)
-        lines.append(tiers_line(self.totals.tiers, per_node))
+        # which link kind each group crosses; the summary adds bytes per kind
+        self.totals.tiers = layout_tiers(self.world, tp, pp, self.topology)
+        lines.append(tiers_line(self.totals.tiers, self.topology.describe()))
+        lines.append(dp_hops_line(self.dp_hierarchy, self.channels, self.cfg.parallel.dp_collectives,
+                                  self.totals.tiers["dp"], g.dp_size))
         if self.num_chunks > 1:
             lines.append(f"  pipeline: interleaved 1F1B, {self.num_chunks} model chunks per stage "
                          f"({pp * self.num_chunks} virtual stages of {cfg.parallel.num_layers_per_virtual_pipeline_stage} "
