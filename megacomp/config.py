@@ -156,7 +156,8 @@ class CommCompressionConfig:
 
     def __post_init__(self) -> None:
         for name in TRAFFIC_PATHS:
-            spec = parse_codec_arg(getattr(self, name))
+            spec = getattr(self, name)
+            spec = spec if isinstance(spec, HopCodecs) else parse_codec_arg(spec)
             if isinstance(spec, HopCodecs) or is_hop_mapping(spec):
                 if name not in HOP_PATHS:
                     raise ValueError(f"{name}: a codec per link kind applies to {' and '.join(HOP_PATHS)} (the "

@@ -33,8 +33,8 @@ Error feedback (the residual a lossy codec still owes the next message):
   size: every new DP rank starts from the mean of the saved ranks' residuals: the reduction divides the sum of
   the residuals by the DP size, so ``sum_new / D_new = sum_saved / D_saved`` owes the next reduction exactly what
   the saved ranks owed (up to the round-off of the mean), and a mean is within the bound each residual had.
-  int8-stored residuals, the two-level (hierarchy) layout and the unsharded all-reduce's server residuals are
-  reset instead; PowerSGD / Accordion state (per-matrix Q and residuals) starts fresh, as at step 0.
+  int8-stored residuals, the two-level (hierarchy) layout, the residuals of a hop-by-hop DP exchange (per hop,
+  on a node's chunk: megacomp.comm.hierarchical) and the unsharded all-reduce's server residuals are reset instead; PowerSGD / Accordion state (per-matrix Q and residuals) starts fresh, as at step 0.
 * TP-backward and pipeline-gradient residuals (per layer and activation shape of the saved layout) are reset,
   and stochastic-rounding streams restart from their seeds.
 A reset is safe: a residual only carries the compression error of the last message into the next one; without
@@ -114,7 +114,7 @@ def _optimizer_map(model, optimizer) -> Optional[dict]:
                 "params": [[by_id[id(p)], off, p.numel(), list(p.shape)] for p, off in zip(b.params, b.offsets)]}
                for b, m in zip(optimizer.buckets, optimizer.masters)]
     return {"dp_size": optimizer.world, "sharded": optimizer.sharded, "hierarchy": optimizer.hierarchy is not None,
-            "buckets": buckets}
+            "hops": list(getattr(optimizer.grad_channel, "hop_codecs", {})), "buckets": buckets}
 
 
 def layout_entries(model, optimizer, groups, where: str) -> dict[str, str]:
@@ -393,6 +393,8 @@ def _dp_errors(optimizer, old: _Saved, names, got, local_of, groups):
         why = "PowerSGD / Accordion state is per matrix of the saved layout"
     elif not optimizer.sharded and optimizer.world > 2:
         why = "the unsharded all-reduce's server residuals are per chunk of the saved DP size"
+    elif getattr(optimizer.grad_channel, "hop_codecs", None) or any(e["optim"].get("hops") for e in old.maps.values()):
+        why = "a hop-by-hop exchange keeps them per hop, on the chunk each node sends (megacomp.comm.hierarchical)"
     if why:
         return None, None, [f"DP gradient error feedback reset ({why}): a reset only drops the last reduction's "
                             f"compression error, as a skipped step does"]
