@@ -30,6 +30,7 @@ PUBLIC_MODULES = (
     "megacomp.comm",
     "megacomp.config",
     "megacomp.parallel_state",
+    "megacomp.placement",
     "megacomp.tensor_parallel",
     "megacomp.pipeline_parallel",
     "megacomp.optimizer",

@@ -23,7 +23,7 @@ REPLICA_LINK = "between_replica_groups"
 sites, so their link is not known from this group's layout and is reported apart."""
 LINK_KINDS = ("intra_node", "inter_node", "inter_site", REPLICA_LINK)
 """The link kinds a run reports bytes for (megacomp.placement.LINKS, then torchft's replica link)."""
-_ORDER = {"intra_node": 0, "inter_node": 1, "inter_site": 2}
+_ORDER = ("intra_node", "inter_node", "inter_site")  # fastest first
 
 
 def split_tag(kind: str) -> tuple[str, Optional[str]]:
@@ -59,7 +59,7 @@ def layout_tiers(world: int, tp: int, pp: int, placement) -> dict[str, str]:
         placement = Topology.uniform(world, placement if world % placement == 0 else world)
     out = {}
     for kind, groups in zip(("tp", "dp", "pp"), rank_grid(world, tp, pp)):
-        out[kind] = max((placement.slowest_link(g) for g in groups), key=_ORDER.__getitem__)
+        out[kind] = max((placement.slowest_link(g) for g in groups), key=_ORDER.index)
     return out
 
 
