@@ -128,21 +128,13 @@ class Topology:
         by_node: dict[int, list[int]] = {}
         for r in ranks:
             by_node.setdefault(self.node(r), []).append(r)
-        counts = {n: len(v) for n, v in by_node.items()}
-        if len(set(counts.values())) > 1:
-            shown = ", ".join(f"node {n}: {c}" for n, c in sorted(counts.items()))
-            raise ValueError(f"a hierarchical exchange needs the same number of the group's ranks on every node, but "
-                             f"its {len(ranks)} ranks sit unevenly ({shown}); launch the same number of ranks per "
-                             f"node (torchrun --nproc-per-node), or use flat collectives (--dp-collectives flat)")
+        _check_even(by_node, "node", f"the same number of the group's ranks on every node, but its {len(ranks)} ranks",
+                    "launch the same number of ranks per node (torchrun --nproc-per-node)")
         nodes_by_site: dict[int, list[int]] = {}
         for n in by_node:  # nodes in order of the group's first rank on them
             nodes_by_site.setdefault(self.site_of_node[n] if self.site_of_node else 0, []).append(n)
-        site_counts = {s: len(v) for s, v in nodes_by_site.items()}
-        if len(set(site_counts.values())) > 1:
-            shown = ", ".join(f"site {s}: {c}" for s, c in sorted(site_counts.items()))
-            raise ValueError(f"a hierarchical exchange needs the same number of the group's nodes in every site, but "
-                             f"they sit unevenly ({shown}); set nodes_per_site so that sites hold equal shares of the "
-                             f"nodes, or use flat collectives (--dp-collectives flat)")
+        _check_even(nodes_by_site, "site", "the same number of the group's nodes in every site, but they",
+                    "set nodes_per_site so that sites hold equal shares of the nodes")
         out = []
         intra = list(by_node.values())  # index in a node's subgroup = the rank's local index l
         if len(intra[0]) > 1:
@@ -158,6 +150,15 @@ class Topology:
         if len(cross[0]) > 1:
             out.append(("inter_site", cross))
         return out
+
+
+def _check_even(members: dict, unit: str, needs: str, fix: str) -> None:
+    """ValueError (one line) unless every ``unit`` (node or site) in ``members`` holds as many members as the others."""
+    counts = {k: len(v) for k, v in members.items()}
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"{unit} {k}: {c}" for k, c in sorted(counts.items()))
+        raise ValueError(f"a hierarchical exchange needs {needs} sit unevenly ({shown}); {fix}, or use flat "
+                         f"collectives (--dp-collectives flat)")
 
 
 # -- from the launcher --------------------------------------------------------------------------------------

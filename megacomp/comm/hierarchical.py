@@ -42,7 +42,8 @@ import torch
 from torch.distributed import ReduceOp
 
 from .channel import Channel
-from .common import CompressedWork, op_name
+from . import collectives
+from .common import op_name
 from .hop_groups import HierarchicalGroup, hop_codecs
 from .options import CommOptions
 from .probe import ErrorProbe
@@ -187,7 +188,7 @@ class HierarchicalChannel(Channel):
                 if chain[0].data_ptr() != flat.data_ptr():
                     tensor.copy_(chain[0][:n].view(tensor.shape))
 
-        return self._done(finish, async_op)
+        return collectives._handle(finish, async_op)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
                               async_op: bool = False, *, key: Optional[str] = None, check_finite: bool = False,
@@ -219,7 +220,7 @@ class HierarchicalChannel(Channel):
                 if dst is not output:
                     output.copy_(dst.view(output.shape))
 
-        return self._done(finish, async_op)
+        return collectives._handle(finish, async_op)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
                                async_op: bool = False, *, check_finite: bool = False, tag: Optional[str] = None,
@@ -252,15 +253,7 @@ class HierarchicalChannel(Channel):
                 if out.data_ptr() != output_tensor.data_ptr() or not output_tensor.is_contiguous():
                     output_tensor.copy_(out.view(output_tensor.shape))
 
-        return self._done(finish, async_op)
-
-    @staticmethod
-    def _done(finish, async_op: bool):
-        handle = CompressedWork(finish)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
+        return collectives._handle(finish, async_op)
 
     # -- checkpointing -------------------------------------------------------------------------------------
     def state_dict(self, error_feedback: bool = True) -> dict[str, Any]:
