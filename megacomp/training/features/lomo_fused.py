@@ -111,10 +111,10 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
     """LOMO (``name == 'lomo'``) or AdaLomo over the DP group on the ``dp_gradient`` channel, with fp16 loss
     scaling when the parameters are fp16. Raises ValueError for compression settings LOMO cannot honour."""
     ch: Channel = channels.dp_gradient
-    if type(ch) is not Channel:
+    if ch.reduces_whole_buckets:  # PowerSGD, Accordion, LGC
         raise ValueError(f"optimizer {name} all-reduces each parameter's gradient on its own inside backward: the "
-                         f"dp_gradient path must be a codec (e.g. int4 + LoCo), not {type(ch).__name__} (PowerSGD / "
-                         f"Accordion batch whole buckets)")
+                         f"dp_gradient path must be a codec (e.g. int4 + LoCo), not {ch!r} (PowerSGD / Accordion / "
+                         f"LGC batch whole buckets)")
     if compression.dp_gradient_warmup_steps:
         raise ValueError(f"optimizer {name} has no full-precision warm-up path; drop dp_gradient_warmup_steps "
                          f"(got {compression.dp_gradient_warmup_steps})")
