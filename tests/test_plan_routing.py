@@ -52,3 +52,29 @@ def test_local_step_groups_and_memo():
     assert r.crossing_bytes(outer, "ring", 2 * B) == crossing_bytes(c, outer, "ring", 2 * B)
     with pytest.raises(ValueError, match="unknown traffic pattern"):
         tier_loads(c, outer, "tree", B)
+
+
+def test_hop_stages_and_the_slow_link_carrying_each_node_once():
+    from megacomp.compression import make_codec
+    from megacomp.plan import wire
+    from megacomp.plan.estimate import collective_seconds, hop_by_hop_seconds
+    from megacomp.plan.routing import hop_stages
+
+    c, dp = cluster(8, 2), groups(Layout(1, 1, 8), "dp")
+    assert hop_stages(c, dp) == (("intra_node", ((0, 1, 2, 3), (4, 5, 6, 7))),
+                                 ("inter_node", ((0, 4), (1, 5), (2, 6), (3, 7))))
+    assert hop_stages(cluster(8, 8), dp) == () and hop_stages(cluster(8, 1), dp) == ()  # flat: nothing to combine
+    assert hop_stages(cluster(8, 2), groups(Layout(4, 1, 2), "dp")) == ()  # TP 4: one DP rank per node
+    routes, shard, int4 = Routes(c), 1 << 16, {"name": "int4", "block_size": 128}
+    _, flat = collective_seconds(routes, dp, "reduce_scatter", int4, shard)
+    _, hier = hop_by_hop_seconds(routes, dp, "reduce_scatter", int4, shard)
+    w = make_codec(int4).wire_bytes(shard)
+    # flat: each of 8 ranks sends a chunk to each of the 4 ranks of the other node; hop by hop: to its one peer there
+    assert flat["inter_node"] == pytest.approx(8 * 4 * w) and hier["inter_node"] == pytest.approx(8 * w)
+    # the fast hop: an uncompressed ring reduce-scatter of 2 shards per rank inside each node, 3/4 of it sent
+    assert hier["intra_node"] == pytest.approx(8 * wire.reduce_scatter_bytes(None, 2 * shard, 4))
+    _, ag = hop_by_hop_seconds(routes, dp, "all_gather", int4, shard)
+    assert ag["inter_node"] == pytest.approx(8 * w)  # each shard encoded once, sent to the other node once
+    # uncompressed: torch's collective over the whole group, as at run time
+    assert hop_by_hop_seconds(routes, dp, "reduce_scatter", None, shard) == \
+        collective_seconds(routes, dp, "reduce_scatter", None, shard)

@@ -4,7 +4,8 @@ on every tier (from the codecs, megacomp.plan.wire), codec time and what the met
   t_mb       = FLOPs per token x tokens per micro-batch / (TP x PP) / (peak x MFU)        compute of one stage
   t_stage    = t_mb + TP collectives of the stage's layers + its pipeline sends (x VP)     exposed: on the critical path
   pipeline   = (M + (PP-1)/VP) x t_stage, bubble = (PP-1)/VP x t_stage                    1F1B / interleaved 1F1B
-  collective = hops x alpha + pipeline(max over tiers of busiest-link bytes / rate, codec time)
+  collective = hops x alpha + pipeline(max over tiers of busiest-link bytes / rate, codec time); megacomp's compressed
+               DP exchanges over groups spanning nodes: one such collective per hop, in turn (hop_by_hop_seconds)
                codec time = (E + D) x input bytes / device codec throughput (E, D: megacomp.plan.calibration)
   step       = pipeline + exposed DP communication (schedule, megacomp.plan.methods) + optimizer update
 
@@ -153,6 +154,41 @@ def collective_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype
     return t, tier_bytes
 
 
+def hop_by_hop_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype=FP32,
+                       segment_numel: int = SEGMENT_NUMEL) -> tuple[float, dict]:
+    """:func:`collective_seconds` of megacomp's hop-by-hop exchange (megacomp.comm.hierarchical) where ``groups_``
+    span nodes with several ranks on each and the codec is lossy: the stages one after another, the codec on the
+    slowest hop, the faster hops uncompressed (reduce-scatter fastest hop first, all-gather slowest first,
+    all-reduce = reduce-scatter up to the slowest hop, all-reduce there, all-gather back). Otherwise the flat
+    collective (an uncompressed message is torch's collective over the whole group, as at run time)."""
+    codec = wire.codec_of(spec)
+    stages = routes.hop_stages(groups_) if op != "send" and not codec.is_identity else ()
+    if not stages:
+        return collective_seconds(routes, groups_, op, spec, numel, dtype, segment_numel)
+    sizes = [len(subs[0]) for _, subs in stages]
+    last = len(stages) - 1
+    calls = []  # (stage, op, numel, lossy)
+    if op == "reduce_scatter":  # numel: output per rank; stage i leaves numel x (slower sizes) per rank
+        calls = [(i, "reduce_scatter", numel * math.prod(sizes[i + 1:]), i == last) for i in range(len(stages))]
+    elif op == "all_gather":  # numel: input per rank
+        calls = [(i, "all_gather", numel * math.prod(sizes[i + 1:]), i == last) for i in reversed(range(len(stages)))]
+    elif op == "all_reduce":
+        faster = math.prod(sizes[:-1])
+        padded = -(-numel // faster) * faster
+        up = [(i, padded // math.prod(sizes[:i + 1])) for i in range(last)]
+        calls = ([(i, "reduce_scatter", n, False) for i, n in up] + [(last, "all_reduce", padded // faster, True)]
+                 + [(i, "all_gather", n, False) for i, n in reversed(up)])
+    else:
+        raise ValueError(f"unknown collective {op!r}: use all_reduce, reduce_scatter, all_gather or send")
+    total, tier_bytes = 0.0, {t: 0.0 for t in TIERS}
+    for i, stage_op, n, lossy in calls:
+        t, tb = collective_seconds(routes, stages[i][1], stage_op, spec if lossy else None, n, dtype, segment_numel)
+        total += t
+        for tier, v in tb.items():
+            tier_bytes[tier] += v
+    return total, tier_bytes
+
+
 def _scaled(tier_bytes: dict, k: float) -> dict:
     return {t: v * k for t, v in tier_bytes.items()}
 
@@ -212,8 +248,10 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
     window_bwd = 2.0 / 3.0 * t_mb  # the last micro-batch's backward: gradients are final only there
     window_fwd = 1.0 / 3.0 * t_mb
     if sched in ("zero1", "zero2", "acco", "local_steps"):
-        t_rs, tb_rs = collective_seconds(routes, dpg, "reduce_scatter", codecs["dp_gradient"], shard, gdt)
-        t_ag, tb_ag = collective_seconds(routes, dpg, "all_gather", codecs["dp_parameter"], shard, BF16)
+        # megacomp's sharded optimizer: hop by hop where the DP group spans nodes (pretraining's --dp-collectives auto)
+        dp_call = hop_by_hop_seconds if method.dp_collectives == "auto" else collective_seconds
+        t_rs, tb_rs = dp_call(routes, dpg, "reduce_scatter", codecs["dp_gradient"], shard, gdt)
+        t_ag, tb_ag = dp_call(routes, dpg, "all_gather", codecs["dp_parameter"], shard, BF16)
         k = 2 if sched == "acco" else 1
         k_rs = M if sched == "zero2" else k  # megacomp's ZeRO-2 reduce-scatters every micro-batch's gradients
         if sched == "acco":  # both halves' exchanges run while the next half computes

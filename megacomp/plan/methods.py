@@ -46,6 +46,9 @@ class Method:
     ``bfloat16`` for engines that reduce half-precision gradients (DeepSpeed's fp16 Adam)."""
     overlap_param_gather: bool = False
     """zero1: hide the parameter all-gather behind the next forward."""
+    dp_collectives: str = "auto"
+    """zero1/zero2/acco/local_steps: ``auto``, megacomp's compressed DP exchanges hop by hop where the DP group has
+    several ranks on each of several nodes (pretraining's default), or ``flat`` (one exchange over the whole group)."""
     outer_steps: int = 0
     """local_steps: inner steps per outer step (H)."""
     fragments: int = 1

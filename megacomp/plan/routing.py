@@ -13,6 +13,11 @@ node's (site's) uplink is the sum over every group of the bytes leaving that nod
   chain   rank i sends ``b`` bytes to rank i+1 and rank i+1 sends ``b`` back (pipeline activations and
           gradients).
 
+megacomp's compressed DP exchanges run hop by hop where a DP group has several ranks on each of several nodes
+(megacomp.comm.hierarchical): :func:`hop_stages` gives the subgroups of each hop, and megacomp.plan.estimate routes
+each stage with the patterns above (uncompressed ring inside a node, the codec's direct exchange across nodes), so
+the slow link carries each node's bytes once.
+
 Returned loads are bytes on the busiest link of each tier: ``intra_node`` per GPU, ``inter_node`` per node,
 ``inter_site`` per site (a byte that leaves a site also leaves its node: it loads both). Exact for the patterns
 above; failure behaviour: an unknown pattern raises ValueError.
@@ -22,6 +27,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from ..parallel_state import rank_grid
+from ..placement import Topology
 from .cluster import TIERS, Cluster
 from .workload import Layout
 
@@ -48,6 +54,26 @@ def split_groups(groups_, replicas: int) -> tuple[tuple, tuple]:
         inner += [tuple(g[j * k:(j + 1) * k]) for j in range(replicas)]
         outer += [tuple(g[i::k]) for i in range(k)]
     return tuple(inner), tuple(outer)
+
+
+def cluster_topology(cluster: Cluster) -> Topology:
+    """The placement of a plan's cluster as a megacomp.placement.Topology (ranks fill nodes, nodes fill sites)."""
+    nodes = tuple(cluster.unit(r, "inter_node") for r in range(cluster.gpus))
+    sites = tuple(cluster.unit(n * cluster.gpus_per_node, "inter_site") for n in range(max(nodes) + 1)) \
+        if cluster.sites > 1 else ()
+    return Topology(nodes, sites, "megacomp.plan cluster")
+
+
+def hop_stages(cluster: Cluster, groups_) -> tuple:
+    """Per hop of a hop-by-hop exchange (fastest first), ``(link kind, every group's subgroups on it)``; empty when
+    the groups exchange flat (inside one node, or one rank per node). Raises ValueError for groups that sit unevenly
+    over nodes (megacomp.placement.Topology.hops)."""
+    topology = cluster_topology(cluster)
+    layouts = [topology.hops(g) for g in groups_ if len(g) > 1]
+    if not layouts or len(layouts[0]) < 2:
+        return ()
+    return tuple((link, tuple(tuple(sub) for lay in layouts for sub in lay[i][1]))
+                 for i, (link, _) in enumerate(layouts[0]))
 
 
 def tier_loads(cluster: Cluster, groups_, pattern: str, bytes_per_rank: float) -> dict[str, float]:
@@ -131,6 +157,13 @@ class Routes:
         self._loads: dict = {}
         self._crossing: dict = {}
         self._groups: dict = {}
+        self._stages: dict = {}
+
+    def hop_stages(self, groups_) -> tuple:
+        """:func:`hop_stages` on this cluster, remembered."""
+        if groups_ not in self._stages:
+            self._stages[groups_] = hop_stages(self.cluster, groups_)
+        return self._stages[groups_]
 
     def groups(self, layout: Layout, kind: str) -> tuple:
         """:func:`groups`, remembered."""
