@@ -56,11 +56,13 @@ def test_zero1_overlapped_gather_and_codec_pipeline():
     assert ag.exposed_s == pytest.approx(ag.seconds)
     assert {t.path: t for t in over.transfers}["dp_parameter"].exposed_s == pytest.approx(max(0.0, ag.seconds - t_mb() / 3))
     rs = {t.path: t for t in plain.transfers}["dp_gradient"]
-    shard = -(-MODEL.params // 2)
-    wire_bytes = 4.25 / 8 * shard  # int4/b128 of the other rank's chunk (the shard is a multiple of 128 here)
-    assert shard % 128 == 0
+    # the 1-D parameters (biases, norms) sit in uncompressed buckets: reduced apart, uncompressed
+    vec = -(-MODEL.vector_params // 2)
+    shard = -(-MODEL.params // 2) - vec
+    wire_bytes = 4 / 8 * shard + 4 * -(-shard // 128)  # int4/b128 of the other rank's chunk: codes and fp32 scales
     t_codec = 2 * 2 * shard * 4 / DEV.codec_Bps  # (E, D) = (1, 1) per byte of the 2-chunk input
-    assert rs.seconds == pytest.approx(1e-3 + pipeline(wire_bytes / 1e6, t_codec, 1))
+    t_vec = 1e-3 + 4 * vec / 1e6  # a ring reduce-scatter of 2 ranks: one hop, the other rank's fp32 chunk
+    assert rs.seconds == pytest.approx(1e-3 + pipeline(wire_bytes / 1e6, t_codec, 1) + t_vec)
     # started from the gradient hooks in the last micro-batch's backward: only what 2/3 of it does not hide shows
     assert rs.exposed_s == pytest.approx(max(0.0, rs.seconds - 2 / 3 * t_mb())) and rs.exposed_s < rs.seconds
 

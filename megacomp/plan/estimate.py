@@ -250,8 +250,19 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
     if sched in ("zero1", "zero2", "acco", "local_steps"):
         # megacomp's sharded optimizer: hop by hop where the DP group spans nodes (pretraining's --dp-collectives auto)
         dp_call = hop_by_hop_seconds if method.dp_collectives == "auto" else collective_seconds
-        t_rs, tb_rs = dp_call(routes, dpg, "reduce_scatter", codecs["dp_gradient"], shard, gdt)
-        t_ag, tb_ag = dp_call(routes, dpg, "all_gather", codecs["dp_parameter"], shard, BF16)
+        # its 1-D parameters (biases, norms) sit in uncompressed buckets: their exchange goes uncompressed, flat
+        vec = math.ceil(model.vector_params / (tp * pp) / len(dpg[0]))
+        lossy = {k: not codecs[k].is_identity for k in ("dp_gradient", "dp_parameter")}
+        mat = {k: shard - vec if lossy[k] else shard for k in lossy}
+        t_rs, tb_rs = dp_call(routes, dpg, "reduce_scatter", codecs["dp_gradient"], mat["dp_gradient"], gdt)
+        t_ag, tb_ag = dp_call(routes, dpg, "all_gather", codecs["dp_parameter"], mat["dp_parameter"], BF16)
+        for key, op, dt in (("dp_gradient", "reduce_scatter", gdt), ("dp_parameter", "all_gather", BF16)):
+            if lossy[key] and vec > 0:
+                t_v, tb_v = collective_seconds(routes, dpg, op, None, vec, dt)
+                if key == "dp_gradient":
+                    t_rs, tb_rs = t_rs + t_v, {t: tb_rs[t] + tb_v[t] for t in TIERS}
+                else:
+                    t_ag, tb_ag = t_ag + t_v, {t: tb_ag[t] + tb_v[t] for t in TIERS}
         k = 2 if sched == "acco" else 1
         k_rs = M if sched == "zero2" else k  # megacomp's ZeRO-2 reduce-scatters every micro-batch's gradients
         if sched == "acco":  # both halves' exchanges run while the next half computes

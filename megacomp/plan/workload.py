@@ -60,6 +60,12 @@ class ModelSpec:
         return [(self.seq_length, h), (self.vocab_size, h)] + layer * self.num_layers + [(h,), (h,)]
 
     @property
+    def vector_params(self) -> int:
+        """Parameters of the 1-D tensors (biases, norms): megacomp's sharded optimizer keeps their buckets
+        uncompressed (megacomp.optimizer.buckets), so their exchange travels as it is."""
+        return sum(shape[0] for shape in self.parameter_shapes() if len(shape) == 1)
+
+    @property
     def flops_per_token(self) -> float:
         """Forward + backward FLOPs per token (Megatron's formula, no recomputation; for a 4h MLP)."""
         h, L, s, V = self.hidden_size, self.num_layers, self.seq_length, self.vocab_size
