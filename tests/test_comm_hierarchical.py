@@ -181,12 +181,17 @@ def _bad_body(rank, world):
         comm.make_channel("dp", {"inter_node": "int4"}, group=None)
     except ValueError as e:
         errors.append(str(e))
+    try:
+        ch.all_reduce(torch.ones(8), op=dist.ReduceOp.MAX)
+    except ValueError as e:
+        errors.append(str(e))
     return errors
 
 
 def test_bad_settings_one_line_each():
     errors = run_ranks(_bad_body, 4)[0]
-    assert len(errors) == 3 and all("\n" not in e for e in errors)
+    assert len(errors) == 4 and all("\n" not in e for e in errors)
     assert "inter_site hop, which this group does not cross (its hops: intra_node, inter_node)" in errors[0]
     assert "called with another group" in errors[1]
     assert "this group is flat" in errors[2]
+    assert "supports ReduceOp SUM and AVG, got MAX" in errors[3]

@@ -141,6 +141,12 @@ class HierarchicalChannel(Channel):
             raise ValueError(f"megacomp channel {self.name!r} runs {what} over its hierarchical group "
                              f"{self.hierarchy}; it was called with another group: build a channel for that group")
 
+    def _check_op(self, op) -> None:
+        """Compressed stages sum (AVG divides at the end): any other op is refused, as the flat collectives do."""
+        if op_name(op) not in ("SUM", "AVG"):
+            raise ValueError(f"megacomp channel {self.name!r}: a compressed exchange supports ReduceOp SUM and AVG, got "
+                             f"{op_name(op)}; use SUM or AVG, or an uncompressed codec")
+
     @staticmethod
     def _hop_tag(tag: str, link: str, last: bool) -> str:
         return tag if last else f"{tag}@{link}"
@@ -159,6 +165,7 @@ class HierarchicalChannel(Channel):
         if not self.compresses(tensor.numel()):
             return self._plain.all_reduce(tensor, op, async_op=async_op, key=key, check_finite=check_finite, tag=tag,
                                           validate=validate)
+        self._check_op(op)
         hops, stages = self.hierarchy.hops, self._stages
         faster = self._faster_size()
         n = tensor.numel()
@@ -200,6 +207,7 @@ class HierarchicalChannel(Channel):
         if input.numel() != world * m or not self.compresses(input.numel()):
             return self._plain.reduce_scatter_tensor(output, input, op, async_op=async_op, key=key,
                                                      check_finite=check_finite, tag=tag, validate=validate)
+        self._check_op(op)
         hops, stages = self.hierarchy.hops, self._stages
         # chunks in hop order: position p holds the chunk of the rank the hops leave at p
         x = input.reshape(world, m).index_select(0, self.hierarchy.order(input.device)).reshape(-1)
