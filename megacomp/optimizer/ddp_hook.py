@@ -18,28 +18,35 @@ Buckets below ``min_compress_numel`` elements (the channel's small-tensor rule),
 from these fields) owns the error feedback.
 ``codec=None`` is bit-identical to DDP's default hook (divide by the world size, then all-reduce SUM).
 
-Bucket keys follow the parameters, not the bucket index. torch DDP buckets a fresh model's first iteration in
-one layout (its initial one) and rebuilds the buckets after it in gradient-ready order; another
-``bucket_cap_mb`` gives other buckets again. So each bucket's state is keyed ``ddp_bucket:<digest>:<numel>``,
-the digest (sha1) of the bucket's parameter keys in bucket order: parameter names when the state was registered
-with :meth:`CompressedHookState.register` (``module.named_parameters()``), else ``param<n>``, ``n`` the
-parameter's position in the first iteration this process sees (DDP's initial layout, read from its last bucket
-to its first: the order of ``module.parameters()`` for a model of one dtype). The state remembers the layout (each
-bucket's parameters and sizes), saves it with the residuals, and moves state element-wise when the layout changes:
-- resume (:meth:`~CompressedHookState.load_state_dict`, or :meth:`~CompressedHookState.register` on another DDP):
-  the first iteration is deferred to its last bucket and, when its buckets differ from the saved layout but hold the
-  same parameters, the gradients are copied into the saved layout's buckets, reduced there (the same buffers, keys
-  and residuals an uninterrupted run reduces) and copied back. A resumed run therefore continues bit for bit; the
-  cost is one iteration without overlap and one copy of the gradients.
-- a layout that differs for good (another ``bucket_cap_mb``, another model's parameter set): each new bucket's
-  residual is assembled from its parameters' slices of the old buckets' residuals (zero for a parameter no old
-  bucket held), its error-feedback count from theirs; over more than two ranks each rank's server error (its shard
-  of the old bucket) is all-gathered once and re-split. PowerSGD's residual and warm-start Q are per parameter and
-  move with it; Accordion's regimes start over (critical) for new buckets. int8/bf16 error storage is re-rounded
-  when moved. :meth:`~CompressedHookState.parameter_residuals` gives the per-parameter (flat) residual views.
-- a state saved by megacomp before this scheme (keys ``ddp_bucket<i>:<numel>``, no saved layout) loads with its
-  iteration count and the codec check, and its residuals (and PowerSGD Q) are dropped with one warning line: which
-  elements an index-keyed residual belonged to cannot be told from the key (that is the flaw this scheme fixes).
+Hop by hop (``topology``, megacomp.placement.Topology): flat, every rank sends encoded chunks to every other rank, so
+a node of m ranks sends its data across its slow link about m times over. Given the cluster's topology, and when the
+group spans N >= 2 nodes with the same number m >= 2 of its ranks on each, the state builds the group's hops
+(megacomp.comm.new_hierarchical_group: a collective over the default group, so every rank constructs its state; a
+``process_group`` that is not the world needs ``groups``, every group of the job) and its channel is a
+megacomp.comm.HierarchicalChannel: each compressed bucket is reduce-scattered uncompressed inside the node (stats tag
+``dp_gradient@intra_node``), all-reduced with ``codec`` between nodes on its 1/m chunk (tag ``dp_gradient``), and
+all-gathered back inside the node. So the slow link carries each node's bytes once: for a bucket whose encoding is S
+bytes a rank sends 2 (N - 1) / N x S / m over the slow hop (S / m for two nodes: one direct exchange), its node m times
+that; flat, every rank sends 2 (W - 1) / W x S over W = N m ranks (1.5 S at 2 nodes x 2 ranks: three times the
+hop-by-hop rank's S / 2). Sites (``Topology.with_sites``) add an inter-site hop the same way.
+Error: the slow hop quantizes each node's sum, not each rank's gradient: per element, at most the sum over the N nodes
+of the codec's bound on that node's sum s_n (of its ranks' gradients, each divided by the world size first), e.g. block
+max |s_n| / (2 qmax) for int codecs (with error feedback: on s_n plus the node's residual), plus, over more than two
+nodes, the bound of the reduced shard's re-encoding (as flat). A node's sum has up to m times one rank's scale, but
+there are m times fewer of them. ``codec`` may be a codec per link kind (``{"inter_node": "int4", "intra_node":
+"bf16"}``): a lossy fast hop adds its own error (on each rank's gradient) and residual.
+Residuals per hop (where each sits and how it moves: megacomp.optimizer.ddp_residuals) checkpoint with the state,
+which also records the hops (a state saved flat loaded into a hop-by-hop hook, or the reverse, or over other hop sizes,
+is refused in one line).
+Overlap: a bucket's finish all-gathers over the fast hop (a backend collective, which must not race the next
+bucket's from another thread), so it runs in the hook's own thread at the next bucket's hook call (the last bucket's
+before the hook returns): the slow hop's transfer overlaps the backward computation in between; ``overlap=False``
+finishes each bucket before its hook returns (the same result, bit for bit). Compression off (``codec=None``, small
+buckets, the first ``start_iter`` iterations) is torch's all-reduce on the whole group, bit-identical to DDP's.
+PowerSGD, Accordion and LGC see whole buckets: they stay flat with a topology, crossing the slow link once per local
+rank (:meth:`CompressedHookState.describe`, logged at INFO when a topology is given, says which way the hook runs).
+
+DDP re-bucketing (state keyed by parameter, resume, residuals moved): megacomp.optimizer.ddp_residuals.
 
 PowerSGD (``codec={"name": "powersgd", "rank": 4}`` or a ``PowerSGD``): the state's channel is a
 megacomp.comm.LowRankChannel; each bucket's parameters are read as matrices (views of the bucket buffer)
@@ -55,31 +62,33 @@ hook cannot see an optimizer's skipped steps; a GradScaler's inf bucket then ent
 
 Failure behaviour: a bucket whose parameters do not fill its buffer raises RuntimeError (a torch that lays buckets
 out otherwise); loading a state saved with another codec, or with parameter names into a hook registered without
-them (or the reverse), raises ValueError with one line naming the fix.
+them (or the reverse), raises ValueError with one line naming the fix. With a topology, ValueError (one line, alike on
+every rank, before any collective) for a topology of another world size, a ``process_group`` that is not the world
+without ``groups`` (or not one of them), a group that sits unevenly over nodes, a codec per link kind without a
+topology, a state saved with other hops, and :meth:`~CompressedHookState.parameter_residuals` (per-chunk residuals).
 """
 import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..comm import make_channel, use_duplex
-from ..comm.common import split_sizes
-from ..comm.transport import pipeline_segments
-from ..compression import CodecLike, is_accordion, is_low_rank, make_low_rank
+from ..comm import HierarchicalChannel, make_channel, new_hierarchical_group, use_duplex
+from ..comm.hop_groups import HopCodecs, is_hop_mapping
+from ..compression import CodecLike, is_accordion, is_learned, is_low_rank, make_low_rank
+from ..placement import Topology
+from .ddp_residuals import Layout, _adopt_layout, _move_into, _parameter_residuals
 
 log = logging.getLogger("megacomp")
-
-Layout = list  # [(bucket key, [(parameter key, numel), ...]), ...] in bucket index order
 
 
 @dataclass
 class CompressedHookState:
     """Settings and error-feedback state of :func:`compressed_allreduce_hook` (state keyed by the buckets'
-    parameters; see the module docstring)."""
+    parameters; see megacomp.optimizer.ddp_residuals)."""
 
     codec: CodecLike = None
     """Codec of the gradient all-reduce (None: uncompressed), or PowerSGD settings (see the module docstring)."""
@@ -95,21 +104,46 @@ class CompressedHookState:
     """Finish each compressed all-reduce (wait, decode, and for more than two ranks the second phase) in a
     background thread, so the transfer overlaps the rest of backward. Only where that finish issues no
     backend collective (megacomp's tagged p2p transport on gloo, or two ranks); otherwise, and with
-    False, the hook completes the all-reduce before returning."""
+    False, the hook completes the all-reduce before returning. Hop by hop (``topology``) the finish runs in the
+    hook's own thread instead, at the next bucket's hook call (see the module docstring)."""
+    topology: Optional[Topology] = None
+    """Where every rank of the job sits (megacomp.placement: ``Topology.uniform(world, ranks_per_node)`` or
+    ``detect_topology()``). Set, and the group spans several nodes with several of its ranks on each, each bucket's
+    all-reduce runs hop by hop (uncompressed inside a node, ``codec`` between nodes, so the slow link carries each
+    node's bytes once); ``codec`` may then also be a codec per link kind (``{"inter_node": "int4", "intra_node":
+    "bf16"}``). None: flat over ``process_group``. Building the hops is a collective over the default group: every
+    rank of the job constructs its state, in the same order relative to its other ``new_group`` calls."""
+    groups: Optional[Sequence[Sequence[int]]] = None
+    """With ``topology`` and a ``process_group`` that is not the whole world: every group the job's hook states
+    average over, as lists of global ranks, the same list on every rank (``process_group``'s ranks must be one of
+    them), since every rank builds the hops of every group. None: ``process_group`` is the world."""
     iteration: int = field(default=0, init=False)
     """Iterations seen (counted on bucket 0)."""
 
     def __post_init__(self) -> None:
-        low_rank = make_low_rank(self.codec) if is_low_rank(self.codec) else None
-        stateful = is_accordion(self.codec) or (low_rank is not None and (low_rank.error_feedback or low_rank.warm_start))
+        per_hop = isinstance(self.codec, HopCodecs) or is_hop_mapping(self.codec)
+        if per_hop and self.topology is None:
+            raise ValueError(f"megacomp DDP hook: a codec per link kind ({self.codec}) needs the hops: set topology "
+                             f"(megacomp.placement.Topology), or give the hook one codec")
+        low_rank = make_low_rank(self.codec) if not per_hop and is_low_rank(self.codec) else None
+        stateful = not per_hop and (is_accordion(self.codec) or (
+            low_rank is not None and (low_rank.error_feedback or low_rank.warm_start)))
         if stateful and self.start_iter < 2:
             raise ValueError(f"powersgd/accordion keep state per bucket and parameter (residual, Q), and DDP rebuilds its "
                              f"buckets after iteration 1: start_iter must be >= 2, got {self.start_iter} (or turn off "
                              f"error_feedback and warm_start)")
-        self.channel = make_channel("dp_gradient", self.codec, group=self.process_group,
+        # PowerSGD, Accordion and LGC see whole buckets: they run flat (megacomp.comm.make_channel), no hops built
+        whole_bucket = not per_hop and (low_rank is not None or is_accordion(self.codec) or is_learned(self.codec))
+        self.hierarchy = self._build_hierarchy() if self.topology is not None and not whole_bucket else None
+        self.channel = make_channel("dp_gradient", self.codec,
+                                    group=self.hierarchy if self.hierarchy is not None else self.process_group,
                                     error_feedback=self.error_feedback, min_compress_numel=self.min_compress_numel,
                                     error_feedback_arg="the hook's error_feedback")
+        if not isinstance(self.channel, HierarchicalChannel):
+            self.hierarchy = None
         self.codec, self.error_feedback = self.channel.codec, self.channel.error_feedback
+        if self.topology is not None:
+            log.info("%s", self.describe())
         self.plain = self.channel.uncompressed()
         self._names: Optional[dict[int, str]] = None  # id(parameter) -> name (register)
         self._order: Optional[dict[int, str]] = None  # id(parameter) -> param<n> (no names: the first iteration)
@@ -121,8 +155,65 @@ class CompressedHookState:
         self._defer_next = True  # defer the next iteration to its last bucket (this process's first; after a load)
         self._deferring = False
         self._pending: list = []  # (buffer, parameters, future) of the deferred iteration
-        self._homes_of: Optional[tuple] = None  # (layout, its _homes())
+        # megacomp.optimizer.ddp_residuals' caches while the state moves into a new layout
+        self._homes_of: Optional[tuple] = None  # (layout, its parameters' homes)
         self._full_server: Optional[dict] = None  # old buckets' gathered server errors during a move
+        self._full_hops: Optional[dict] = None  # hop by hop: old buckets' gathered residuals during a move
+        self._unfinished: list = []  # ([work], buffer, future) of hop-by-hop buckets to finish in this thread
+
+    # -- hops -----------------------------------------------------------------------------------------
+    def _build_hierarchy(self):
+        """This rank's HierarchicalGroup for ``process_group`` under :attr:`topology` (None: the group is flat), a
+        collective over the default group. ValueError (one line, raised alike on every rank before any collective)
+        for a topology of another world size, a subgroup without ``groups``, or a group that sits unevenly."""
+        topo, world = self.topology, dist.get_world_size()
+        if not isinstance(topo, Topology):
+            raise ValueError(f"megacomp DDP hook: topology must be a megacomp.placement.Topology (Topology.uniform("
+                             f"world, ranks_per_node) or detect_topology()), got {type(topo).__name__}")
+        if topo.world != world:
+            raise ValueError(f"megacomp DDP hook: the topology places {topo.world} ranks but the job has {world}; "
+                             f"build it for this job (Topology.uniform({world}, ranks_per_node) or detect_topology())")
+        pg = self.process_group
+        ranks = list(range(world)) if pg is None else sorted(dist.get_process_group_ranks(pg))
+        if self.groups is None:
+            if ranks != list(range(world)):
+                raise ValueError(f"megacomp DDP hook: process_group holds ranks {ranks} of the {world}, and building "
+                                 f"its hops is a collective over every rank: pass groups=[...] (every group's global "
+                                 f"ranks, the same list on every rank), or leave topology None (flat)")
+            groups = [ranks]
+        else:
+            groups = [sorted(int(r) for r in g) for g in self.groups]
+            if ranks not in groups:
+                raise ValueError(f"megacomp DDP hook: process_group's ranks {ranks} are not one of groups {groups}; "
+                                 f"list every group the job's hook states average over (this one included)")
+        try:
+            for g in groups:  # uneven groups: refused alike on every rank, before any new_group
+                topo.hops(g)
+        except ValueError as e:
+            raise ValueError(f"megacomp DDP hook: {e}".replace("(--dp-collectives flat)", "(topology=None)")) from None
+        return new_hierarchical_group(topo, groups, group=pg)
+
+    def describe(self) -> str:
+        """One line saying how the hook averages a compressed bucket: hop by hop (the hops, each hop's codec) or flat,
+        and why (logged at INFO when the state is built with a topology)."""
+        if self.hierarchy is not None:
+            hops = " then ".join(f"{h.link.replace('_', '-')} ({len(h.ranks)} ranks)" for h in self.hierarchy.hops)
+            codecs = ", ".join(f"{k.replace('_', '-')} {c}" for k, c in self.channel.hop_codecs.items())
+            slow = self.hierarchy.slowest.replace("_", "-")
+            return (f"megacomp DDP hook: buckets averaged hop by hop, {hops}, so the {slow} link carries each node's "
+                    f"bytes once: {codecs}")
+        if self.topology is None:
+            return "megacomp DDP hook: buckets averaged flat over process_group (no topology given)"
+        if self.channel.reduces_whole_buckets or self.channel.adaptive:
+            why = (f"{type(self.channel).__name__} sees whole buckets: PowerSGD, Accordion and LGC run flat, each "
+                   f"node's data crossing the slow link once per local rank")
+        else:
+            ranks = (list(range(self.topology.world)) if self.process_group is None
+                     else dist.get_process_group_ranks(self.process_group))
+            link = self.topology.slowest_link(ranks)
+            why = ("the group stays inside one node" if link == "intra_node"
+                   else "one rank of the group per node: nothing to combine first")
+        return f"megacomp DDP hook: buckets averaged flat over process_group ({why})"
 
     # -- registration and keys --------------------------------------------------------------------
     def register(self, ddp: torch.nn.Module) -> None:
@@ -169,16 +260,31 @@ class CompressedHookState:
         out = {"iteration": self.iteration, "codec": self.codec.to_dict(),
                "error_feedback": self.error_feedback.state_dict() if self.error_feedback else None,
                "layout": [[k, [[p, n] for p, n in entries]] for k, entries in self.layout],
-               "parameter_keys": self._kind()}
+               "parameter_keys": self._kind(), "hops": self._hops()}
+        if self.hierarchy is not None:
+            out["hop_codecs"] = {link: c.to_dict() for link, c in self.channel.hop_codecs.items()}
         if self.channel.reduces_whole_buckets:  # Q matrices, regimes (the residuals above)
             out["low_rank"] = self.channel.state_dict(error_feedback=False)
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`; the next iteration reduces in the saved layout (module docstring). ValueError:
-        saved with another codec. A state of the older index-keyed format: see the module docstring (one warning)."""
+        """Restore :meth:`state_dict`; the next iteration reduces in the saved layout (ddp_residuals). ValueError:
+        saved with another codec, or with other hops (hop by hop vs flat, other hop sizes: the residuals' shapes
+        differ). A state of the older index-keyed format: see ddp_residuals (one warning)."""
         if state["codec"] != self.codec.to_dict():
             raise ValueError(f"hook state was saved with codec {state['codec']}, this hook uses {self.codec.to_dict()}")
+        saved_hops, hops = [tuple(h) for h in state.get("hops", [])], [tuple(h) for h in self._hops()]
+        if saved_hops != hops:
+            shown = lambda hs: " then ".join(f"{link} x{n}" for link, n in hs) if hs else "flat"  # noqa: E731
+            raise ValueError(f"megacomp DDP hook: the state was saved {'hop by hop, ' if saved_hops else ''}"
+                             f"{shown(saved_hops)}, this hook runs {'hop by hop, ' if hops else ''}{shown(hops)}; its "
+                             f"residuals sit on other chunks: resume with the topology and process group it was "
+                             f"saved with")
+        mine = ({link: c.to_dict() for link, c in self.channel.hop_codecs.items()} if self.hierarchy is not None
+                else None)
+        if state.get("hop_codecs") != mine:
+            raise ValueError(f"hook state was saved with per-hop codecs {state.get('hop_codecs')}, this hook uses "
+                             f"{mine}")
         self.iteration = state["iteration"]
         if "layout" not in state:
             if not (state["error_feedback"] or {}).get("errors") and not state.get("low_rank"):
@@ -199,97 +305,24 @@ class CompressedHookState:
     def parameter_residuals(self) -> dict[str, torch.Tensor]:
         """Each parameter's flat worker residual (fp32, a slice of its bucket's) by parameter key, for the
         buckets of :attr:`layout` that hold one. (PowerSGD keeps its residuals per matrix, keys
-        ``<bucket key>/<j>``, already one per parameter: not listed here.)"""
-        out = {}
-        ef = self.error_feedback
-        for key, entries in self.layout if ef is not None else ():
-            e = ef.error(key + "/worker")
-            if e is None:
-                continue
-            e, pos = e.reshape(-1), 0
-            for pkey, n in entries:
-                out[pkey] = e[pos:pos + n]
-                pos += n
-        return out
+        ``<bucket key>/<j>``, already one per parameter: not listed here.) ValueError hop by hop: a rank there keeps
+        its node's residual on its chunk of each bucket, not per parameter (``state.error_feedback`` has them)."""
+        return _parameter_residuals(self)
 
-    # -- layout changes ---------------------------------------------------------------------------
-    def _homes(self) -> dict[str, tuple]:
-        """Parameter key -> (bucket key, offset, position in bucket) in :attr:`layout` (cached per layout)."""
-        if self._homes_of is not None and self._homes_of[0] is self.layout:
-            return self._homes_of[1]
-        homes = {}
-        for key, entries in self.layout:
-            pos = 0
-            for j, (pkey, n) in enumerate(entries):
-                homes[pkey] = (key, pos, j)
-                pos += n
-        self._homes_of = (self.layout, homes)
-        return homes
+    def _hops(self) -> list:
+        """[[link, subgroup size], ...] of the hops the channel runs (empty: flat), saved with the state."""
+        return [[h.link, len(h.ranks)] for h in self.hierarchy.hops] if self.hierarchy is not None else []
 
-    def _move_into(self, key: str, entries: list, homes: dict) -> None:
-        """Give bucket ``key`` its parameters' state from :attr:`layout`'s buckets, element-wise, if it has none
-        (a no-op for a bucket of that layout). A collective over more than two ranks (server errors)."""
-        if not self.layout or any(key == k for k, _ in self.layout):
-            return
-        ef = self.error_feedback
-        if self.channel.low_rank:  # per-matrix residual and Q: rename each parameter's
-            if not _matrix_tables(self.channel):  # LGC: one autoencoder per whole bucket; a new bucket trains its own
-                return
-            for j, (pkey, _) in enumerate(entries):
-                home = homes.get(pkey)
-                if home is not None:
-                    _rename(self.channel, ef, f"{home[0]}/{home[2]}", f"{key}/{j}")
-            return
-        if ef is None or key + "/worker" in ef.keys():
-            return
-        worker, steps = _assemble(ef, "/worker", entries, homes, lambda okey, e: e)
-        if steps:
-            _store(ef, key + "/worker", worker, max(steps))
-        world = dist.get_world_size(self.process_group)
-        numel = sum(n for _, n in entries)
-        if world > 2 and any(ef.error(k + "/server") is not None for k, _ in self.layout):
-            full = self._gather_server(world)
-            server, steps = _assemble(ef, "/server", entries, homes, lambda okey, e: full[okey])
-            if steps:
-                own = _owned(numel, world, dist.get_rank(self.process_group), self.channel.options.segment_numel)
-                _store(ef, key + "/server", server[own], max(steps))
-
-    def _gather_server(self, world: int) -> dict[str, torch.Tensor]:
-        """Every old bucket's full server error (each rank's shard put back in place), gathered from all ranks."""
-        if self._full_server is None:
-            ef, mine = self.error_feedback, {}
-            for k, entries in self.layout:
-                e = ef.error(k + "/server")
-                if e is not None:
-                    mine[k] = e.reshape(-1).float().cpu()
-            every = [None] * world
-            dist.all_gather_object(every, mine, group=self.process_group)
-            self._full_server = {}
-            for k, entries in self.layout:
-                if all(k in r for r in every):
-                    numel = sum(n for _, n in entries)
-                    full = torch.zeros(numel)
-                    for r in range(world):
-                        full[_owned(numel, world, r, self.channel.options.segment_numel)] = every[r][k]
-                    self._full_server[k] = full
-        return self._full_server
-
-    def _end_iteration(self, seen: Layout) -> None:
-        """Adopt this iteration's layout: move state into any bucket of it that has none, drop old buckets' keys."""
-        if [k for k, _ in seen] == [k for k, _ in self.layout]:
-            return
-        if self.layout:
-            homes = self._homes()
-            for key, entries in seen:
-                self._move_into(key, entries, homes)
-            _drop(self.channel, self.error_feedback, {k for k, _ in self.layout} - {k for k, _ in seen})
-        self._full_server = None
-        self.layout = seen
 
 
 def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average ``bucket.buffer()`` over the group with ``state.codec`` (state keyed by the
-    bucket's parameters; the first iteration of a process or after a load is reduced at its last bucket)."""
+    bucket's parameters; the first iteration of a process or after a load is reduced at its last bucket).
+
+    Flat (no ``state.topology``), a compressed bucket crosses the slow link once per rank of a node. With a topology
+    (and a group of several ranks on each of several nodes) it runs hop by hop and crosses it once per node; the
+    error is then that of quantizing each node's sum (per element at most the sum over nodes of the codec's bound on
+    the node's sum), not each rank's gradient (module docstring)."""
     buf, params = bucket.buffer(), bucket.parameters()
     if bucket.index() == 0:
         state.iteration += 1
@@ -304,11 +337,13 @@ def compressed_allreduce_hook(state: CompressedHookState, bucket) -> torch.futur
         return fut
     key, entries, shapes = state._bucket(params, buf.numel())
     state._seen.append((key, entries))
+    _drain(state)  # hop by hop: the previous bucket's finish, before this bucket's first collective
     if state.iteration > state.start_iter and state.layout and state.channel.compresses(buf.numel()):
-        state._move_into(key, entries, state._homes())
+        _move_into(state, key, entries)
     fut = _reduce(state, buf, key, shapes, bucket.index())
     if bucket.is_last():
-        state._end_iteration(state._seen)
+        _drain(state)
+        _adopt_layout(state, state._seen)
     return fut
 
 
@@ -316,6 +351,7 @@ def _run_deferred(state: CompressedHookState) -> None:
     """Reduce the deferred iteration: in the saved layout when it holds the same parameters as this DDP's buckets
     (gradients copied in and out), else bucket by bucket; then complete every bucket's future."""
     pending, state._pending, state._deferring = state._pending, [], False
+    _drain(state)
     if state._names is None and state._order is None:
         state._order = {}
         for _, params, _ in reversed(pending):
@@ -338,7 +374,9 @@ def _run_deferred(state: CompressedHookState) -> None:
                 pos += n
         for i, (key, entries) in enumerate(target):
             flat = torch.cat([where[pkey] for pkey, _ in entries])
-            _reduce(state, flat, key, [shapes[pkey] for pkey, _ in entries], i).wait()
+            fut = _reduce(state, flat, key, [shapes[pkey] for pkey, _ in entries], i)
+            _drain(state)
+            fut.wait()
             pos = 0
             for pkey, n in entries:
                 where[pkey].copy_(flat[pos:pos + n])
@@ -347,10 +385,12 @@ def _run_deferred(state: CompressedHookState) -> None:
     else:
         for i, ((buf, _, _), (key, entries, shp)) in enumerate(zip(pending, current)):
             if state.iteration > state.start_iter and state.layout and state.channel.compresses(buf.numel()):
-                state._move_into(key, entries, state._homes())
-            _reduce(state, buf, key, shp, i).wait()
+                _move_into(state, key, entries)
+            fut = _reduce(state, buf, key, shp, i)
+            _drain(state)
+            fut.wait()
         state._seen = [(k, es) for k, es, _ in current]
-    state._end_iteration(state._seen)
+    _adopt_layout(state, state._seen)
     for buf, _, fut in pending:
         fut.set_result(buf)
 
@@ -378,11 +418,22 @@ def _reduce(state: CompressedHookState, buf: torch.Tensor, key: str, shapes: lis
         state.channel.observe(key, buf, replicated=True)
     if work is None or state.channel.adaptive:
         fut.set_result(buf)
+    elif state.hierarchy is not None and state.overlap:  # its finish issues fast-hop collectives: in this thread
+        state._unfinished.append(([work], buf, fut))
     elif state.overlap and (world == 2 or use_duplex(state.process_group, channel.options.duplex, buf.device)):
         _finish_in_thread(work, buf, fut, index)
     else:
         _finish([work], buf, fut)
     return fut
+
+
+def _drain(state: CompressedHookState) -> None:
+    """Finish the hop-by-hop buckets issued so far (oldest first), in the hook's thread. Their finish all-gathers over
+    the fast hop (a backend collective), which must not race the next bucket's collectives from another thread; run
+    at the next bucket's hook call, the slow hop's transfer still overlaps the backward computation in between."""
+    while state._unfinished:
+        box, buf, fut = state._unfinished.pop(0)
+        _finish(box, buf, fut)
 
 
 def _param_views(buf: torch.Tensor, shapes: list) -> list[torch.Tensor]:
@@ -394,73 +445,6 @@ def _param_views(buf: torch.Tensor, shapes: list) -> list[torch.Tensor]:
         views.append(buf[pos:pos + n].view(s))
         pos += n
     return views
-
-
-def _owned(numel: int, world: int, rank: int, segment_numel: int) -> torch.Tensor:
-    """Positions of a bucket of ``numel`` elements whose server error ``rank`` keeps: its chunk of every pipeline
-    segment (megacomp.comm.collectives.server_numel), in the order it keeps them."""
-    parts, base = [], 0
-    for length in pipeline_segments(numel, segment_numel):
-        sizes = split_sizes(length, world)
-        start = base + sum(sizes[:rank])
-        parts.append(torch.arange(start, start + sizes[rank]))
-        base += length
-    return torch.cat(parts)
-
-
-def _assemble(ef, suffix: str, entries: list, homes: dict, full_of) -> tuple:
-    """A new bucket's error from its parameters' slices of the old buckets' (``full_of(old key, error)``: the old
-    bucket's error over all its elements); zeros where no old bucket held one. Returns (error, old step counts)."""
-    pieces, steps = [], []
-    for pkey, n in entries:
-        home = homes.get(pkey)
-        e = ef.error(home[0] + suffix) if home is not None else None
-        if e is None:
-            pieces.append(torch.zeros(n))
-            continue
-        full = full_of(home[0], e.reshape(-1))
-        pieces.append(full[home[1]:home[1] + n].float().cpu())
-        steps.append(ef.steps.get(home[0] + suffix, 0))
-    return torch.cat(pieces), steps
-
-
-def _store(ef, key: str, error: torch.Tensor, steps: int) -> None:
-    """Give ``key`` a moved error and its old step count (the periodic reset keeps its phase); the error is
-    stored as the ErrorFeedback's storage keeps it (re-rounded for int8/bf16)."""
-    ef._store(key, error)  # the ErrorFeedback's own storage path (fp32 / bf16 / int8)
-    ef.steps[key] = steps
-
-
-def _matrix_tables(channel) -> list:
-    """PowerSGD's per-matrix state tables (warm-start Q, start-matrix draws), keyed ``bucket/matrix``; none for
-    other channels (LGC's whole-bucket channel keeps one autoencoder per bucket, which cannot move elsewhere)."""
-    return [channel.q, channel.draws] if channel.low_rank and hasattr(channel, "q") else []
-
-
-def _rename(channel, ef, old: str, new: str) -> None:
-    """Move PowerSGD's per-matrix state (residual, warm-start Q, start-matrix draws) from key ``old`` to ``new``,
-    unless ``new`` has state already (moved, and maybe updated, earlier in this iteration)."""
-    if old == new or any(new in t for t in _matrix_tables(channel)) or (ef is not None and ef.error(new) is not None):
-        return
-    if ef is not None and ef.error(old) is not None:
-        _store(ef, new, ef.error(old).clone(), ef.steps.get(old, 0))
-    for table in _matrix_tables(channel):
-        if old in table:
-            table[new] = table[old]
-
-
-def _drop(channel, ef, keys: set) -> None:
-    """Forget the state of buckets no longer in the layout (after it was moved into the new buckets)."""
-    if not keys:
-        return
-    prefixes = tuple(k + "/" for k in keys)
-    if ef is not None:
-        for k in [k for k in ef.keys() if k.startswith(prefixes)]:
-            ef.reset(k)
-            ef.steps.pop(k, None)
-    for table in _matrix_tables(channel):
-        for k in [k for k in table if k.startswith(prefixes)]:
-            del table[k]
 
 
 def _finish_in_thread(work, buf: torch.Tensor, fut: torch.futures.Future, index: int) -> None:
