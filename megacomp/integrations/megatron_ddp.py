@@ -38,6 +38,10 @@ ValueError naming the setting): ``num_distributed_optimizer_instances > 1`` (par
 its inter-instance all-reduce), ``reduce_scatter_with_fp32_accumulation`` (megatron's own all-to-all
 reduce-scatter), the 0.19 layer-wise optimizer's variable-size parameter gather (``overlap_param_gather``
 without the distributed optimizer), and quantized (FP8 / MXFP8 / NVFP4) parameters.
+
+Across nodes: the bucket reduce-scatter and parameter all-gather run flat over megatron-core's DP group, so a
+node's data crosses its slow link once per rank of the group on the node (megacomp's own sharded optimizer,
+DDP hook and FSDP2 integration run hop by hop instead: megacomp.comm.hierarchical).
 """
 from __future__ import annotations
 

@@ -52,6 +52,9 @@ timeout. Codec or shape mismatches inside one quorum raise megacomp's validation
 
 The Lighthouse: ``python -m megacomp.integrations.torchft --bind [::]:29510 --min-replicas 1`` (scripts/
 torchft_lighthouse.sh) runs torchft's ``LighthouseServer``.
+
+Across nodes: traffic between replica groups runs over torchft's process group, flat (each rank of a group
+exchanges with the ranks at its position in the other groups, as the outer groups of megacomp.outer do).
 """
 from __future__ import annotations
 

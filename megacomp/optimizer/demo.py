@@ -39,6 +39,9 @@ inf/NaN on any rank is skipped everywhere (no momentum change) and counted.
 Failure behaviour: ``compression_topk`` < 1, ``compression_chunk`` < 1, ``compression_decay`` outside
 [0, 1) or a value codec with structure or error feedback raise ValueError at construction; a checkpoint
 from another layout, DP size or codec raises ValueError naming the difference.
+
+Across nodes: each rank's top-k message is all-gathered flat over the DP group, so it crosses the slow link to
+every rank of the other nodes (an all-gather of distinct messages: combining them per node would not shrink it).
 """
 from __future__ import annotations
 

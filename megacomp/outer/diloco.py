@@ -41,6 +41,10 @@ State (checkpointed by :meth:`DiLoCo.state_dict`): theta_{t-1} per fragment (fp3
 (or NoLoCo's) momentum per fragment, the inner-step and exchange counters (position in the cycle; NoLoCo's
 group draws), exchanges in flight (completed and kept with the step they apply at), and the outer
 channel's error feedback and stream.
+
+Across nodes and sites: the outer exchange runs flat over the outer groups (the ranks at one position in every
+replica); each rank exchanges the pseudo-gradient of the parameters it holds, so ranks of a replica that hold the same
+parameters (inner data parallelism) each send theirs across the slow link: not hop by hop (megacomp.comm.hierarchical).
 """
 from __future__ import annotations
 

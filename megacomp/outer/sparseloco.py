@@ -26,6 +26,9 @@ Error bound: the applied step is alpha times the exact mean of the decoded Dhat_
 R-term sum); whatever the codec drops stays in e_r and is sent later, so sum over steps of Dhat_r plus the
 final e_r telescopes to the decayed sum of the Delta_r. With an identity codec, beta = 0 and alpha = 1 the
 step is theta - mean(Delta_r) = mean(theta_r) up to fp32 round-off.
+
+Across nodes and sites: the replicas' messages are all-gathered flat over the outer groups (one rank per replica and
+position); ranks of a replica that hold the same parameters each send theirs across the slow link (not hop by hop).
 """
 from __future__ import annotations
 
