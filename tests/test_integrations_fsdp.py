@@ -62,6 +62,28 @@ def _params(model):
     return {n: p.full_tensor().clone() for n, p in model.named_parameters()}
 
 
+def _resume_through_dcp(build, path, done: int, more: int, after_save):
+    """Train ``done`` steps of a fresh ``build()``, save through DCP (``after_save(comp)`` read then), train ``more``;
+    then ``build()`` again, load, train the same ``more``. Returns (what after_save read, (losses, parameters) straight
+    on, the same resumed)."""
+    model, comp, opt = build()
+    comm.reset_stats()
+    _steps(model, opt, 0, done)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "megacomp": comp}, checkpoint_id=path)
+    seen = after_save(comp)
+    straight = _steps(model, opt, done, more), _params(model)
+    parallel_state.destroy_model_parallel()
+    model, comp, opt = build()
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "megacomp": comp}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    resumed = _steps(model, opt, done, more), _params(model)
+    parallel_state.destroy_model_parallel()
+    return seen, straight, resumed
+
+
 def _off_body(rank, world, per_node=0):
     out = {}
     for mode in ("stock", "megacomp"):
@@ -124,23 +146,8 @@ def _resume_body(rank, world, path):
         comp = FSDPCompression(LOSSY).apply(model)
         return model, comp, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    model, comp, opt = build()
-    comm.reset_stats()
-    _steps(model, opt, 0, 3)
-    wire = comm.stats()
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "megacomp": comp}, checkpoint_id=path)
-    keys = sorted(comp.channels.dp_gradient.error_feedback.keys())
-    straight = _steps(model, opt, 3, 2), _params(model)
-    parallel_state.destroy_model_parallel()
-
-    model, comp, opt = build()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "megacomp": comp}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    resumed = _steps(model, opt, 3, 2), _params(model)
-    parallel_state.destroy_model_parallel()
+    (wire, keys), straight, resumed = _resume_through_dcp(
+        build, path, 3, 2, lambda comp: (comm.stats(), sorted(comp.channels.dp_gradient.error_feedback.keys())))
     assert straight[0] == resumed[0]
     differ = [n for n in straight[1] if not torch.equal(straight[1][n], resumed[1][n])]
     assert not differ, differ
@@ -318,22 +325,8 @@ def _hop_resume_body(rank, world, path):
         comp = FSDPCompression(LOSSY, topology=topo).apply(model)
         return model, comp, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
-    model, comp, opt = build()
-    _steps(model, opt, 0, 2)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "megacomp": comp}, checkpoint_id=path)
-    ef = comp.unit_channels["<root>"][0].error_feedback
-    keys = sorted(ef.keys())
-    straight = _steps(model, opt, 2, 2), _params(model)
-    parallel_state.destroy_model_parallel()
-
-    model, comp, opt = build()
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd, "megacomp": comp}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    resumed = _steps(model, opt, 2, 2), _params(model)
-    parallel_state.destroy_model_parallel()
+    keys, straight, resumed = _resume_through_dcp(
+        build, path, 2, 2, lambda comp: sorted(comp.unit_channels["<root>"][0].error_feedback.keys()))
     differ = [n for n in straight[1] if not torch.equal(straight[1][n], resumed[1][n])]
     return keys, straight[0] == resumed[0], differ
 
