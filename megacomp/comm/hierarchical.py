@@ -58,8 +58,12 @@ class HierarchicalChannel(Channel):
         codec: the path's setting: a codec (for the slowest hop; the faster ones travel uncompressed), a per-hop
             mapping (``{"inter_node": "int4", "intra_node": "bf16"}``) or a ``HopCodecs``.
         group: the ``HierarchicalGroup`` (megacomp.comm.hop_groups.new_hierarchical_group).
-        error_feedback, min_compress_numel, options, generator, stats, probe: as :class:`Channel`; error feedback
-            applies on every lossy hop, a residual per hop.
+        error_feedback: as :class:`Channel`; it applies on every lossy hop, a residual per hop.
+        min_compress_numel: as :class:`Channel` (the whole message decides; the stages then compress regardless).
+        options: as :class:`Channel`.
+        generator: as :class:`Channel` (one stream for every hop).
+        stats: as :class:`Channel` (every hop records into it, under its link's tag).
+        probe: as :class:`Channel`.
 
     ``codec`` (what owners read) is the slowest hop's codec; ``hop_codecs`` has every hop's.
     """
