@@ -161,6 +161,18 @@ def _check_even(members: dict, unit: str, needs: str, fix: str) -> None:
                          f"collectives (--dp-collectives flat)")
 
 
+def check_topology(topology, world: int, owner: str) -> Topology:
+    """``topology`` when it is a :class:`Topology` of ``world`` ranks; else ValueError (one line, naming ``owner``, the
+    caller the user called, and how to build one for this job)."""
+    if not isinstance(topology, Topology):
+        raise ValueError(f"{owner}: topology must be a megacomp.placement.Topology (detect_topology() or "
+                         f"Topology.uniform(world, ranks_per_node)), got {type(topology).__name__} {topology!r}")
+    if topology.world != world:
+        raise ValueError(f"{owner}: the topology places {topology.world} ranks but the job has {world}; build it for "
+                         f"this job (detect_topology() or Topology.uniform({world}, ranks_per_node))")
+    return topology
+
+
 # -- from the launcher --------------------------------------------------------------------------------------
 def launcher_placement(environ: Mapping[str, str] = os.environ) -> dict:
     """What this process's launcher says about its node: ``{"source", "node", "local_size"}``, where ``node`` is a

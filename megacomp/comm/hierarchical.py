@@ -88,7 +88,7 @@ class HierarchicalChannel(Channel):
                                 error_feedback=None if self.hop_codecs[h.link].is_identity else self.error_feedback,
                                 generator=self.generator, stats=self.stats)
                         for h in group.hops]
-        self._plain = Channel(name, None, group=group.group, options=self.options, stats=self.stats)
+        self._plain = self.uncompressed()
 
     def __repr__(self) -> str:
         ef = f", error_feedback={self.error_feedback.config}" if self.error_feedback is not None else ""
@@ -111,7 +111,7 @@ class HierarchicalChannel(Channel):
 
     def without_error_feedback(self) -> "HierarchicalChannel":
         """The same hops and codecs without error feedback."""
-        return HierarchicalChannel(self.name, {k: c for k, c in self.hop_codecs.items()}, group=self.hierarchy,
+        return HierarchicalChannel(self.name, dict(self.hop_codecs), group=self.hierarchy,
                                    min_compress_numel=self.min_compress_numel, options=self.options, stats=self.stats)
 
     def worker_numel(self, numel: int) -> int:
@@ -151,6 +151,18 @@ class HierarchicalChannel(Channel):
             raise ValueError(f"megacomp channel {self.name!r}: a compressed exchange supports ReduceOp SUM and AVG, got "
                              f"{op_name(op)}; use SUM or AVG, or an uncompressed codec")
 
+    def _reduce_up(self, x: torch.Tensor, key: str, tag: str, check_finite: bool, validate) -> list:
+        """``x`` reduce-scattered over every hop but the slowest, fastest first: [x, after hop 0, ...] (the last is
+        what the slowest hop exchanges)."""
+        chain = [x]
+        for i, (h, ch) in enumerate(zip(self.hierarchy.hops[:-1], self._stages[:-1])):
+            out = torch.empty(chain[-1].numel() // len(h.ranks), dtype=x.dtype, device=x.device)
+            ch.reduce_scatter_tensor(out, chain[-1], key=self._hop_key(key, h.link, False),
+                                     check_finite=check_finite and i == 0, tag=self._hop_tag(tag, h.link, False),
+                                     validate=validate)
+            chain.append(out)
+        return chain
+
     @staticmethod
     def _hop_tag(tag: str, link: str, last: bool) -> str:
         return tag if last else f"{tag}@{link}"
@@ -176,13 +188,7 @@ class HierarchicalChannel(Channel):
         flat = tensor.reshape(-1)
         x = torch.zeros(-(-n // faster) * faster, dtype=tensor.dtype, device=tensor.device)
         x[:n] = flat
-        chain = [x]  # chain[i]: the input of hop i's stage
-        for i, (h, ch) in enumerate(zip(hops[:-1], stages[:-1])):
-            out = torch.empty(chain[-1].numel() // len(h.ranks), dtype=x.dtype, device=x.device)
-            ch.reduce_scatter_tensor(out, chain[-1], key=self._hop_key(key, h.link, False),
-                                     check_finite=check_finite and i == 0, tag=self._hop_tag(tag, h.link, False),
-                                     validate=validate)
-            chain.append(out)
+        chain = self._reduce_up(x, key, tag, check_finite, validate)  # chain[i]: the input of hop i's stage
         work = stages[-1].all_reduce(chain[-1], key=key, tag=tag, validate=validate, async_op=True,
                                      check_finite=check_finite and len(hops) == 1)
         world = len(self.hierarchy.ranks)
@@ -212,16 +218,11 @@ class HierarchicalChannel(Channel):
             return self._plain.reduce_scatter_tensor(output, input, op, async_op=async_op, key=key,
                                                      check_finite=check_finite, tag=tag, validate=validate)
         self._check_op(op)
-        hops, stages = self.hierarchy.hops, self._stages
         # chunks in hop order: position p holds the chunk of the rank the hops leave at p
         x = input.reshape(world, m).index_select(0, self.hierarchy.order(input.device)).reshape(-1)
-        for i, (h, ch) in enumerate(zip(hops[:-1], stages[:-1])):
-            out = torch.empty(x.numel() // len(h.ranks), dtype=x.dtype, device=x.device)
-            ch.reduce_scatter_tensor(out, x, key=self._hop_key(key, h.link, False), check_finite=check_finite and i == 0,
-                                     tag=self._hop_tag(tag, h.link, False), validate=validate)
-            x = out
+        x = self._reduce_up(x, key, tag, check_finite, validate)[-1]
         dst = output if output.is_contiguous() else torch.empty(m, dtype=output.dtype, device=output.device)
-        work = stages[-1].reduce_scatter_tensor(dst.view(-1), x, key=key, tag=tag, validate=validate, async_op=True)
+        work = self._stages[-1].reduce_scatter_tensor(dst.view(-1), x, key=key, tag=tag, validate=validate, async_op=True)
 
         def finish() -> None:
             if work is not None:

@@ -104,8 +104,8 @@ def new_hierarchical_group(topology: Topology, groups: Sequence[Sequence[int]], 
         ValueError: a group that sits unevenly over nodes or sites (megacomp.placement.Topology.hops)."""
     me = dist.get_rank()
     mine = None
-    for ranks in groups:
-        layout = topology.hops(list(ranks))
+    layouts = [topology.hops(list(ranks)) for ranks in groups]  # every group checked before any subgroup exists
+    for ranks, layout in zip(groups, layouts):
         found = []
         for link, subs in layout if len(layout) > 1 else ():
             for sub in subs:

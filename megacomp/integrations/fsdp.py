@@ -81,7 +81,7 @@ from ..comm import Channel, HierarchicalChannel, HierarchicalGroup, HopCodecs, h
 from ..comm.common import op_name
 from ..compression import Codec
 from ..config import TRAFFIC_PATHS, CommCompressionConfig
-from ..placement import LINKS, Topology
+from ..placement import LINKS, Topology, check_topology
 
 _DP_PATHS = ("dp_gradient", "dp_parameter")
 
@@ -165,15 +165,8 @@ def _shard_groups(module: FSDPModule) -> tuple[Any, Any]:
 def _check_topology(topology: Any) -> Optional[Topology]:
     if topology is None:
         return None
-    if not isinstance(topology, Topology):
-        raise ValueError(f"FSDPCompression: topology must be a megacomp.placement.Topology (detect_topology() or "
-                         f"Topology.uniform(world, ranks_per_node)) or None, got "
-                         f"{type(topology).__name__} {topology!r}")
-    if dist.is_initialized() and topology.world != dist.get_world_size():
-        raise ValueError(f"FSDPCompression: the topology places {topology.world} ranks ({topology.describe()}), the "
-                         f"job has {dist.get_world_size()}; build it for this job (detect_topology() or "
-                         f"Topology.uniform({dist.get_world_size()}, ranks_per_node))")
-    return topology
+    return check_topology(topology, dist.get_world_size() if dist.is_initialized() else topology.world
+                          if isinstance(topology, Topology) else 0, "FSDPCompression")
 
 
 def _describe(h: HierarchicalGroup) -> str:

@@ -79,7 +79,7 @@ import torch.distributed as dist
 from ..comm import HierarchicalChannel, make_channel, new_hierarchical_group, use_duplex
 from ..comm.hop_groups import HopCodecs, is_hop_mapping
 from ..compression import CodecLike, is_accordion, is_learned, is_low_rank, make_low_rank
-from ..placement import Topology
+from ..placement import Topology, check_topology
 from .ddp_residuals import Layout, _adopt_layout, _move_into, _parameter_residuals
 
 log = logging.getLogger("megacomp")
@@ -166,13 +166,8 @@ class CompressedHookState:
         """This rank's HierarchicalGroup for ``process_group`` under :attr:`topology` (None: the group is flat), a
         collective over the default group. ValueError (one line, raised alike on every rank before any collective)
         for a topology of another world size, a subgroup without ``groups``, or a group that sits unevenly."""
-        topo, world = self.topology, dist.get_world_size()
-        if not isinstance(topo, Topology):
-            raise ValueError(f"megacomp DDP hook: topology must be a megacomp.placement.Topology (Topology.uniform("
-                             f"world, ranks_per_node) or detect_topology()), got {type(topo).__name__}")
-        if topo.world != world:
-            raise ValueError(f"megacomp DDP hook: the topology places {topo.world} ranks but the job has {world}; "
-                             f"build it for this job (Topology.uniform({world}, ranks_per_node) or detect_topology())")
+        world = dist.get_world_size()
+        topo = check_topology(self.topology, world, "megacomp DDP hook")
         pg = self.process_group
         ranks = list(range(world)) if pg is None else sorted(dist.get_process_group_ranks(pg))
         if self.groups is None:
