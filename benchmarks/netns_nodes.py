@@ -42,6 +42,11 @@ time (rank 0's iteration_time_s, iterations 3..N, min-max); the loss at the last
 Output in ``--out``: netns_nodes.md, netns_nodes.json (benchmarks.plot_metrics.dump_results: one record per line),
 netns_nodes.png; rewritten after every run. Numbers are measured and printed, never asserted.
 
+Engines (``--engine``, default ``pretrain``): ``ddp_hook`` and ``fsdp2`` run benchmarks/netns_nodes_engines.py's
+worker instead of megacomp.pretrain (torch DDP with megacomp's comm hook, FSDP2 with FSDPCompression; the same
+model, batch and variants, the same metrics.jsonl lines), and the table's plan column becomes that module's target
+(:func:`benchmarks.netns_nodes_engines.target_bytes`), with an engine column.
+
 Pure functions (no namespaces needed): :func:`parse_net_dev`, :func:`attribute_bytes`, :func:`pretrain_argv`,
 :func:`micro_batch`, :func:`summarise_run`, :func:`table` (netns_nodes_check.py: :func:`expected_collective_bytes`,
 :func:`check_table`).
@@ -63,7 +68,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks import invocation
+from benchmarks import invocation, netns_nodes_engines
 from benchmarks.netns_bench import median_spread, rate_bytes_per_s, sh
 from benchmarks.plot_metrics import dump_results
 
@@ -289,7 +294,18 @@ def next_port(base: int) -> int:
     return base + _port_offset - 1
 
 
+def run_argv(engine: str, variant: str, m: int, iters: int, seed: int, log_dir: str, global_batch: int = 16,
+             extra: Sequence[str] = ()) -> list[str]:
+    """The module and arguments torchrun runs in each namespace: megacomp.pretrain (:func:`pretrain_argv`) or an
+    engine's worker (benchmarks.netns_nodes_engines.engine_argv), DP 2m."""
+    if engine == "pretrain":
+        return pretrain_argv(variant, m, iters, seed, log_dir, global_batch, extra)
+    return netns_nodes_engines.engine_argv(engine, variant, micro_batch(global_batch, 2 * m), iters, seed, log_dir,
+                                           extra)
+
+
 def run_one(args, rate: str, variant: str, m: int, seed: int) -> dict:
+    engine = getattr(args, "engine", "pretrain")
     keep = getattr(args, "keep_logs", "")
     if keep:
         Path(keep).mkdir(parents=True, exist_ok=True)
@@ -298,14 +314,16 @@ def run_one(args, rate: str, variant: str, m: int, seed: int) -> dict:
         log_dir = Path(d)
         before = [sysfs_tx(0), sysfs_tx(1)]
         t0 = time.time()
-        procs = launch(m, next_port(args.port), pretrain_argv(variant, m, args.iters, seed, str(log_dir / "log"),
-                                                              args.global_batch, shlex.split(args.extra_args)), log_dir)
+        procs = launch(m, next_port(args.port), run_argv(engine, variant, m, args.iters, seed, str(log_dir / "log"),
+                                                         args.global_batch, shlex.split(args.extra_args)), log_dir)
         samples = wait_sampling(procs, log_dir / "log" / "metrics.jsonl", args.timeout, log_dir)
         run_s = time.time() - t0
         after = [sysfs_tx(0), sysfs_tx(1)]
         metrics = [json.loads(x) for x in (log_dir / "log" / "metrics.jsonl").read_text().splitlines()]
     att = attribute_bytes(samples, SKIP, args.iters)
-    return {"rate": rate, "rate_Bps": rate_bytes_per_s(rate), "variant": variant, "variant_args": VARIANTS[variant],
+    variant_args = VARIANTS[variant] if engine == "pretrain" else netns_nodes_engines.VARIANTS[variant]
+    return {"engine": engine, "rate": rate, "rate_Bps": rate_bytes_per_s(rate), "variant": variant,
+            "variant_args": variant_args,
             "m": m, "dp": 2 * m, "seed": seed, "iters": args.iters, "global_batch": args.global_batch,
             "extra_args": args.extra_args, "source": args.source, "run_s": run_s, "samples": len(samples),
             "first_iteration_done_s": next((t - t0 for t, lines, *_ in samples if lines >= 1), None),
@@ -327,14 +345,18 @@ def plot(records: list[dict], path: Path) -> Optional[Path]:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     rates = list(dict.fromkeys(r["rate"] for r in records))
-    for key in dict.fromkeys((r["variant"], r["rate"]) for r in records):
-        rows = sorted((r for r in records if (r["variant"], r["rate"]) == key), key=lambda r: r["m"])
+    engines = list(dict.fromkeys(r.get("engine", "pretrain") for r in records))
+    for key in dict.fromkeys((r["variant"], r["rate"], r.get("engine", "pretrain")) for r in records):
+        rows = sorted((r for r in records if (r["variant"], r["rate"], r.get("engine", "pretrain")) == key),
+                      key=lambda r: r["m"])
         ms = sorted({r["m"] for r in rows})
         per_m = {m: [r for r in rows if r["m"] == m] for m in ms}
         tx = [statistics.mean((r["tx_per_iter"]["A"] + r["tx_per_iter"]["B"]) / 2e6 for r in per_m[m]) for m in ms]
         st = [statistics.mean(statistics.median(r["times_s"]) for r in per_m[m]) for m in ms]
-        style = dict(color=f"C{list(VARIANTS).index(key[0]) if key[0] in VARIANTS else 9}", marker="o",
-                     linestyle=["-", "--", ":", "-."][rates.index(key[1]) % 4], label=f"{key[0]} @ {key[1]}")
+        label = f"{key[0]} @ {key[1]}" if len(engines) == 1 and key[2] == "pretrain" else f"{key[2]} {key[0]} @ {key[1]}"
+        style = dict(color=f"C{list(VARIANTS).index(key[0]) if key[0] in VARIANTS else 9}",
+                     marker="osD^"[engines.index(key[2]) % 4],
+                     linestyle=["-", "--", ":", "-."][rates.index(key[1]) % 4], label=label)
         ax1.plot(ms, tx, **style)
         ax2.plot(ms, st, **style)
     for ax, ylabel in ((ax1, "MB leaving a node per iteration (veth tx)"), (ax2, "median iteration time (s)")):
@@ -343,26 +365,34 @@ def plot(records: list[dict], path: Path) -> Optional[Path]:
         ax.minorticks_off()
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Two namespaces x m ranks, 3.44M GPT, global batch 16")
+    what = "" if engines == ["pretrain"] else f" ({', '.join(engines)})"
+    fig.suptitle(f"Two namespaces x m ranks, 3.44M GPT, global batch 16{what}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+ENGINE_NAMES = {"ddp_hook": "DDP comm hook", "fsdp2": "FSDP2"}
+
+
 def write(results: dict, out: Path) -> list[str]:
     """netns_nodes.md and netns_nodes.png from ``results`` (netns_nodes.json's object); returns the page's lines."""
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# Two-node pretraining over a shaped link: {len(results['records'])} runs", "",
+    engines = list(dict.fromkeys(r.get("engine", "pretrain") for r in results["records"]))
+    pretrain = engines in ([], ["pretrain"])
+    what = "pretraining" if pretrain else " / ".join(ENGINE_NAMES.get(e, e) for e in engines) + " training"
+    lines = [f"# Two-node {what} over a shaped link: {len(results['records'])} runs", "",
              f"Command: `{results['command']}` ({results['elapsed_s']:.0f} s). Two network namespaces, m ranks each "
              "(torchrun, static rendezvous), loopback inside, a veth pair with `tc tbf burst 1mbit` on both ends "
              "between; the 3.44M GPT (netns_dp_targets), DP 2m, global batch 16. Method and columns: "
-             "benchmarks/netns_nodes.py's docstring. 2 CPU cores shared by all 2m ranks and other work on the "
+             "benchmarks/netns_nodes.py's docstring" + ("" if pretrain else " and netns_nodes_engines.py's (engines, targets)")
+             + ". 2 CPU cores shared by all 2m ranks and other work on the "
              "machine: times are indicative, bytes are the measurement. Raw records: `netns_nodes.json`; "
              f"regenerate this page and `netns_nodes.png` by `python -m benchmarks.netns_nodes --from-results "
              f"--out {results['out']}`. Source measured: "
              f"{'; '.join(dict.fromkeys(str(r.get('source')) for r in results['records']))}.", "",
-             *table(results["records"]), ""]
+             *(table(results["records"]) if pretrain else netns_nodes_engines.table(results["records"])), ""]
     from benchmarks.netns_nodes_check import check_section  # its collectives_check.json, if any
     lines += check_section(out)
     if results.get("notes"):
@@ -379,11 +409,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--ranks-per-node", default="1,2,4", help="comma list of m (ranks in each namespace)")
+    p.add_argument("--engine", choices=("pretrain", *netns_nodes_engines.ENGINES), default="pretrain",
+                   help="what trains: megacomp.pretrain, or torch DDP with megacomp's hook, or FSDP2 (module docstring)")
     p.add_argument("--variants", default="none,flat", help="comma list of " + ",".join(VARIANTS))
     p.add_argument("--seeds", default="1")
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--global-batch", type=int, default=16, help="samples per iteration, for every m")
-    p.add_argument("--extra-args", default="", help="more megacomp.pretrain flags, one string")
+    p.add_argument("--extra-args", default="", help="more megacomp.pretrain (or engine worker) flags, one string")
     p.add_argument("--port", type=int, default=29831)
     p.add_argument("--timeout", type=float, default=900, help="seconds per run")
     p.add_argument("--out", default="benchmarks/results/netns_nodes")
@@ -419,7 +451,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         out.mkdir(parents=True, exist_ok=True)
                         (out / "netns_nodes.json").write_text(dump_results(results))
                         write(results, out)
-                        print(table(results["records"])[-1], flush=True)
+                        print((table if args.engine == "pretrain" else netns_nodes_engines.table)(
+                            results["records"])[-1], flush=True)
     finally:
         teardown()
     print("\n".join(write(results, out)))
