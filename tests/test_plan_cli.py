@@ -58,7 +58,8 @@ def test_bad_input_is_one_line(capsys):
     for args, msg in ((["--hardware", "x100"], "unknown hardware 'x100'"),
                       (["--layout", "3x2x4"], "does not match 32 GPUs"),
                       (["--nodes", "5"], "do not divide into 5 nodes"),
-                      (["--inter-site", "fast"], "link 'fast'")):
+                      (["--inter-site", "fast"], "link 'fast'"),
+                      (["--backend", "mpi"], "unknown backend 'mpi': use one of nccl, gloo")):
         assert cli.main(["--model", str(REPO / "configs" / "gpt_125m.yaml"), "--gpus", "32", *args]) == 2
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and msg in lines[0], lines

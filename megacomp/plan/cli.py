@@ -11,8 +11,8 @@ config) and ``pretrain.yaml`` (the model's config with the layout, the method's 
 ``compression: compression.yaml``: ``python -m megacomp.pretrain --config OUT/pretrain.yaml``), and a plot of step
 time against the slowest link's bandwidth for the top methods (``step_vs_bandwidth.png``, with matplotlib).
 
-Failure behaviour: unknown hardware, a link that does not parse, GPUs that do not divide into nodes and sites,
-or a ``--layout`` that does not divide, print one line naming the fix and exit with status 2.
+Failure behaviour: unknown hardware or backend, a link that does not parse, GPUs that do not divide into nodes and
+sites, or a ``--layout`` that does not divide, print one line naming the fix and exit with status 2.
 """
 from __future__ import annotations
 
@@ -159,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(latency 3 us and efficiency 0.8 when not given)")
     p.add_argument("--inter-node", default="3200gbit,10us", help="per-node link between nodes of a site (10 us, 0.9 when not given)")
     p.add_argument("--inter-site", default="100gbit,20ms", help="per-site link between sites (20 ms, 0.9 when not given)")
+    p.add_argument("--backend", default="nccl", help="the collectives' backend: nccl (GPUs, default) or gloo (CPU "
+                   "training): it decides the bytes each link carries (docs/guide/plan.md)")
     p.add_argument("--layout", help="fix the layout as TPxPPxDP (e.g. 4x2x32) instead of searching")
     p.add_argument("--choose", help="write this method's files instead of the fastest's")
     p.add_argument("--out", help="folder for compression.yaml, pretrain.yaml and step_vs_bandwidth.png")
@@ -174,7 +176,7 @@ def run(argv=None) -> list[StepEstimate]:
     if a.mfu:
         dev = dataclasses.replace(dev, mfu=a.mfu)
     cluster = Cluster(dev, a.gpus, a.nodes, a.sites, parse_link(a.intra_node, 3e-6, 0.8),
-                      parse_link(a.inter_node, 10e-6), parse_link(a.inter_site, 20e-3))
+                      parse_link(a.inter_node, 10e-6), parse_link(a.inter_site, 20e-3), backend=a.backend)
     model = ModelSpec.from_yaml(a.model)
     if a.layout:
         try:
@@ -197,7 +199,8 @@ def run(argv=None) -> list[StepEstimate]:
         raise ValueError(f"no method fits {model.name} in {dev.memory_bytes / 2 ** 30:.0f} GiB per {dev.name} on any "
                          f"layout: add GPUs or a bigger device")
     print(f"megacomp plan: {model.name} ({model.params / 1e9:.2f}B parameters, {model.tokens_per_iteration:,} tokens "
-          f"per step) on {cluster.gpus} x {dev.name} in {cluster.nodes} nodes, {cluster.sites} sites; links: "
+          f"per step) on {cluster.gpus} x {dev.name} in {cluster.nodes} nodes, {cluster.sites} sites, "
+          f"{cluster.backend}; links: "
           + "; ".join(f"{t.replace('_', '-')} {cluster.link(t)}" for t in TIERS))
     print(f"assumed: MFU {dev.mfu:g}, codec {dev.codec_Bps / 1e9:.0f} GB/s, link efficiencies as given; local-step "
           f"methods: one replica per site ({replicas})")

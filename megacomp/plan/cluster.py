@@ -8,8 +8,12 @@ Bandwidths are one direction: ``intra_node`` per GPU (NVLink), ``inter_node`` pe
 its NICs), ``inter_site`` per site (all nodes of a site share the site's uplink). Ranks fill nodes in order and
 nodes fill sites in order (rank r sits on node r // gpus_per_node), which is what torchrun and Slurm do.
 
-Failure behaviour: an unknown device name, a link text that does not parse or a GPU count that does not divide
-into the nodes and sites raises ValueError in one line naming the fix.
+``backend`` is the torch.distributed backend the run's collectives use (:data:`BACKENDS`): it decides the
+algorithm, so the bytes each link carries (megacomp.plan.estimate.phases), e.g. ``Cluster(..., backend="gloo")``
+for CPU training over gloo.
+
+Failure behaviour: an unknown device name or backend, a link text that does not parse or a GPU count that does not
+divide into the nodes and sites raises ValueError in one line naming the fix.
 """
 from __future__ import annotations
 
@@ -18,6 +22,11 @@ from dataclasses import dataclass, field
 
 TIERS = ("intra_node", "inter_node", "inter_site")
 """The link kinds, fastest first."""
+BACKENDS = ("nccl", "gloo")
+"""The collective backends the plan models: ``nccl`` (GPU tensors; ring collectives, megacomp's compressed all-gather
+as NCCL's ring all-gather of the encoded bytes) and ``gloo`` with host tensors (CPU training; a reduce-scatter is
+gloo's all-reduce, megacomp's compressed all-gather a direct exchange). megacomp.plan.estimate.phases has the
+patterns of each."""
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,13 @@ class Cluster:
     """Per-node link between nodes of a site (8 x 400 Gbit/s InfiniBand by default)."""
     inter_site: Link = field(default_factory=lambda: Link(100e9 / 8, 20e-3, 0.9))
     """Per-site link between sites."""
+    backend: str = "nccl"
+    """The torch.distributed backend of the run's collectives, one of :data:`BACKENDS`."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}: use one of {', '.join(BACKENDS)} (gloo for CPU "
+                             f"training, nccl for GPUs)")
         if self.gpus < 1 or self.nodes < 1 or self.sites < 1:
             raise ValueError(f"gpus, nodes and sites must be >= 1, got {self.gpus}, {self.nodes}, {self.sites}")
         if self.gpus % self.nodes:

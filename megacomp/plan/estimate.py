@@ -12,7 +12,9 @@ on every tier (from the codecs, megacomp.plan.wire), codec time and what the met
 Outputs (StepEstimate): step seconds, compute seconds, bubble, exposed communication per path, compute utilisation
 (M x t_mb / step) and MFU, bytes per token per tier (every byte under the slowest link its hop crosses), memory per
 device. Assumptions (MFU, codec throughput, link efficiency) live in the Device and Link; nothing here is fitted.
-Gradients travel in fp32 (megacomp's main gradients), parameters and activations in bf16.
+Gradients travel in fp32 (megacomp's main gradients), parameters in the model's ``params_dtype`` (the sharded
+optimizer all-gathers them in it), activations in bf16. Per-tier bytes are payload: TCP/IP headers and the
+trainer's small per-iteration collectives (loss, statistics, argument checks) are left out (see docs/guide/plan.md).
 
 Error bound: none a priori (see benchmarks/results/plan for measured and published comparisons). Failure behaviour:
 a layout that does not fit raises ValueError (megacomp.plan.workload.Layout.check).
@@ -89,7 +91,7 @@ class StepEstimate:
         return out
 
 
-def _hops(op: str, p: int, lossy: bool) -> int:
+def _hops(op: str, p: int, lossy: bool, backend: str = "nccl") -> int:
     """Sequential message rounds of one call, each paying the latency of the slowest tier it crosses. megacomp's
     pipeline segments are all issued before the first is waited on, so their latencies overlap: paid once."""
     if p < 2:
@@ -97,9 +99,56 @@ def _hops(op: str, p: int, lossy: bool) -> int:
     if op == "send":
         return 1
     if not lossy:
-        return 2 * (p - 1) if op == "all_reduce" else p - 1
-    # megacomp: all-to-all (one round) then, for an all-reduce over > 2 ranks, a ring all-gather on NCCL
+        # gloo's reduce-scatter is its ring all-reduce (see :func:`phases`)
+        return 2 * (p - 1) if op == "all_reduce" or (op == "reduce_scatter" and backend == "gloo") else p - 1
+    # megacomp: all-to-all (one round) then, for an all-reduce over > 2 ranks, a ring all-gather on NCCL; on gloo
+    # the all-gather is one round of direct sends
+    if backend == "gloo":
+        return 2 if op == "all_reduce" and p > 2 else 1
     return 1 + (p - 1 if op in ("all_reduce", "all_gather") and p > 2 else 0)
+
+
+def phases(backend: str, op: str, spec, numel: int, p: int, dtype=FP32,
+           segment_numel: int = SEGMENT_NUMEL) -> list[tuple[str, float]]:
+    """``(pattern, bytes each rank sends)`` of one call of ``op`` over ``p`` ranks (patterns:
+    megacomp.plan.routing), per backend (megacomp.plan.cluster.BACKENDS):
+
+      nccl   uncompressed all-reduce, reduce-scatter, all-gather: ring. Compressed (megacomp.comm.collectives):
+             reduce-scatter direct (all-to-all of encoded chunks); all-gather a ring (all_gather_into_tensor of
+             the encoded bytes); all-reduce over two ranks direct, over more the reduce-scatter's direct exchange
+             then a ring all-gather of the re-encoded shards.
+      gloo   (host tensors) uncompressed all-reduce and all-gather: ring. Uncompressed reduce-scatter: gloo runs its
+             all-reduce on the whole input and keeps its chunk, so each rank sends all-reduce bytes, 2 (p-1) m
+             itemsize for m output elements: twice the ring's (measured over a shaped link and on loopback,
+             benchmarks/results/netns_nodes). Compressed: every exchange direct, the all-gathers too, since
+             megacomp.comm.transport moves encoded bytes as direction-split p2p on gloo (each rank sends its encoded
+             shard to each other rank; a node of m ranks sends m (p - m) shards out, not the ring's p - 1).
+
+    Bytes are megacomp.plan.wire's (megacomp.comm.stats' counts) except gloo's uncompressed reduce-scatter, which
+    megacomp.comm books at the ring's (p-1) m itemsize. ValueError for an unknown ``op``."""
+    codec = wire.codec_of(spec)
+    lossy = not codec.is_identity
+    if op == "send":
+        return [("chain", wire.send_bytes(codec, numel, dtype))]
+    if op == "all_reduce":
+        total = wire.all_reduce_bytes(codec, numel, p, dtype, segment_numel)
+        if not lossy:
+            return [("ring", total)]
+        if p == 2:
+            return [("direct", total)]
+        ag = (p - 1) * sum(n * max(codec.wire_bytes(s) for s in wire.split_counts(seg, p))
+                           for seg, n in wire.segment_counts(numel, segment_numel).items())
+        return [("direct", total - ag), ("direct" if backend == "gloo" else "ring", ag)]
+    if op == "reduce_scatter":
+        if lossy:
+            return [("direct", wire.reduce_scatter_bytes(codec, numel, p, dtype, segment_numel))]
+        if backend == "gloo":
+            return [("ring", wire.all_reduce_bytes(None, p * numel, p, dtype))]
+        return [("ring", wire.reduce_scatter_bytes(None, numel, p, dtype))]
+    if op == "all_gather":
+        return [("direct" if lossy and backend == "gloo" else "ring",
+                 wire.all_gather_bytes(codec, numel, p, dtype, segment_numel))]
+    raise ValueError(f"unknown collective {op!r}: use all_reduce, reduce_scatter, all_gather or send")
 
 
 def collective_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype=FP32,
@@ -113,27 +162,9 @@ def collective_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype
         return 0.0, {t: 0.0 for t in TIERS}
     codec = wire.codec_of(spec)
     lossy = not codec.is_identity
-    phases = []  # (pattern, bytes per rank)
-    if op == "send":
-        phases.append(("chain", wire.send_bytes(codec, numel, dtype)))
-    elif op == "all_reduce":
-        total = wire.all_reduce_bytes(codec, numel, p, dtype, segment_numel)
-        if not lossy:
-            phases.append(("ring", total))
-        elif p == 2:
-            phases.append(("direct", total))
-        else:
-            ag = (p - 1) * sum(n * max(codec.wire_bytes(s) for s in wire.split_counts(seg, p))
-                               for seg, n in wire.segment_counts(numel, segment_numel).items())
-            phases += [("direct", total - ag), ("ring", ag)]
-    elif op == "reduce_scatter":
-        phases.append(("direct" if lossy else "ring", wire.reduce_scatter_bytes(codec, numel, p, dtype, segment_numel)))
-    elif op == "all_gather":
-        phases.append(("ring", wire.all_gather_bytes(codec, numel, p, dtype, segment_numel)))
-    else:
-        raise ValueError(f"unknown collective {op!r}: use all_reduce, reduce_scatter, all_gather or send")
+    patterns = phases(cluster.backend, op, codec, numel, p, dtype, segment_numel)
     t_wire, used, tier_bytes = 0.0, set(), {t: 0.0 for t in TIERS}
-    for pattern, b in phases:
+    for pattern, b in patterns:
         loads = routes.tier_loads(groups_, pattern, b)
         t_wire += max(loads[t] / cluster.link(t).rate_Bps for t in TIERS)
         used |= {t for t in TIERS if loads[t] > 0}
@@ -142,7 +173,7 @@ def collective_seconds(routes: Routes, groups_, op: str, spec, numel: int, dtype
     in_numel = numel * (p if op == "reduce_scatter" else 1)
     segments = sum(wire.segment_counts(in_numel, segment_numel).values()) if lossy else 1
     alpha = max((cluster.link(t).latency_s for t in used), default=0.0)
-    t = _hops(op, p, lossy) * alpha
+    t = _hops(op, p, lossy, cluster.backend) * alpha
     if lossy and op != "send":
         E, D = codec_work(op, p)
         t_codec = (E + D) * in_numel * torch.empty((), dtype=dtype).element_size() / cluster.device.codec_Bps
@@ -245,6 +276,7 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
         dpg = inner
     shard = math.ceil(n_shard / len(dpg[0]))
     gdt = BF16 if method.gradient_dtype in ("float16", "bfloat16") else FP32
+    pdt = getattr(torch, model.params_dtype)
     window_bwd = 2.0 / 3.0 * t_mb  # the last micro-batch's backward: gradients are final only there
     window_fwd = 1.0 / 3.0 * t_mb
     if sched in ("zero1", "zero2", "acco", "local_steps"):
@@ -255,8 +287,8 @@ def estimate(model: ModelSpec, layout: Layout, cluster: Cluster, method: Method,
         lossy = {k: not codecs[k].is_identity for k in ("dp_gradient", "dp_parameter")}
         mat = {k: shard - vec if lossy[k] else shard for k in lossy}
         t_rs, tb_rs = dp_call(routes, dpg, "reduce_scatter", codecs["dp_gradient"], mat["dp_gradient"], gdt)
-        t_ag, tb_ag = dp_call(routes, dpg, "all_gather", codecs["dp_parameter"], mat["dp_parameter"], BF16)
-        for key, op, dt in (("dp_gradient", "reduce_scatter", gdt), ("dp_parameter", "all_gather", BF16)):
+        t_ag, tb_ag = dp_call(routes, dpg, "all_gather", codecs["dp_parameter"], mat["dp_parameter"], pdt)
+        for key, op, dt in (("dp_gradient", "reduce_scatter", gdt), ("dp_parameter", "all_gather", pdt)):
             if lossy[key] and vec > 0:
                 t_v, tb_v = collective_seconds(routes, dpg, op, None, vec, dt)
                 if key == "dp_gradient":

@@ -6,13 +6,16 @@ parameters in matmuls plus attention scores and the vocabulary projection); para
 + (V + s) / (12 L h))`` for a 4h MLP. Activation memory per layer ``s b h (34 + 5 a s / h)`` bytes (Korthikanti et al.
 2022, arXiv 2205.05198), divided by TP with sequence parallelism.
 
-Failure behaviour: a layout that does not divide the cluster, the heads, the layers or the batch raises ValueError
-in one line naming the fix (the same rules as megacomp.training.arguments.check).
+Failure behaviour: a layout that does not divide the cluster, the heads, the layers or the batch, or an unknown
+``params_dtype``, raises ValueError in one line naming the fix (the same rules as megacomp.training.arguments.check).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+PARAMS_DTYPES = ("float32", "bfloat16", "float16")
+"""Parameter dtypes pretraining accepts (megacomp.training.arguments.check)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,13 @@ class ModelSpec:
     """MLP width (default 4h)."""
     name: str = "gpt"
     """Label for tables."""
+    params_dtype: str = "bfloat16"
+    """Dtype of the model's parameters (pretraining's ``params_dtype``): the sharded optimizer all-gathers them in
+    it (``float32``, ``bfloat16`` or ``float16``)."""
+
+    def __post_init__(self) -> None:
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise ValueError(f"params_dtype {self.params_dtype!r}: use one of {', '.join(PARAMS_DTYPES)}")
 
     @property
     def ffn(self) -> int:
@@ -87,7 +97,7 @@ class ModelSpec:
         m, t = cfg.model, cfg.training
         name = str(path).rsplit("/", 1)[-1].removesuffix(".yaml")
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size,
-                   t.micro_batch_size, t.global_batch_size, m.ffn_hidden_size, name)
+                   t.micro_batch_size, t.global_batch_size, m.ffn_hidden_size, name, m.params_dtype)
 
 
 @dataclass(frozen=True)
