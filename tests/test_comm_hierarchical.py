@@ -165,6 +165,39 @@ def test_error_feedback_per_hop_survives_state_dict(fast):
         assert resumed_equal and not same_without_ef
 
 
+def _residual_body(rank, world, per_node, sites, link):
+    h = hier_group(world, per_node, sites)
+    ch = comm.HierarchicalChannel("dp", {hop: "bf16" for hop in h.links}, group=h, error_feedback="ef")
+    c = 64
+    ch.init_residuals("b0", world * c)
+    chunks, share = ch.residual_chunks(link)
+    e = ch.error_feedback.error(ch.residual_key("b0", link))  # the stored tensor (fp32 storage): set it in place
+    # small integers (bf16-exact, sums too): rank + 1, plus the element's place in its chunk, mod 4
+    e.copy_((rank + 1 + torch.arange(e.numel()) % c % 4).float())
+    out = torch.empty(c)
+    ch.reduce_scatter_tensor(out, torch.zeros(world * c), key="b0")  # sends exactly what the residuals owe
+    return chunks, share, out
+
+
+@pytest.mark.parametrize("world,per_node,sites,link", [(4, 2, 0, "inter_node"), (4, 2, 0, "intra_node"),
+                                                         (8, 2, 2, "inter_site"), (8, 2, 2, "inter_node"),
+                                                         (8, 2, 2, "intra_node")])
+def test_residual_chunks_say_where_each_hops_residual_lands(world, per_node, sites, link):
+    """What megacomp.training.reshard relies on to move hop-by-hop residuals: the chunks a hop's residual covers,
+    checked against the chunk each rank receives when the residuals are all a reduce-scatter sends."""
+    results = run_ranks(_residual_body, world, per_node, sites, link)
+    expected = [torch.zeros(64) for _ in range(world)]
+    holders = [0] * world
+    for r, (chunks, share, _) in enumerate(results):
+        assert len(chunks) == share
+        for k, g in enumerate(chunks):
+            expected[g] += r + 1 + torch.arange(64) % 4
+            holders[g] += 1
+    assert all(n == results[0][1] for n in holders)  # each chunk is owed by ``share`` ranks
+    for g, (_, _, out) in enumerate(results):
+        assert torch.equal(out, expected[g]), g
+
+
 def _bad_body(rank, world):
     h = hier_group(world, 2)
     errors = []

@@ -54,12 +54,27 @@ def _global_state(trainer) -> list:
                     out.append((kind, glob, dim, g.tp_rank, g.tp_size, tuple(p.shape), a - off,
                                 flat[a - lo:z - lo].clone()))
         if opt.ef is not None and b.compressed:  # the residual over the whole bucket, per DP rank: summed here
-            e = opt.ef.error(f"dp_gradient/b{b.index}/worker")
+            e = _bucket_residual(opt, b)
             for p, off in zip(b.params, b.offsets):
                 glob, dim = names[local_of[id(p)]]
                 vals = e[off:off + p.numel()].clone() if e is not None else torch.zeros(p.numel())
                 out.append((f"residual/dp{g.dp_size}", glob, dim, g.tp_rank, g.tp_size, tuple(p.shape), 0,
                             vals / g.dp_size))
+    return out
+
+
+def _bucket_residual(opt, b):
+    """This rank's DP-gradient residual of bucket ``b`` over the whole bucket (None: none yet): a flat exchange's as
+    kept; a hop-by-hop exchange's every lossy hop's, each added at the chunks it covers (torch's order)."""
+    ch = opt.grad_channel
+    if getattr(ch, "hierarchy", None) is None:
+        return opt.ef.error(f"dp_gradient/b{b.index}/worker")
+    chunk, out = b.padded // opt.world, torch.zeros(b.padded)
+    for link, codec in ch.hop_codecs.items():
+        e = None if codec.is_identity else opt.ef.error(ch.residual_key(f"dp_gradient/b{b.index}", link))
+        if e is not None:
+            for k, g in enumerate(ch.residual_chunks(link)[0]):
+                out[g * chunk:(g + 1) * chunk] += e[k * chunk:(k + 1) * chunk]
     return out
 
 
@@ -184,15 +199,23 @@ def test_finetune_from_another_layout(base, tp2):
 
 
 @pytest.mark.slow
-def test_error_feedback_residuals_keep_their_sum_at_another_dp_size(base, tmp_path):
+@pytest.mark.parametrize("source,resumed", [({"tensor_model_parallel_size": 2}, {}),
+                                             ({"tensor_model_parallel_size": 2}, {"ranks_per_node": 2}),
+                                             ({"ranks_per_node": 2}, {"tensor_model_parallel_size": 2})],
+                         ids=["flat-tp2dp2-to-dp4", "flat-tp2dp2-to-hops-dp4", "hops-dp4-to-flat-tp2dp2"])
+def test_error_feedback_residuals_keep_their_sum_at_another_dp_size(base, tmp_path, source, resumed):
+    """``ranks_per_node=2``: 2 nodes x 2 ranks, where DP 4 runs hop by hop (its residuals on the inter-node hop,
+    per node's chunk) and TP 2 x DP 2 flat (each DP group has one rank per node)."""
     cfg = replace(base, compression="loco4")
-    losses, state = _source(replace(cfg, tensor_model_parallel_size=2), 4, tmp_path / "ckpt")
-    _, _, resumed = _check_resume(cfg, 4, tmp_path / "ckpt", losses, state, lossy=True)
-    saved = {k[1]: v for k, v in state.items() if k[0] == "residual/dp2"}
+    losses, state = _source(replace(cfg, **source), 4, tmp_path / "ckpt")
+    _, _, resumed_state = _check_resume(replace(cfg, **resumed), 4, tmp_path / "ckpt", losses, state, lossy=True)
+    old_dp = 4 // source.get("tensor_model_parallel_size", 1)
+    new_dp = 4 // resumed.get("tensor_model_parallel_size", 1)
+    saved = {k[1]: v for k, v in state.items() if k[0] == f"residual/dp{old_dp}"}
     assert saved and any(v.abs().max() > 0 for v in saved.values())  # the codec left residuals to move
     for glob, before in saved.items():
-        after = resumed[("residual/dp4", glob)]  # sum over the 4 new DP ranks of e / 4
-        # each new residual is (e0 + e1) / 2 rounded once (|error| <= eps/2 (|e0| + |e1|) / 2), and both sides sum
-        # two or four terms in fp32 (<= 3 roundings of values up to max|e|): 8 eps max|e| covers them all
-        bound = 8 * torch.finfo(torch.float32).eps * before.abs().max().item()
+        after = resumed_state[(f"residual/dp{new_dp}", glob)]  # sum over the new DP ranks (and hops) of e / DP
+        # each new residual is the saved ranks' sum scaled once (one rounding each), and both sides sum at most four
+        # terms in fp32 (<= 3 roundings of values up to DP max|e|): 8 eps DP max|e| covers them all
+        bound = 8 * max(old_dp, new_dp) * torch.finfo(torch.float32).eps * before.abs().max().item()
         assert (after - before).abs().max().item() <= bound, glob

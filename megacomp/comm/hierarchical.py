@@ -44,7 +44,7 @@ from torch.distributed import ReduceOp
 from .channel import Channel
 from . import collectives
 from .common import op_name
-from .hop_groups import HierarchicalGroup, hop_codecs
+from .hop_groups import HierarchicalGroup, hop_codecs, residual_chunks
 from .options import CommOptions
 from .probe import ErrorProbe
 from .stats import StatsTable
@@ -133,6 +133,20 @@ class HierarchicalChannel(Channel):
             if not ch.codec.is_identity:
                 ch.init_residuals(self._hop_key(key, h.link, last), size, all_reduce and last)
             size //= len(h.ranks)
+
+    def residual_chunks(self, link: str) -> tuple[list[int], int]:
+        """For a reduce-scatter, where this rank's residual of hop ``link`` sits: (the chunks, as group ranks in
+        torch's order, its successive chunks cover; how many group ranks hold a residual over each). See
+        megacomp.comm.hop_groups.residual_chunks; the keys are :meth:`residual_key`'s."""
+        links = self.hierarchy.links
+        if link not in links:
+            raise ValueError(f"megacomp channel {self.name!r}: no {link} hop (its hops: {', '.join(links)})")
+        return residual_chunks(self.hierarchy.positions, [len(h.ranks) for h in self.hierarchy.hops],
+                               links.index(link), self.hierarchy.ranks.index(torch.distributed.get_rank()))
+
+    def residual_key(self, key: str, link: str) -> str:
+        """The error-feedback key of hop ``link``'s worker residual for messages keyed ``key``."""
+        return self._hop_key(key, link, link == self.hierarchy.slowest) + "/worker"
 
     def _faster_size(self) -> int:
         size = 1

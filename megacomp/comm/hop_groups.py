@@ -90,6 +90,23 @@ def hop_positions(layout: list[tuple[str, list[list[int]]]], ranks: Sequence[int
     return tuple(out)
 
 
+def residual_chunks(positions: Sequence[int], sizes: Sequence[int], hop: int, rank: int) -> tuple[list[int], int]:
+    """Where a hop's error-feedback residual sits: for group rank ``rank`` of a hierarchical reduce-scatter over hops
+    of ``sizes`` (fastest first) with chunk ``positions`` (:attr:`HierarchicalGroup.positions`), the residual of hop
+    ``hop`` lies on that hop's input: after the faster hops, the run of hop-order positions that share the rank's
+    digits on those hops. Returns (the group ranks' chunk indices, in torch's order, that the residual's successive
+    chunks cover; how many group ranks hold a residual over each of them). A flat exchange is ``sizes = [D]``,
+    ``positions = range(D)``: every chunk, held by all D ranks."""
+    span = 1
+    for s in sizes[hop:]:
+        span *= s
+    order = [0] * len(positions)
+    for g, p in enumerate(positions):
+        order[p] = g
+    start = positions[rank] // span * span
+    return order[start:start + span], span
+
+
 def new_hierarchical_group(topology: Topology, groups: Sequence[Sequence[int]], group=None,
                            timeout=None) -> Optional[HierarchicalGroup]:
     """This rank's :class:`HierarchicalGroup` for the one of ``groups`` (lists of global ranks, e.g. every DP

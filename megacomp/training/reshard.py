@@ -28,13 +28,18 @@ embedding's two gradient terms and of the gradient-norm sum: those continue with
 normalised update can amplify on elements whose gradient is near zero.
 
 Error feedback (the residual a lossy codec still owes the next message):
-* DP gradient residuals (kept per DP rank over the whole bucket, the input of the compressed reduce-scatter):
-  same DP size: each DP rank's residual moves, element by element, into its new buckets (exact). Another DP
-  size: every new DP rank starts from the mean of the saved ranks' residuals: the reduction divides the sum of
-  the residuals by the DP size, so ``sum_new / D_new = sum_saved / D_saved`` owes the next reduction exactly what
-  the saved ranks owed (up to the round-off of the mean), and a mean is within the bound each residual had.
-  int8-stored residuals, the two-level (hierarchy) layout, the residuals of a hop-by-hop DP exchange (per hop,
-  on a node's chunk: megacomp.comm.hierarchical) and the unsharded all-reduce's server residuals are reset instead; PowerSGD / Accordion state (per-matrix Q and residuals) starts fresh, as at step 0.
+* DP gradient residuals (a flat exchange keeps one per DP rank over the whole bucket, the input of the
+  compressed reduce-scatter; a hop-by-hop one (megacomp.comm.hierarchical) keeps one per lossy hop, on the chunks
+  that hop's input covers, e.g. the slow hop's on the node's chunk this rank sends). Same DP size, flat at both
+  layouts: each DP rank's residual moves, element by element, into its new buckets (exact). Otherwise the saved
+  residuals of every rank and hop are summed per element (``E``: the next reduction owed ``E / D_saved``, as it
+  sums every residual, then divides by the DP size) and spread evenly over the ranks holding each element at the
+  new layout: flat, every DP rank starts from ``E / D_saved``, the mean, within the bound each residual had; hop by
+  hop, the ``share`` ranks holding an element on the slowest lossy hop (one per node) get ``E x D_new / (D_saved x
+  share)``, m x the mean, the scale of the node sums that hop compresses. Either way ``sum_new / D_new = E /
+  D_saved``: the next reduction owes exactly what the saved ranks owed, up to one scaling's round-off.
+  int8-stored residuals and the two-level (hierarchy) layout are reset instead, as are the unsharded all-reduce's
+  server residuals; PowerSGD / Accordion state (per-matrix Q and residuals) starts fresh, as at step 0.
 * TP-backward and pipeline-gradient residuals (per layer and activation shape of the saved layout) are reset,
   and stochastic-rounding streams restart from their seeds.
 A reset is safe: a residual only carries the compression error of the last message into the next one; without
@@ -113,8 +118,10 @@ def _optimizer_map(model, optimizer) -> Optional[dict]:
     buckets = [{"padded": b.padded, "compressed": b.compressed, "state": order[id(m)], "group": b.group,
                 "params": [[by_id[id(p)], off, p.numel(), list(p.shape)] for p, off in zip(b.params, b.offsets)]}
                for b, m in zip(optimizer.buckets, optimizer.masters)]
+    hier = getattr(optimizer.grad_channel, "hierarchy", None)  # a hop-by-hop exchange: where its residuals sit
     return {"dp_size": optimizer.world, "sharded": optimizer.sharded, "hierarchy": optimizer.hierarchy is not None,
-            "hops": list(getattr(optimizer.grad_channel, "hop_codecs", {})), "buckets": buckets}
+            "dp_hops": [[h.link, len(h.ranks)] for h in hier.hops] if hier is not None else [],
+            "dp_positions": list(hier.positions) if hier is not None else None, "buckets": buckets}
 
 
 def layout_entries(model, optimizer, groups, where: str) -> dict[str, str]:
@@ -302,9 +309,8 @@ def _optimizer_reads(old: _Saved, names: dict, md_keys) -> dict[tuple, list[str]
                     ks.append(f"{prefix}masters.{i}")
                     ks += [k for k in md_keys if k.startswith(f"{prefix}optimizer.state.{b['state']}.")]
                 for d in range(opt["dp_size"]):
-                    k = f"optim/{entry}.dp_rank_{d}.error_feedback.errors.dp_gradient/b{i}/worker"
-                    if k in md_keys:
-                        ks.append(k)
+                    ks += [k for k in (_residual_key(entry, d, i, opt, h) for h in range(len(_hops(opt))))
+                           if k in md_keys]
                 plan[(entry, i)] = ks
     return plan
 
@@ -381,52 +387,109 @@ def _load_optimizer(optimizer, old: _Saved, names: dict, local_of: dict, got: di
     return notes
 
 
+def _hops(opt: dict) -> list:
+    """A saved DP exchange's hops, fastest first, as [link, size] (a flat exchange: one hop over the DP size)."""
+    return opt.get("dp_hops") or [["flat", opt["dp_size"]]]
+
+
+def _residual_key(entry: str, d: int, i: int, opt: dict, hop: int) -> str:
+    """The checkpoint key of saved DP rank ``d``'s residual of bucket ``i`` on hop ``hop`` (the slowest hop keeps
+    a flat exchange's key; a faster one adds ``@<link>``: megacomp.comm.hierarchical)."""
+    hops = _hops(opt)
+    link = "" if hop == len(hops) - 1 else f"@{hops[hop][0]}"
+    return f"optim/{entry}.dp_rank_{d}.error_feedback.errors.dp_gradient/b{i}{link}/worker"
+
+
+def _owed(got: dict, opt: dict, entry: str, i: int, ranks=None) -> torch.Tensor:
+    """Bucket ``i`` of ``entry`` (padded, flat, torch's order): the sum over the saved DP ``ranks`` (None: all) of
+    every hop's residual, each added at the chunks it covers (megacomp.comm.hop_groups.residual_chunks); over all
+    ranks, DP x what the next reduction owed (it sums every hop's residuals, then divides by the DP size)."""
+    from ..comm.hop_groups import residual_chunks
+
+    padded, hops, dp = opt["buckets"][i]["padded"], _hops(opt), opt["dp_size"]
+    positions, sizes = opt.get("dp_positions") or list(range(dp)), [size for _, size in hops]
+    chunk = padded // dp
+    out = torch.zeros(padded, dtype=torch.float32)
+    for d in range(dp) if ranks is None else ranks:
+        for h in range(len(hops)):
+            e = got.get(_residual_key(entry, d, i, opt, h))
+            if e is None:  # an uncompressed bucket or hop
+                continue
+            e = e.float().reshape(-1)
+            for k, g in enumerate(residual_chunks(positions, sizes, h, d)[0]):
+                out[g * chunk:(g + 1) * chunk] += e[k * chunk:(k + 1) * chunk]
+    return out
+
+
 def _dp_errors(optimizer, old: _Saved, names, got, local_of, groups):
-    """This rank's DP-gradient residual per new compressed bucket (or None: reset), their step counts, notes."""
+    """This rank's DP-gradient residual per new compressed bucket (or None: reset), their step counts, notes.
+
+    The saved residuals (every hop's, on the chunks each covers) are summed per element over the saved DP ranks:
+    ``E``, and the next reduction owed ``E / D_saved``. At the new layout each element's residual sits on one hop
+    (the slowest lossy one) and ``share`` ranks hold it (all D_new ranks flat; one per node on the inter-node hop);
+    each of them gets ``E x D_new / (D_saved x share)``, so their sum over D_new again owes ``E / D_saved`` (up to
+    the round-off of one scaling). Flat at both layouts that is the mean of the saved residuals, within the bound
+    each had; on a hop-by-hop exchange, whose slow hop compresses a node's sum of m ranks, it is m x that mean, the
+    scale of the node sums it corrects. At the same DP size, flat at both layouts, each rank's residual moves as is.
+    """
     ef = optimizer.ef
     if ef is None:
         return None, None, []
+    channel = optimizer.grad_channel
+    hier = getattr(channel, "hierarchy", None)
     why = None
     if ef.config.storage == "int8":
         why = "they are stored as int8 blocks of the saved buckets"
-    elif optimizer.grad_channel.reduces_whole_buckets:
+    elif channel.reduces_whole_buckets:
         why = "PowerSGD / Accordion state is per matrix of the saved layout"
     elif not optimizer.sharded and optimizer.world > 2:
         why = "the unsharded all-reduce's server residuals are per chunk of the saved DP size"
-    elif getattr(optimizer.grad_channel, "hop_codecs", None) or any(e["optim"].get("hops") for e in old.maps.values()):
-        why = "a hop-by-hop exchange keeps them per hop, on the chunk each node sends (megacomp.comm.hierarchical)"
+    elif any(e["optim"].get("hops") and "dp_hops" not in e["optim"] for e in old.maps.values()):
+        why = "the checkpoint predates the record of where hop-by-hop residuals sit"
     if why:
         return None, None, [f"DP gradient error feedback reset ({why}): a reset only drops the last reduction's "
                             f"compression error, as a skipped step does"]
-    old_dp = old.dp_size
-    same = old_dp == groups.dp_size
-    ranks = [groups.dp_rank] if same else list(range(old_dp))
+    old_dp, new_dp = old.dp_size, groups.dp_size
+    flat_saved = not any(e["optim"].get("dp_hops") for e in old.maps.values())
+    exact = flat_saved and hier is None and old_dp == new_dp
+    if hier is None:
+        key_of, chunks, share = (lambda b: f"dp_gradient/b{b.index}/worker"), list(range(new_dp)), new_dp
+    else:
+        link = [h.link for h in hier.hops if not channel.hop_codecs[h.link].is_identity][-1]
+        chunks, share = channel.residual_chunks(link)
+        key_of = lambda b: channel.residual_key(f"dp_gradient/b{b.index}", link)  # noqa: E731
+    cache: dict = {}
+
+    def owed(entry, i):
+        if (entry, i) not in cache:
+            cache[(entry, i)] = _owed(got, old.maps[entry]["optim"], entry, i, [groups.dp_rank] if exact else None)
+        return cache[(entry, i)]
+
+    scale = 1.0 if exact else new_dp / (old_dp * share)
     errors, steps = {}, {}
     step_keys = [k for k in got if ".error_feedback.steps." in k]
     count = int(got[step_keys[0]]) if step_keys else 0
+    dtype = torch.bfloat16 if ef.config.storage == "bf16" else torch.float32
     for b in optimizer.buckets:
         if not b.compressed:
             continue
         total = torch.zeros(b.padded, dtype=torch.float32)
-        for d in ranks:
-            def of(entry, i, d=d):
-                k = f"optim/{entry}.dp_rank_{d}.error_feedback.errors.dp_gradient/b{i}/worker"
-                opt = old.maps[entry]["optim"]
-                if k in got:
-                    return got[k].float()
-                return torch.zeros(opt["buckets"][i]["padded"], dtype=torch.float32)  # an uncompressed saved bucket
-            for p, off in zip(b.params, b.offsets):
-                glob, dim = names[local_of[id(p)]]
-                piece = _my_slice(_global(old, got, glob, of), dim, groups.tp_rank, groups.tp_size)
-                total[off:off + p.numel()] += piece.reshape(-1)
-        if not same:
-            total /= old_dp
-        key = f"dp_gradient/b{b.index}/worker"
-        errors[key] = total.to(torch.bfloat16 if ef.config.storage == "bf16" else torch.float32)
-        steps[key] = count
-    note = ("DP gradient error feedback: each DP rank's residual moved into its new buckets exactly" if same else
-            f"DP gradient error feedback: every DP rank starts from the mean of the {old_dp} saved ranks' residuals "
-            f"(the reduction owes sum/DP: the same total as saved, within the mean's round-off)")
+        for p, off in zip(b.params, b.offsets):
+            glob, dim = names[local_of[id(p)]]
+            total[off:off + p.numel()] = _my_slice(_global(old, got, glob, owed), dim, groups.tp_rank,
+                                                   groups.tp_size).reshape(-1)
+        chunk = b.padded // new_dp
+        mine = torch.cat([total[g * chunk:(g + 1) * chunk] for g in chunks])
+        errors[key_of(b)] = (mine if scale == 1.0 else mine * scale).to(dtype)
+        steps[key_of(b)] = count
+    if exact:
+        note = "DP gradient error feedback: each DP rank's residual moved into its new buckets exactly"
+    else:
+        where = (f"over the {link} hop's residuals (each element held by {share} of the {new_dp} DP ranks)"
+                 if hier is not None else f"over the {new_dp} DP ranks")
+        note = (f"DP gradient error feedback: the residuals of the {old_dp} saved DP ranks"
+                f"{' (every hop, on the chunks each covered)' if not flat_saved else ''} summed and spread {where} "
+                f"(the next reduction owes sum/DP: the same total as saved, within one scaling's round-off)")
     return errors, steps, [note]
 
 
@@ -436,6 +499,7 @@ def _fresh_channels(state: dict) -> tuple[dict, list[str]]:
     out, reset = {}, []
     for path, s in state.items():
         s = dict(s)
+        s.pop("hop_codecs", None)  # the saved layout's hops; the new layout may cross others (flat or hop by hop)
         ef = s.get("error_feedback")
         if ef is not None:
             if ef.get("errors"):
