@@ -68,3 +68,51 @@ def test_summary_and_table_row():
     assert rec["megacomp_intra_node_per_iter"] == 200 and rec["crossing_fraction"] == pytest.approx(50 / 50)
     row = nodes().table([rec])[-1]
     assert row.startswith("| 100mbit | hier (seed 1) | 2 | 4 | 0.00 / 0.00 |") and "4.7000" in row
+
+
+def engines():
+    import benchmarks.netns_nodes_engines
+
+    return benchmarks.netns_nodes_engines
+
+
+def test_engine_run_arguments():
+    argv = nodes().run_argv("fsdp2", "hier", 4, 12, 3, "/tmp/x")
+    assert argv[:4] == ["-m", "benchmarks.netns_nodes_engines", "--engine", "fsdp2"]
+    assert argv[argv.index("--micro-batch-size") + 1] == "2" and argv[argv.index("--seed") + 1] == "3"
+    assert argv[-4:] == ["--compression", "loco4_qwz", "--dp-collectives", "auto"]
+    assert nodes().run_argv("ddp_hook", "flat", 2, 12, 1, "/tmp/x")[-1] == "flat"
+    assert nodes().run_argv("pretrain", "hier", 4, 12, 3, "/tmp/x") == nodes().pretrain_argv("hier", 4, 12, 3, "/tmp/x")
+    assert set(engines().VARIANTS) == set(nodes().VARIANTS)
+    with pytest.raises(KeyError, match="unknown engine"):
+        engines().engine_argv("zero3", "hier", 2, 12, 1, "/tmp/x")
+
+
+def test_engine_targets():
+    numels = engines().model_numels()
+    assert numels == {"total": 3_438_080, "layers": 3_159_040}  # the 3.44M GPT; megacomp.plan's ModelSpec agrees
+    from megacomp.compression import make_codec
+
+    grad = make_codec("int4", block_size=128).wire_bytes(numels["total"])
+    param = make_codec("int8", block_size=256).wire_bytes
+    # two nodes: the all-reduce's reduce-scatter and all-gather each send half the encoding
+    assert engines().target_bytes("ddp_hook", "hier", 4, numels) == pytest.approx(grad)
+    assert engines().target_bytes("ddp_hook", "hier", 4, numels, nodes=4) == pytest.approx(1.5 * grad)
+    # FSDP2: one reduce-scatter, the layers gathered in forward and backward, the root once
+    fsdp = engines().target_bytes("fsdp2", "hier", 2, numels)
+    assert fsdp == pytest.approx((grad + param(3_438_080) + param(3_159_040)) / 2)
+    assert 4.2e6 < fsdp < 4.3e6
+    assert engines().target_bytes("fsdp2", "flat", 2, numels) is None
+    assert engines().target_bytes("ddp_hook", "none", 1, numels) is None
+
+
+def test_engine_table_row():
+    metrics = [{"iteration_time_s": 1.0, "loss": 5.0 - i / 10, "wire_bytes": 300, "uncompressed_bytes": 900,
+                "traffic": {"dp_gradient": [100, 300], "dp_gradient@intra_node": [200, 200]}} for i in range(4)]
+    att = nodes().attribute_bytes([(0.0, 2, 0, 0), (1.0, 4, 3_652_000, 3_652_000)], skip=2, iters=4)
+    rec = {"engine": "ddp_hook", "rate": "100mbit", "variant": "hier", "m": 2, "seed": 1, "run_s": 10.0,
+           **nodes().summarise_run(metrics, att)}
+    lines = engines().table([rec, {**rec, "variant": "flat"}])
+    assert lines[0].startswith("| engine | link |") and len(lines) == 4
+    assert lines[2].startswith("| ddp_hook | 100mbit | hier (seed 1) | 2 | 4 | 1.83 / 1.83 | 1.83 (1.000) |")
+    assert "| 1.83 / 1.83 | - |" in lines[3]  # no target for flat
