@@ -5,13 +5,16 @@ order (megacomp.plan.cluster). All groups of one kind run their collective at th
 node's (site's) uplink is the sum over every group of the bytes leaving that node (site). Patterns:
 
   ring    each rank sends ``b`` bytes to the next rank of its group (cyclic): NCCL/gloo ring all-reduce,
-          reduce-scatter and all-gather, and NCCL's all-gather of encoded bytes.
+          reduce-scatter (gloo's: its all-reduce) and all-gather, and NCCL's all-gather of encoded bytes.
   direct  each rank sends ``b / (p-1)`` bytes to every other rank of its group: megacomp's reduce-scatter
-          (all-to-all of encoded chunks) and gloo's direction-split p2p exchanges. A node holding ``m`` of the
-          group's ``p`` ranks sends ``m (p - m) b / (p-1)`` bytes out, ``m`` times a ring's: direct exchanges are
-          not topology-aware.
+          (all-to-all of encoded chunks) and, on gloo, every compressed exchange (direction-split p2p, the
+          all-gathers too). A node holding ``m`` of the group's ``p`` ranks sends ``m (p - m) b / (p-1)`` bytes
+          out (every local rank's pieces for the other nodes), ``m (p - m) / (p-1)`` times a ring's one edge of
+          ``b``: direct exchanges are not topology-aware.
   chain   rank i sends ``b`` bytes to rank i+1 and rank i+1 sends ``b`` back (pipeline activations and
           gradients).
+
+Which pattern each collective takes on each backend: megacomp.plan.estimate.phases.
 
 megacomp's compressed DP exchanges run hop by hop where a DP group has several ranks on each of several nodes
 (megacomp.comm.hierarchical): :func:`hop_stages` gives the subgroups of each hop, and megacomp.plan.estimate routes
