@@ -31,7 +31,8 @@ The numbers depend on the machine and the libraries (torch's CPU kernels, the Py
 that is the corpus, sentencepiece) and on the CPU model (torch's kernels choose code paths by it: an AMD
 family 25 model 17 with AVX512 gives other bits than the machine of the first recording): each fixture
 records its environment, one file per CPU model (``golden-<cpu>.json``; ``golden.json`` is the first
-recording, made before the CPU was part of the environment), and where no file matches these tests skip.
+recording, made before the CPU was part of the environment), and where no file (or no section of a test) matches,
+these tests skip, naming the CPU.
 They do not depend on the codec backend: the compiled CPU kernels and ``MEGACOMP_KERNELS=reference`` give
 the same bits.
 
@@ -163,9 +164,9 @@ def check_golden(section: str, got: dict) -> None:
         fixture.parent.mkdir(exist_ok=True)
         fixture.write_text(_dump(data) + "\n")
         return
-    if section not in data:
-        pytest.fail(f"{fixture} has no section {section!r}: record it at the reference commit "
-                    f"(MEGACOMP_RECORD_GOLDEN=1 python -m pytest {Path(__file__).name})")
+    if section not in data:  # this CPU's values were never recorded for this test: nothing to compare with
+        pytest.skip(f"no golden values {section!r} for this CPU ({environment()['cpu']}) in {fixture.name}: they are "
+                    f"recorded per CPU model; record them at the reference commit (README, 'Golden values')")
     problems = _diff(data[section], got, section)
     assert not problems, f"{len(problems)} difference(s) from the golden values:\n" + "\n".join(problems[:25])
 
