@@ -59,6 +59,50 @@ def test_mismatches_across_ranks_raise_on_every_rank(world):
         assert "rank 0 sends 3 rows to rank 0, which expects 2" in msgs["a2a"]
 
 
+def _one_rank_refuses_body(rank, world):
+    """Arguments that only some ranks' local checks refuse: every rank must raise, at once (no rank left waiting
+    for the others within the process-group timeout)."""
+    msgs = {}
+    msgs["dtype"] = expect_error(ValueError, comm.all_reduce,
+                                 torch.ones(10, dtype=torch.int64 if rank else torch.float32), codec="int8")
+    healthy(world)
+    msgs["op"] = expect_error(ValueError, comm.all_reduce, torch.ones(10),
+                              op=dist.ReduceOp.MAX if rank == 0 else dist.ReduceOp.SUM, codec="int8")
+    healthy(world)
+    msgs["codec"] = expect_error(ValueError, comm.all_reduce, torch.ones(10),
+                                 codec={"name": "int4", "block_size": 64} if rank else "int8")
+    healthy(world)
+    big = rank == 1
+    msgs["rs"] = expect_error(ValueError, comm.reduce_scatter_tensor, torch.empty(4),
+                              torch.ones(world * 4 + big), codec="int8")
+    healthy(world)
+    msgs["ag"] = expect_error(ValueError, comm.all_gather_into_tensor, torch.empty(world * 4 + big), torch.ones(4),
+                              codec="int8")
+    healthy(world)
+    msgs["ag_dtype"] = expect_error(TypeError, comm.all_gather_into_tensor,
+                                    torch.empty(world * 4, dtype=torch.float64 if big else torch.float32),
+                                    torch.ones(4), codec="int8")
+    healthy(world)
+    splits = [2] * world if rank == 0 else [2] * (world + 1)
+    msgs["a2a"] = expect_error(ValueError, comm.all_to_all_single, torch.empty(2 * world, 4),
+                               torch.ones(2 * world, 4), splits, splits, codec="int8")
+    healthy(world)
+    return msgs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_local_refusal_on_some_ranks_raises_on_every_rank(world):
+    # a hang would end in the process-group timeout's RuntimeError, which expect_error does not take
+    for msgs in run_ranks(_one_rank_refuses_body, world, timeout=90, pg_timeout=20):
+        assert "dtype differs across ranks (rank 0: torch.float32, rank 1: torch.int64" in msgs["dtype"]
+        assert "op differs across ranks (rank 0: MAX, rank 1: SUM" in msgs["op"]
+        assert "codec differs across ranks (rank 0: int8" in msgs["codec"] and "rank 1: int4" in msgs["codec"]
+        assert "input has" in msgs["rs"] and "(on rank(s) [1]; every rank of the group raises this)" in msgs["rs"]
+        assert "output has" in msgs["ag"] and "on rank(s) [1]" in msgs["ag"]
+        assert "input dtype torch.float32 != output dtype torch.float64" in msgs["ag_dtype"]
+        assert "split sizes" in msgs["a2a"] and f"on rank(s) {list(range(1, world))}" in msgs["a2a"]
+
+
 def _local_errors_body(rank, world):
     msgs = {}
     msgs["dtype"] = expect_error(TypeError, comm.all_reduce, torch.ones(10, dtype=torch.int32), codec="int8")

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -74,6 +74,28 @@ def _wait(work) -> None:
     """Wait for an exchange's bytes (phase ``wire``)."""
     with span("wire"):
         work.wait()
+
+
+def _refusal(check: Callable[[], None]) -> Optional[Exception]:
+    """The ValueError / TypeError a local check of this rank's arguments raises, or None: with validation on,
+    megacomp.comm.common.validate raises it on every rank of the group (after comparing the ranks' arguments), so
+    no rank is left waiting for one that refused."""
+    try:
+        check()
+    except (ValueError, TypeError) as e:
+        return e
+    return None
+
+
+def _raise_or_validate(ch, validate: Optional[bool], check_finite: bool, problem: Optional[Exception], what: str,
+                       group, fields: dict, codec, device, tag: str, nonfinite=None, **kw) -> None:
+    """The cross-rank check of a call (with this rank's local ``problem``), or, validation off, ``problem`` raised
+    here (the other ranks may then wait: turning validation off trusts the caller)."""
+    if ch.validates(validate) or check_finite:
+        _common.validate(what, group, fields, nonfinite=nonfinite, tag=tag, device=device, local=problem,
+                         texts={"codec": str(codec)}, **kw)
+    elif problem is not None:
+        raise problem
 
 
 def _check_lossy(what: str, codec, tensor: torch.Tensor, op=None) -> None:
@@ -244,12 +266,11 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
     codec = ch.codec_for(tensor.numel())
     world = group_ops.get_world_size(group)
     n = tensor.numel()
-    _check_lossy("all_reduce", codec, tensor, op)
-    if ch.validates(validate) or check_finite:
-        _common.validate("all_reduce", group, {"numel": n, "dtype": dtype_code(tensor.dtype),
-                                               "codec": codec_code(codec), "op": op_code(op)},
-                         nonfinite=has_nonfinite(tensor) if check_finite else None, tag=_shown(tag, "all_reduce"),
-                         device=tensor.device)
+    problem = _refusal(lambda: _check_lossy("all_reduce", codec, tensor, op))
+    _raise_or_validate(ch, validate, check_finite, problem, "all_reduce", group,
+                       {"numel": n, "dtype": dtype_code(tensor.dtype), "codec": codec_code(codec), "op": op_code(op)},
+                       codec, tensor.device, _shown(tag, "all_reduce"),
+                       nonfinite=has_nonfinite(tensor) if check_finite else None)
     rank = group_ops.get_rank(group)
     label = tag or "all_reduce"
     uncompressed = all_reduce_bytes(n, tensor.element_size(), world, rank)
@@ -281,18 +302,21 @@ def run_reduce_scatter_tensor(ch, output: torch.Tensor, input: torch.Tensor, op,
     ``key + '/worker'``."""
     world = group_ops.get_world_size(group)
     m = output.numel()
-    if input.numel() != world * m:
-        raise ValueError(f"megacomp.comm.reduce_scatter_tensor: input has {input.numel()} elements but must have "
-                         f"world_size * output.numel() = {world} * {m} = {world * m}")
-    if input.dtype != output.dtype:
-        raise TypeError(f"megacomp.comm.reduce_scatter_tensor: input dtype {input.dtype} != output dtype {output.dtype}")
     codec = ch.codec_for(input.numel())
-    _check_lossy("reduce_scatter_tensor", codec, input, op)
-    if ch.validates(validate) or check_finite:
-        _common.validate("reduce_scatter_tensor", group,
-                         {"numel": m, "dtype": dtype_code(input.dtype), "codec": codec_code(codec), "op": op_code(op)},
-                         nonfinite=has_nonfinite(input) if check_finite else None, tag=_shown(tag, "reduce_scatter"),
-                         device=input.device)
+
+    def local() -> None:
+        if input.numel() != world * m:
+            raise ValueError(f"megacomp.comm.reduce_scatter_tensor: input has {input.numel()} elements but must have "
+                             f"world_size * output.numel() = {world} * {m} = {world * m}")
+        if input.dtype != output.dtype:
+            raise TypeError(f"megacomp.comm.reduce_scatter_tensor: input dtype {input.dtype} != output dtype "
+                            f"{output.dtype}")
+        _check_lossy("reduce_scatter_tensor", codec, input, op)
+
+    _raise_or_validate(ch, validate, check_finite, _refusal(local), "reduce_scatter_tensor", group,
+                       {"numel": m, "dtype": dtype_code(input.dtype), "codec": codec_code(codec), "op": op_code(op)},
+                       codec, input.device, _shown(tag, "reduce_scatter"),
+                       nonfinite=has_nonfinite(input) if check_finite else None)
     label = tag or "reduce_scatter"
     raw = (world - 1) * m * input.element_size()
     if codec.is_identity or world == 1:
@@ -340,19 +364,21 @@ def run_all_gather_into_tensor(ch, output_tensor: torch.Tensor, input_tensor: to
     the decoded value so all ranks agree."""
     world = group_ops.get_world_size(group)
     m = input_tensor.numel()
-    if output_tensor.numel() != world * m:
-        raise ValueError(f"megacomp.comm.all_gather_into_tensor: output has {output_tensor.numel()} elements but must "
-                         f"have world_size * input.numel() = {world} * {m} = {world * m}")
-    if input_tensor.dtype != output_tensor.dtype:
-        raise TypeError(f"megacomp.comm.all_gather_into_tensor: input dtype {input_tensor.dtype} != output dtype "
-                        f"{output_tensor.dtype}")
     codec = ch.codec_for(m)
-    _check_lossy("all_gather_into_tensor", codec, input_tensor)
-    if ch.validates(validate) or check_finite:
-        _common.validate("all_gather_into_tensor", group,
-                         {"numel": m, "dtype": dtype_code(input_tensor.dtype), "codec": codec_code(codec)},
-                         nonfinite=has_nonfinite(input_tensor) if check_finite else None, tag=_shown(tag, "all_gather"),
-                         device=input_tensor.device)
+
+    def local() -> None:
+        if output_tensor.numel() != world * m:
+            raise ValueError(f"megacomp.comm.all_gather_into_tensor: output has {output_tensor.numel()} elements but "
+                             f"must have world_size * input.numel() = {world} * {m} = {world * m}")
+        if input_tensor.dtype != output_tensor.dtype:
+            raise TypeError(f"megacomp.comm.all_gather_into_tensor: input dtype {input_tensor.dtype} != output dtype "
+                            f"{output_tensor.dtype}")
+        _check_lossy("all_gather_into_tensor", codec, input_tensor)
+
+    _raise_or_validate(ch, validate, check_finite, _refusal(local), "all_gather_into_tensor", group,
+                       {"numel": m, "dtype": dtype_code(input_tensor.dtype), "codec": codec_code(codec)},
+                       codec, input_tensor.device, _shown(tag, "all_gather"),
+                       nonfinite=has_nonfinite(input_tensor) if check_finite else None)
     label = tag or "all_gather"
     raw = (world - 1) * m * input_tensor.element_size()
     if codec.is_identity or world == 1:
@@ -407,26 +433,31 @@ def run_all_to_all_single(ch, output: torch.Tensor, input: torch.Tensor, output_
     world = group_ops.get_world_size(group)
     rank = group_ops.get_rank(group)
     codec = ch.codec_for(input.numel())
-    _check_lossy("all_to_all_single", codec, input)
-    if input.dtype != output.dtype:
-        raise TypeError(f"megacomp.comm.all_to_all_single: input dtype {input.dtype} != output dtype {output.dtype}")
     rows_in = input.shape[0] if input.dim() else 1
     rows_out = output.shape[0] if output.dim() else 1
     row = input.numel() // rows_in if rows_in else 0
     in_splits = list(input_split_sizes) if input_split_sizes else split_sizes(rows_in, world)
     out_splits = list(output_split_sizes) if output_split_sizes else split_sizes(rows_out, world)
-    if not input_split_sizes and rows_in % world or not output_split_sizes and rows_out % world:
-        raise ValueError(f"megacomp.comm.all_to_all_single: without split sizes dim 0 ({rows_in} in, {rows_out} out) "
-                         f"must divide by the world size {world}")
-    if len(in_splits) != world or len(out_splits) != world or sum(in_splits) != rows_in or sum(out_splits) != rows_out:
-        raise ValueError(f"megacomp.comm.all_to_all_single: split sizes {in_splits} / {out_splits} must have {world} "
-                         f"entries summing to dim 0 of input ({rows_in}) / output ({rows_out})")
-    if ch.validates(validate) or check_finite:
-        _common.validate("all_to_all_single", group,
-                         {"row numel": row, "dtype": dtype_code(input.dtype), "codec": codec_code(codec)},
-                         extra=in_splits + out_splits, extra_check=_split_check(in_splits, out_splits),
-                         nonfinite=has_nonfinite(input) if check_finite else None, tag=_shown(tag, "all_to_all"),
-                         device=input.device)
+
+    def local() -> None:
+        _check_lossy("all_to_all_single", codec, input)
+        if input.dtype != output.dtype:
+            raise TypeError(f"megacomp.comm.all_to_all_single: input dtype {input.dtype} != output dtype {output.dtype}")
+        if not input_split_sizes and rows_in % world or not output_split_sizes and rows_out % world:
+            raise ValueError(f"megacomp.comm.all_to_all_single: without split sizes dim 0 ({rows_in} in, {rows_out} "
+                             f"out) must divide by the world size {world}")
+        if (len(in_splits) != world or len(out_splits) != world or sum(in_splits) != rows_in
+                or sum(out_splits) != rows_out):
+            raise ValueError(f"megacomp.comm.all_to_all_single: split sizes {in_splits} / {out_splits} must have "
+                             f"{world} entries summing to dim 0 of input ({rows_in}) / output ({rows_out})")
+
+    problem = _refusal(local)
+    splits = in_splits + out_splits if problem is None else [0] * (2 * world)  # every row the same length
+    _raise_or_validate(ch, validate, check_finite, problem, "all_to_all_single", group,
+                       {"row numel": row, "dtype": dtype_code(input.dtype), "codec": codec_code(codec)},
+                       codec, input.device, _shown(tag, "all_to_all"),
+                       nonfinite=has_nonfinite(input) if check_finite else None,
+                       extra=splits, extra_check=_split_check(in_splits, out_splits))
     label = tag or "all_to_all"
     raw = (rows_in - in_splits[rank]) * row * input.element_size()
     if codec.is_identity or world == 1:
@@ -460,15 +491,21 @@ def run_all_gather_encoded(ch, output: torch.Tensor, input: torch.Tensor, numel:
     the message would be uncompressed). Every rank's message must have the same size (validated)."""
     world = group_ops.get_world_size(group)
     w = input.numel()
-    if input.dtype != torch.uint8 or output.dtype != torch.uint8:
-        raise TypeError(f"megacomp.comm.all_gather_encoded: messages are uint8 byte buffers, got input {input.dtype} "
-                        f"and output {output.dtype}")
-    if output.numel() != world * w:
-        raise ValueError(f"megacomp.comm.all_gather_encoded: output has {output.numel()} bytes but must have "
-                         f"world_size * input.numel() = {world} * {w} = {world * w}")
+
+    def local() -> None:
+        if input.dtype != torch.uint8 or output.dtype != torch.uint8:
+            raise TypeError(f"megacomp.comm.all_gather_encoded: messages are uint8 byte buffers, got input "
+                            f"{input.dtype} and output {output.dtype}")
+        if output.numel() != world * w:
+            raise ValueError(f"megacomp.comm.all_gather_encoded: output has {output.numel()} bytes but must have "
+                             f"world_size * input.numel() = {world} * {w} = {world * w}")
+
+    problem = _refusal(local)
     if ch.validates(validate):
         _common.validate("all_gather_encoded", group, {"bytes": w, "numel": numel, "dtype": dtype_code(dtype)},
-                         tag=_shown(tag, "all_gather_encoded"), device=input.device)
+                         tag=_shown(tag, "all_gather_encoded"), device=input.device, local=problem)
+    elif problem is not None:
+        raise problem
     raw = (world - 1) * numel * torch.empty((), dtype=dtype).element_size()
     ch.stats.record(tag or "all_gather_encoded", (world - 1) * w, raw)
     if world == 1:

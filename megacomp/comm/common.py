@@ -81,15 +81,20 @@ def has_nonfinite(t: torch.Tensor) -> bool:
 
 def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = (),
              extra_check: Optional[Callable[[torch.Tensor], Optional[str]]] = None,
-             nonfinite: Optional[bool] = None, tag: str = "", device=None) -> None:
+             nonfinite: Optional[bool] = None, tag: str = "", device=None, local: Optional[BaseException] = None,
+             texts: Optional[dict[str, str]] = None) -> None:
     """All-gather ``fields`` (+ ``extra``) of every rank and raise the same error on all ranks on mismatch.
 
-    ``fields`` must be equal on every rank. ``extra`` is checked by ``extra_check(table)`` (rows = ranks),
-    which returns an error text or None. ``nonfinite`` (when not None) is this rank's non-finite flag;
-    if any rank has it set a FloatingPointError names those ranks.
+    ``fields`` must be equal on every rank; ``texts`` names a field's value readably (a codec's spec), gathered
+    only to word the error. ``extra`` is checked by ``extra_check(table)`` (rows = ranks), which returns an error
+    text or None. ``local`` is this rank's own refusal of its arguments (a size or dtype its codec cannot take):
+    checked here, after the cross-rank comparison, so a rank whose arguments fail locally never leaves the others
+    waiting out the process-group timeout; every rank raises it (its type, its text, naming the ranks when only
+    some refused). ``nonfinite`` (when not None) is this rank's non-finite flag; if any rank has it set a
+    FloatingPointError names those ranks.
     """
     names = list(fields)
-    row = [fields[n] for n in names] + [int(bool(nonfinite))] + list(extra)
+    row = [fields[n] for n in names] + [int(bool(nonfinite)), int(local is not None)] + list(extra)
     device = device if device is not None else comm_device(group)
     mine = torch.tensor(row, dtype=torch.int64, device=device)
     world = group_ops.get_world_size(group)
@@ -101,11 +106,20 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
     for i, n in enumerate(names):
         col = table[:, i].tolist()
         if len(set(col)) > 1:
-            per_rank = ", ".join(f"rank {r}: {_describe(n, v)}" for r, v in zip(ranks, col))
+            shown = (gather_texts(group, texts[n], device) if texts and n in texts
+                     else [_describe(n, v) for v in col])
+            per_rank = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, shown))
             raise ValueError(f"{where}: {n} differs across ranks ({per_rank}); every rank of the group must "
                              f"call the collective with the same {n}")
+    refused = [r for r, f in zip(ranks, table[:, len(names) + 1].tolist()) if f]
+    if refused:  # every rank enters this gather: all of them see the same flags
+        said = gather_texts(group, "" if local is None else f"{type(local).__name__}\n{local}", device)
+        kind, text = next(t for t in said if t).split("\n", 1)
+        if len(refused) < len(ranks):
+            text += f" (on rank(s) {refused}; every rank of the group raises this)"
+        raise (TypeError if kind == "TypeError" else ValueError)(text)
     if extra_check is not None:
-        msg = extra_check(table[:, len(names) + 1:])
+        msg = extra_check(table[:, len(names) + 2:])
         if msg:
             raise ValueError(f"{where}: {msg}")
     if nonfinite is not None:
@@ -113,6 +127,23 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
         if bad:
             raise FloatingPointError(f"{where}: non-finite values (inf/NaN) in the input on rank(s) {bad}; "
                                      f"check the loss scale / learning rate on those ranks (check_finite=True)")
+
+
+def gather_texts(group, text: str, device=None) -> list[str]:
+    """Every rank's ``text``, in group-rank order (a collective: lengths, then the UTF-8 bytes padded to the
+    longest). For error messages: it costs two small all-gathers."""
+    device = device if device is not None else comm_device(group)
+    world = group_ops.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.int64, device=device)
+    lengths = torch.empty(world, dtype=torch.int64, device=device)
+    group_ops.all_gather_into_tensor(lengths, torch.tensor([data.numel()], dtype=torch.int64, device=device), group)
+    longest = max(int(lengths.max()), 1)
+    padded = torch.zeros(longest, dtype=torch.int64, device=device)
+    padded[:data.numel()] = data
+    table = torch.empty(world * longest, dtype=torch.int64, device=device)
+    group_ops.all_gather_into_tensor(table, padded, group)
+    rows = table.view(world, longest).tolist()
+    return [bytes(row[:n]).decode() for row, n in zip(rows, lengths.tolist())]
 
 
 def _describe(field: str, value: int) -> str:
