@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -20,7 +19,8 @@ import numpy as np
 import torch
 
 from .corpus import corpus_fingerprint, read_text
-from .tokenizer import Tokenizer, _atomic_write, _mb, _say
+from .cache_files import atomic_write as _atomic_write, build_lock, new_temporary, remove_stale_temporaries
+from .tokenizer import Tokenizer, _mb, _say
 
 _FORMAT = 1
 _BATCH_DOCS = 64  # documents tokenized per encode_batch call
@@ -121,14 +121,25 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
     if _is_current(out_prefix, tok_fp, corpus_fp):
         return read_index(out_prefix)
     bin_path, idx_path = _paths(out_prefix)
-    out_dir = os.path.dirname(os.path.abspath(out_prefix))
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)
+    with build_lock(bin_path):  # one job builds; one that waited here finds the token file built
+        if _is_current(out_prefix, tok_fp, corpus_fp):
+            return read_index(out_prefix)
+        for path in (bin_path, idx_path):
+            remove_stale_temporaries(path)
+        return _write_token_file(files, tokenizer, out_prefix, tok_fp, corpus_fp, num_threads)
+
+
+def _write_token_file(files: list, tokenizer: Tokenizer, out_prefix: str, tok_fp: str, corpus_fp: str,
+                      num_threads: int | None) -> dict[str, Any]:
+    """Tokenize and write the token file and its index (under build_token_file's lock)."""
+    bin_path, idx_path = _paths(out_prefix)
     dtype = token_dtype(tokenizer.vocab_size)
     threads = num_threads or max(1, min(8, os.cpu_count() or 1))
     offsets = [0]
     _say(f"tokenizing {len(files)} files ({_mb(sum(os.path.getsize(p) for p in files))}) -> {bin_path} (one time)")
     began = last = time.perf_counter()
-    fd, tmp_bin = tempfile.mkstemp(dir=out_dir, prefix=os.path.basename(bin_path) + ".", suffix=".tmp")
+    fd, tmp_bin = new_temporary(bin_path)
     try:
         with os.fdopen(fd, "wb") as f:
             for start in range(0, len(files), _BATCH_DOCS):

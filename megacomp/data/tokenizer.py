@@ -14,10 +14,10 @@ import io
 import json
 import os
 import sys
-import tempfile
 import time
 from typing import Iterable, Iterator, Sequence
 
+from .cache_files import atomic_write as _atomic_write, build_lock, remove_stale_temporaries
 from .corpus import corpus_fingerprint, read_text
 
 DEFAULT_MAX_BYTES = 5 * 2**20
@@ -196,20 +196,6 @@ def tokenizer_cache_key(files: Sequence[str], vocab_size: int, max_bytes: int, s
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str, *,
                     max_bytes: int = DEFAULT_MAX_BYTES, seed: int = 0) -> Tokenizer:
     """Train (or load from ``model_prefix_dir``) a BPE model of ``vocab_size`` pieces on ``files``.
@@ -227,8 +213,6 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
             with the fix).
         RuntimeError: any other sentencepiece training failure (re-raised as is).
     """
-    import sentencepiece as spm
-
     files = list(files)
     if not files:
         raise ValueError("corpus is empty: train_tokenizer got no files; use megacomp.data.collect_files(paths) "
@@ -241,14 +225,36 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
     key = tokenizer_cache_key(files, vocab_size, max_bytes, seed)
     os.makedirs(model_prefix_dir, exist_ok=True)
     path = os.path.join(model_prefix_dir, f"spm-bpe-{vocab_size}-{key[:16]}.model")
-    if os.path.isfile(path):
-        try:
-            cached = Tokenizer(path, trained=False)
-            if cached.vocab_size != vocab_size:
-                raise ValueError(f"tokenizer model {path!r} has {cached.vocab_size} pieces, not {vocab_size}")
+    cached = _cached_model(path, vocab_size, say=False)
+    if cached is not None:
+        return cached
+    with build_lock(path):  # one job trains; one that waited here finds the model trained
+        cached = _cached_model(path, vocab_size, say=True)
+        if cached is not None:
             return cached
-        except ValueError as e:  # a truncated or garbled cache entry: the key says exactly what to train
+        for done in (path, path[:-len(".model")] + ".json"):
+            remove_stale_temporaries(done)
+        return _train(files, vocab_size, path, max_bytes, seed)
+
+
+def _cached_model(path: str, vocab_size: int, say: bool):
+    """The cached model at ``path``, or None (missing; truncated or garbled, said when ``say``)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        cached = Tokenizer(path, trained=False)
+        if cached.vocab_size != vocab_size:
+            raise ValueError(f"tokenizer model {path!r} has {cached.vocab_size} pieces, not {vocab_size}")
+        return cached
+    except ValueError as e:  # a truncated or garbled cache entry: the key says exactly what to train
+        if say:
             _say(f"{str(e).rsplit('; ', 1)[0]}; training it again")
+        return None
+
+
+def _train(files: list, vocab_size: int, path: str, max_bytes: int, seed: int) -> "Tokenizer":
+    """Train the model (under train_tokenizer's lock) and write it and its settings to ``path`` (.model/.json)."""
+    import sentencepiece as spm
 
     total = sum(os.path.getsize(f) for f in files)
     read = f"{_mb(min(total, max_bytes))} of {_mb(total)} read" if total > max_bytes else _mb(total)
