@@ -4,7 +4,8 @@
   then renamed over the final name: a reader sees the old file or the whole new one, never a part. The file gets
   the permissions of any new file (``0666`` less the umask), not ``mkstemp``'s ``0600``, so a cache on a shared file
   system is readable by the other users and jobs that share it.
-- :func:`build_lock`: an exclusive ``flock`` on ``<name>.lock`` around building one cache entry. A second job that
+- :func:`build_lock`: an exclusive ``flock`` on the entry's directory around building it (one build at a time per
+  cache directory; builds are rare, and a lock on the directory leaves no lock file behind). A second job that
   finds the entry missing waits for the first, then finds it built and only reads it: two builders never replace
   each other's files under a reader. The kernel drops the lock when its holder dies (even by SIGKILL), so a killed
   build never blocks the next one.
@@ -59,8 +60,8 @@ def atomic_write(path: str, data: bytes) -> None:
 
 @contextlib.contextmanager
 def build_lock(path: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``path + '.lock'`` (created if missing) while building the entry ``path``."""
-    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+    """Hold an exclusive lock on the directory of ``path`` while building the entry ``path``."""
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
