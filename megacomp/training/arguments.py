@@ -15,6 +15,7 @@ banner, never for a flag the user typed.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -155,7 +156,12 @@ def parse_args(argv=None) -> PretrainConfig:
     given = {name: v for name, v in vars(args).items() if name != "config" and v is not None}
     cfg = PretrainConfig(**{**values, **given})
     cfg.explicit = frozenset(given)
-    check(cfg)
+    # checked as the run will use it: a setting only one value of can work is chosen at start (resolve, said in
+    # the banner), so a copy is resolved for the check and the command line's config stays as typed
+    check_numbers(cfg)
+    trial = dataclasses.replace(cfg)
+    resolve(trial, int(os.environ.get("WORLD_SIZE", "0") or 0) or None)
+    check(trial)
     return cfg
 
 
