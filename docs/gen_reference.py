@@ -8,7 +8,9 @@
   (the module's ``__all__``, or its top-level definitions when it has none) with mkdocstrings.
 
 The MkDocs hooks (``docs/mkdocs_hooks.py``) add these pages to the site at build time;
-``python docs/gen_reference.py --out DIR`` writes them to a folder instead (to read them without MkDocs).
+``python docs/gen_reference.py --out DIR`` writes them to a folder instead (to read them without MkDocs). The
+configuration reference is also committed (``docs/reference/configuration.md``, so that links to it work when
+reading the repository): ``python docs/gen_reference.py --write-config`` rewrites it after a configuration change.
 """
 from __future__ import annotations
 
@@ -305,10 +307,25 @@ def all_pages() -> dict[str, str]:
     return {CONFIG_PAGE: config_reference(), **api_pages()}
 
 
+COMMITTED_CONFIG = REPO / "docs" / CONFIG_PAGE
+"""The configuration reference as committed, so that the guides' links to it also work when reading the repository
+(the site builds it like the others and refuses a stale copy; a test checks it too)."""
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="Write the generated reference pages to a folder.")
-    parser.add_argument("--out", required=True, help="folder to write reference/... into")
+    parser.add_argument("--out", help="folder to write reference/... into")
+    parser.add_argument("--write-config", action="store_true",
+                        help=f"rewrite the committed {COMMITTED_CONFIG.relative_to(REPO)} from the code")
     args = parser.parse_args(argv)
+    if args.write_config:
+        COMMITTED_CONFIG.parent.mkdir(parents=True, exist_ok=True)
+        COMMITTED_CONFIG.write_text(config_reference(), encoding="utf-8")
+        print(COMMITTED_CONFIG)
+    if not args.out:
+        if not args.write_config:
+            parser.error("give --out DIR and/or --write-config")
+        return
     for rel, text in all_pages().items():
         path = Path(args.out) / rel
         path.parent.mkdir(parents=True, exist_ok=True)

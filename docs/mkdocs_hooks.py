@@ -73,6 +73,12 @@ def on_config(config):
     gen = _gen()
     _GENERATED.clear()
     _GENERATED.update(gen.all_pages())
+    committed = DOCS / gen.CONFIG_PAGE  # committed so the repository's links to it work: the site uses that file
+    if committed.is_file():
+        if committed.read_text(encoding="utf-8") != _GENERATED[gen.CONFIG_PAGE]:
+            log.warning(f"{committed.relative_to(REPO)} is out of date with the configuration tree: run "
+                        f"`python docs/gen_reference.py --write-config` and commit it")
+        del _GENERATED[gen.CONFIG_PAGE]
     api = [p for p in _GENERATED if p.startswith(gen.API_DIR + "/") and not p.endswith("/index.md")]  # module order
     nav = _source_pages(DOCS)
     nav.append({"Reference": [gen.CONFIG_PAGE, {"API": [f"{gen.API_DIR}/index.md"] + api}]})
