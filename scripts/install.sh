@@ -23,21 +23,25 @@ echo "install.sh: installing megacomp in editable mode${extra:+ with the ${1} re
 "$PY" -m pip install --quiet --no-build-isolation -e ".${extra}"
 # triton (~286 MB wheel): only if none is importable, so a CUDA torch keeps the triton it was built with
 if [ "${1:-}" = "test" ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && ! "$PY" -c "import triton" >/dev/null 2>&1; then
+  echo "install.sh: installing triton==3.9.0 (a 286 MB wheel: the Triton kernel tests run under its interpreter) ..."
   "$PY" -m pip install --quiet "triton==3.9.0"
 fi
 # megatron-core for the megatron integration's tests and example: --no-deps, because its requirements
 # (torch, numpy, packaging) are already here and pip must not swap the installed torch; an installed
 # megatron-core is kept (the integration checks its version and says what it supports)
 if [ "${1:-}" = "test" ] && ! "$PY" -c "import megatron.core" >/dev/null 2>&1; then
+  echo "install.sh: installing megatron-core==0.16.1 (the megatron integration's tests; --no-deps) ..."
   "$PY" -m pip install --quiet --no-deps "megatron-core==0.16.1"
 fi
 # torchft for the fault-tolerance integration's tests (megacomp.integrations.torchft); the torchft extra of setup.py
 if [ "${1:-}" = "test" ] && ! "$PY" -c "import torchft" >/dev/null 2>&1; then
+  echo "install.sh: installing torchft==0.2.0 (the fault-tolerance integration's tests) ..."
   "$PY" -m pip install --quiet "torchft==0.2.0"
 fi
 # Lightning, Accelerate and torchtitan for their integrations' tests and examples (setup.py's frameworks extra),
 # with the installed torch held fixed by a constraint (pip must not swap it for their requirements' choice)
 if [ "${1:-}" = "test" ] && ! "$PY" -c "import lightning, accelerate, torchtitan" >/dev/null 2>&1; then
+  echo "install.sh: installing lightning, accelerate and torchtitan (the frameworks extra; torch held at its version) ..."
   "$PY" -m pip install --quiet --no-build-isolation -e ".[frameworks]" \
     -c <(echo "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')")
 fi
@@ -45,6 +49,7 @@ fi
 # (tests fork ranks that would otherwise all wait on the first build); a failed build only warns, and the
 # eager reference is used (the kernel tests then say so)
 if [ "${1:-}" = "test" ]; then
+  echo "install.sh: building the C++ codec kernels (about a minute, once) ..."
   "$PY" -c "from megacomp import kernels; print('install.sh: CPU codec kernels:', kernels.backend_name('cpu'))"
   echo "install.sh: done."
 else

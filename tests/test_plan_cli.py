@@ -2,6 +2,7 @@
 accepts, and one-line errors for bad input."""
 from __future__ import annotations
 
+import shlex
 import subprocess
 import sys
 
@@ -31,6 +32,9 @@ def test_plan_writes_a_config_pretraining_accepts(tmp_path, capsys):
     assert steps == sorted(steps) and len(results) >= 8
     cfg = parse_args(["--config", str(out / "pretrain.yaml")])
     check(cfg, 16)
+    # the printed flags name the model config too: on their own they give the same run
+    flags = next(line for line in text.splitlines() if line.startswith("pretraining flags: "))
+    assert parse_args(shlex.split(flags[len("pretraining flags: "):])).to_dict() == cfg.to_dict()
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (1, 1)
     load_compression(str(out / "compression.yaml"))
     # every method's compression YAML and settings load, not only the winner's

@@ -225,7 +225,7 @@ def run(argv=None) -> list[StepEstimate]:
         (out / "pretrain.yaml").write_text(f"# megacomp plan: {choice.method.name} on {choice.layout}, "
                                            f"{choice.step_s:.3f} s/step predicted\n" + yaml.safe_dump(cfg, sort_keys=False))
         print(f"wrote {comp} and {out / 'pretrain.yaml'}")
-        print("pretraining flags: " + flags_text({k: v for k, v in cfg.items() if k not in load_yaml(a.model)
+        print(f"pretraining flags: --config {a.model} " + flags_text({k: v for k, v in cfg.items() if k not in load_yaml(a.model)
                                                    or load_yaml(a.model)[k] != v}))
         png = out / "step_vs_bandwidth.png"
         if a.top > 0:
