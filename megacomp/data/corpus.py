@@ -76,13 +76,15 @@ def collect_files(paths: Union[PathLike, Iterable[PathLike]]) -> list[str]:
         paths = [paths]
     paths = [os.fspath(p) for p in paths]
     if not paths:
-        raise ValueError("corpus is empty: no corpus paths given; pass files or directories, or None for the "
-                         "default corpus (the Python standard library's sources)")
+        raise ValueError("corpus is empty: no corpus paths given; give files or directories, or no data path at all "
+                         "(pretraining: leave out --data-path) for the default corpus, the Python standard "
+                         "library's sources")
     found: set[str] = set()
     for p in paths:
         if not os.path.exists(p):
             raise FileNotFoundError(f"corpus path {p!r} does not exist; fix the path (files and directories "
-                                    f"are accepted) or pass None for the default corpus")
+                                    f"are accepted), or leave the data path out (pretraining: no --data-path) "
+                                    f"for the default corpus")
         if os.path.isdir(p):
             found.update(os.path.abspath(f) for f in _walk(p) if os.path.isfile(f) and is_utf8_text(f))
         elif os.path.isfile(p):
