@@ -4,8 +4,12 @@ Works unchanged under torchrun, srun (SLURM_* environment) and mpirun (OMPI_*/PM
 mpi4py); with no launcher it runs as a single process. See megacomp/training/pretrain_config.py (the configuration tree) or --help for the flags
 (``--help`` lists them with one line each, and the compression presets).
 
-Exit status: 0 when training finished, or stopped at an exit signal after saving; 2 for bad input (flags,
-config or preset files, data paths, parallel sizes, a checkpoint that cannot be resumed); 3 when the run
+Exit status: 0 when training finished, or stopped at an exit signal (SIGTERM, SIGUSR1, a first Ctrl-C) after
+saving (megacomp.training.signals); 130 when a second Ctrl-C (more than 2 s after the first), or one outside the
+training loop (start-up, shut-down), stopped the run at once without saving (one line from rank 0 naming the
+iteration and the last checkpoint); 2 for bad input (flags, config or preset files, data, checkpoint and log
+paths, parallel sizes, a checkpoint that cannot be resumed) and for a file system that fails under the run (a
+full or read-only ``--save`` or ``--log-dir``: the line says what was saved first); 3 when the run
 diverged (see megacomp.training.guard; nothing of the diverged state is saved); 4 when a replica of a
 local-step run did not reach an outer exchange within ``--outer-timeout`` (megacomp.outer.liveness: the
 survivors stop, naming it; restart from the last checkpoint), or a rank stalled or was lost (its heartbeat
@@ -97,6 +101,7 @@ def main(argv=None) -> int:
     from .outer import ReplicaLost
     from .training import Trainer, TrainingDiverged, parse_args
     from .training.heartbeat import Heartbeat
+    from .training.signals import EXIT_INTERRUPTED, StopNow
 
     try:
         cfg = parse_args(argv)
@@ -105,6 +110,14 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     _configure_logging()
     trainer = heartbeat = peer_status = None
+
+    def stop_cleanup() -> None:  # a Ctrl-C that stops at once: no peer may take this rank for lost
+        if heartbeat is not None:
+            heartbeat.stop(EXIT_INTERRUPTED)
+        if trainer is not None and trainer.lock is not None:
+            trainer.lock.release()
+    StopNow(_rank, lambda: trainer.iteration if trainer is not None else None, cfg.checkpoint.save,
+            stop_cleanup).install()
     status = 1  # an exception that propagates: a traceback
     try:
         timeout_s = cfg.parallel.distributed_timeout_minutes * 60

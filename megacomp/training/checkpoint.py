@@ -73,19 +73,31 @@ def verify_checkpoint(path: str) -> tuple[dict, dcp_md.Metadata]:
     return saved, md
 
 
-def select_checkpoint(root: str, fallback: bool = False) -> tuple[int, Optional[str]]:
+def select_checkpoint(root: str, fallback: bool = False, iteration: Optional[int] = None) -> tuple[int, Optional[str]]:
     """The iteration to resume from under ``root`` and, when it is not the latest, why (a collective).
 
-    The latest checkpoint is verified (:func:`verify_checkpoint`). When it fails, the newest older one that
-    verifies is found; with ``fallback`` (``--load-fallback``) it is chosen and the note says what was skipped
-    and why; without, ValueError names the bad file and that checkpoint. FileNotFoundError: no checkpoint."""
+    The latest checkpoint is verified (:func:`verify_checkpoint`); iter_N directories without a latest file
+    count as an unusable latest file. When it fails, the newest older one that verifies is found; with
+    ``fallback`` (``--load-fallback``) it is chosen and the note says what was skipped and why; without,
+    ValueError names the bad file and that checkpoint. FileNotFoundError: no checkpoint at all. ``iteration``:
+    the one the user named (``--load ROOT/iter_N``), verified alone: ValueError when it fails."""
+    if iteration is not None:
+        try:
+            verify_checkpoint(_iter_dir(root, iteration))
+            return iteration, None
+        except _Unreadable as e:
+            raise ValueError(f"{e}; --load named this checkpoint: name another iteration directory, or --load {root} "
+                             f"to resume from the latest that verifies") from None
     try:
         latest = latest_iteration(root)
         unusable = None
     except ValueError as e:  # an unreadable latest file: every complete iteration is a candidate
         latest, unusable = None, e
     if latest is None and unusable is None:
-        raise FileNotFoundError(f"no checkpoint in {root!r} ({LATEST} missing); check --load or drop it to start fresh")
+        if not _iterations(root):
+            raise FileNotFoundError(f"no checkpoint in {root!r} ({LATEST} missing); check --load or drop it to start fresh")
+        # iter_N directories without the latest file (removed, or a first save killed between the two renames)
+        unusable = _Unreadable(os.path.join(root, LATEST), "missing, although there are iter_* checkpoints")
     if latest is not None:
         try:
             verify_checkpoint(_iter_dir(root, latest))

@@ -261,7 +261,9 @@ class SaveDirLock:
                              f"checkpoints stay intact; resume from the last checkpoint with one run per --save")
 
     def release(self) -> None:
-        """Stop the heartbeat and remove the lock file if it is still this run's."""
+        """Stop the heartbeat and remove the lock file if it is still this run's. Never raises: on a file system
+        that turned read-only (or went away) the file stays, and the next run takes it over as stale (its pid
+        no longer exists); the error that stopped this run is the one reported."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
@@ -269,5 +271,5 @@ class SaveDirLock:
         if (self._read() or {}).get("token") == self.record["token"]:
             try:
                 os.remove(self.path)
-            except FileNotFoundError:
+            except OSError:
                 pass

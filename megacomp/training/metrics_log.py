@@ -8,6 +8,7 @@ pp_gradient, ...) the pair [wire bytes, uncompressed bytes]. Iterations probed f
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -55,6 +56,11 @@ def gather_probe(probe) -> dict:
 class MetricsLogger:
     """Writes metrics.jsonl and prints a line per logged iteration (rank 0 only).
 
+    Each record is one ``write`` of a whole line to a file opened for appending, unbuffered: a write that fails
+    (a full disk, a file system gone read-only) is cut back to the last complete line, so the file never ends
+    in half a record and a resumed run appends after whole lines. After a failure the logger writes no more
+    and :meth:`close` never raises (the first error is the one reported).
+
     Args:
         log_dir: directory of ``metrics.jsonl`` (created); None prints without writing a file.
         enabled: False (ranks other than 0) makes every call a no-op.
@@ -67,23 +73,29 @@ class MetricsLogger:
 
     def __init__(self, log_dir: Optional[str], enabled: bool, resume: bool = False) -> None:
         self.enabled = enabled
-        self.file = None
+        self.fd: Optional[int] = None
+        self.path = os.path.join(log_dir, "metrics.jsonl") if log_dir else None
+        self.last_written: Optional[int] = None
         if enabled and log_dir:
             try:
+                if os.path.exists(log_dir) and not os.path.isdir(log_dir):
+                    raise OSError(errno.ENOTDIR, "it is a file, not a directory")
                 os.makedirs(log_dir, exist_ok=True)
-                self.file = open(os.path.join(log_dir, "metrics.jsonl"), "a" if resume else "w", encoding="utf-8")
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resume else os.O_TRUNC),
+                                  0o644)
             except OSError as e:  # one line naming the flag and the fix (the entry point prints it)
                 raise OSError(e.errno, f"cannot write metrics.jsonl there ({e.strerror or e}); point --log-dir at a "
                                        f"writable directory", f"--log-dir {log_dir}") from e
 
     def log(self, record: dict) -> None:
-        """Print ``record`` as one console line and append it to metrics.jsonl (flushed).
+        """Print ``record`` as one console line and append it to metrics.jsonl.
 
         Raises:
             KeyError: ``record`` lacks iteration, loss, lr, tokens_per_second, wire_bytes, uncompressed_bytes
                 or traffic.
             TypeError: a value JSON cannot encode (when a file is open).
-            OSError: metrics.jsonl cannot be written (a full disk: the message names the file and the fix).
+            OSError: metrics.jsonl cannot be written (a full disk: the message names the file, the last
+                iteration it holds and the fix; ``filename`` is the file).
         """
         if not self.enabled:
             return
@@ -97,16 +109,34 @@ class MetricsLogger:
             print("  compression error (relative, per path): " + ", ".join(
                 f"{p}={v[0]:.2e} (worst call {v[1]:.2e}, crest {v[2]:.0f}, kurtosis {v[3]:.0f})"
                 for p, v in record["probe"]["paths"].items()), flush=True)
-        if self.file is not None:  # inf/NaN are not JSON: written as null
-            clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-            try:
-                self.file.write(json.dumps(clean, allow_nan=False) + "\n")
-                self.file.flush()
-            except OSError as e:  # a full disk or a lost mount: one line naming the file (the entry point prints it)
-                raise OSError(e.errno, f"cannot append iteration {record['iteration']} ({e.strerror or e}); free "
-                                       f"space there or point --log-dir elsewhere", self.file.name) from e
+        if self.fd is None:
+            return
+        # inf/NaN are not JSON: written as null
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        data = memoryview((json.dumps(clean, allow_nan=False) + "\n").encode())
+        start = None
+        try:
+            start = os.lseek(self.fd, 0, os.SEEK_END)
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError as e:  # a full disk or a lost mount: no half line, then one line naming the file
+            if start is not None:
+                try:
+                    os.ftruncate(self.fd, start)
+                except OSError:
+                    pass
+            self.close()
+            kept = (f"it holds the records up to iteration {self.last_written}" if self.last_written is not None
+                    else "it holds no record of this run")
+            raise OSError(e.errno, f"cannot append iteration {record['iteration']} ({e.strerror or e}; {kept}); "
+                                   f"free space there or point --log-dir elsewhere", self.path) from e
+        self.last_written = record["iteration"]
 
     def close(self) -> None:
-        """Close metrics.jsonl, if one is open."""
-        if self.file is not None:
-            self.file.close()
+        """Close metrics.jsonl, if one is open; never raises (every record was written when it was logged)."""
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -40,12 +40,13 @@ from .arguments import PretrainConfig, check, resolve, virtual_chunks
 from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, load_model_weights, prune_checkpoints,
                          save_checkpoint, select_checkpoint)
 from .checkpoint_integrity import SaveDirLock
+from .checkpoint_paths import check_save_dir, last_checkpoint_clause, remove_partial_saves, resolve_load
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, gather_traffic
 from .report import RunTotals, banner, dp_hops_line
 from .report import layout_tiers, tiers_line
-from .signals import ExitSignals
+from .signals import ExitSignals, log_error_line, stop_requested
 
 
 def learning_rate(cfg: PretrainConfig, it: int) -> float:
@@ -144,23 +145,29 @@ class Trainer:
         resumed = None
         self.guard = DivergenceGuard(t.max_skipped_steps, t.loss_divergence_factor)  # _load restores its state
         c = cfg.checkpoint
+        load = resolve_load(c.load)  # a file, an iteration directory, an unreadable one: one line (ValueError)
         if c.finetune and c.save and latest_iteration(c.save) is not None:  # a restarted fine-tuning job
             note = self._load(c.save)
             resumed = f"resumed the fine-tuning run from {c.save} at iteration {self.iteration} (--finetune: " \
                       f"{c.load} is only read when {c.save} holds no checkpoint yet)" + (f"; {note}" if note else "")
         elif c.finetune:  # raises FileNotFoundError when --load holds no checkpoint
             # no checkpoint at all: load_model_weights says so in fine-tuning's words
-            it, note = select_checkpoint(c.load, c.load_fallback) if latest_iteration(c.load) is not None else (None, None)
-            it = load_model_weights(c.load, self.model, self.groups, self.run_info(), iteration=it)
+            it, note = (select_checkpoint(load.root, c.load_fallback, load.iteration) if load.has_checkpoint
+                        else (None, None))
+            it = load_model_weights(load.root, self.model, self.groups, self.run_info(), iteration=it)
             for f in self.features:
                 f.weights_loaded(self)  # e.g. the optimizer's fp32 masters from the loaded weights
             resumed = (f"fine-tuning from the model weights of {c.load} (iteration {it}); optimizer, RNG, error "
                        f"feedback and data order start fresh at iteration 0") + (f"; {note}" if note else "")
-        elif c.load and latest_iteration(c.load) is not None:
-            note = self._load(c.load)
-            resumed = f"resumed from {c.load} at iteration {self.iteration}" + (f"; {note}" if note else "")
+        elif load.has_checkpoint:
+            note = "; ".join(n for n in (load.note, self._load(load.root, load.iteration)) if n)
+            resumed = f"resumed from {load.root} at iteration {self.iteration}" + (f"; {note}" if note else "")
         elif c.load:
-            resumed = f"no checkpoint in {c.load} yet: starting from iteration 0"
+            resumed = load.note
+        if self.lock is not None:  # this run owns --save: saves a killed run left half-written go (chosen already)
+            gone = remove_partial_saves(c.save)
+            chosen = chosen + ([f"removed {len(gone)} partial save(s) an interrupted run left: {', '.join(gone)}"]
+                               if gone else [])
         self.resumed = self.iteration > 0
         self.totals = RunTotals()
         if self.is_logger:
@@ -247,6 +254,7 @@ class Trainer:
         if dist.get_rank() == 0:
             lock = SaveDirLock(save)
             try:
+                check_save_dir(save)  # a file, or one iteration's checkpoint: one line naming the directory to use
                 outcome = (lock.acquire(), None)
                 atexit.register(lock.release)  # also when construction fails after this point
             except ValueError as e:
@@ -260,10 +268,10 @@ class Trainer:
             raise ValueError(box[0][1])
         return lock, box[0][0]
 
-    def _load(self, root: str) -> Optional[str]:
-        """Resume from the checkpoint under ``root`` that verifies (select_checkpoint); returns the note when it
-        is not the latest (``--load-fallback``)."""
-        it, note = select_checkpoint(root, self.cfg.checkpoint.load_fallback)
+    def _load(self, root: str, iteration: Optional[int] = None) -> Optional[str]:
+        """Resume from the checkpoint under ``root`` that verifies (select_checkpoint; ``iteration``: the one
+        ``--load`` named); returns the note when it is not the latest (``--load-fallback``)."""
+        it, note = select_checkpoint(root, self.cfg.checkpoint.load_fallback, iteration)
         self.iteration, extra = load_checkpoint(root, self.model, self.optimizer, self.groups, self.run_info(),
                                                 replica=self.replica, iteration=it)
         torch.set_rng_state(extra["rng"])
@@ -391,20 +399,31 @@ class Trainer:
         return record
 
     def train(self) -> list[dict]:
-        """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal), logging and checkpointing;
-        returns the records of this run's iterations.
+        """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal, or a metrics.jsonl that cannot be
+        written), logging and checkpointing; returns the records of this run's iterations. The exit signals'
+        handlers (megacomp.training.signals) stay installed until the last checkpoint is written.
 
         Raises:
             TrainingDiverged: the divergence policy stopped the run (nothing was saved after the last good
                 checkpoint: one written at the iteration before the stop holds the weights that diverged and is
-                renamed to ``iter_N.diverged``); the message is the one-line reason, and says so."""
+                renamed to ``iter_N.diverged``); the message is the one-line reason, and says so.
+            OSError: rank 0 could not append to metrics.jsonl (a full or read-only ``--log-dir``): every rank
+                stops at that iteration's boundary, saves it first (with ``--save``) and raises the same line,
+                which says what was saved."""
+        signals = ExitSignals(save_dir=self.cfg.checkpoint.save) if self.cfg.training.exit_on_signal else None
+        try:
+            return self._train(signals)
+        finally:
+            if signals is not None:
+                signals.restore()
+
+    def _train(self, signals: Optional[ExitSignals]) -> list[dict]:
         cfg, t, c = self.cfg, self.cfg.training, self.cfg.checkpoint
         self._batches = iter(self.sampler)
         # what setting up sent (a resumed run's parameter all-gather) is no iteration's traffic: each iteration's
         # record (gather_traffic) starts from here, so a resumed iteration counts what an uninterrupted one does
         comm.reset_stats()
-        history, saved_at, stopped = [], None, ""
-        signals = ExitSignals() if t.exit_on_signal else None
+        history, saved_at, stopped, log_error = [], None, "", None
         try:
             while self.iteration < t.train_iters:
                 record = self.train_step()
@@ -413,15 +432,21 @@ class Trainer:
                 bad = record["skipped"] or not math.isfinite(record["loss"])
                 if (bad or self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters
                         or "probe" in record):
-                    self.metrics.log(record)  # before the verdict: a diverging iteration is on record too
+                    try:
+                        self.metrics.log(record)  # before the verdict: a diverging iteration is on record too
+                    except OSError as e:  # rank 0 only: the ranks stop together at this boundary, after saving
+                        log_error = e
                 note = self.guard.observe(self.iteration, record["loss"], not record["skipped"], record["lr"])
                 if note and self.is_logger:
                     print(f"megacomp-pretrain: {note}", flush=True)
+                signalled, log_error = stop_requested(signals, log_error, self.device)  # agreed by every rank
+                if log_error is not None:
+                    break
                 if c.save and c.save_interval and self.iteration % c.save_interval == 0:
                     self.save()
                     saved_at = self.iteration
-                if signals is not None and signals.received_anywhere(self.device):
-                    stopped = f"stopped by {signals.received or 'a signal on another rank'} at iteration {self.iteration}"
+                if signalled:
+                    stopped = signals.stopped(self.iteration)
                     break
                 if t.exit_interval and self.iteration % t.exit_interval == 0 and self.iteration < t.train_iters:
                     stopped = f"stopped at iteration {self.iteration} (--exit-interval {t.exit_interval})"
@@ -449,11 +474,12 @@ class Trainer:
                 raise TrainingDiverged(f"{e}{note}") from e
             raise
         finally:
-            if signals is not None:
-                signals.restore()
             self.metrics.close()
         for f in self.features:
             f.end_of_run(self, history, self.iteration < t.train_iters)
+        if log_error is not None:  # what training did is kept: save it, then the one line says so
+            raise log_error_line(log_error, self.save if c.save and saved_at != self.iteration else None,
+                                 lambda: last_checkpoint_clause(c.save))
         if c.save and history and saved_at != self.iteration:  # the last iteration, once
             self.save()
         elif stopped and not c.save and self.is_logger:
@@ -471,4 +497,5 @@ class Trainer:
             f.close(self)
         parallel_state.destroy_model_parallel()
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release()  # never raises (a read-only file system keeps the file: the next run takes it over)
+            atexit.unregister(self.lock.release)
