@@ -1,8 +1,14 @@
-"""GPT built from the tensor-parallel layers, splittable into pipeline stages.
+"""GPT (and Llama-style) models built from the tensor-parallel layers, splittable into pipeline stages.
 
     ids [b, s] -> word embedding (vocab parallel) + learned positions -> [s, b, h]
         -> L pre-LN TransformerBlocks -> final LayerNorm -> logits = h @ E^T (vocab parallel, tied)
         -> vocab-parallel cross entropy -> mean loss
+
+The Llama-style model is the same class with the options of :class:`TransformerConfig` (RoPE instead of the
+learned positions, RMSNorm, SwiGLU, grouped-query attention, no linear biases; megacomp.models.llama sets them)
+and ``untie_embeddings_and_output_weights``: the output layer is then its own ColumnParallelLinear ``[V / tp, h]``
+(vocabulary-parallel logits, ``output_layer.weight``), with nothing shared with the word embedding, so there is no
+tied copy on the last stage and no embedding-group gradient sum.
 
 A stage holds layers ``layer_range`` of the full model; the first stage (``pre_process``) owns the
 embeddings, the last (``post_process``) the final norm and the output head. With tied embeddings and
@@ -27,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelParallelConfig
-from ..tensor_parallel import VocabParallelEmbedding, mappings, vocab_parallel_cross_entropy
+from ..tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding, init_method_normal, mappings,
+                               vocab_parallel_cross_entropy)
 from ..tensor_parallel.tied_embedding import TiedEmbeddingGrad
-from .transformer import TransformerBlock, TransformerConfig, layer_norm
+from .transformer import TransformerBlock, TransformerConfig, norm_layer
 
 
 @dataclass
@@ -51,6 +58,9 @@ class GPTConfig(TransformerConfig):
     weight: LOMO's memory bound, benchmarks/results/memory). Same bits as False on CPU; one forward per backward pass (else
     RuntimeError at backward, see megacomp.tensor_parallel.tied_embedding). Pretraining turns it on for LOMO /
     AdaLomo (megacomp.training.features.lomo_fused)."""
+    untie_embeddings_and_output_weights: bool = False
+    """A separate output layer (ColumnParallelLinear ``[V / tp, h]``, seeded ``seed + 2``) instead of the word
+    embedding's transpose (Megatron's ``--untie-embeddings-and-output-weights``; Llama)."""
 
 
 class _Seeded:
@@ -78,34 +88,44 @@ class GPTModel(nn.Module):
         self.layer_range = layer_range if layer_range is not None else range(cfg.num_layers)
         self.tp_group = config.tp_group(tp_group)
         self.sp = config.sequence_parallel
+        self.untied = cfg.untie_embeddings_and_output_weights
+        self.learned_positions = cfg.position_embedding_type == "learned_absolute"
         back = config.channels.tp_backward  # the output layer's input gradient is a tp_backward all-reduce too
-        self.ef_key = back.new_key("GPTModel.logits") if back.error_feedback is not None and post_process else None
+        self.ef_key = (back.new_key("GPTModel.logits")
+                       if back.error_feedback is not None and post_process and not self.untied else None)
         if pre_process:
             with _Seeded(cfg.seed):
                 self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config,
                                                               reduce_scatter_embeddings=self.sp, tp_group=self.tp_group)
-            with _Seeded(cfg.seed + 1):
-                self.position_embeddings = nn.Parameter(
-                    (torch.randn(cfg.max_seq_length, cfg.hidden_size) * cfg.init_std).to(config.params_dtype))
-            self.position_embeddings.sequence_parallel = self.sp
+            if self.learned_positions:
+                with _Seeded(cfg.seed + 1):
+                    self.position_embeddings = nn.Parameter(
+                        (torch.randn(cfg.max_seq_length, cfg.hidden_size) * cfg.init_std).to(config.params_dtype))
+                self.position_embeddings.sequence_parallel = self.sp
         layers = []
         for i in self.layer_range:
             with _Seeded(cfg.seed + 1000 * (i + 1)):
                 layers.append(TransformerBlock(cfg, config, self.tp_group))
         self.layers = nn.ModuleList(layers)
         if post_process:
-            self.final_norm = layer_norm(cfg.hidden_size, cfg.layernorm_epsilon, self.sp, config.params_dtype)
-            if not pre_process:  # the last stage's copy of the tied word embedding
+            self.final_norm = norm_layer(cfg, self.sp, config.params_dtype)
+            if self.untied:
+                with _Seeded(cfg.seed + 2):
+                    self.output_layer = ColumnParallelLinear(cfg.hidden_size, cfg.vocab_size, config=config,
+                                                             init_method=init_method_normal(cfg.init_std), bias=False,
+                                                             tp_group=self.tp_group)
+            elif not pre_process:  # the last stage's copy of the tied word embedding
                 with _Seeded(cfg.seed):
                     head = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, config=config, tp_group=self.tp_group)
                 self.output_weight = head.weight
-        self.output_weight_is_tied_copy = post_process and not pre_process
+        self.output_weight_is_tied_copy = post_process and not pre_process and not self.untied
         self._tied_grad: Optional[TiedEmbeddingGrad] = None  # built at the first forward that uses it
 
     def tied_embedding_grad(self) -> Optional[TiedEmbeddingGrad]:
         """The shared gradient state of the tied word embedding for this forward, or None when the default graph is
-        used: ``cfg.tied_embedding_grad_in_place`` off, the two uses on different stages, or no gradient to take."""
-        if not (self.cfg.tied_embedding_grad_in_place and self.pre_process and self.post_process
+        used: ``cfg.tied_embedding_grad_in_place`` off, the two uses on different stages, an untied output layer, or
+        no gradient to take."""
+        if not (self.cfg.tied_embedding_grad_in_place and not self.untied and self.pre_process and self.post_process
                 and torch.is_grad_enabled() and self.word_embeddings.weight.requires_grad):
             return None
         if self._tied_grad is None or self._tied_grad.weight is not self.word_embeddings.weight:
@@ -122,6 +142,8 @@ class GPTModel(nn.Module):
         if s > self.cfg.max_seq_length:
             raise ValueError(f"sequence length {s} exceeds max_seq_length {self.cfg.max_seq_length}")
         words = self.word_embeddings(ids) if tied is None else self.word_embeddings(ids, tied=tied)
+        if not self.learned_positions:  # rope: positions enter in attention
+            return words if self.sp else words.transpose(0, 1).contiguous()
         if self.sp:  # already reduce-scattered to [s/tp, b, h]: add the positions of this rank's slice
             tp, r = dist.get_world_size(self.tp_group), dist.get_rank(self.tp_group)
             pos = self.position_embeddings[r * s // tp:(r + 1) * s // tp]
@@ -129,13 +151,18 @@ class GPTModel(nn.Module):
         return (words + self.position_embeddings[:s].unsqueeze(0)).transpose(0, 1).contiguous()
 
     def head_weight(self) -> torch.Tensor:
-        """The output layer's weight: the word embedding on the first stage (tied), else this stage's copy."""
+        """The output layer's weight: the untied output layer's, else the word embedding on the first stage (tied),
+        else this stage's copy."""
+        if self.untied:
+            return self.output_layer.weight
         return self.word_embeddings.weight if self.pre_process else self.output_weight
 
     def logits(self, hidden: torch.Tensor, tied: Optional[TiedEmbeddingGrad] = None) -> torch.Tensor:
-        """Final norm and the tied output layer: ``[s, b, V / tp]`` vocabulary-parallel logits; ``tied``: see
-        :meth:`tied_embedding_grad`."""
+        """Final norm and the output layer (tied, or the untied ColumnParallelLinear, which communicates the same
+        way): ``[s, b, V / tp]`` vocabulary-parallel logits; ``tied``: see :meth:`tied_embedding_grad`."""
         h = self.final_norm(hidden)
+        if self.untied:
+            return self.output_layer(h)[0]
         ch = self.config.channels
         if self.sp:
             h = mappings.gather_from_sequence_parallel_region(h, self.tp_group, codec=ch.sp_all_gather,
@@ -176,8 +203,8 @@ def split_layers(num_layers: int, stages: int, stage: int) -> range:
 
 def sync_tied_embedding_grads(model: GPTModel, embedding_group) -> None:
     """Sum the gradients of the word embedding (first stage) and its copy (last stage) over the embedding
-    group (uncompressed; no-op with a single stage)."""
-    if embedding_group is None:
+    group (uncompressed; no-op with a single stage or an untied output layer)."""
+    if embedding_group is None or model.cfg.untie_embeddings_and_output_weights:
         return
     w = model.word_embeddings.weight if model.pre_process else (model.output_weight if model.post_process else None)
     if w is None or w.grad is None:
