@@ -168,3 +168,43 @@ def test_bad_paths_under_the_entry_point_are_one_line_and_status_2(ck, tiny_conf
         errors = [x for x in out.stderr.splitlines() if x.startswith("megacomp-pretrain: error:")]
         assert out.returncode == 2 and len(errors) == 1 and line in errors[0], out.stderr
         assert 'File "' not in out.stderr and "iter      1 |" not in out.stdout
+
+
+def test_a_partial_save_left_by_a_killed_run_is_removed_when_the_next_run_resumes(tiny_config, tmp_path):
+    """kill -9 while iteration 4 is being saved leaves ck/iter_0000004.tmp; the resumed run (--keep-checkpoints 1,
+    3 iterations: it never saves iteration 4 again) removes it once it chose its checkpoint (iteration 2), says so in
+    the banner, and takes over the dead run's lock."""
+    import signal
+    import time
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump({name: getattr(tiny_config, name) for name in tiny_config.explicit}))
+    ck = tmp_path / "ck"
+    # a model whose save takes about a second on one CPU thread, so that the kill lands inside it
+    flags = ["--config", str(cfg_file), "--save", str(ck), "--save-interval", "2", "--hidden-size", "512",
+             "--num-layers", "4", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MEGACOMP_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "megacomp.pretrain", *flags, "--train-iters", "100"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    partial = ck / "iter_0000004.tmp"
+    try:
+        deadline = time.monotonic() + 180
+        while not partial.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.002)
+        time.sleep(0.05)  # DCP is writing its shards
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stderr.close()
+    assert partial.is_dir() and (ck / LATEST).read_text() == "2"
+    out = subprocess.run([sys.executable, "-m", "megacomp.pretrain", *flags, "--load", str(ck), "--train-iters", "3",
+                          "--keep-checkpoints", "1"], capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from {ck} at iteration 2" in out.stdout
+    assert f"removed 1 partial save(s) an interrupted run left: {partial}" in out.stdout
+    assert "took over the lock of pid" in out.stdout
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("iter_")) == ["iter_0000003"]
