@@ -48,8 +48,9 @@ model, batch and variants, the same metrics.jsonl lines), and the table's plan c
 (:func:`benchmarks.netns_nodes_engines.target_bytes`), with an engine column.
 
 Pure functions (no namespaces needed): :func:`parse_net_dev`, :func:`attribute_bytes`, :func:`pretrain_argv`,
-:func:`micro_batch`, :func:`summarise_run`, :func:`table` (netns_nodes_check.py: :func:`expected_collective_bytes`,
-:func:`check_table`).
+:func:`run_argv`, :func:`micro_batch`, :func:`summarise_run`, :func:`table` (netns_nodes_check.py:
+:func:`expected_collective_bytes`, :func:`check_table`; netns_nodes_engines.py: ``engine_argv``, ``model_numels``,
+``target_bytes``, ``table``).
 """
 from __future__ import annotations
 
