@@ -354,7 +354,7 @@ def plot(records: list[dict], path: Path) -> Optional[Path]:
         per_m = {m: [r for r in rows if r["m"] == m] for m in ms}
         tx = [statistics.mean((r["tx_per_iter"]["A"] + r["tx_per_iter"]["B"]) / 2e6 for r in per_m[m]) for m in ms]
         st = [statistics.mean(statistics.median(r["times_s"]) for r in per_m[m]) for m in ms]
-        label = f"{key[0]} @ {key[1]}" if len(engines) == 1 and key[2] == "pretrain" else f"{key[2]} {key[0]} @ {key[1]}"
+        label = f"{key[0]} @ {key[1]}" if engines == ["pretrain"] else f"{key[2]} {key[0]} @ {key[1]}"
         style = dict(color=f"C{list(VARIANTS).index(key[0]) if key[0] in VARIANTS else 9}",
                      marker="osD^"[engines.index(key[2]) % 4],
                      linestyle=["-", "--", ":", "-."][rates.index(key[1]) % 4], label=label)
@@ -387,7 +387,8 @@ def write(results: dict, out: Path) -> list[str]:
              f"Command: `{results['command']}` ({results['elapsed_s']:.0f} s). Two network namespaces, m ranks each "
              "(torchrun, static rendezvous), loopback inside, a veth pair with `tc tbf burst 1mbit` on both ends "
              "between; the 3.44M GPT (netns_dp_targets), DP 2m, global batch 16. Method and columns: "
-             "benchmarks/netns_nodes.py's docstring" + ("" if pretrain else " and netns_nodes_engines.py's (engines, targets)")
+             "benchmarks/netns_nodes.py's docstring"
+             + ("" if pretrain else " and netns_nodes_engines.py's (engines, targets)")
              + ". 2 CPU cores shared by all 2m ranks and other work on the "
              "machine: times are indicative, bytes are the measurement. Raw records: `netns_nodes.json`; "
              f"regenerate this page and `netns_nodes.png` by `python -m benchmarks.netns_nodes --from-results "
@@ -411,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--rates", default="100mbit,1gbit")
     p.add_argument("--ranks-per-node", default="1,2,4", help="comma list of m (ranks in each namespace)")
     p.add_argument("--engine", choices=("pretrain", *netns_nodes_engines.ENGINES), default="pretrain",
-                   help="what trains: megacomp.pretrain, or torch DDP with megacomp's hook, or FSDP2 (module docstring)")
+                   help="what trains: megacomp.pretrain, torch DDP with megacomp's hook, or FSDP2 (module docstring)")
     p.add_argument("--variants", default="none,flat", help="comma list of " + ",".join(VARIANTS))
     p.add_argument("--seeds", default="1")
     p.add_argument("--iters", type=int, default=12)

@@ -102,9 +102,9 @@ def table(records: list[dict]) -> list[str]:
     from benchmarks.netns_bench import median_spread
 
     numels = model_numels()
-    lines = ["| engine | link | variant | ranks/node m | DP | MB leaving node A / B per iteration | target MB (A / target) "
-             "| megacomp wire MB/iter, all ranks (of it intra-node hops) | crossing fraction | median iteration s "
-             "(min-max), iterations 3.. | loss at last iteration | run s |",
+    lines = ["| engine | link | variant | ranks/node m | DP | MB leaving node A / B per iteration | "
+             "target MB (A / target) | megacomp wire MB/iter, all ranks (of it intra-node hops) | crossing fraction | "
+             "median iteration s (min-max), iterations 3.. | loss at last iteration | run s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         cross = f"{r['crossing_fraction']:.2f}" if r.get("crossing_fraction") is not None else "-"
@@ -179,8 +179,8 @@ def worker(argv: Optional[Sequence[str]] = None) -> None:
         Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         out = open(Path(args.log_dir) / "metrics.jsonl", "w")
         params = sum(p.numel() for p in model.parameters())
-        print(f"{args.engine}: {params:,} parameters, {world} ranks, {args.compression}, dp collectives {args.dp_collectives}, topology "
-              f"{topology.describe() if topology else 'not used (flat)'}", flush=True)
+        print(f"{args.engine}: {params:,} parameters, {world} ranks, {args.compression}, dp collectives "
+              f"{args.dp_collectives}, topology {topology.describe() if topology else 'not used (flat)'}", flush=True)
     comm.reset_stats()  # set-up traffic is no iteration's
     for it in range(1, args.train_iters + 1):
         t0 = time.perf_counter()
@@ -194,9 +194,10 @@ def worker(argv: Optional[Sequence[str]] = None) -> None:
         dist.all_reduce(mean)
         traffic = gather_traffic()  # the iteration's last collective
         if out is not None:
-            out.write(json.dumps({"iteration": it, "loss": mean.item() / world, "iteration_time_s": elapsed,
-                                  "wire_bytes": sum(w for w, _ in traffic.values()),
-                                  "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic}) + "\n")
+            record = {"iteration": it, "loss": mean.item() / world, "iteration_time_s": elapsed,
+                      "wire_bytes": sum(w for w, _ in traffic.values()),
+                      "uncompressed_bytes": sum(u for _, u in traffic.values()), "traffic": traffic}
+            out.write(json.dumps(record) + "\n")
             out.flush()
             print(f"iteration {it} loss {mean.item() / world:.4f} {elapsed:.3f} s", flush=True)
     if out is not None:
