@@ -245,18 +245,19 @@ PLAN_CODECS = {"none": (None, None), "flat": ({"name": "int4", "block_size": 128
 
 def planned_bytes(variant: str, m: int, global_batch: int = 16) -> float:
     """Bytes leaving a node per iteration that ``python -m megacomp.plan`` predicts for a run (the same model, DP 2m
-    over 2 nodes, the variant's codecs and collectives). The plan routes NCCL's collectives: an uncompressed ring
-    reduce-scatter, and megacomp's compressed all-gather as a ring; on gloo a reduce-scatter moves all-reduce bytes
-    and a compressed all-gather is a direct exchange, so only rows whose inter-node exchange is direct between two
-    ranks (hier; anything at m = 1) compare like for like."""
+    over 2 nodes, the variant's codecs and collectives) with ``--backend gloo``, as the runs use: gloo's uncompressed
+    reduce-scatter moves all-reduce bytes and megacomp's compressed exchanges are direct (a node sends every local
+    rank's pieces for the other node), and the parameters are fp32 (pretraining's default params_dtype). The plan
+    counts payload; the veth counters add TCP/IP headers, ACKs and the trainer's small per-iteration collectives."""
     from megacomp.plan import Cluster, Layout, Method, ModelSpec, device, estimate
 
     grad, param = PLAN_CODECS[variant]
     spec = ModelSpec(num_layers=4, hidden_size=256, num_attention_heads=4, seq_length=64, vocab_size=1024,
-                     micro_batch_size=micro_batch(global_batch, 2 * m), global_batch_size=global_batch)
+                     micro_batch_size=micro_batch(global_batch, 2 * m), global_batch_size=global_batch,
+                     params_dtype="float32")  # configs/gpt_tiny.yaml sets none: pretraining's default
     method = Method(variant, "zero1", dp_gradient=grad, dp_parameter=param,
                     dp_collectives="flat" if variant == "flat" else "auto")
-    e = estimate(spec, Layout(1, 1, 2 * m), Cluster(device("h100"), 2 * m, 2), method)
+    e = estimate(spec, Layout(1, 1, 2 * m), Cluster(device("h100"), 2 * m, 2, backend="gloo"), method)
     return sum(t.tier_bytes["inter_node"] for t in e.transfers) / 2  # both nodes send alike
 
 
