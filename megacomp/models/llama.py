@@ -32,12 +32,12 @@ from __future__ import annotations
 
 from .gpt import GPTConfig
 
-LLAMA_OPTIONS = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                     untie_embeddings_and_output_weights=True)
-"""The GPTConfig fields that make the GPT a Llama-style model (shape fields are the caller's)."""
+LLAMA_OPTIONS = (("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("swiglu", True),
+                 ("add_bias_linear", False), ("untie_embeddings_and_output_weights", True))
+"""The (GPTConfig field, value) pairs that make the GPT a Llama-style model (shape fields are the caller's)."""
 
 
 def llama_config(**fields) -> GPTConfig:
     """A :class:`GPTConfig` with :data:`LLAMA_OPTIONS`, then ``fields`` (shapes, ``num_query_groups``,
     ``rotary_base``, ... ; a field given here overrides the option). Raises ValueError as GPTConfig does."""
-    return GPTConfig(**{**LLAMA_OPTIONS, **fields})
+    return GPTConfig(**{**dict(LLAMA_OPTIONS), **fields})

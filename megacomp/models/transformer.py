@@ -157,6 +157,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised ``x`` (any shape ``[..., hidden]``), in ``x``'s dtype."""
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -219,6 +220,7 @@ class ParallelAttention(nn.Module):
                                       bias=cfg.add_bias_linear, tp_group=tp_group)
 
     def _rotary(self, seq: int, like: torch.Tensor):
+        """RoPE's (cos, sin) for ``seq`` positions in ``like``'s device and dtype, kept for the next forward."""
         c = self._rope_cache
         if c is None or c[:3] != (seq, like.device, like.dtype):
             c = self._rope_cache = (seq, like.device, like.dtype,
