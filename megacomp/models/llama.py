@@ -30,6 +30,8 @@ dividing ``ffn_hidden_size`` or the vocabulary (the TP layers' own checks).
 """
 from __future__ import annotations
 
+import torch
+
 from .gpt import GPTConfig
 
 LLAMA_OPTIONS = (("position_embedding_type", "rope"), ("normalization", "RMSNorm"), ("swiglu", True),
@@ -41,3 +43,18 @@ def llama_config(**fields) -> GPTConfig:
     """A :class:`GPTConfig` with :data:`LLAMA_OPTIONS`, then ``fields`` (shapes, ``num_query_groups``,
     ``rotary_base``, ... ; a field given here overrides the option). Raises ValueError as GPTConfig does."""
     return GPTConfig(**{**dict(LLAMA_OPTIONS), **fields})
+
+
+def fc1_from_megatron(weight: torch.Tensor, tp: int = 1) -> torch.Tensor:
+    """Megatron-core's SwiGLU ``linear_fc1`` weight (or bias) -> megacomp's full ``mlp.fc1`` one.
+
+    ``weight``: Megatron's TP shards concatenated along dim 0, shard r being ``[gate_r; up_r]`` (``tp`` shards; its
+    full weight at TP 1 is ``[gate; up]``). Returns the rows interleaved per unit, ``[gate_0; up_0; gate_1; ...]``,
+    which megacomp shards contiguously at any TP size. The QKV weight needs no conversion: both use the per-group
+    layout ``[q of group j's heads; k_j; v_j]``. Raises ValueError when dim 0 does not split into ``2 tp`` equal parts.
+    """
+    if weight.shape[0] % (2 * tp):
+        raise ValueError(f"fc1 has {weight.shape[0]} rows, which do not split into {tp} TP shards of [gate; up]")
+    halves = [shard.chunk(2, dim=0) for shard in weight.chunk(tp, dim=0)]
+    gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+    return torch.stack([gate, up], dim=1).flatten(0, 1)
