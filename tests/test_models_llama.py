@@ -6,8 +6,8 @@
   with and without sequence parallelism, forward and backward, each option alone and all together.
 - The Llama-style GPTModel at TP 2 (with and without SP) and PP 2 equals the unsplit TP 1 model (loss and every
   gradient) within fp32 round-off, compression off.
-- With int8 on tp_forward every forward all-reduce of the model is within the codec's bound (tests/codec_bounds.py)
-  of the exact sum of the partials that layer computed.
+- With int8 on tp_forward (on sp_reduce_scatter under SP) every forward all-reduce (reduce-scatter) of the model is
+  within the codec's bound (tests/codec_bounds.py) of the exact sum of the partials that layer computed.
 - Bad shapes are refused with one ValueError line.
 
 Tolerances: the TP and single-device computations differ only in how fp32 matmul sums are split and re-associated,
@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from codec_bounds import all_reduce_bound
+from codec_bounds import all_reduce_bound, reduce_scatter_bound
 from distributed import run_ranks
 from megacomp import parallel_state
 from megacomp.compression import make_codec
@@ -321,20 +321,26 @@ def test_llama_model_pp2_equals_unsplit():
 INT8 = dict(name="int8", block_size=32)
 
 
-def _codec_body(rank, world):
+def _codec_body(rank, world, sp):
     groups = parallel_state.initialize_model_parallel(2)
+    r = groups.tp_rank
     codec = make_codec(INT8)
-    comp = CommCompressionConfig(tp_forward=INT8, min_compress_numel=0)
+    # without SP the forward all-reduces use tp_forward; with SP the reduce-scatters use sp_reduce_scatter
+    comp = CommCompressionConfig(**{"sp_reduce_scatter" if sp else "tp_forward": INT8}, min_compress_numel=0)
     cfg = llama_config(**MODEL)
     checks = []
 
-    def check(name, partial, out):
+    def check(name, partial, out):  # partial: this rank's full [s, b, h] partial sum; out: what the layer returned
         parts = [torch.empty_like(partial) for _ in range(2)]
         dist.all_gather(parts, partial.contiguous(), group=groups.tp)
+        if sp:  # reduce-scatter along the sequence: this rank's slice of the sum
+            parts = [p[r * S // 2:(r + 1) * S // 2] for p in parts]
+            bound = reduce_scatter_bound(codec, parts).view(parts[0].shape)
+        else:
+            bound = all_reduce_bound(codec, parts)
         exact = sum(p.double() for p in parts)
         err = (out.double() - exact).abs()
-        excess = (err - all_reduce_bound(codec, parts)).max().item()
-        checks.append((name, excess, err.max().item()))
+        checks.append((name, (err - bound).max().item(), err.max().item()))
 
     def row_hook(mod, inputs, output):  # the partial this rank computed, recomputed the layer's way
         check(type(mod).__name__, F.linear(inputs[0], mod.weight), output[0])
@@ -343,9 +349,11 @@ def _codec_body(rank, world):
         ids = inputs[0]
         outside = (ids < mod.vocab_start) | (ids >= mod.vocab_end)
         partial = F.embedding((ids - mod.vocab_start).masked_fill(outside, 0), mod.weight)
-        check("VocabParallelEmbedding", partial.masked_fill(outside.unsqueeze(-1), 0.0), output)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h]; under SP scattered as [s, b, h]
+        check("VocabParallelEmbedding", partial.transpose(0, 1) if sp else partial, output)
 
-    model = GPTModel(cfg, ModelParallelConfig(tensor_model_parallel_size=2, compression=comp, process_groups=groups))
+    mpc = dict(tensor_model_parallel_size=2, sequence_parallel=sp, process_groups=groups)
+    model = GPTModel(cfg, ModelParallelConfig(compression=comp, **mpc))
     for m in model.modules():
         if isinstance(m, RowParallelLinear):
             m.register_forward_hook(row_hook)
@@ -353,16 +361,17 @@ def _codec_body(rank, world):
     ids, labels = _batch()
     with torch.no_grad():
         lossy = model(ids, labels).item()
-    plain = GPTModel(cfg, ModelParallelConfig(tensor_model_parallel_size=2, process_groups=groups))
-    with torch.no_grad():
-        exact = plain(ids, labels).item()
+        exact = GPTModel(cfg, ModelParallelConfig(**mpc))(ids, labels).item()
     parallel_state.destroy_model_parallel()
     return checks, lossy, exact
 
 
-def test_int8_tp_forward_within_the_codec_bound():
-    for checks, lossy, exact in run_ranks(_codec_body, 2):
-        assert len(checks) == 1 + 2 * MODEL["num_layers"]  # the embedding, each block's proj and fc2
+@pytest.mark.parametrize("sp", [False, True], ids=["tp_forward", "sp_reduce_scatter"])
+def test_int8_on_tp_paths_within_the_codec_bound(sp):
+    """Each forward all-reduce (reduce-scatter under SP) of the embedding and of every block's proj and fc2 is within
+    the int8 bound of the exact sum of the partials that layer computed."""
+    for checks, lossy, exact in run_ranks(_codec_body, 2, sp):
+        assert len(checks) == 1 + 2 * MODEL["num_layers"]
         for name, excess, err in checks:
             assert excess <= 0, f"{name}: error exceeds the int8 bound by {excess:.3g}"
         assert any(err > 0 for _, _, err in checks)  # the codec was really applied
