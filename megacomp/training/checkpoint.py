@@ -3,8 +3,9 @@
 Layout of ``SAVE/``:
     iter_0000100/            a DCP checkpoint (every rank writes its shards) + megacomp.json (the run's config)
     latest_checkpointed_iteration.txt
-    iter_0000101.diverged/   set aside by a run that diverged right after writing it (discard_checkpoint);
-                             never resumed, pruned or offered as a fallback
+    iter_0000101.diverged/   set aside by a run that diverged right after writing it
+                             (megacomp.training.checkpoint_paths.discard_checkpoint); never resumed, pruned or
+                             offered as a fallback
 
 Contents: the model (keys per pipeline stage and TP rank, so DP replicas deduplicate), the sharded
 optimizer (masters, AdamW state, DP-gradient error feedback, counters; keys per stage, TP and DP rank),
@@ -322,39 +323,6 @@ def _write_latest(root: str, iteration: int) -> None:
     os.replace(latest_tmp, os.path.join(root, LATEST))
 
 
-def discard_checkpoint(root: str, iteration: int) -> str:
-    """Set the checkpoint of ``iteration`` under ``root`` aside (rank 0 calls it when the run diverged right
-    after writing it): ``latest`` first points at the newest older complete iteration (or is removed when
-    there is none), then ``iter_N`` is renamed to ``iter_N.diverged`` (``.diverged2`` ... if taken), which
-    :func:`latest_iteration`, resume and pruning ignore; nothing is deleted. Returns what was done, a clause
-    for the error line. Raises OSError when a file operation fails."""
-    final = _iter_dir(root, iteration)
-    previous = None
-    for it in reversed(_iterations(root)):
-        if it < iteration:
-            try:
-                _check_iteration(_iter_dir(root, it))
-            except _Unreadable:
-                continue
-            previous = it
-            break
-    if previous is not None:
-        _write_latest(root, previous)
-    else:
-        try:
-            os.remove(os.path.join(root, LATEST))
-        except FileNotFoundError:
-            pass
-    aside, n = final + ".diverged", 1
-    while os.path.exists(aside):
-        n += 1
-        aside = f"{final}.diverged{n}"
-    os.rename(final, aside)
-    now = (f"the latest checkpoint is now iteration {previous} ({_iter_dir(root, previous)})" if previous is not None
-           else f"there is no older complete checkpoint under {root}: start fresh")
-    return f"moved the checkpoint of iteration {iteration} (the weights that diverged) to {aside}; {now}"
-
-
 def _differences(saved: Any, mine: Any, name: str) -> list[str]:
     """``name: checkpoint X vs this run Y`` for each differing field; dicts are compared key by key, so a nested
     config names only its keys that differ (``compression_resolved.dp_gradient.name: ...``)."""
@@ -511,15 +479,3 @@ def load_model_weights(root: str, model, groups, run_info: dict, iteration: Opti
         raise _error(unfit, root, iteration, path) from e
     model.load_state_dict(state[f"model/{where}"])
     return iteration
-
-
-def prune_checkpoints(root: str, keep: int) -> list[str]:
-    """Delete all but the newest ``keep`` complete ``iter_*`` checkpoints under ``root`` (rank 0 calls it
-    after a save; the one ``latest`` points at is always kept; ``.tmp`` and ``.diverged`` ones are not
-    counted nor touched). Returns the removed directories."""
-    latest = latest_iteration(root)
-    done = [os.path.basename(_iter_dir(root, it)) for it in _iterations(root)]
-    old = [d for d in done[:-keep] if latest is None or d != os.path.basename(_iter_dir(root, latest))]
-    for d in old:
-        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
-    return [os.path.join(root, d) for d in old]

@@ -18,6 +18,9 @@
 ``--save PATH`` (:func:`check_save_dir`): a regular file, or an iteration directory of another checkpoint root,
 is refused naming the directory to use instead.
 
+Set aside and pruned: :func:`discard_checkpoint` (a checkpoint whose weights diverged), :func:`prune_checkpoints`
+(``--keep-checkpoints``).
+
 Partial saves (:func:`remove_partial_saves`): a save writes ``iter_N.tmp`` and renames it when every rank is
 done; a run killed while saving leaves it, and a resumed run that never saves iteration N again would keep it
 forever. Rank 0 of a run that holds the ``--save`` lock (so no live run can be writing there) removes the
@@ -33,7 +36,8 @@ import shutil
 from dataclasses import dataclass
 from typing import Optional
 
-LATEST = "latest_checkpointed_iteration.txt"
+from .checkpoint import LATEST, _iter_dir, _iterations, _write_latest, latest_iteration
+from .checkpoint_reader import _check_iteration, _Unreadable
 _ITER = re.compile(r"iter_(\d+)$")
 _ASIDE = re.compile(r"iter_(\d+)\.(tmp|diverged\d*)$")
 _PARTIAL = re.compile(r"iter_\d+\.tmp$")
@@ -95,8 +99,8 @@ def resolve_load(path: Optional[str]) -> LoadTarget:
     latest = os.path.join(path, LATEST)
     if LATEST in names:
         if not os.path.isfile(latest):
-            raise _refuse(path, f"{latest} is not a regular file", f"remove it, or write the iteration to resume from "
-                                                                   f"into a file of that name")
+            raise _refuse(path, f"{latest} is not a regular file", "remove it, or write the iteration to resume from "
+                                                                   "into a file of that name")
         try:
             with open(latest, "rb"):
                 pass
@@ -150,7 +154,6 @@ def remove_partial_saves(root: str) -> list[str]:
 
 def last_checkpoint(root: Optional[str]) -> Optional[int]:
     """The iteration ``root``'s latest file names, or None (no ``root``, no checkpoint, an unreadable file)."""
-    from .checkpoint import latest_iteration
     try:
         return latest_iteration(root) if root else None
     except (ValueError, OSError):
@@ -165,3 +168,48 @@ def last_checkpoint_clause(root: Optional[str]) -> str:
     if it is None:
         return f"there is no checkpoint under {root}"
     return f"the last checkpoint is iteration {it} ({os.path.join(root, f'iter_{it:07d}')})"
+
+
+def discard_checkpoint(root: str, iteration: int) -> str:
+    """Set the checkpoint of ``iteration`` under ``root`` aside (rank 0 calls it when the run diverged right
+    after writing it): ``latest`` first points at the newest older complete iteration (or is removed when
+    there is none), then ``iter_N`` is renamed to ``iter_N.diverged`` (``.diverged2`` ... if taken), which
+    :func:`latest_iteration`, resume and pruning ignore; nothing is deleted. Returns what was done, a clause
+    for the error line. Raises OSError when a file operation fails."""
+    final = _iter_dir(root, iteration)
+    previous = None
+    for it in reversed(_iterations(root)):
+        if it < iteration:
+            try:
+                _check_iteration(_iter_dir(root, it))
+            except _Unreadable:
+                continue
+            previous = it
+            break
+    if previous is not None:
+        _write_latest(root, previous)
+    else:
+        try:
+            os.remove(os.path.join(root, LATEST))
+        except FileNotFoundError:
+            pass
+    aside, n = final + ".diverged", 1
+    while os.path.exists(aside):
+        n += 1
+        aside = f"{final}.diverged{n}"
+    os.rename(final, aside)
+    now = (f"the latest checkpoint is now iteration {previous} ({_iter_dir(root, previous)})" if previous is not None
+           else f"there is no older complete checkpoint under {root}: start fresh")
+    return f"moved the checkpoint of iteration {iteration} (the weights that diverged) to {aside}; {now}"
+
+
+def prune_checkpoints(root: str, keep: int) -> list[str]:
+    """Delete all but the newest ``keep`` complete ``iter_*`` checkpoints under ``root`` (rank 0 calls it
+    after a save; the one ``latest`` points at is always kept; ``.tmp`` and ``.diverged`` ones are not
+    counted nor touched). Returns the removed directories."""
+    latest = latest_iteration(root)
+    done = [os.path.basename(_iter_dir(root, it)) for it in _iterations(root)]
+    old = [d for d in done[:-keep] if latest is None or d != os.path.basename(_iter_dir(root, latest))]
+    for d in old:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    return [os.path.join(root, d) for d in old]

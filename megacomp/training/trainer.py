@@ -37,10 +37,10 @@ from ..optimizer.model_grads import finalize_model_grads
 from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
                                  forward_backward_pipelining_without_interleaving)
 from .arguments import PretrainConfig, check, resolve, virtual_chunks
-from .checkpoint import (discard_checkpoint, latest_iteration, load_checkpoint, load_model_weights, prune_checkpoints,
-                         save_checkpoint, select_checkpoint)
+from .checkpoint import latest_iteration, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
 from .checkpoint_integrity import SaveDirLock
-from .checkpoint_paths import check_save_dir, last_checkpoint_clause, remove_partial_saves, resolve_load
+from .checkpoint_paths import (check_save_dir, discard_checkpoint, last_checkpoint_clause, prune_checkpoints,
+                               remove_partial_saves, resolve_load)
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, gather_traffic
@@ -453,7 +453,7 @@ class Trainer:
                     break
         except TrainingDiverged as e:
             # the loss of iteration N comes from the weights after step N-1: a checkpoint of N-1 holds the
-            # diverged state; rank 0 sets it aside (checkpoint.discard_checkpoint), the others wait for it
+            # diverged state; rank 0 sets it aside (checkpoint_paths.discard_checkpoint), the others wait for it
             note = ""
             if c.save:
                 if self.is_logger:
