@@ -7,8 +7,8 @@
 - ``--load D/iter_N`` resumes from exactly that checkpoint and the banner says so; iter_N directories without
   the latest file are not skipped silently.
 - A ``--load`` that does not exist is a fresh start (Megatron-LM's behaviour), said in the banner.
-- ``--save`` at a file or at an iteration directory: one line naming the directory to use; a ``--log-dir``
-  that is a file: one line.
+- ``--save`` at a file or at an iteration directory: one line naming the directory to use; a ``--log-dir`` or
+  ``--data-cache-dir`` that is a file: one line, before anything starts.
 """
 import os
 import subprocess
@@ -157,12 +157,14 @@ def test_bad_paths_under_the_entry_point_are_one_line_and_status_2(ck, tiny_conf
     cfg_file.write_text(yaml.safe_dump({name: getattr(tiny_config, name) for name in tiny_config.explicit}))
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
+    (tmp_path / "ck" / "iter_0000001.tmp").mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MEGACOMP_DEBUG", None)
     for flags, line in [(("--load", str(a_file)), f"--load {a_file}: is a file, not a checkpoint directory"),
                         (("--save", str(a_file)), f"--save {a_file}: is a file, not a directory"),
-                        (("--log-dir", str(a_file)), f"--log-dir {a_file}: cannot write metrics.jsonl there (it is a "
-                                                     f"file, not a directory)")]:
+                        (("--log-dir", str(a_file)), f"--log-dir {a_file}: is a file, not a directory"),
+                        (("--data-cache-dir", str(a_file)), f"--data-cache-dir {a_file}: is a file, not a directory"),
+                        (("--load", str(tmp_path / "ck" / "iter_0000001.tmp")), "is a partial save")]:
         out = subprocess.run([sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags],
                              capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
         errors = [x for x in out.stderr.splitlines() if x.startswith("megacomp-pretrain: error:")]

@@ -255,7 +255,8 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     """Sizes that must agree, then each training family's own checks; raises ValueError naming the fix.
 
     Always checked: every number the user types is in range (:func:`check_numbers`), hidden size divisible by the heads, ``params_dtype``, the optimizer's name, the guard's
-    settings, fine-tuning's directories. With a world size (the argument, else ``$WORLD_SIZE``) also: TP x PP
+    settings, fine-tuning's directories, that no directory flag (``--save``, ``--log-dir``, ``--data-cache-dir``)
+    names an existing regular file (what ``--load`` may name: megacomp.training.checkpoint_paths). With a world size (the argument, else ``$WORLD_SIZE``) also: TP x PP
     divides it, the global batch is a multiple of micro batch x DP, the micro-batches per iteration are a multiple
     of the pipeline stages, at least one layer per stage, and under sequence parallelism ``seq_length`` divisible
     by TP. Each family (megacomp.training.features) checks its own settings, and that nothing it refuses is
@@ -286,6 +287,10 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
     if t.initial_loss_scale <= 0 or t.loss_scale_window < 1:
         raise ValueError(f"initial_loss_scale must be > 0 and loss_scale_window >= 1, got {t.initial_loss_scale} and "
                          f"{t.loss_scale_window}")
+    for flag, path in (("--save", c.save), ("--log-dir", cfg.logging.log_dir), ("--data-cache-dir", cfg.data.data_cache_dir)):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"{flag} {path}: is a file, not a directory; point {flag} at a directory (it is created if "
+                             f"missing)")
     if c.finetune and not c.load:
         raise ValueError("finetune starts from a checkpoint's model weights: give it with --load DIR")
     if c.finetune and c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
