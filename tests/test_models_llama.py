@@ -68,9 +68,11 @@ class ReferenceBlock(nn.Module):
         self.cfg = cfg
         n, g, f, bias = cfg.num_attention_heads, cfg.num_query_groups, cfg.ffn_hidden_size, cfg.add_bias_linear
         d = H // n
-        norm = (lambda: RefRMSNorm(cfg.layernorm_epsilon)) if cfg.normalization == "RMSNorm" else (lambda: nn.LayerNorm(H))
-        self.ln1, self.ln2 = norm(), norm()
-        self.wq, self.wk, self.wv = nn.Linear(H, n * d, bias=bias), nn.Linear(H, g * d, bias=bias), nn.Linear(H, g * d, bias=bias)
+        rms = cfg.normalization == "RMSNorm"
+        self.ln1, self.ln2 = ((RefRMSNorm(cfg.layernorm_epsilon), RefRMSNorm(cfg.layernorm_epsilon)) if rms
+                              else (nn.LayerNorm(H), nn.LayerNorm(H)))
+        self.wq = nn.Linear(H, n * d, bias=bias)
+        self.wk, self.wv = nn.Linear(H, g * d, bias=bias), nn.Linear(H, g * d, bias=bias)
         self.proj = nn.Linear(H, H, bias=bias)
         if cfg.swiglu:
             self.gate, self.up = nn.Linear(H, f, bias=bias), nn.Linear(H, f, bias=bias)
@@ -178,7 +180,8 @@ def _block_body(rank, world, tp, sp, case):
     close(out, ref_out[seq], "output")
     close(x.grad, xr.grad[seq], "input gradient")
     pairs = [(block.attention.qkv.weight.grad, shard(fused_qkv(ref, "weight.grad"), 0)),
-             (block.mlp.fc1.weight.grad, shard(fused_fc1(ref, "weight.grad") if cfg.swiglu else ref.fc1.weight.grad, 0)),
+             (block.mlp.fc1.weight.grad,
+              shard(fused_fc1(ref, "weight.grad") if cfg.swiglu else ref.fc1.weight.grad, 0)),
              (block.attention.proj.weight.grad, shard(ref.proj.weight.grad, 1)),
              (block.mlp.fc2.weight.grad, shard(ref.fc2.weight.grad, 1)),
              (block.ln1.weight.grad, ref.ln1.weight.grad), (block.ln2.weight.grad, ref.ln2.weight.grad)]
@@ -207,7 +210,8 @@ def test_rope_is_a_rotation_of_half_split_pairs():
     close(got, ref_rope(x, base).float(), "rope")
     torch.testing.assert_close(got[..., 0, :], x[..., 0, :])  # position 0 is not rotated
     # q . k after RoPE depends only on the distance between the positions: shift both by 3
-    q, k = torch.randn(d, generator=torch.Generator().manual_seed(1)), torch.randn(d, generator=torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(d, generator=gen), torch.randn(d, generator=gen)
     qs, ks = apply_rotary(q.expand(S, d), cos, sin), apply_rotary(k.expand(S, d), cos, sin)
     torch.testing.assert_close(qs[4] @ ks[1], qs[7] @ ks[4])
 
@@ -257,7 +261,8 @@ def _compare_grads(model, ref, tp, tp_rank):
 def _model_tp_body(rank, world, tp, sp):
     groups = parallel_state.initialize_model_parallel(tp)
     cfg = llama_config(**MODEL)
-    model = GPTModel(cfg, ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp, process_groups=groups))
+    model = GPTModel(cfg, ModelParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=sp,
+                                              process_groups=groups))
     names = {n for n, _ in model.named_parameters()}
     assert "output_layer.weight" in names and "position_embeddings" not in names and not any("bias" in n for n in names)
     ids, labels = _batch(groups.dp_rank)
@@ -289,13 +294,15 @@ def _model_pp_body(rank, world):
     cfg = llama_config(**MODEL)
     stage = groups.pp_rank
     model = GPTModel(cfg, ModelParallelConfig(pipeline_model_parallel_size=2, process_groups=groups),
-                     pre_process=stage == 0, post_process=stage == 1, layer_range=split_layers(cfg.num_layers, 2, stage))
+                     pre_process=stage == 0, post_process=stage == 1,
+                     layer_range=split_layers(cfg.num_layers, 2, stage))
     assert not hasattr(model, "output_weight")
     M = 2
 
     def stage_forward(x, k):
         ids, labels = _batch(0, k)
-        return model(ids if model.pre_process else x, labels) if model.post_process else model(ids if model.pre_process else x)
+        inp = ids if model.pre_process else x
+        return model(inp, labels) if model.post_process else model(inp)
     losses = forward_backward_pipelining_without_interleaving(
         stage_forward=stage_forward, num_microbatches=M, communicator=PipelineCommunicator(groups.pp_ranks),
         activation_shape=(S, B, H))
@@ -400,13 +407,14 @@ def _bad_tp_body(rank, world):
     parallel_state.initialize_model_parallel(2)
     mpc = ModelParallelConfig(tensor_model_parallel_size=2)
     out = []
-    with pytest.raises(ValueError, match=r"num_query_groups \(1\) is not divisible by the tensor-parallel size \(2\)") as e:
+    not_divisible = r"is not divisible by the tensor-parallel size \(2\)"
+    with pytest.raises(ValueError, match=r"num_query_groups \(1\) " + not_divisible) as e:
         GPTModel(llama_config(hidden_size=H, num_attention_heads=4, num_query_groups=1, vocab_size=V), mpc)
     out.append(_one_line(e))
-    with pytest.raises(ValueError, match=r"num_query_groups \(3\) is not divisible by the tensor-parallel size \(2\)") as e:
+    with pytest.raises(ValueError, match=r"num_query_groups \(3\) " + not_divisible) as e:
         ParallelAttention(TransformerConfig(hidden_size=48, num_attention_heads=6, num_query_groups=3), mpc)
     out.append(_one_line(e))
-    with pytest.raises(ValueError, match=r"num_attention_heads \(3\) is not divisible by the tensor-parallel size") as e:
+    with pytest.raises(ValueError, match=r"num_attention_heads \(3\) " + not_divisible) as e:
         GPTModel(llama_config(hidden_size=24, num_attention_heads=3, num_query_groups=3, vocab_size=V), mpc)
     out.append(_one_line(e))
     with pytest.raises(ValueError, match=r"RowParallelLinear input_size \(33\)") as e:  # swiglu ffn not divisible

@@ -47,8 +47,9 @@ def _megatron_model(tp):
     mrandom.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     cfg = TransformerConfig(num_layers=LAYERS, hidden_size=H, num_attention_heads=HEADS, num_query_groups=GROUPS,
-                            ffn_hidden_size=FFN, normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
-                            activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                            ffn_hidden_size=FFN, normalization="RMSNorm", layernorm_epsilon=1e-5,
+                            gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
+                            attention_dropout=0.0,
                             tensor_model_parallel_size=tp, use_cpu_initialization=True, bias_dropout_fusion=False,
                             apply_rope_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
                             gradient_accumulation_fusion=False)

@@ -20,7 +20,8 @@ The Llama options, under Megatron's names (all off by default, which is the GPT 
   projection and before attention (no learned position table). Megatron's default non-interleaved form
   (``rotary_interleaved=False``, GPT-NeoX / Hugging Face Llama ``rotate_half``): with d the head width,
   ``theta_i = rotary_base^(-2 i / d)`` for i < d / 2, and at position p dims i and i + d / 2 rotate as one pair,
-  ``(x_i, x_{i+d/2}) -> (x_i cos(p theta_i) - x_{i+d/2} sin(p theta_i), x_{i+d/2} cos(p theta_i) + x_i sin(p theta_i))``.
+  ``(x_i, x_{i+d/2}) -> (x_i cos(p theta_i) - x_{i+d/2} sin(p theta_i),
+  x_{i+d/2} cos(p theta_i) + x_i sin(p theta_i))``.
   All d dims rotate (Megatron's ``rotary_percent`` 1.0). Positions count from 0 over the full sequence (under
   sequence parallelism the QKV projection has already gathered it).
 * ``num_query_groups: g`` -- grouped-query attention: query head i uses key/value head ``i // (n / g)``. TP rank r
@@ -97,7 +98,8 @@ class TransformerConfig:
     add_qkv_bias: bool = False
     """A QKV bias even when ``add_bias_linear`` is False."""
     position_embedding_type: str = "learned_absolute"
-    """``learned_absolute`` (a learned position table added to the word embeddings) or ``rope`` (rotary, in attention)."""
+    """``learned_absolute`` (a learned position table added to the word embeddings) or ``rope`` (rotary, in
+    attention)."""
     rotary_base: float = 10000.0
     """RoPE base (Llama 2: 10000, Llama 3: 500000)."""
 
@@ -286,7 +288,8 @@ class ParallelMLP(nn.Module):
                                      bias=cfg.add_bias_linear, tp_group=tp_group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``fc2(gelu(fc1(x)))`` (SwiGLU: ``fc2(silu(gate) * up)``) for ``x`` ``[s, b, h]`` (sequence parallel: ``[s / tp, b, h]``), same shape.
+        """``fc2(gelu(fc1(x)))`` (SwiGLU: ``fc2(silu(gate) * up)``) for ``x`` ``[s, b, h]`` (sequence parallel:
+        ``[s / tp, b, h]``), same shape.
 
         Communication and its error with compression on are those of :meth:`ParallelAttention.forward`:
         fc1 all-gathers the input under SP, fc2 all-reduces (SP: reduce-scatters) its partial outputs.
