@@ -4,8 +4,8 @@
   the pairs (x_i, x_{i + d/2}); RMSNorm in fp64; a whole Llama block (separate q, k, v, gate, up projections,
   key/value heads repeated with repeat_interleave, attention as masked softmax) against the TP block at TP 2 and 4,
   with and without sequence parallelism, forward and backward, each option alone and all together.
-- The Llama-style GPTModel at TP 2 (with and without SP) and PP 2 equals the unsplit TP 1 model (loss and every
-  gradient) within fp32 round-off, compression off.
+- The Llama-style GPTModel at TP 2 (with and without SP), PP 2 and PP 2 interleaved equals the unsplit TP 1 model
+  (loss and every gradient) within fp32 round-off, compression off.
 - With int8 on tp_forward (on sp_reduce_scatter under SP) every forward all-reduce (reduce-scatter) of the model is
   within the codec's bound (tests/codec_bounds.py) of the exact sum of the partials that layer computed.
 - Bad shapes are refused with one ValueError line.
@@ -30,6 +30,7 @@ from megacomp import parallel_state
 from megacomp.compression import make_codec
 from megacomp.config import CommCompressionConfig, ModelParallelConfig
 from megacomp.models import RMSNorm, TransformerBlock, TransformerConfig, llama_config
+from megacomp.models.chunks import GPTChunks
 from megacomp.models.gpt import GPTModel, split_layers, sync_tied_embedding_grads
 from megacomp.models.transformer import ParallelAttention, apply_rotary, rotary_cos_sin
 from megacomp.tensor_parallel import ColumnParallelLinear, RowParallelLinear, allreduce_sequence_parallel_gradients
@@ -288,40 +289,51 @@ def test_llama_model_tp2_equals_tp1(sp):
 
 
 def _model_pp_body(rank, world):
-    from megacomp.pipeline_parallel import PipelineCommunicator, forward_backward_pipelining_without_interleaving
+    from megacomp.pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
+                                            forward_backward_pipelining_without_interleaving)
 
     groups = parallel_state.initialize_model_parallel(1, 2)
-    cfg = llama_config(**MODEL)
-    stage = groups.pp_rank
-    model = GPTModel(cfg, ModelParallelConfig(pipeline_model_parallel_size=2, process_groups=groups),
-                     pre_process=stage == 0, post_process=stage == 1,
+    cfg = llama_config(**{**MODEL, "num_layers": 4})
+    stage, M = groups.pp_rank, 2
+    mpc = ModelParallelConfig(pipeline_model_parallel_size=2, process_groups=groups)
+    ref = _reference(groups, cfg)
+    for k in range(M):
+        (ref(*_batch(0, k)) / M).backward()
+    # 1F1B over two stages of two layers
+    model = GPTModel(cfg, mpc, pre_process=stage == 0, post_process=stage == 1,
                      layer_range=split_layers(cfg.num_layers, 2, stage))
     assert not hasattr(model, "output_weight")
-    M = 2
 
-    def stage_forward(x, k):
+    def stage_forward(x, k, m=model):
         ids, labels = _batch(0, k)
-        inp = ids if model.pre_process else x
-        return model(inp, labels) if model.post_process else model(inp)
+        inp = ids if m.pre_process else x
+        return m(inp, labels) if m.post_process else m(inp)
     losses = forward_backward_pipelining_without_interleaving(
         stage_forward=stage_forward, num_microbatches=M, communicator=PipelineCommunicator(groups.pp_ranks),
         activation_shape=(S, B, H))
     sync_tied_embedding_grads(model, groups.embedding)  # untied: nothing to sum
-    ref = _reference(groups, cfg)
-    ref_losses = []
-    for k in range(M):
-        loss = ref(*_batch(0, k))
-        (loss / M).backward()
-        ref_losses.append(loss.item())
-    if model.post_process:
-        close(torch.tensor(losses), torch.tensor(ref_losses), "losses")
     _compare_grads(model, ref, 1, 0)
+    # interleaved: two chunks of one layer per stage (virtual stages 0..3: stage 0 holds layers 0 and 2)
+    chunks = GPTChunks(cfg, mpc, pp_size=2, pp_rank=stage, num_chunks=2)
+    inter = forward_backward_pipelining_with_interleaving(
+        stage_forward=lambda x, k, v: stage_forward(x, k, chunks.chunks[v]), num_microbatches=M,
+        communicator=PipelineCommunicator(groups.pp_ranks), activation_shape=(S, B, H), num_model_chunks=2,
+        models=list(chunks.chunks))
+    for chunk in chunks.chunks:
+        _compare_grads(chunk, ref, 1, 0)
     parallel_state.destroy_model_parallel()
-    return True
+    return losses, inter, [loss.item() for loss in (ref(*_batch(0, k)) for k in range(M))]
 
 
-def test_llama_model_pp2_equals_unsplit():
-    assert all(run_ranks(_model_pp_body, 2))
+def test_llama_model_pp2_and_interleaved_equal_unsplit():
+    """1F1B over PP 2 and the interleaved schedule (PP 2 x 2 virtual stages) with the untied output layer on the last
+    (virtual) stage: the unsplit model's losses and gradients."""
+    results = run_ranks(_model_pp_body, 2)
+    assert [bool(r[0]) for r in results] == [False, True] and [bool(r[1]) for r in results] == [False, True]
+    for losses, inter, ref_losses in results:
+        if losses:
+            close(torch.tensor(losses), torch.tensor(ref_losses), "losses")
+            close(torch.tensor(inter), torch.tensor(ref_losses), "interleaved losses")
 
 
 # -- compression on the TP paths -------------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ class GPTChunks(nn.Module):
 
     ``chunks[v]`` runs virtual stage ``v * pp_size + pp_rank``. ``pre_process``/``word_embeddings`` are
     chunk 0's, ``post_process``/``output_weight`` chunk V-1's, so code that finds the tied embedding on a
-    stage works unchanged. Call a chunk, not this module."""
+    stage works unchanged (with ``untie_embeddings_and_output_weights`` the last chunk holds ``output_layer`` instead of
+    a tied copy, and ``output_weight`` raises AttributeError). Call a chunk, not this module."""
 
     def __init__(self, cfg: GPTConfig, config: ModelParallelConfig, *, pp_size: int, pp_rank: int,
                  num_chunks: int, tp_group=None) -> None:
