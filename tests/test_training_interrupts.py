@@ -140,7 +140,8 @@ def test_a_second_ctrl_c_under_torchrun_stops_the_workers_at_once(tmp_path, base
     """torchrun turns the second Ctrl-C into a SIGTERM to its workers: after a first SIGINT it stops them at once,
     one line from rank 0, no megacomp traceback; torchrun's summary names exit status 130."""
     ck = tmp_path / "ck"
-    status, out, err = hit(tmp_path, base, ["--save", str(ck), "--save-interval", "2", *SLOW],
+    # two micro-batches per rank, as the single process has: the iteration outlasts the 2 s window
+    status, out, err = hit(tmp_path, base, ["--save", str(ck), "--save-interval", "2", *SLOW[:-1], "32"],
                            _second_interrupt_steps()[:4])
     assert status != 0
     [line] = [ln for ln in err.splitlines() if ln.startswith("megacomp-pretrain: second")]
