@@ -109,6 +109,12 @@ def test_the_shipped_tiny_config_with_lomo_is_resolved_not_refused(monkeypatch):
     tiny = str(REPO_CONFIGS / "gpt_tiny.yaml")
     cfg = parse_args(["--config", tiny, "--optimizer", "lomo"])
     assert cfg.global_batch_size == 16 and cfg.explicit == {"optimizer"}
+    # the Trainer's copy (dataclasses.replace) keeps defaults and file values non-explicit, so resolve may choose
+    import dataclasses
+
+    from megacomp.training.arguments import resolve
+    copy = dataclasses.replace(cfg)
+    assert copy.explicit == {"optimizer"} and len(resolve(copy, 2)) == 1 and copy.global_batch_size == 8
     with pytest.raises(ValueError, match=r"set global_batch_size = micro_batch_size \(4\) x DP \(2\) = 8 \(got 16\)"):
         parse_args(["--config", tiny, "--optimizer", "lomo", "--global-batch-size", "16"])
 
