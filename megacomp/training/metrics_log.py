@@ -128,8 +128,10 @@ class MetricsLogger:
             self.close()
             kept = (f"it holds the records up to iteration {self.last_written}" if self.last_written is not None
                     else "it holds no record of this run")
+            fix = ("free space there" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+                   "check the file system (a read-only remount, a lost mount)")
             raise OSError(e.errno, f"cannot append iteration {record['iteration']} ({e.strerror or e}; {kept}); "
-                                   f"free space there or point --log-dir elsewhere", self.path) from e
+                                   f"{fix} or point --log-dir elsewhere", self.path) from e
         self.last_written = record["iteration"]
 
     def close(self) -> None:

@@ -1,10 +1,11 @@
 """Exit signals (Slurm's warning signal, a scheduler's SIGTERM, Ctrl-C): checkpoint at the next iteration boundary.
 
 Slurm sends ``--signal=USR1@120`` (sbatch) 120 s before the time limit, and SIGTERM when it preempts or
-cancels a job; torchrun forwards SIGTERM to its workers. Ctrl-C sends SIGINT to every process of the
-terminal's process group (torchrun and its workers), and torchrun forwards it once more to its workers.
-A handler only sets a flag. At every iteration boundary the trainer asks
-:meth:`ExitSignals.received_anywhere`, a MAX all-reduce of the flag over all ranks (one 8-byte collective),
+cancels a job; torchrun forwards SIGTERM to its workers. Ctrl-C sends SIGINT to the terminal's process
+group: a process started without a launcher gets it directly, torchrun's workers (in sessions of their own)
+get it forwarded by torchrun. A handler only sets a flag. At every iteration boundary the trainer asks
+:func:`stop_requested`, a MAX all-reduce of the flag (and of a failed log write) over all ranks (one small
+collective),
 because the signal reaches the ranks at slightly different times and they must all stop at the same
 iteration; then it saves a checkpoint (with ``--save``) and returns normally, as Megatron's exit-signal
 handler does: the entry point exits with status 0. Another SIGTERM or SIGUSR1 while saving is not special:
