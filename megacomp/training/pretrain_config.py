@@ -26,7 +26,8 @@ REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 @dataclass
 class ModelConfig:
-    """The GPT model."""
+    """The model: a GPT, or a Llama-style model with the Llama fields below (megacomp.models.llama; megatron-core's
+    names, e.g. configs/llama_tiny.yaml)."""
 
     num_layers: int = 2
     """Transformer layers."""
@@ -43,7 +44,29 @@ class ModelConfig:
     params_dtype: str = "float32"
     """float32 or bfloat16 model parameters (masters stay fp32); with lomo / adalomo also float16 (dynamic loss
     scaling; no masters: parameters are updated in their own dtype, the update computed in fp32)."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (GPT: a learned position table) or ``rope`` (Llama: rotary positions in attention)."""
+    rotary_base: float = 10000.0
+    """RoPE base theta (Llama 2: 10000, Llama 3: 500000)."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (GPT) or ``RMSNorm`` (Llama), both with ``layernorm_epsilon``."""
+    layernorm_epsilon: float = 1e-5
+    """The normalization's epsilon."""
+    swiglu: bool = False
+    """SwiGLU MLP (Llama; gate and up projections fused in one column-parallel layer) instead of GELU."""
+    num_query_groups: Optional[int] = None
+    """Grouped-query attention's key/value heads (Llama 3: 8), dividing the heads and divisible by the TP size;
+    unset: one per head (multi-head attention)."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers (Llama: false, Megatron-LM's --disable-bias-linear)."""
+    untie_embeddings_and_output_weights: bool = False
+    """A separate output layer instead of the word embedding's transpose (Llama: true)."""
 
+
+MODEL_OPTION_FIELDS = ("position_embedding_type", "rotary_base", "normalization", "layernorm_epsilon", "swiglu",
+                       "num_query_groups", "add_bias_linear", "untie_embeddings_and_output_weights")
+"""The ModelConfig fields passed as they are to megacomp.models.gpt.GPTConfig (the Llama options and their GPT
+defaults)."""
 
 @dataclass
 class ParallelConfig:

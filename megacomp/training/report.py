@@ -93,6 +93,20 @@ def dp_hops_line(hierarchy, channels, mode: str, dp_link: str, dp_size: int) -> 
             + "; the other DP-group traffic (1-bit momentum, DeMo, outer loops) exchanges flat")
 
 
+def describe_model(m, vocab: int) -> str:
+    """The banner's model text from a ModelConfig ``m``: a GPT, or Llama-style with the options that differ from
+    the GPT's (RoPE, RMSNorm, SwiGLU, grouped-query attention, no linear biases, an untied output layer)."""
+    options = [text for on, text in ((m.position_embedding_type == "rope", f"RoPE base {m.rotary_base:g}"),
+                                     (m.normalization == "RMSNorm", "RMSNorm"), (m.swiglu, "SwiGLU"),
+                                     (m.num_query_groups not in (None, m.num_attention_heads),
+                                      f"{m.num_query_groups} query groups"),
+                                     (not m.add_bias_linear, "no linear biases"),
+                                     (m.untie_embeddings_and_output_weights, "untied output layer")) if on]
+    kind = "Llama-style" if options else "GPT"
+    return (f"{kind} {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, seq {m.seq_length}, "
+            f"vocab {vocab}" + (f" ({', '.join(options)})" if options else ""))
+
+
 def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
     """Traffic paths a layout never uses, with the reason (e.g. ``{"pp_activation": "PP 1"}``)."""
     out = {}

@@ -37,6 +37,7 @@ from ..optimizer.model_grads import finalize_model_grads
 from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelining_with_interleaving,
                                  forward_backward_pipelining_without_interleaving)
 from .arguments import PretrainConfig, check, resolve, virtual_chunks
+from .pretrain_config import MODEL_OPTION_FIELDS
 from .checkpoint import latest_iteration, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
 from .checkpoint_integrity import SaveDirLock
 from .checkpoint_paths import (check_save_dir, discard_checkpoint, last_checkpoint_clause, prune_checkpoints,
@@ -44,7 +45,7 @@ from .checkpoint_paths import (check_save_dir, discard_checkpoint, last_checkpoi
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, gather_traffic
-from .report import RunTotals, banner, dp_hops_line
+from .report import RunTotals, banner, describe_model, dp_hops_line
 from .report import layout_tiers, tiers_line
 from .signals import ExitSignals, log_error_line, stop_requested
 
@@ -112,7 +113,7 @@ class Trainer:
         vocab = -(-self.tokenizer.vocab_size // multiple) * multiple  # pad so the vocabulary splits over TP
         gpt = dict(hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
                    ffn_hidden_size=m.ffn_hidden_size, num_layers=m.num_layers, vocab_size=vocab,
-                   max_seq_length=m.seq_length, seed=t.seed)
+                   max_seq_length=m.seq_length, seed=t.seed, **{k: getattr(m, k) for k in MODEL_OPTION_FIELDS})
         for f in self.features:
             f.configure_model(gpt)
         self.gpt = GPTConfig(**gpt)
@@ -188,8 +189,7 @@ class Trainer:
         m, tp, pp = cfg.model, g.tp_size, g.pp_size
         params = sum(p.numel() for p in self.model.parameters() if not getattr(p, "tensor_model_parallel", False))
         params += sum(p.numel() for p in self.model.parameters() if getattr(p, "tensor_model_parallel", False)) * tp
-        model = (f"GPT {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, "
-                 f"seq {m.seq_length}, vocab {vocab}" + (" (counted: pipeline stage 0)" if pp > 1 else ""))
+        model = describe_model(m, vocab) + (" (counted: pipeline stage 0)" if pp > 1 else "")
         name = cfg.compression if isinstance(cfg.compression, str) else "inline"
         lines = [banner(world=self.world, tp=tp, pp=pp, dp=g.dp_size, sp=cfg.parallel.sequence_parallel,
                         backend=dist.get_backend(), device=self.device.type, model=model, params=params,
