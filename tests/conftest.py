@@ -35,6 +35,19 @@ def tiny_config(tmp_path_factory):
                           log_interval=1)
 
 
+
+@pytest.fixture(scope="session")
+def long_tiny_config(tiny_config):
+    """The tiny config at 100,000 iterations, its data cache built: for runs that a signal, a fault or a test's own
+    stop ends (never derive a run that should finish from it)."""
+    from dataclasses import replace
+
+    from distributed import run_ranks
+    from training_runs import train_losses
+
+    run_ranks(train_losses, 1, replace(tiny_config, train_iters=1))
+    return replace(tiny_config, train_iters=100000)
+
 # The quick subset, `pytest -m "not slow" tests`: the tests listed in tests/slow_tests.txt (measured slow) and any
 # test marked @pytest.mark.slow carry the `slow` marker. The list names a test by its file and function, so a module
 # renamed after it was written still matches by function name. test_quick_subset.py checks from what is stashed

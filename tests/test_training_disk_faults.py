@@ -14,29 +14,17 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 import yaml
 
-from distributed import run_ranks
-from megacomp.training import Trainer
 from megacomp.training.checkpoint import latest_iteration
 
 
 @pytest.fixture(scope="module")
-def base(tiny_config):
-    """The tiny config at many iterations, its data cache built."""
-    run_ranks(_train_body, 1, replace(tiny_config, train_iters=1))
-    return replace(tiny_config, train_iters=100000)
+def base(long_tiny_config):
+    return long_tiny_config
 
-
-def _train_body(rank, world, cfg):
-    trainer = Trainer(cfg)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
 
 
 @pytest.fixture

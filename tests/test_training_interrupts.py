@@ -18,13 +18,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 import yaml
 
 from distributed import run_ranks
-from megacomp.training import Trainer
 from megacomp.training import signals as signals_mod
 from megacomp.training.checkpoint import latest_iteration
 
@@ -35,18 +33,9 @@ SLOW = ["--hidden-size", "512", "--num-layers", "4", "--seq-length", "256", "--m
 
 
 @pytest.fixture(scope="module")
-def base(tiny_config):
-    """The tiny config, its data cache built (so each launch below takes seconds)."""
-    run_ranks(_train_body, 1, replace(tiny_config, train_iters=1))
-    return replace(tiny_config, train_iters=100000)
+def base(long_tiny_config):
+    return long_tiny_config
 
-
-def _train_body(rank, world, cfg):
-    trainer = Trainer(cfg)
-    try:
-        return [h["loss"] for h in trainer.train()], trainer.iteration
-    finally:
-        trainer.close()
 
 
 def megacomp_traceback(text: str) -> bool:

@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from distributed import run_ranks
+from training_runs import train_losses
 from megacomp.training import Trainer
 from megacomp.training.checkpoint_paths import LATEST, check_save_dir, resolve_load
 
@@ -27,16 +28,9 @@ from megacomp.training.checkpoint_paths import LATEST, check_save_dir, resolve_l
 def ck(tiny_config, tmp_path_factory):
     """A checkpoint directory with iterations 1 and 2 (latest 2) of the tiny config."""
     root = tmp_path_factory.mktemp("paths") / "ck"
-    run_ranks(_train_body, 2, replace(tiny_config, train_iters=2, save=str(root), save_interval=1))
+    run_ranks(train_losses, 2, replace(tiny_config, train_iters=2, save=str(root), save_interval=1))
     return root
 
-
-def _train_body(rank, world, cfg):
-    trainer = Trainer(cfg)
-    try:
-        return [h["loss"] for h in trainer.train()], trainer.iteration
-    finally:
-        trainer.close()
 
 
 def _start_body(rank, world, cfg):
@@ -121,8 +115,8 @@ def test_a_load_directory_that_cannot_be_read_is_refused(ck):
 def test_a_named_iteration_directory_resumes_exactly_there(ck, tiny_config):
     """--load ck/iter_0000001 while ck's latest is 2: the run resumes at 1 (the first iteration it trains is 2) and
     continues as the uninterrupted run did."""
-    full, _ = run_ranks(_train_body, 2, replace(tiny_config, train_iters=2))[0]
-    losses, it = run_ranks(_train_body, 2, replace(tiny_config, train_iters=2, load=str(ck / "iter_0000001")))[0]
+    full, _ = run_ranks(train_losses, 2, replace(tiny_config, train_iters=2))[0]
+    losses, it = run_ranks(train_losses, 2, replace(tiny_config, train_iters=2, load=str(ck / "iter_0000001")))[0]
     assert it == 2 and losses == full[1:]
 
 
