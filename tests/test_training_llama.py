@@ -2,7 +2,7 @@
 linear biases, an untied output layer) through megacomp.pretrain's trainer on real gloo ranks: the shipped
 configs/llama_tiny.yaml fields on the tiny test config; TP 2 x DP 2 with every path int8 (all_int8) trains, counts
 its TP and DP traffic, and a kill-and-resume continues the uninterrupted run's losses bit for bit (the untied output
-layer and every option are in the checkpoint). The model itself (TP 2 against TP 1, each option against a plain
+layer and every option are in the checkpoint); pipeline stages train with the untied output layer. The model itself (TP 2 against TP 1, each option against a plain
 reference, against megatron-core's GPTModel) is tested in test_models_llama*.py."""
 from dataclasses import replace
 
@@ -45,3 +45,9 @@ def test_llama_trains_compressed_and_resumes_exactly(llama, tmp_path):
     first = run_ranks(_body, 4, replace(saved, exit_interval=2))[0][0]
     rest = run_ranks(_body, 4, replace(saved, load=str(tmp_path / "ckpt")))[0][0]
     assert first + rest == losses
+
+
+def test_llama_pipeline_stages_train_with_an_untied_output_layer(llama):
+    """PP 2: the untied output layer is the last stage's own weight (no tied-embedding sum across stages)."""
+    losses, _, untied = run_ranks(_body, 2, replace(llama, pipeline_model_parallel_size=2, train_iters=3))[1]
+    assert untied and len(losses) == 3 and losses[-1] < losses[0]

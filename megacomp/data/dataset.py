@@ -87,14 +87,15 @@ def _bad_fields(meta: dict) -> str:
     return ""
 
 
-def _is_current(prefix: str, tokenizer_fp: str, corpus_fp: str) -> bool:
+def _is_current(prefix: str, tokenizer_fp: str, corpus_fp: str, say: bool = True) -> bool:
     bin_path, _ = _paths(prefix)
     try:
         meta = read_index(prefix)
     except FileNotFoundError:
         return False
-    except ValueError as e:  # a truncated, garbled or outdated index: rebuilt, and said so
-        _say(f"{str(e).rsplit('; ', 1)[0]}; building the token file again")
+    except ValueError as e:  # a truncated, garbled or outdated index: rebuilt, and said so (once: under the lock)
+        if say:
+            _say(f"{str(e).rsplit('; ', 1)[0]}; building the token file again")
         return False
     return (meta["tokenizer_fingerprint"] == tokenizer_fp and meta["corpus_fingerprint"] == corpus_fp
             and os.path.isfile(bin_path)
@@ -118,7 +119,7 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
     if not files:
         raise ValueError("corpus is empty: build_token_file got no files; use megacomp.data.collect_files(paths)")
     tok_fp, corpus_fp = tokenizer.fingerprint, corpus_fingerprint(files)
-    if _is_current(out_prefix, tok_fp, corpus_fp):
+    if _is_current(out_prefix, tok_fp, corpus_fp, say=False):
         return read_index(out_prefix)
     bin_path, idx_path = _paths(out_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(out_prefix)), exist_ok=True)

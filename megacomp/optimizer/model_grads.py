@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 def tied_embedding_weight(model, groups) -> Optional[torch.nn.Parameter]:
     """This stage's half of the tied word embedding (the embedding on the first stage, the output weight on the
-    last), or None with one stage or no embedding group."""
-    if groups.pp_size == 1 or groups.embedding is None:
+    last), or None with one stage, no embedding group, or an untied output layer (each stage's weight is its own:
+    nothing to sum across stages)."""
+    untied = getattr(getattr(model, "cfg", None), "untie_embeddings_and_output_weights", False)
+    if groups.pp_size == 1 or groups.embedding is None or untied:
         return None
     return model.word_embeddings.weight if model.pre_process else model.output_weight
 
