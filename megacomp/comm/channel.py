@@ -12,6 +12,11 @@ handed to the layer, pipeline communicator, optimizer or DDP hook that moves tha
   stats, name          the wire-statistics table and the tag the traffic is counted under
   probe                an optional ``ErrorProbe`` (megacomp.comm.probe): when armed, compressed calls are also
                        measured against the exact collective (diagnostics; never changes results)
+  meter                an optional ``MeterTap`` (megacomp.comm.link_meter): every collective's bytes, link and wire
+                       time are recorded for ``--compression auto`` (never changes results)
+
+:meth:`set_codec` switches the codec in place (``--compression auto``, at an iteration boundary on every rank): the
+error-feedback state is the channel's, keyed by tensor and independent of the codec, so it is kept exactly.
 
 Its methods mirror torch.distributed (``all_reduce``, ``reduce_scatter_tensor``, ``all_gather_into_tensor``,
 ``all_to_all_single``, ``isend``/``irecv``/``send``/``recv``) with the group defaulting to the channel's
@@ -80,6 +85,7 @@ class Channel:
         self.generator = self.codec.stream(generator)
         self.stats = stats if stats is not None else PROCESS_STATS
         self.probe: Optional[ErrorProbe] = probe
+        self.meter = None  # a megacomp.comm.link_meter.MeterTap while --compression auto measures this path
         self._said_small = False
         self._keys = 0
 
@@ -98,6 +104,21 @@ class Channel:
             log.info("megacomp: %s messages of %d elements (< min_compress_numel=%d) travel uncompressed",
                      self.name, numel, self.min_compress_numel)
         return _NONE
+
+    def set_codec(self, codec: CodecLike) -> None:
+        """Send later calls with ``codec`` (a value codec). The error-feedback residuals stay as they are (they are
+        the codec-independent remainder of what was sent; while the codec is the identity they are neither applied
+        nor changed); a seeded stochastic codec gets its stream if the channel has none. Call it on every rank of the
+        path's groups at the same point between collectives. Raises ValueError for a setting that is not a value
+        codec."""
+        self.codec = make_codec(codec)
+        if self.generator is None:
+            self.generator = self.codec.stream(None)
+
+    def attach_meter(self, meter, link: str, switchable: bool = True) -> None:
+        """Record this path's calls in ``meter`` (a megacomp.comm.link_meter.LinkMeter; None detaches) as crossing
+        link kind ``link`` (``switchable``: whether the path's codec switches reach them)."""
+        self.meter = meter.tap(self.name, link, switchable) if meter is not None else None
 
     def compresses(self, numel: int) -> bool:
         """Whether a message of ``numel`` elements is compressed (lossy codec and not below the threshold)."""
@@ -179,8 +200,8 @@ class Channel:
         probe = self._probe_for(tensor.numel(), g)
         compare = probe and probe.reference("all_reduce", self.name, tag or self.name, key or self.name, tensor, g,
                                             op, tensor.numel())
-        work = collectives.run_all_reduce(self, tensor, op, g, async_op, key or self.name,
-                                          check_finite, tag or self.name, validate)
+        work = self._metered("all_reduce", tensor.numel(), g, tensor, lambda: collectives.run_all_reduce(
+            self, tensor, op, g, async_op, key or self.name, check_finite, tag or self.name, validate))
         return self._probed(work, compare, tensor)
 
     def reduce_scatter_tensor(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group=None,
@@ -191,8 +212,9 @@ class Channel:
         probe = self._probe_for(input.numel(), g)
         compare = probe and probe.reference("reduce_scatter", self.name, tag or self.name, key or self.name, input, g,
                                             op, output.numel())
-        work = collectives.run_reduce_scatter_tensor(self, output, input, op, g, async_op,
-                                                     key or self.name, check_finite, tag or self.name, validate)
+        work = self._metered("reduce_scatter", output.numel(), g, input, lambda: collectives.run_reduce_scatter_tensor(
+            self, output, input, op, g, async_op, key or self.name, check_finite, tag or self.name, validate),
+            codec_numel=input.numel())
         return self._probed(work, compare, output)
 
     def all_gather_into_tensor(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group=None,
@@ -203,8 +225,10 @@ class Channel:
         probe = self._probe_for(input_tensor.numel(), g)
         compare = probe and probe.reference("all_gather", self.name, tag or self.name, self.name, input_tensor, g,
                                             None, output_tensor.numel())
-        work = collectives.run_all_gather_into_tensor(self, output_tensor, input_tensor, g, async_op,
-                                                      check_finite, tag or self.name, validate)
+        work = self._metered("all_gather", input_tensor.numel(), g, input_tensor,
+                             lambda: collectives.run_all_gather_into_tensor(self, output_tensor, input_tensor, g,
+                                                                           async_op, check_finite, tag or self.name,
+                                                                           validate))
         return self._probed(work, compare, output_tensor)
 
     def all_gather_encoded(self, output: torch.Tensor, input: torch.Tensor, *, numel: int,
@@ -228,8 +252,9 @@ class Channel:
     def isend(self, tensor: torch.Tensor, dst: int, group=None, tag: int = 0, *, key: Optional[str] = None,
               check_finite: bool = False, label: Optional[str] = None, validate: Optional[bool] = None):
         """``torch.distributed.isend`` (``dst`` a global rank); error-feedback key ``key`` (default: name)."""
-        return p2p.run_isend(self, tensor, dst, self._p2p_group(group, "isend"), tag, key or self.name, check_finite,
-                             label or self.name, validate)
+        g = self._p2p_group(group, "isend")
+        return self._metered("send", tensor.numel(), g, tensor, lambda: p2p.run_isend(
+            self, tensor, dst, g, tag, key or self.name, check_finite, label or self.name, validate))
 
     def irecv(self, tensor: torch.Tensor, src: int, group=None, tag: int = 0, *, check_finite: bool = False,
               label: Optional[str] = None, validate: Optional[bool] = None):
@@ -250,6 +275,15 @@ class Channel:
 
     def _group(self, group):
         return self.group if group is None else group_ops.as_group(group)
+
+    def _metered(self, op: str, numel: int, group, tensor: torch.Tensor, run, codec_numel: Optional[int] = None):
+        """``run()`` (the collective), recorded by the channel's meter tap when it has one."""
+        tap = self.meter
+        if tap is None:
+            return run()
+        n = numel if codec_numel is None else codec_numel
+        return tap.call(op, numel, group_ops.get_world_size(group), tensor, self.codec_for(n),
+                        n >= self.min_compress_numel, run)
 
     def _p2p_group(self, group, what: str):
         g = self._group(group)

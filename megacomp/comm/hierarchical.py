@@ -105,6 +105,21 @@ class HierarchicalChannel(Channel):
         """Whether a message of ``numel`` elements is compressed on some hop (not below the small-tensor rule)."""
         return self.lossy and numel >= self.min_compress_numel
 
+    def set_codec(self, codec: Any) -> None:
+        """The slowest hop sends later calls with ``codec`` (the faster hops keep theirs); residuals are kept
+        (:meth:`Channel.set_codec`)."""
+        self._stages[-1].set_codec(codec)
+        self.codec = self._stages[-1].codec
+        self.hop_codecs = {**self.hop_codecs, self.hierarchy.slowest: self.codec}
+
+    def attach_meter(self, meter, link: str = "", switchable: bool = True) -> None:
+        """Record every hop's stage under its own link kind (the slowest hop's calls follow the path's switches when
+        ``switchable``), and the whole-group call of an uncompressed message under the slowest (``link`` is ignored:
+        the hops name theirs)."""
+        for h, stage in zip(self.hierarchy.hops, self._stages):
+            stage.attach_meter(meter, h.link, switchable=switchable and h.link == self.hierarchy.slowest)
+        self._plain.attach_meter(meter, self.hierarchy.slowest, switchable)
+
     def uncompressed(self) -> Channel:
         """The identity channel over the whole group (torch's collectives: bit-identical)."""
         return Channel(self.name, None, group=self.group, options=self.options, stats=self.stats, probe=self.probe)
