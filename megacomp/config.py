@@ -15,6 +15,7 @@ from .comm.hop_groups import is_hop_mapping, make_hop_codecs
 from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, PowerSGD, check_error_feedback_codec,
                           check_own_error_feedback, make_codec, make_compressor, make_error_feedback_config,
                           parse_codec_arg)
+from .compression.ladder import AutoCodecConfig
 from .compression.learned import LGC
 from .compression.unbiased import UnbiasedCodec, make_unbiased_codec, unbiased_name
 
@@ -113,6 +114,12 @@ class CommCompressionConfig:
     call of that iteration is also run uncompressed and compared (megacomp.comm.probe); pretraining logs the
     relative error per path and per call (layer) in metrics.jsonl under ``probe``. Never changes results;
     costs one uncompressed collective per probed call (counted as ``probe_bytes``, not as traffic). 0: off."""
+    auto: Optional[Any] = None
+    """``--compression auto``: a ladder of value codecs per traffic path, the decision interval, a step-time target
+    and an error budget (megacomp.compression.ladder.AutoCodecConfig; ``{}`` takes its defaults). Each laddered path
+    starts on its first rung and switches at run time to the least lossy rung whose measured-link transfer hides
+    behind compute or meets the target (megacomp.training.features.auto_compression). A laddered path's own field
+    must stay unset; its ``*_error_feedback`` applies on every lossy rung. None: every codec is fixed at launch."""
     duplex: Optional[bool] = None
     """Compressed bytes as direction-split p2p (True), backend collectives (False) or by backend (None:
     p2p on gloo); same results either way. None also lets ``MEGACOMP_DUPLEX`` decide."""
@@ -167,6 +174,7 @@ class CommCompressionConfig:
             make = make_compressor if name == "dp_gradient" else make_codec
             setattr(self, name, make(spec))
         self._check_feature_paths()
+        self._check_auto()
         env = CommOptions.from_env()
         if self.segment_numel is None:
             self.segment_numel = env.segment_numel
@@ -187,11 +195,32 @@ class CommCompressionConfig:
         if not isinstance(self.pp_activation_delta_warmup_visits, int) or self.pp_activation_delta_warmup_visits < 1:
             raise ValueError(f"pp_activation_delta_warmup_visits must be an int >= 1 (the first visit fills AQ-SGD's "
                              f"cache), got {self.pp_activation_delta_warmup_visits!r}")
-        check_own_error_feedback(_ef_codec(self.dp_gradient), self.dp_gradient_error_feedback, "dp_gradient",
-                                 "dp_gradient_error_feedback")
+        check_own_error_feedback(_ef_codec(self.build_spec("dp_gradient")), self.dp_gradient_error_feedback,
+                                 "dp_gradient", "dp_gradient_error_feedback")
         for path in _EF_PATHS:
-            check_error_feedback_codec(_ef_codec(getattr(self, path)), getattr(self, path + "_error_feedback"),
+            check_error_feedback_codec(_ef_codec(self.build_spec(path)), getattr(self, path + "_error_feedback"),
                                        f"{path}_error_feedback (path {path})")
+
+    def _check_auto(self) -> None:
+        """Read the ``auto`` block and check its ladders against this config (one line per problem)."""
+        if self.auto is None:
+            return
+        self.auto = AutoCodecConfig.from_value(self.auto)
+        why_not = {p: (f"is set to {getattr(self, p)} and laddered by auto: drop one (a laddered path's codec is "
+                       f"chosen at run time)") for p in self.auto.ladder
+                   if p in TRAFFIC_PATHS and not (isinstance(getattr(self, p), Codec) and getattr(self, p).is_identity)}
+        if self.pp_activation_delta:
+            why_not.setdefault("pp_activation", "sends AQ-SGD's deltas against caches built with one codec "
+                                                "(pp_activation_delta): drop pp_activation from the ladder or the delta")
+        self.auto.check(TRAFFIC_PATHS, why_not)
+
+    def build_spec(self, path: str):
+        """The setting ``path``'s channel is built with: its field, or for a path laddered by ``auto`` the most
+        lossy rung within the error budget (so its buckets, residual keys and streams exist from the start; the
+        controller sets the first rung before the first iteration)."""
+        if self.auto is not None and path in self.auto.ladder:
+            return self.auto.allowed(path)[-1]
+        return getattr(self, path)
 
     def _check_feature_paths(self) -> None:
         """Build the codecs of the feature paths that are set (None stays None) and check their settings."""
@@ -251,7 +280,7 @@ class CommCompressionConfig:
         dp = getattr(groups, "dp", None) if dp_hierarchy is None else dp_hierarchy
         group_of = {"tp_forward": tp, "tp_backward": tp, "sp_all_gather": tp, "sp_reduce_scatter": tp,
                     "pp_activation": None, "pp_gradient": None, "dp_gradient": dp, "dp_parameter": dp}
-        specs = {path: getattr(self, path) for path in TRAFFIC_PATHS}
+        specs = {path: self.build_spec(path) for path in TRAFFIC_PATHS}
         for path in HOP_PATHS:
             if isinstance(specs[path], HopCodecs) and dp_hierarchy is None:
                 if dp_link is None:
@@ -283,6 +312,8 @@ class CommCompressionConfig:
         unseeded codecs are unchanged. Checkpoints record the config before this step. The FEATURE_PATHS keep
         their seeds, as their features always did with the codecs they were given."""
         out = replace(self)
+        if self.auto is not None:
+            out.auto = self.auto.for_rank(rank)
         for name in TRAFFIC_PATHS:
             codec = getattr(self, name)
             if isinstance(codec, Accordion) and not codec.low_rank:  # its codec levels' seeds, as a plain codec's
@@ -297,7 +328,8 @@ class CommCompressionConfig:
     @property
     def enabled(self) -> bool:
         """Whether any traffic path has a lossy codec (a feature path counts when it is set)."""
-        return any(getattr(self, p) is not None and not getattr(self, p).is_identity for p in ALL_TRAFFIC_PATHS)
+        return self.auto is not None or any(getattr(self, p) is not None and not getattr(self, p).is_identity
+                                            for p in ALL_TRAFFIC_PATHS)
 
     @classmethod
     def from_dict(cls, data: Optional[Mapping[str, Any]]) -> "CommCompressionConfig":
@@ -328,9 +360,13 @@ class CommCompressionConfig:
                 value = value.to_dict()
             elif isinstance(value, LGC):  # learned gradient compression settings (dp_gradient)
                 value = value.to_dict()
+            elif isinstance(value, AutoCodecConfig):
+                value = value.to_dict()
             elif isinstance(value, ErrorFeedbackConfig):
                 value = {k: getattr(value, k) for k in ("beta", "reset_interval", "storage", "storage_block_size")}
             out[f.name] = value
+        if self.auto is None:  # written only when set: configs recorded before auto existed stay equal
+            del out["auto"]
         if not self.error_probe_interval:  # a diagnostic: written only when on, so recorded configs stay equal
             del out["error_probe_interval"]
         if not self.pp_activation_delta:  # written only when on: configs recorded before AQ-SGD stay equal

@@ -45,6 +45,17 @@ def traffic_group(kind: str) -> str:
     return "pp" if kind.startswith("pp_") else "dp"
 
 
+def bytes_per_link(traffic: dict, tiers: dict[str, str]) -> dict[str, int]:
+    """Wire bytes of ``traffic`` (``{kind: [wire, uncompressed]}``) per link kind (every one of LINK_KINDS): a hop of a
+    hierarchical exchange (``kind@link``) under its own link, other traffic under the slowest link its group spans
+    (``tiers``: :func:`layout_tiers`; a group it does not name counts as intra-node), torchft's under REPLICA_LINK."""
+    per_link = {t: 0 for t in LINK_KINDS}
+    for kind, (w, _) in traffic.items():
+        group, link = traffic_group(kind), split_tag(kind)[1]
+        per_link[link or (REPLICA_LINK if group == "replicas" else tiers.get(group, "intra_node"))] += w
+    return per_link
+
+
 def ranks_per_node(world: int) -> int:
     """Ranks on one node: torchrun's ``LOCAL_WORLD_SIZE``, else every rank on one node (a single-machine run)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
@@ -127,6 +138,8 @@ def unused_paths(tp: int, pp: int, dp: int, sp: bool) -> dict[str, str]:
 def describe_path(comp: CommCompressionConfig, path: str) -> str:
     """``int4/b128 + loco(beta 0.8, reset 512)``-style text for one path's codec and error feedback."""
     text = str(getattr(comp, path))
+    if comp.auto is not None and path in comp.auto.ladder:  # --compression auto: the rungs it may switch between
+        text = "auto: " + " -> ".join(str(c) for c in comp.auto.allowed(path))
     efc = getattr(comp, path + "_error_feedback", None)  # tp_backward, pp_gradient, dp_gradient, outer: a config
     if isinstance(efc, bool):  # dp_momentum's worker and server error feedback: on or off
         return text + (" + worker/server error feedback" if efc else "")
@@ -226,11 +239,7 @@ class RunTotals:
         if total_u and self.tiers:
             lines.append("  bytes per link kind (a hop of a hierarchical exchange under its own link, other traffic under "
                          "the slowest link its group spans; compare with megacomp.plan's bytes per token per tier):")
-            per_tier = {t: 0 for t in LINK_KINDS}
-            for kind, (w, _) in self.traffic.items():
-                group, link = traffic_group(kind), split_tag(kind)[1]
-                per_tier[link or (REPLICA_LINK if group == "replicas" else self.tiers.get(group, "intra_node"))] += w
-            for tier, w in per_tier.items():
+            for tier, w in bytes_per_link(self.traffic, self.tiers).items():
                 if tier in (REPLICA_LINK, "inter_site") and not w:  # only runs across replica groups / sites
                     continue
                 tok = f", {w / self.tokens:,.1f} per token" if self.tokens else ""

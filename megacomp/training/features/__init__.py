@@ -4,6 +4,7 @@ their hooks (the first is the outermost). Adding a family is its module plus one
 """
 from .acco_overlap import ACCOOverlap
 from .aqsgd_caches import AQSGDCaches
+from .auto_compression import AutoCompression
 from .base import Feature
 from .demo_momentum import DeMoMomentum
 from .error_probe import ErrorProbeFeature
@@ -24,6 +25,7 @@ FEATURES: tuple = (
     OneBitFamily,
     LomoFused,
     ACCOOverlap,    # wraps the sharded AdamW built above
+    AutoCompression,  # after the optimizer holds its channels; decides after the iteration, before the next
     ErrorProbeFeature,  # innermost: arms the channels' probe around the iteration's collectives
 )
 OPTIMIZERS = tuple(name for feature in FEATURES for name in feature.optimizer_names)
