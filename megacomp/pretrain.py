@@ -15,7 +15,9 @@ local-step run did not reach an outer exchange within ``--outer-timeout`` (megac
 survivors stop, naming it; restart from the last checkpoint), or a rank stalled or was lost (its heartbeat
 stood still for ``--distributed-timeout-minutes``, or a collective failed while it stood still:
 megacomp.training.heartbeat; one survivor names the rank, its host and the last iteration it reached, the
-others stop without a word); 1 for anything else (a traceback: a bug, or a failure of the machine).
+others stop without a word), or torchrun died under its live workers (they stop together at the next iteration
+boundary, saving it with ``--save``; rank 0 names the launcher and the checkpoint); 1 for anything else (a
+traceback: a bug, or a failure of the machine).
 
 A rank that stops on an error it reported itself (an unwritable ``--log-dir``, say: only rank 0 writes there)
 says so in its last heartbeat before its sockets close; the ranks whose collectives then fail exit with the
@@ -125,8 +127,16 @@ def main(argv=None) -> int:
         heartbeat = Heartbeat(timeout_s, progress=lambda: trainer.iteration if trainer is not None else 0,
                               on_verdict=_lost_rank_verdict).start()
         trainer = Trainer(cfg)
-        trainer.train()
+        trainer.train(watch=heartbeat.launcher_stop if heartbeat.launcher_pid is not None else None)
         status = 0
+        if trainer.stop_reason is not None:  # the launcher died: the ranks stopped together (and saved)
+            status = EXIT_RANK_LOST
+            if _rank() == 0:
+                from .training.checkpoint_paths import last_checkpoint_clause
+                saved = (f"every rank stopped at iteration {trainer.iteration}, "
+                         f"{last_checkpoint_clause(cfg.checkpoint.save)}")
+                print(f"megacomp-pretrain: error: {heartbeat.launcher_line(saved, trainer.stop_reason)}",
+                      file=sys.stderr, flush=True)
     except TrainingDiverged as e:
         _say(f"{e} (nothing was saved after the last checkpoint)")
         status = EXIT_DIVERGED
@@ -181,6 +191,10 @@ def _failed_collective(heartbeat) -> "int | None":
 
     if heartbeat is None or not dist.is_initialized():
         return None
+    if heartbeat.launcher_lost is not None:  # the store went with it: no diagnosis, one line per node
+        if heartbeat.local_rank == 0:
+            print(f"megacomp-pretrain: error: {heartbeat.launcher_line(None)}", file=sys.stderr, flush=True)
+        return EXIT_RANK_LOST
     old = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         kind, beats = heartbeat.diagnose()

@@ -171,3 +171,27 @@ def _handlers_body(rank, world):
 def test_a_repeated_sigint_within_the_window_is_one_ctrl_c_and_an_ignored_sigint_stays_ignored():
     [out] = run_ranks(_handlers_body, 1)
     assert out == {"received": "SIGINT", "second": "KeyboardInterrupt", "ignored": (None, True)}
+
+
+def _agreement_body(rank, world):
+    """stop_requested skips its collective alike on every rank when nothing can ask for a stop; a watch's reason on
+    one rank stops every rank, for that reason."""
+    import torch
+    import torch.distributed as dist
+
+    cpu = torch.device("cpu")
+    if rank == 0:  # only rank 0 asks: an all-reduce here would pair with rank 1's below and fail or corrupt it
+        for _ in range(3):
+            assert signals_mod.stop_requested(signals_mod.ExitSignals((), None), None, cpu, log_file=False) == \
+                (False, None)
+            assert signals_mod.stop_requested(None, None, cpu, log_file=False) == (False, None)
+    total = torch.tensor([float(rank + 1)])
+    dist.all_reduce(total)
+    watched = signals_mod.ExitSignals((), None, watch=lambda: "the launcher died (rank 1's)" if rank == 1 else None)
+    stop = signals_mod.stop_requested(watched, None, cpu, log_file=False)
+    return total.item(), stop, watched.stopped(5)
+
+
+def test_no_stop_collective_when_nothing_can_ask_for_a_stop_and_a_watch_stops_every_rank():
+    for out in run_ranks(_agreement_body, 2, timeout=60, pg_timeout=15):
+        assert out == (3.0, (True, None), "stopped at iteration 5 because the launcher died (rank 1's)")

@@ -24,6 +24,17 @@ one rank per surviving node (local rank 0, or local rank 1 on rank 0's node), si
 arbitrate. After the first failed store request nothing touches the store again (each failure makes torch
 print a warning with a C++ stack).
 
+Under torchrun the thread also watches the launcher: torchrun's workers are its children, so the parent pid
+recorded at start changes (the worker is re-parented) the moment torchrun dies. A worker whose launcher died
+keeps training on its own gloo links, and torchrun's agent held the rendezvous store, so the store died with it:
+from the first tick that sees the new parent (within one interval) the thread touches the store no more (a failed
+store request makes torch print a C++ stack) and :meth:`Heartbeat.launcher_stop` names the launcher, which the
+trainer polls at every iteration boundary and agrees on over all ranks (megacomp.training.signals.stop_requested):
+the ranks stop at the same boundary, saving it with ``--save``. A rank that has not stopped ``timeout_s`` after
+the launcher died (a peer that cannot reach the boundary) ends with the launcher's line saying nothing was saved.
+A worker started under torchrun by a wrapper (``--no-python``, a shell script that does not ``exec``) has the
+wrapper for its parent, which outlives torchrun: there the store's loss is the verdict, as under srun.
+
 Failure behaviour: the thread never raises; the store unreachable for ``timeout_s`` is itself the verdict. False
 verdicts need a process alive but unable to run a Python thread for ``timeout_s`` (a stopped process is exactly
 that) or, in :meth:`diagnose`, for three intervals after a collective already failed.
@@ -88,11 +99,14 @@ class Heartbeat:
         store, rank, world: the store and this rank's place (default: the default group's).
         interval: seconds between beats (default :func:`heartbeat_interval`).
         local_rank: this rank's place on its node (default: the launcher's, megacomp.launch.detect_launch_env).
+        launcher_pid: the pid of the launcher whose death stops the run (its child's parent); default: this
+            process's parent under torchrun (``TORCHELASTIC_RUN_ID`` set), else None (not watched).
     """
 
     def __init__(self, timeout_s: float, progress: Callable[[], int], on_verdict: Callable[[str, bool], None],
                  store=None, rank: Optional[int] = None, world: Optional[int] = None,
-                 interval: Optional[float] = None, local_rank: Optional[int] = None) -> None:
+                 interval: Optional[float] = None, local_rank: Optional[int] = None,
+                 launcher_pid: Optional[int] = -1) -> None:
         self.timeout_s = float(timeout_s)
         self.interval = interval if interval is not None else heartbeat_interval(self.timeout_s)
         self.progress, self.on_verdict = progress, on_verdict
@@ -102,6 +116,10 @@ class Heartbeat:
         self.host, self.pid = socket.gethostname(), os.getpid()
         self.local_rank = detect_launch_env().local_rank if local_rank is None else local_rank
         self.store_failed_at: Optional[float] = None  # monotonic time of the first failed store request
+        self.launcher_pid = (os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None) if launcher_pid == -1 \
+            else launcher_pid
+        self.launcher_lost: Optional[str] = None  # why the run stops: the launcher died (set once, by the thread)
+        self.launcher_lost_at: Optional[float] = None
         self.count = 0
         self.known: dict[int, Beat] = {}  # the last beat read per rank (the watched peer's and rank 0's)
         self._stop = threading.Event()
@@ -161,6 +179,14 @@ class Heartbeat:
         # quick ticks until rank 0's beat was read once: the line for a store lost with rank 0 names its host and
         # pid, and a run can lose rank 0 before the first full interval
         while not self._stop.wait(self.interval if 0 in self.known or self.rank == 0 else min(self.interval, 0.5)):
+            if self.launcher_lost is None and self._launcher_died():  # before any store request: it may be gone
+                self.launcher_lost = f"the launcher died (torchrun pid {self.launcher_pid} on host {self.host})"
+                self.launcher_lost_at = self.store_failed_at = time.monotonic()
+            if self.launcher_lost is not None:  # the trainer stops at its next boundary: only the deadline is ours
+                if time.monotonic() - self.launcher_lost_at > self.timeout_s and not self._stop.is_set():
+                    self.on_verdict(self.launcher_line(None), self.local_rank == 0)
+                    return
+                continue
             if self.store_failed_at is not None:  # judged without touching the store again
                 silent = time.monotonic() - self.store_failed_at
                 if silent > self.timeout_s and not self._stop.is_set():
@@ -189,6 +215,21 @@ class Heartbeat:
                 self._declare([beat], now - since)
                 return
 
+    def _launcher_died(self) -> bool:
+        return self.launcher_pid is not None and os.getppid() != self.launcher_pid
+
+    def launcher_stop(self) -> Optional[str]:
+        """Why the run must stop (the launcher died), or None: what the trainer polls at each iteration boundary."""
+        return self.launcher_lost
+
+    def launcher_line(self, saved: Optional[str], reason: Optional[str] = None) -> str:
+        """The line after the launcher died (``reason``, default this rank's): ``saved`` says where the ranks
+        stopped and what was kept; None: they could not agree on a boundary within the timeout (or a collective
+        failed), so nothing was saved."""
+        what = saved or (f"the ranks could not stop together at an iteration boundary (after iteration "
+                         f"{int(self.progress())}), so nothing after the last checkpoint was saved")
+        return f"{reason or self.launcher_lost}: {what}; start the job again to continue"
+
     def _declare(self, lost: list[Beat], silent_s: float) -> None:
         self.on_verdict(lost_line(lost, silent_s, int(self.progress())), self.claim())
 
@@ -213,9 +254,11 @@ class Heartbeat:
         """The verdict when the store stopped answering: its host went away, with rank 0 under srun/mpirun."""
         r0 = self.known.get(0)
         it = max(r0.iteration if r0 else 0, int(self.progress()))
-        where = f"rank 0 (host {r0.host}, pid {r0.pid}) after iteration {it}" if r0 else f"after iteration {it}"
-        return (f"lost the rendezvous store, hosted with {where}: rank 0 or its node was lost; the other ranks "
-                f"stop: resume from the last checkpoint")
+        if r0 is None:  # rank 0 itself (it reads no beat of its own), or no beat of rank 0 read yet
+            return (f"lost the rendezvous store after iteration {it}: its host (rank 0's node, or the launcher's) was "
+                    f"lost; the other ranks stop: resume from the last checkpoint")
+        return (f"lost the rendezvous store, hosted with rank 0 (host {r0.host}, pid {r0.pid}) after iteration {it}: "
+                f"rank 0 or its node was lost; the other ranks stop: resume from the last checkpoint")
 
     # -- after a failed collective ------------------------------------------------------------------------
     def diagnose(self, window_s: Optional[float] = None) -> tuple[str, list[Beat]]:

@@ -4,11 +4,12 @@ Slurm sends ``--signal=USR1@120`` (sbatch) 120 s before the time limit, and SIGT
 cancels a job; torchrun forwards SIGTERM to its workers. Ctrl-C sends SIGINT to the terminal's process
 group: a process started without a launcher gets it directly, torchrun's workers (in sessions of their own)
 get it forwarded by torchrun. A handler only sets a flag. At every iteration boundary the trainer asks
-:func:`stop_requested`, a MAX all-reduce of the flag (and of a failed log write) over all ranks (one small
-collective),
-because the signal reaches the ranks at slightly different times and they must all stop at the same
-iteration; then it saves a checkpoint (with ``--save``) and returns normally, as Megatron's exit-signal
-handler does: the entry point exits with status 0. Another SIGTERM or SIGUSR1 while saving is not special:
+:func:`stop_requested`, a MAX all-reduce of the flag (and of a failed log write, and of a reason from the
+heartbeat's launcher watch: torchrun died) over all ranks (one small collective; skipped alike on every rank when
+nothing can ask for a stop: ``--no-exit-on-signal``, no launcher watched, no ``--log-dir``), because the signal
+reaches the ranks at slightly different times and they must all stop at the same iteration; then it saves a
+checkpoint (with ``--save``) and returns normally, as Megatron's exit-signal handler does: the entry point exits
+with status 0 (4 when the launcher died). Another SIGTERM or SIGUSR1 while saving is not special:
 the first already decided.
 
 At the first Ctrl-C rank 0 says at once what happens next (one line: the run stops at the end of this
@@ -43,13 +44,25 @@ class ExitSignals:
     """Installs flag-setting handlers for ``names`` (restored by :meth:`restore`); a second Ctrl-C goes to the
     SIGINT handler installed before (see the module docstring).
 
+    Args:
+        names: the signals that stop the run at the next boundary (none: ``--no-exit-on-signal``).
+        save_dir: the ``--save`` directory (named in the Ctrl-C acknowledgement), or None.
+        watch: polled at every boundary (:func:`stop_requested`); a text it returns stops the run like a signal,
+            for that reason (the heartbeat's: the launcher died). None: nothing else stops the run.
+
     Raises:
         ValueError: an unknown signal name.
     """
 
-    def __init__(self, names=DEFAULT_SIGNALS, save_dir: Optional[str] = None) -> None:
+    def __init__(self, names=DEFAULT_SIGNALS, save_dir: Optional[str] = None,
+                 watch: Optional[Callable[[], Optional[str]]] = None) -> None:
         self.received: Optional[str] = None
         self.save_dir = save_dir
+        self.watch = watch
+        self.active = bool(names) or watch is not None
+        """Whether anything can request a stop (the same on every rank: it follows the configuration)."""
+        self.reason: Optional[str] = None
+        """The watch's reason the ranks agreed on (the lowest rank's that had one), once they stop for it."""
         self._interrupted_at: Optional[float] = None
         self._old = {}
         for name in names:
@@ -96,6 +109,8 @@ class ExitSignals:
 
     def stopped(self, iteration: int) -> str:
         """The clause of the end-of-run summary for a stop at ``iteration``."""
+        if self.reason is not None and self.received is None:
+            return f"stopped at iteration {iteration} because {self.reason}"
         name = self.received or "a signal on another rank"
         how = " (Ctrl-C)" if name == "SIGINT" else ""
         return f"stopped by {name}{how} at iteration {iteration}"
@@ -107,19 +122,35 @@ class ExitSignals:
         self._old = {}
 
 
-def stop_requested(signals: Optional[ExitSignals], error: Optional[OSError], device) -> tuple[bool, Optional[OSError]]:
-    """At an iteration boundary, whether any rank got an exit signal, and the error of the lowest rank that could
-    not write its log (rank 0's metrics.jsonl), the same on every rank (a collective: one 16-byte all-reduce, and
-    an exchange of the error only when there is one)."""
-    flags = torch.tensor([1.0 if signals is not None and signals.received else 0.0, 1.0 if error else 0.0],
-                         device=device)
+def stop_requested(signals: Optional[ExitSignals], error: Optional[OSError], device,
+                   log_file: bool = True) -> tuple[bool, Optional[OSError]]:
+    """At an iteration boundary, whether any rank got an exit signal or a reason from ``signals.watch``, and the
+    error of the lowest rank that could not write its log (rank 0's metrics.jsonl), the same on every rank.
+
+    A collective: one 24-byte all-reduce of the three flags, and an exchange of the error and the reasons only when
+    there is one (the watch's agreed reason goes to ``signals.reason``). ``log_file``: whether a rank writes a log
+    file whose failure stops the run (``--log-dir`` set: the same on every rank). When nothing can request a stop
+    (no signal handlers, no watch, no log file) every rank skips the collective alike and returns (False, error).
+    """
+    active = signals is not None and signals.active
+    if not active and not log_file:
+        return False, error
+    reason = signals.watch() if active and signals.watch is not None else None
+    flags = torch.tensor([1.0 if active and signals.received else 0.0, 1.0 if error else 0.0,
+                          1.0 if reason else 0.0], device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        if flags[1].item():
+        if flags[1].item() or flags[2].item():
             everyone = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, (error.errno, error.strerror, error.filename) if error else None)
-            error = OSError(*next(e for e in everyone if e))
-    return bool(flags[0].item()), error
+            mine = (error.errno, error.strerror, error.filename) if error else None
+            dist.all_gather_object(everyone, (mine, reason))
+            if flags[1].item():
+                error = OSError(*next(e for e, _ in everyone if e))
+            if flags[2].item():
+                reason = next(r for _, r in everyone if r)
+    if reason is not None:
+        signals.reason = reason
+    return bool(flags[0].item() or flags[2].item()), error
 
 
 def log_error_line(error: OSError, save: Optional[Callable[[], None]], last: Callable[[], str]) -> OSError:

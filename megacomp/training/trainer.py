@@ -21,14 +21,14 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import comm, parallel_state
 from ..config import ModelParallelConfig
-from ..data import DistributedBatchSampler, get_batch, prepare_data
+from ..data import DistributedBatchSampler, build_datasets, get_batch
 from ..launch import init_distributed
 from ..placement import detect_topology
 from ..models.chunks import GPTChunks
@@ -40,14 +40,16 @@ from .arguments import PretrainConfig, check, resolve, virtual_chunks
 from .pretrain_config import MODEL_OPTION_FIELDS
 from .checkpoint import latest_iteration, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
 from .checkpoint_integrity import SaveDirLock
+from .evaluation import Evaluation
 from .checkpoint_paths import (check_save_dir, discard_checkpoint, last_checkpoint_clause, prune_checkpoints,
                                remove_partial_saves, resolve_load)
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
-from .metrics_log import MetricsLogger, gather_traffic
+from .metrics_log import MetricsLogger, Progress, gather_traffic
 from .report import RunTotals, banner, describe_model, dp_hops_line
 from .report import layout_tiers, tiers_line
-from .signals import ExitSignals, log_error_line, stop_requested
+from .trackers import Trackers
+from .signals import DEFAULT_SIGNALS, ExitSignals, log_error_line, stop_requested
 
 
 def learning_rate(cfg: PretrainConfig, it: int) -> float:
@@ -67,7 +69,9 @@ class Trainer:
     Attributes:
         cfg, groups, channels, compression: the configuration, process groups, one channel per traffic path and
             the per-rank compression config.
-        model, dataset, device: this rank's model (or its pipeline chunks), the token dataset, the device.
+        model, dataset, device: this rank's model (or its pipeline chunks), the training dataset, the device.
+        valid_dataset, test_dataset, data: the validation and test datasets of ``--split`` (None when the split leaves
+            one no sample) and the megacomp.data.Datasets they come from (``data.require(part, because)``).
         optimizer: the optimizer the selected optimizer family built (param_groups, step, state).
         dp_group: the group the optimizer reduces over (an outer loop narrows it to one replica).
         inner_optimizer_class: the rule inside the sharded optimizer (MT-DAO swaps it).
@@ -100,8 +104,14 @@ class Trainer:
         self.channels = self.compression.build_channels(  # one per traffic path, used by everything below
             g, dp_hierarchy=self.dp_hierarchy, dp_link=self.topology.slowest_link(g.dp_ranks))
         d = cfg.data
-        self.tokenizer, self.dataset = prepare_data(d.data_path, cfg.model.vocab_size, cfg.model.seq_length,
-                                                    d.data_cache_dir, max_bytes=d.tokenizer_max_bytes)
+        # the corpus or Megatron indexed data, the tokenizer, --split (megacomp.data.build); valid/test None when empty
+        self.data = build_datasets(d.data_path, cfg.model.seq_length, vocab_size=cfg.model.vocab_size,
+                                   cache_dir=d.data_cache_dir, max_bytes=d.tokenizer_max_bytes, seed=t.seed,
+                                   tokenizer_type=d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                                   vocab_file=d.vocab_file, merge_file=d.merge_file, json_keys=d.json_keys,
+                                   split=d.split)
+        self.tokenizer, self.dataset = self.data.tokenizer, self.data.train
+        self.valid_dataset, self.test_dataset = self.data.valid, self.data.test
         if d.dataset_samples is not None:
             if not 0 < d.dataset_samples <= len(self.dataset):
                 raise ValueError(f"dataset_samples {d.dataset_samples} must be in [1, {len(self.dataset)}] (the "
@@ -138,6 +148,7 @@ class Trainer:
             f.build(self)
         self.communicator = (PipelineCommunicator(g.pp_ranks, channels=self.channels,
                                                   activation_delta=self.activation_delta) if pp > 1 else None)
+        self.evaluation = Evaluation(self)  # --eval-interval (megacomp.training.evaluation); no validation set: raises
         self._iteration = self._chain("iteration", self._plain_iteration)
         self.forward_backward = self._chain("forward_backward", self._model_forward_backward)
         self._step = self._chain("step", lambda: self.optimizer.step())
@@ -171,10 +182,13 @@ class Trainer:
                                if gone else [])
         self.resumed = self.iteration > 0
         self.totals = RunTotals()
+        # --tensorboard-dir, --wandb-project: rank 0 writes what metrics.jsonl gets (megacomp.training.trackers)
+        self.trackers = Trackers(cfg, self.is_logger, self.iteration, layout_tiers(self.world, tp, pp, self.topology))
         if self.is_logger:
             print(self._banner(vocab, resumed, chosen), flush=True)
         self.sampler = self.sampler_at(self.iteration * self.num_microbatches)
-        self.metrics = MetricsLogger(cfg.logging.log_dir, dist.get_rank() == 0, resume=self.resumed)
+        self.metrics = MetricsLogger(cfg.logging.log_dir, dist.get_rank() == 0, resume=self.resumed,
+                                     trackers=self.trackers)
 
     # -- construction --------------------------------------------------------------------------------
     def _chain(self, hook: str, innermost):
@@ -204,7 +218,7 @@ class Trainer:
             lines.append(f"  pipeline: interleaved 1F1B, {self.num_chunks} model chunks per stage "
                          f"({pp * self.num_chunks} virtual stages of {cfg.parallel.num_layers_per_virtual_pipeline_stage} "
                          f"layers; stage-to-stage traffic {self.num_chunks}x the non-interleaved schedule's)")
-        lines += [f"  {line}" for line in chosen]
+        lines += [f"  {line}" for line in chosen + self.evaluation.banner() + self.trackers.lines]
         lines += [f"  {line}" for f in self.features for line in f.banner(self)]
         return "\n".join(lines)
 
@@ -239,7 +253,8 @@ class Trainer:
         extra = {"rng": torch.get_rng_state(),
                  "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
                  "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",)),
-                 "guard": self.guard.state_dict()}  # the lowest loss so far: a resumed run judges against it
+                 "guard": self.guard.state_dict(),  # the lowest loss so far: a resumed run judges against it
+                 "evaluation": self.evaluation.state_dict()}  # the validation losses so far
         extra.update({f.state_key: None for f in FEATURES if f.state_key})
         extra.update({f.state_key: f.state_dict() for f in self.features if f.state_key})
         return extra
@@ -288,6 +303,7 @@ class Trainer:
                 active[key].load_state_dict(extra[key])
         guard = extra.get("guard") or {}  # a checkpoint from before the guard's state was saved: a fresh guard
         self.guard.load_state_dict(guard)
+        self.evaluation.load_state_dict(extra.get("evaluation"))
         notes = ([note] if note else []) + list(extra.get("resharded") or [])  # another layout: what moved, what reset
         return "\n  ".join(notes) or None
 
@@ -396,12 +412,15 @@ class Trainer:
                   "skipped": not stepped, "loqt_merge": False, "dp_rounds": None}
         for f in self.features:
             f.record(self, record)
+        self.evaluation.after_iteration(self, record)  # when due: valid_loss, valid_ppl, its traffic kept apart
         return record
 
-    def train(self) -> list[dict]:
-        """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal, or a metrics.jsonl that cannot be
-        written), logging and checkpointing; returns the records of this run's iterations. The exit signals'
-        handlers (megacomp.training.signals) stay installed until the last checkpoint is written.
+    def train(self, watch: Optional[Callable[[], Optional[str]]] = None) -> list[dict]:
+        """Iterate to ``train_iters`` (or ``exit_interval``, or an exit signal, or a reason from ``watch``, or a
+        metrics.jsonl that cannot be written), logging and checkpointing; returns the records of this run's
+        iterations. The exit signals' handlers (megacomp.training.signals) stay installed until the last checkpoint
+        is written. ``watch`` (the heartbeat's launcher watch) is polled at every boundary; the reason the ranks
+        agreed to stop for is left in ``self.stop_reason``.
 
         Raises:
             TrainingDiverged: the divergence policy stopped the run (nothing was saved after the last good
@@ -410,12 +429,13 @@ class Trainer:
             OSError: rank 0 could not append to metrics.jsonl (a full or read-only ``--log-dir``): every rank
                 stops at that iteration's boundary, saves it first (with ``--save``) and raises the same line,
                 which says what was saved."""
-        signals = ExitSignals(save_dir=self.cfg.checkpoint.save) if self.cfg.training.exit_on_signal else None
+        signals = ExitSignals(DEFAULT_SIGNALS if self.cfg.training.exit_on_signal else (), self.cfg.checkpoint.save,
+                              watch)
         try:
             return self._train(signals)
         finally:
-            if signals is not None:
-                signals.restore()
+            signals.restore()
+            self.stop_reason = signals.reason
 
     def _train(self, signals: Optional[ExitSignals]) -> list[dict]:
         cfg, t, c = self.cfg, self.cfg.training, self.cfg.checkpoint
@@ -424,14 +444,16 @@ class Trainer:
         # record (gather_traffic) starts from here, so a resumed iteration counts what an uninterrupted one does
         comm.reset_stats()
         history, saved_at, stopped, log_error = [], None, "", None
+        progress = Progress(self.iteration, t.train_iters)
         try:
             while self.iteration < t.train_iters:
                 record = self.train_step()
+                record.update(progress.fields(self.iteration))  # elapsed, it/s, ETA (console and metrics.jsonl)
                 history.append(record)
                 self.totals.add(record, t.global_batch_size * cfg.model.seq_length)
                 bad = record["skipped"] or not math.isfinite(record["loss"])
                 if (bad or self.iteration % cfg.logging.log_interval == 0 or self.iteration == t.train_iters
-                        or "probe" in record):
+                        or "probe" in record or "valid_loss" in record):
                     try:
                         self.metrics.log(record)  # before the verdict: a diverging iteration is on record too
                     except OSError as e:  # rank 0 only: the ranks stop together at this boundary, after saving
@@ -439,7 +461,8 @@ class Trainer:
                 note = self.guard.observe(self.iteration, record["loss"], not record["skipped"], record["lr"])
                 if note and self.is_logger:
                     print(f"megacomp-pretrain: {note}", flush=True)
-                signalled, log_error = stop_requested(signals, log_error, self.device)  # agreed by every rank
+                signalled, log_error = stop_requested(signals, log_error, self.device,  # agreed by every rank
+                                                      log_file=bool(cfg.logging.log_dir))
                 if log_error is not None:
                     break
                 if c.save and c.save_interval and self.iteration % c.save_interval == 0:
@@ -469,7 +492,7 @@ class Trainer:
                                     f"not be set aside ({err}): do not resume from it")
                 dist.barrier()
             if self.is_logger and self.totals.iterations:
-                print(self.totals.summary(self.iteration, "diverged"), flush=True)
+                print(self.totals.summary(self.iteration, "diverged") + self.evaluation.summary(), flush=True)
             if note:
                 raise TrainingDiverged(f"{e}{note}") from e
             raise
@@ -487,7 +510,7 @@ class Trainer:
         for f in self.features:
             f.finish(self)  # the model ends on its final parameters (e.g. ACCO's θ, the last all-gather landed)
         if self.is_logger and history:
-            print(self.totals.summary(self.iteration, stopped), flush=True)
+            print(self.totals.summary(self.iteration, stopped) + self.evaluation.summary(), flush=True)
         return history
 
     def close(self) -> None:
