@@ -106,6 +106,7 @@ class AutoCompression(Feature):
     def iteration(self, run, batches, inner):
         if not self.applied:  # after a resume too: the checkpoint was loaded on the build codecs
             self._apply(run)
+        self.sent_with = {p: str(self.controller.codec(p)) for p in self.paths}  # this iteration's bytes: its codecs
         t0 = time.perf_counter()
         out = inner(batches)
         self.wall += time.perf_counter() - t0
@@ -139,7 +140,7 @@ class AutoCompression(Feature):
                 "dp_parameter": per_mb / 3.0 if z.overlap_param_gather else 0.0}
 
     def record(self, run, record: dict) -> None:
-        record["auto_codec"] = {p: str(self.controller.codec(p)) for p in self.paths}
+        record["auto_codec"] = self.sent_with
         if self.decision is not None:
             record["auto_decision"] = self.decision
 
