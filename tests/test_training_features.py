@@ -47,6 +47,10 @@ CASES = {  # family: (TP, PP, flat settings, the traffic kind that must travel c
     # one replica group on torchft's quorum (rank 0 hosts the Lighthouse): its own kind, replicas, carries nothing
     # with one group (tests/test_integrations_torchft.py runs several); the layout's paths keep their codecs
     "fault_tolerance": (2, 1, {"fault_tolerance": "torchft", "ft_lighthouse": "local"}, "tp_forward"),
+    # --compression auto with a ladder of one codec on tp_backward (its own field unset, as a laddered path's must be)
+    "auto_compression": (2, 1, {"compression": {**{k: v for k, v in EVERY_PATH.items() if k != "tp_backward"},
+                                                "auto": {"ladder": {"tp_backward": [EVERY_PATH["tp_backward"]]},
+                                                         "interval": 1}}}, "tp_backward"),
 }
 
 
