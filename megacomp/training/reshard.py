@@ -65,7 +65,7 @@ LAYOUT_VERSION = 1
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                  "num_layers_per_virtual_pipeline_stage", "world_size")
 """The run_info fields whose change makes a resume reshard (instead of loading each rank's own entries)."""
-_PLAIN_EXTRA = ("rng", "cuda_rng", "channels", "guard")  # per-rank state that needs no layout
+_PLAIN_EXTRA = ("rng", "cuda_rng", "channels", "guard", "evaluation")  # per-rank state that needs no layout
 
 
 def layout_changed(saved: dict, run_info: dict) -> bool:
