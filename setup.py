@@ -23,7 +23,9 @@ setup(
     install_requires=["torch>=2.3,<3", "numpy", "pyyaml", "sentencepiece", "einops>=0.7"],
     extras_require={
         # tokenizers: the data tests build HuggingFace / GPT-2 tokenizer files (megacomp.data.tokenizer_files)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers"],
+        # tensorboard, wandb: the trackers' tests write real event and run files and read them back
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers", "tensorboard",
+                 "wandb"],
         # HuggingFaceTokenizer / GPT2BPETokenizer files; Megatron indexed data also needs megatron-core (installed
         # --no-deps, see scripts/install.sh)
         "data": ["tokenizers"],
