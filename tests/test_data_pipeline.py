@@ -278,3 +278,38 @@ def test_prepare_data_two_ranks_rank0_builds(corpus_dir, tmp_path):
     # single process, same cache: everything is loaded, nothing rebuilt
     tokenizer, ds = prepare_data([corpus_dir], vocab_size=VOCAB, seq_length=32, cache_dir=cache)
     assert not tokenizer.trained and ds.prefix == r0[2] and torch.equal(ds[0], r0[3])
+
+
+# ---- JSON-lines corpus files ----------------------------------------------------------------------------
+
+
+def test_jsonl_files_hold_one_document_per_line_and_key(tokenizer, files, tmp_path):
+    import json
+
+    from megacomp.data import corpus_fingerprint, iter_documents
+    from megacomp.data.tokenizer import training_lines
+
+    rows = [{"text": read_text(f)[:300], "title": f"doc {i}"} for i, f in enumerate(files[:5])]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 2 else "") for i, r in enumerate(rows)))
+    assert [t for _, t in iter_documents(str(path))] == [r["text"] for r in rows]  # blank line skipped
+    both = list(iter_documents(str(path), ["text", "title"]))
+    assert both[:2] == [(f"{path}:1:text", rows[0]["text"]), (f"{path}:1:title", "doc 0")] and len(both) == 10
+    lines = [line for line in rows[0]["text"].split("\n") if line]
+    assert list(training_lines([str(path)], 10**6))[:2] == lines[:2]  # the text, not JSON
+    # plain files keep their fingerprint; a JSON-lines corpus's depends on the keys
+    assert corpus_fingerprint(files) == corpus_fingerprint(files, ["title"])
+    assert corpus_fingerprint([str(path)]) != corpus_fingerprint([str(path)], ["title"])
+    prefix = str(tmp_path / "t")
+    meta = build_token_file([files[0], str(path)], tokenizer, prefix)
+    assert meta["num_docs"] == 6 and meta["doc_paths"][:2] == [files[0], f"{path}:1"]
+    ds = TokenDataset(prefix, 16)
+    assert tokenizer.decode(ds.document(3)) == rows[2]["text"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: a JSON list, not an object"):
+        build_token_file([str(tmp_path / "bad.jsonl")], tokenizer, str(tmp_path / "b"))
+    (tmp_path / "bad.jsonl").write_text('{"text": "a"}\n{"text": 3}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: 'text' holds a int, not text"):
+        list(iter_documents(str(tmp_path / "bad.jsonl")))
+    with pytest.raises(ValueError, match="--json-keys must name one or more keys"):
+        list(iter_documents(str(path), []))

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from .corpus import corpus_fingerprint, read_text
+from .corpus import corpus_fingerprint, iter_documents
 from .cache_files import atomic_write as _atomic_write, build_lock, new_temporary, remove_stale_temporaries
 from .tokenizer import Tokenizer, _mb, _say
 
@@ -103,9 +103,11 @@ def _is_current(prefix: str, tokenizer_fp: str, corpus_fp: str, say: bool = True
 
 
 def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str, *,
-                     num_threads: int | None = None) -> dict[str, Any]:
-    """Tokenize ``files`` (one document each, EOS after each) into ``out_prefix.bin`` + ``.idx.json``;
-    return the index. Reuses an existing token file built from the same tokenizer and corpus fingerprint.
+                     num_threads: int | None = None, json_keys: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    """Tokenize the documents of ``files`` (a plain file is one document, a JSON-lines file one per line and key
+    of ``json_keys``: :func:`~megacomp.data.corpus.iter_documents`; EOS after each) into ``out_prefix.bin`` +
+    ``.idx.json``; return the index. Reuses an existing token file built from the same tokenizer and corpus
+    fingerprint. ``tokenizer``: any :class:`~megacomp.data.tokenizer_files.TokenizerLike`.
 
     ``num_threads``: encode threads (default ``min(8, cpu_count)``). Files are tokenized in batches; the
     token file and then the index are written to temporary files and renamed, so an index always describes
@@ -118,7 +120,7 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
     files = list(files)
     if not files:
         raise ValueError("corpus is empty: build_token_file got no files; use megacomp.data.collect_files(paths)")
-    tok_fp, corpus_fp = tokenizer.fingerprint, corpus_fingerprint(files)
+    tok_fp, corpus_fp = tokenizer.fingerprint, corpus_fingerprint(files, json_keys)
     if _is_current(out_prefix, tok_fp, corpus_fp, say=False):
         return read_index(out_prefix)
     bin_path, idx_path = _paths(out_prefix)
@@ -128,39 +130,51 @@ def build_token_file(files: Sequence[str], tokenizer: Tokenizer, out_prefix: str
             return read_index(out_prefix)
         for path in (bin_path, idx_path):
             remove_stale_temporaries(path)
-        return _write_token_file(files, tokenizer, out_prefix, tok_fp, corpus_fp, num_threads)
+        return _write_token_file(files, tokenizer, out_prefix, tok_fp, corpus_fp, num_threads, json_keys)
+
+
+def _document_batches(files: list, json_keys) -> Iterator[tuple[int, list[tuple[str, str]]]]:
+    """``(files started, [(name, text), ...])`` batches of ``_BATCH_DOCS`` documents in corpus order."""
+    batch: list[tuple[str, str]] = []
+    for done, path in enumerate(files, start=1):
+        for doc in iter_documents(path, json_keys):
+            batch.append(doc)
+            if len(batch) == _BATCH_DOCS:
+                yield done, batch
+                batch = []
+    if batch:
+        yield len(files), batch
 
 
 def _write_token_file(files: list, tokenizer: Tokenizer, out_prefix: str, tok_fp: str, corpus_fp: str,
-                      num_threads: int | None) -> dict[str, Any]:
+                      num_threads: int | None, json_keys=None) -> dict[str, Any]:
     """Tokenize and write the token file and its index (under build_token_file's lock)."""
     bin_path, idx_path = _paths(out_prefix)
     dtype = token_dtype(tokenizer.vocab_size)
     threads = num_threads or max(1, min(8, os.cpu_count() or 1))
-    offsets = [0]
+    offsets, names = [0], []
     _say(f"tokenizing {len(files)} files ({_mb(sum(os.path.getsize(p) for p in files))}) -> {bin_path} (one time)")
     began = last = time.perf_counter()
     fd, tmp_bin = new_temporary(bin_path)
     try:
         with os.fdopen(fd, "wb") as f:
-            for start in range(0, len(files), _BATCH_DOCS):
-                batch = files[start:start + _BATCH_DOCS]
-                for ids in tokenizer.encode_batch([read_text(p) for p in batch], num_threads=threads):
-                    ids.append(tokenizer.eos_id)
+            for done, batch in _document_batches(files, json_keys):
+                for ids in tokenizer.encode_batch([text for _, text in batch], num_threads=threads):
+                    ids = list(ids) + [tokenizer.eos_id]
                     np.asarray(ids, dtype=dtype).tofile(f)
                     offsets.append(offsets[-1] + len(ids))
+                names.extend(name for name, _ in batch)
                 now = time.perf_counter()
-                done = start + len(batch)
                 if now - last >= _PROGRESS_SECONDS and done < len(files):
                     last = now
                     _say(f"tokenizing: {done}/{len(files)} files ({100 * done // len(files)}%), "
                          f"{offsets[-1]:,} tokens, {now - began:.0f} s")
             f.flush()
             os.fsync(f.fileno())
-        meta = dict(format=_FORMAT, dtype=dtype.name, num_tokens=offsets[-1], num_docs=len(files),
+        meta = dict(format=_FORMAT, dtype=dtype.name, num_tokens=offsets[-1], num_docs=len(names),
                     vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
                     tokenizer_fingerprint=tok_fp, corpus_fingerprint=corpus_fp,
-                    tokenizer_model=tokenizer.model_path, doc_offsets=offsets, doc_paths=files)
+                    tokenizer_model=tokenizer.model_path, doc_offsets=offsets, doc_paths=names)
         if os.path.exists(idx_path):
             os.unlink(idx_path)  # never leave an index next to a token file it does not describe
         os.replace(tmp_bin, bin_path)
@@ -169,7 +183,8 @@ def _write_token_file(files: list, tokenizer: Tokenizer, out_prefix: str, tok_fp
             os.unlink(tmp_bin)
         raise
     _atomic_write(idx_path, json.dumps(meta).encode("utf-8"))
-    _say(f"tokenized {len(files)} files into {offsets[-1]:,} tokens in {time.perf_counter() - began:.1f} s")
+    docs = f" ({len(names)} documents)" if len(names) != len(files) else ""
+    _say(f"tokenized {len(files)} files{docs} into {offsets[-1]:,} tokens in {time.perf_counter() - began:.1f} s")
     return meta
 
 
@@ -181,14 +196,18 @@ class TokenDataset(torch.utils.data.Dataset):
     across document boundaries (separated by EOS), as in GPT pretraining. Negative indices count from the
     end; others out of range raise IndexError.
 
+    ``documents`` (a ``range`` of document indices, e.g. one part of ``--split``): the samples run over those
+    documents' tokens only, ``len(ds) == max(0, (window_tokens - 1) // seq_length)`` (the caller decides whether
+    an empty part is an error); None = every token, as above.
+
     Raises:
         FileNotFoundError, ValueError: a missing, outdated, truncated or corrupt index (see
             :func:`read_index`).
         ValueError: ``seq_length`` < 1; the ``.bin`` file is missing or not the size its index says; fewer
-            than ``seq_length + 1`` tokens.
+            than ``seq_length + 1`` tokens (without ``documents``); a ``documents`` range outside the file.
     """
 
-    def __init__(self, prefix: str, seq_length: int):
+    def __init__(self, prefix: str, seq_length: int, documents: Optional[range] = None):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         self.prefix = prefix
@@ -204,9 +223,16 @@ class TokenDataset(torch.utils.data.Dataset):
         if not os.path.isfile(bin_path) or os.path.getsize(bin_path) != expected:
             raise ValueError(f"token file {bin_path!r} is missing or not {expected} bytes as its index says; "
                              f"delete {prefix}.* and rebuild it")
-        if self.num_tokens < seq_length + 1:
+        if documents is None and self.num_tokens < seq_length + 1:
             raise ValueError(f"token file {bin_path!r} has {self.num_tokens} tokens, fewer than seq_length + 1 = "
                              f"{seq_length + 1} needed for one sample; lower seq_length or add text to the corpus")
+        if documents is not None and (documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_docs):
+            raise ValueError(f"documents {documents} is not a contiguous range inside the {self.num_docs} documents "
+                             f"of {prefix}")
+        self.documents = documents
+        self.window = ((0, self.num_tokens) if documents is None else
+                       (self.doc_offsets[documents.start], self.doc_offsets[documents.stop]))
+        """The token range ``[begin, end)`` the samples run over."""
         self._tokens = None
 
     @property
@@ -220,14 +246,14 @@ class TokenDataset(torch.utils.data.Dataset):
         return {**self.__dict__, "_tokens": None}
 
     def __len__(self) -> int:
-        return (self.num_tokens - 1) // self.seq_length
+        return max(0, (self.window[1] - self.window[0] - 1) // self.seq_length)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         n = len(self)
         index = int(index)
         if not -n <= index < n:
             raise IndexError(f"sample {index} out of range for {n} samples")
-        start = (index % n) * self.seq_length
+        start = self.window[0] + (index % n) * self.seq_length
         return torch.from_numpy(self.tokens[start:start + self.seq_length + 1].astype(np.int64))
 
     @property

@@ -15,10 +15,10 @@ import json
 import os
 import sys
 import time
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from .cache_files import atomic_write as _atomic_write, build_lock, remove_stale_temporaries
-from .corpus import corpus_fingerprint, read_text
+from .corpus import corpus_fingerprint, iter_documents
 
 DEFAULT_MAX_BYTES = 5 * 2**20
 _CACHE_FORMAT = 1
@@ -172,33 +172,39 @@ def _mb(num_bytes: int) -> str:
     return f"{num_bytes / 1e6:.1f} MB"
 
 
-def training_lines(files: Sequence[str], max_bytes: int) -> Iterator[str]:
-    """The corpus as sentencepiece training sentences: the lines of the files in order, over-long lines cut
-    into pieces, stopping after ``max_bytes`` bytes of text (one byte more per piece, for its newline).
-    Errors reading a file propagate (see :func:`~megacomp.data.corpus.read_text`)."""
+def training_lines(files: Sequence[str], max_bytes: int, json_keys: Optional[Sequence[str]] = None) -> Iterator[str]:
+    """The corpus as sentencepiece training sentences: the lines of the documents in order (a plain file is one
+    document, a JSON-lines file one per line and key: :func:`~megacomp.data.corpus.iter_documents`), over-long
+    lines cut into pieces, stopping after ``max_bytes`` bytes of text (one byte more per piece, for its
+    newline). Errors reading a file propagate (see :func:`~megacomp.data.corpus.iter_documents`)."""
     budget = max_bytes
     for path in files:
-        for line in read_text(path).split("\n"):
-            for start in range(0, max(len(line), 1), _MAX_LINE_CHARS):
-                piece = line[start:start + _MAX_LINE_CHARS]
-                budget -= len(piece.encode("utf-8")) + 1
-                if budget < 0:
-                    return
-                if piece:
-                    yield piece
+        for _, text in iter_documents(path, json_keys):
+            for line in text.split("\n"):
+                for start in range(0, max(len(line), 1), _MAX_LINE_CHARS):
+                    piece = line[start:start + _MAX_LINE_CHARS]
+                    budget -= len(piece.encode("utf-8")) + 1
+                    if budget < 0:
+                        return
+                    if piece:
+                        yield piece
 
 
-def tokenizer_cache_key(files: Sequence[str], vocab_size: int, max_bytes: int, seed: int) -> str:
-    """sha256 over the corpus fingerprint and every training setting: equal keys give equal models.
-    Raises FileNotFoundError for a file that no longer exists (see corpus_fingerprint)."""
-    spec = dict(format=_CACHE_FORMAT, corpus=corpus_fingerprint(files), vocab_size=vocab_size,
+def tokenizer_cache_key(files: Sequence[str], vocab_size: int, max_bytes: int, seed: int,
+                        json_keys: Optional[Sequence[str]] = None) -> str:
+    """sha256 over the corpus fingerprint (with ``json_keys`` when the corpus has JSON lines) and every training
+    setting: equal keys give equal models. Raises FileNotFoundError for a file that no longer exists (see
+    corpus_fingerprint)."""
+    spec = dict(format=_CACHE_FORMAT, corpus=corpus_fingerprint(files, json_keys), vocab_size=vocab_size,
                 max_bytes=max_bytes, seed=seed, options=TRAINER_OPTIONS)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
 
 
 def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str, *,
-                    max_bytes: int = DEFAULT_MAX_BYTES, seed: int = 0) -> Tokenizer:
-    """Train (or load from ``model_prefix_dir``) a BPE model of ``vocab_size`` pieces on ``files``.
+                    max_bytes: int = DEFAULT_MAX_BYTES, seed: int = 0,
+                    json_keys: Optional[Sequence[str]] = None) -> Tokenizer:
+    """Train (or load from ``model_prefix_dir``) a BPE model of ``vocab_size`` pieces on ``files`` (JSON-lines
+    files: the texts under ``json_keys``, default ``text``).
 
     The cached model is named by a hash of the corpus fingerprint (paths, sizes, mtimes), ``vocab_size``,
     ``max_bytes``, ``seed`` and the trainer options; ``Tokenizer.trained`` says whether this call trained.
@@ -222,7 +228,7 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
                          f"special ones; use at least 300 (e.g. 4096, 8192, 32000)")
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
-    key = tokenizer_cache_key(files, vocab_size, max_bytes, seed)
+    key = tokenizer_cache_key(files, vocab_size, max_bytes, seed, json_keys)
     os.makedirs(model_prefix_dir, exist_ok=True)
     path = os.path.join(model_prefix_dir, f"spm-bpe-{vocab_size}-{key[:16]}.model")
     cached = _cached_model(path, vocab_size, say=False)
@@ -234,7 +240,7 @@ def train_tokenizer(files: Sequence[str], vocab_size: int, model_prefix_dir: str
             return cached
         for done in (path, path[:-len(".model")] + ".json"):
             remove_stale_temporaries(done)
-        return _train(files, vocab_size, path, max_bytes, seed)
+        return _train(files, vocab_size, path, max_bytes, seed, json_keys)
 
 
 def _cached_model(path: str, vocab_size: int, say: bool):
@@ -252,7 +258,7 @@ def _cached_model(path: str, vocab_size: int, say: bool):
         return None
 
 
-def _train(files: list, vocab_size: int, path: str, max_bytes: int, seed: int) -> "Tokenizer":
+def _train(files: list, vocab_size: int, path: str, max_bytes: int, seed: int, json_keys=None) -> "Tokenizer":
     """Train the model (under train_tokenizer's lock) and write it and its settings to ``path`` (.model/.json)."""
     import sentencepiece as spm
 
@@ -263,7 +269,7 @@ def _train(files: list, vocab_size: int, path: str, max_bytes: int, seed: int) -
     spm.set_random_generator_seed(seed)
     writer = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=training_lines(files, max_bytes), model_writer=writer,
+        spm.SentencePieceTrainer.train(sentence_iterator=training_lines(files, max_bytes, json_keys), model_writer=writer,
                                        vocab_size=vocab_size, minloglevel=2,
                                        **TRAINER_OPTIONS)
     except RuntimeError as e:
@@ -275,7 +281,7 @@ def _train(files: list, vocab_size: int, path: str, max_bytes: int, seed: int) -
         raise
     _atomic_write(path, writer.getvalue())
     meta = dict(vocab_size=vocab_size, max_bytes=max_bytes, seed=seed, num_files=len(files),
-                first_file=files[0], last_file=files[-1], corpus_fingerprint=corpus_fingerprint(files),
+                first_file=files[0], last_file=files[-1], corpus_fingerprint=corpus_fingerprint(files, json_keys),
                 sentencepiece=spm.__version__, options=TRAINER_OPTIONS)
     _atomic_write(path[:-len(".model")] + ".json", json.dumps(meta, indent=1).encode())
     tokenizer = Tokenizer(path, trained=True)
