@@ -231,3 +231,39 @@ def test_corpus_paths_with_a_tokenizer_from_files_and_split(tmp_path, bpe_dir):
     assert data.valid[0].tolist()[:5] == tokenizer.encode(texts[18])[:5]
     meta = json.loads((tmp_path / "cache" / "tokens").glob("*.idx.json").__next__().read_text())
     assert meta["doc_paths"][1] == f"{tmp_path / 'c.jsonl'}:2" and meta["num_docs"] == 20
+
+
+def _trainer_body(rank, world, cfg):
+    from megacomp.training import Trainer
+
+    trainer = Trainer(cfg)
+    try:
+        losses = [h["loss"] for h in trainer.train()]
+        return (losses, trainer.gpt.vocab_size, trainer.tokenizer.vocab_size, len(trainer.dataset),
+                trainer.data.samples, trainer.test_dataset is None, type(trainer.dataset).__name__)
+    finally:
+        trainer.close()
+
+
+def test_trainer_trains_on_a_weighted_indexed_blend_with_split(tmp_path, bpe_dir, tiny_config):
+    from dataclasses import replace
+
+    from distributed import run_ranks
+
+    texts = stdlib_texts(40, 3000)
+    write_jsonl(tmp_path / "a.jsonl", [{"text": t} for t in texts])
+    write_jsonl(tmp_path / "b.jsonl", [{"text": t} for t in texts[::-1]])
+    for name in ("a", "b"):
+        assert preprocess_main(["--input", str(tmp_path / f"{name}.jsonl"), "--output-prefix", str(tmp_path / name),
+                                "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", bpe_dir,
+                                "--append-eod"]) == 0
+    cfg = replace(tiny_config, data_path=["0.6", str(tmp_path / "a_text_document"), "0.4",
+                                          str(tmp_path / "b_text_document")],
+                  split="90,10,0", tokenizer_type="HuggingFaceTokenizer", tokenizer_model=bpe_dir, train_iters=2)
+    r0, r1 = run_ranks(_trainer_body, 2, cfg)
+    assert r0 == r1  # both data-parallel ranks see the same datasets and the same (all-reduced) losses
+    losses, model_vocab, vocab, train_samples, samples, no_test, kind = r0
+    assert vocab == build_tokenizer("HuggingFaceTokenizer", bpe_dir).vocab_size
+    assert model_vocab == -(-vocab // 8) * 8  # the model's vocabulary follows the tokenizer's, padded for TP
+    assert kind == "BlendedDataset" and samples["train"] == train_samples and samples["valid"] > 0 and no_test
+    assert len(losses) == 2 and all(np.isfinite(losses))

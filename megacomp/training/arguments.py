@@ -63,7 +63,7 @@ def _add_flag(group, name: str, annotation: str, doc: str, default: Any) -> None
     text = (doc if stated else f"{doc} (default {default!r})").replace("%", "%%")
     if "bool" in annotation:
         group.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None, help=text)
-    elif name == "data_path":
+    elif "list" in annotation:  # --data-path, --json-keys: several values, as Megatron's
         group.add_argument(_flag(name), dest=name, nargs="+", default=None, help=text)
     else:
         kind = int if "int" in annotation else float if "float" in annotation else str
@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: ``--config FILE`` and one ``--flat-name`` flag per field of the configuration tree,
     grouped by component (each group titled with the component's YAML key and docstring).
 
-    Bool fields take ``--x/--no-x``, ``--data-path`` takes several values, the others are parsed as int,
+    Bool fields take ``--x/--no-x``, list fields (``--data-path``, ``--json-keys``) several values, the others are parsed as int,
     float or str by their annotation. Every flag defaults to None, so parse_args can tell which were given.
     """
     p = CommandLineParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication "

@@ -51,7 +51,8 @@ MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_si
               "sequence_parallel", "params_dtype", "compression_resolved")
 """Fields a resume must share with the checkpoint. The parallel layout (TP, PP, virtual stages, world size:
 megacomp.training.reshard.LAYOUT_FIELDS) may differ: the checkpoint is then resharded."""
-DATA_ORDER = ("seed", "data_path", "dataset_samples", "global_batch_size", "tokenizer_max_bytes")
+DATA_ORDER = ("seed", "data_path", "dataset_samples", "global_batch_size", "tokenizer_max_bytes", "split",
+              "tokenizer_type", "tokenizer_model", "vocab_file", "merge_file", "json_keys")
 """Fields that change which samples a resumed iteration sees: a resume refuses a change unless
 ``allow_data_order_change`` (``--allow-data-order-change``) is set."""
 _ITER_DIR = re.compile(r"iter_(\d+)$")

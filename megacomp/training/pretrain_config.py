@@ -158,7 +158,29 @@ class DataConfig:
     """The corpus, its tokenizer and the token cache."""
 
     data_path: Optional[list] = None
-    """Corpus files or directories (default: the Python standard library's sources)."""
+    """Corpus files or directories (plain text; ``*.jsonl``: one document per line and --json-keys key), or Megatron
+    indexed datasets by prefix (PREFIX.bin / PREFIX.idx, from megacomp-preprocess-data or Megatron's
+    preprocess_data.py), one or several, or weighted as Megatron takes them: ``0.7 PREFIX_A 0.3 PREFIX_B`` (samples
+    drawn in those proportions). Default: the Python standard library's sources."""
+    split: Optional[str] = None
+    """Megatron's train, validation and test proportions by document, e.g. ``969,30,1`` (normalised; each dataset of
+    a blend is split alike). Default None: no split, every document trains (today's samples, the same as ``100,0,0``)
+    and there is no validation or test set."""
+    tokenizer_type: Optional[str] = None
+    """Megatron's tokenizer name: HuggingFaceTokenizer (--tokenizer-model: tokenizer.json or its folder),
+    GPT2BPETokenizer (--vocab-file, --merge-file), SentencePieceTokenizer or GPTSentencePieceTokenizer
+    (--tokenizer-model: a .model); local files only. The model's vocabulary then follows the tokenizer's (vocab_size
+    and tokenizer_max_bytes do not apply). Default: train a sentencepiece BPE of vocab_size pieces on the corpus.
+    Indexed data needs the tokenizer it was preprocessed with."""
+    tokenizer_model: Optional[str] = None
+    """The tokenizer file of HuggingFaceTokenizer (tokenizer.json or its folder) or of the SentencePiece types
+    (.model)."""
+    vocab_file: Optional[str] = None
+    """GPT2BPETokenizer's vocab.json."""
+    merge_file: Optional[str] = None
+    """GPT2BPETokenizer's merges.txt."""
+    json_keys: Optional[list] = None
+    """The JSON keys holding the text in ``*.jsonl`` corpus files (default: text)."""
     data_cache_dir: Optional[str] = None
     """Where the tokenizer and token files are cached (default $MEGACOMP_DATA_CACHE or ~/.cache/megacomp)."""
     dataset_samples: Optional[int] = None
@@ -201,28 +223,6 @@ class LoggingConfig:
     """Directory for metrics.jsonl (rank 0)."""
     log_interval: int = 1
     """Iterations between log lines."""
-
-
-BASE_COMPONENTS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
-                   "checkpoint": CheckpointConfig, "logging": LoggingConfig, "evaluation": EvaluationConfig}
-"""The tree's components besides the families' (megacomp.training.features) and ``compression``."""
-
-COMPRESSION_DOC = ("Preset name (configs/compression/NAME.yaml), YAML file or mapping of a codec per traffic path "
-                   "(see megacomp.config.CommCompressionConfig).")
-
-
-class PretrainConfigBase:
-    """Methods of :class:`PretrainConfig` (the dataclass itself is assembled from the components below)."""
-
-    def __init__(self, **settings: Any) -> None:
-        comps = type(self).components()
-        flat = type(self).flat_fields()
-        for key, cls in comps.items():
-            given = settings.pop(key, None)
-            if isinstance(given, dict):
-                given = _component_from_dict(key, cls, given)
-            elif given is not None and not isinstance(given, cls):
-                raise TypeError(f"PretrainConfig {key} must be a {cls.__name__} or a mapping, got {type(given).__name__}")
     tensorboard_dir: Optional[str] = None
     """Directory for TensorBoard event files (rank 0, torch.utils.tensorboard; ``pip install tensorboard``): at each
     logged iteration the loss, learning rate, tokens/s, grad norm, wire bytes per traffic kind and per link kind, the
@@ -250,6 +250,28 @@ class EvaluationConfig:
     eval_iters: int = 100
     """Rounds of one global batch per evaluation: the same first ``eval_iters x global_batch_size`` validation
     samples every time (wrapping around a smaller split)."""
+
+
+BASE_COMPONENTS = {"model": ModelConfig, "parallel": ParallelConfig, "training": TrainingConfig, "data": DataConfig,
+                   "checkpoint": CheckpointConfig, "logging": LoggingConfig, "evaluation": EvaluationConfig}
+"""The tree's components besides the families' (megacomp.training.features) and ``compression``."""
+
+COMPRESSION_DOC = ("Preset name (configs/compression/NAME.yaml), YAML file or mapping of a codec per traffic path "
+                   "(see megacomp.config.CommCompressionConfig).")
+
+
+class PretrainConfigBase:
+    """Methods of :class:`PretrainConfig` (the dataclass itself is assembled from the components below)."""
+
+    def __init__(self, **settings: Any) -> None:
+        comps = type(self).components()
+        flat = type(self).flat_fields()
+        for key, cls in comps.items():
+            given = settings.pop(key, None)
+            if isinstance(given, dict):
+                given = _component_from_dict(key, cls, given)
+            elif given is not None and not isinstance(given, cls):
+                raise TypeError(f"PretrainConfig {key} must be a {cls.__name__} or a mapping, got {type(given).__name__}")
             object.__setattr__(self, key, copy.copy(given) if given is not None else cls())
         object.__setattr__(self, "compression", settings.pop("compression", "none"))
         object.__setattr__(self, "explicit", frozenset(settings.pop("explicit", ())) | frozenset(settings))
