@@ -40,8 +40,8 @@ import sys
 import time
 import traceback
 
-import torch.distributed as dist
-
+# torch is imported inside main(), after the start-up SIGINT handler is in place: importing it takes seconds, and a
+# Ctrl-C then must be one line, not a KeyboardInterrupt traceback through torch's import machinery
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
 EXIT_REPLICA_LOST = 4
@@ -49,8 +49,14 @@ EXIT_RANK_LOST = 4  # as for a lost replica: the job stops and restarts from the
 
 
 def _rank() -> int:
-    if dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # imported by main(): before that no group exists
+    if dist is not None and dist.is_initialized():
         return dist.get_rank()
+    return _launcher_rank()
+
+
+def _launcher_rank() -> int:
+    """This process's rank by its launcher's variables (0 without one)."""
     for var in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if os.environ.get(var, "").isdigit():
             return int(os.environ[var])
@@ -99,6 +105,9 @@ def main(argv=None) -> int:
         SystemExit: ``--help``, or bad command-line flags (argparse prints the usage once, from rank 0; status 2).
         Exception: anything that is not a user-facing error propagates with its traceback.
     """
+    _interrupt_during_start_up()  # first: the imports below take seconds
+    import torch.distributed as dist
+
     from .launch import init_distributed
     from .outer import ReplicaLost
     from .training import Trainer, TrainingDiverged, parse_args
@@ -168,6 +177,28 @@ def main(argv=None) -> int:
     return status
 
 
+def _interrupt_during_start_up() -> None:
+    """Make a Ctrl-C (SIGINT) before the run's own handler is in place (megacomp.training.signals.StopNow, installed
+    once the flags are parsed) one line and exit status 130 (128 + SIGINT, as signals.EXIT_INTERRUPTED), instead of
+    a KeyboardInterrupt traceback from inside an import: rank 0 (by the launcher's variables) writes
+    ``megacomp-pretrain: interrupted during start-up: stopped without saving``, every rank ends at once (nothing
+    was started: no process group, no checkpoint, no lock). A SIGINT ignored at start (a background job) stays
+    ignored; outside the main thread nothing is installed."""
+    def stop(signum, frame) -> None:
+        if _launcher_rank() == 0:  # not dist's: torch may be half imported
+            try:  # not print(): the main thread may be inside a print
+                os.write(2, b"megacomp-pretrain: interrupted during start-up: stopped without saving\n")
+            except OSError:
+                pass
+        os._exit(128 + signal.SIGINT)
+
+    try:
+        if signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+            signal.signal(signal.SIGINT, stop)
+    except ValueError:  # not the main thread
+        pass
+
+
 def _lost_rank_verdict(line: str, claimed: bool) -> None:
     """The heartbeat thread's verdict: a watched peer stood still for the timeout while this rank may be
     blocked in a collective that waits longer. The claimant prints the line; every rank ends its process."""
@@ -188,6 +219,8 @@ def _failed_collective(heartbeat) -> "int | None":
     every rank the moment one dies, and the line must come out first.
     """
     from .training.heartbeat import lost_line
+
+    import torch.distributed as dist
 
     if heartbeat is None or not dist.is_initialized():
         return None

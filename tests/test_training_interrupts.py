@@ -195,3 +195,49 @@ def _agreement_body(rank, world):
 def test_no_stop_collective_when_nothing_can_ask_for_a_stop_and_a_watch_stops_every_rank():
     for out in run_ranks(_agreement_body, 2, timeout=60, pg_timeout=15):
         assert out == (3.0, (True, None), "stopped at iteration 5 because the launcher died (rank 1's)")
+
+
+def _interrupt_at_start_up(tmp_path, base, when, flags=()):
+    """Start ``python -m megacomp.pretrain`` and send SIGINT once ``when(pid, stderr so far)`` holds; (status, stderr)."""
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(yaml.safe_dump({name: getattr(base, name) for name in base.explicit}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MEGACOMP_DEBUG", None)
+    proc = subprocess.Popen([sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    err = []
+    reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not when(proc.pid, "".join(err)):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(err)
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGINT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+    return proc.returncode, "".join(err)
+
+
+def _importing_torch(pid, err):
+    with open(f"/proc/{pid}/maps") as f:  # torch's library is mapped early in `import torch`, seconds before its end
+        return "libtorch" in f.read()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs /proc to see torch being imported")
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path, base):
+    """Before the trainer's handlers exist: while the imports run (before the flags are parsed) and while the data is
+    prepared (a fresh --data-cache-dir: the tokenizer is trained and the files tokenized)."""
+    status, err = _interrupt_at_start_up(tmp_path, base, _importing_torch)
+    assert status == signals_mod.EXIT_INTERRUPTED == 128 + signal.SIGINT, err
+    assert err == "megacomp-pretrain: interrupted during start-up: stopped without saving\n", err
+    status, err = _interrupt_at_start_up(tmp_path, base, lambda pid, err: "megacomp: training the tokenizer" in err,
+                                         ["--data-cache-dir", str(tmp_path / "fresh-cache"), "--save", str(tmp_path / "ck")])
+    lines = [ln for ln in err.splitlines() if not ln.startswith("megacomp: ")]  # the data preparation's own lines
+    assert status == signals_mod.EXIT_INTERRUPTED and lines == [
+        f"megacomp-pretrain: interrupted during start-up: stopped without saving; there is no checkpoint under "
+        f"{tmp_path / 'ck'}"], err
