@@ -4,7 +4,10 @@ Per iteration: M = global_batch / (micro_batch x DP) micro-batches go through th
 PP > 1), gradients are accumulated in the sharded optimizer's buffers and reduce-scattered after the
 last micro-batch; tied-embedding and sequence-parallel gradients are summed over their groups first;
 then the optimizer steps and all-gathers parameters. Loss, learning rate, tokens/s and the iteration's
-wire bytes per traffic kind are logged; checkpoints are written every ``save_interval`` iterations.
+wire bytes per traffic kind are logged (metrics.jsonl, and TensorBoard / W&B: megacomp.training.trackers), with the
+time elapsed and left; checkpoints are written every ``save_interval`` iterations. Every ``eval_interval`` iterations
+and after the last, the validation split's loss is measured forward only, its traffic apart
+(megacomp.training.evaluation).
 
 Around the loop (rank 0 prints): a start-up banner (megacomp.training.report), a note per tolerated
 skipped step, an end-of-run summary, a line per saved checkpoint. The divergence policy
