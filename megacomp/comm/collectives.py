@@ -90,10 +90,11 @@ def _refusal(check: Callable[[], None]) -> Optional[Exception]:
 def _raise_or_validate(ch, validate: Optional[bool], check_finite: bool, problem: Optional[Exception], what: str,
                        group, fields: dict, codec, device, tag: str, nonfinite=None, **kw) -> None:
     """The cross-rank check of a call (with this rank's local ``problem``), or, validation off, ``problem`` raised
-    here (the other ranks may then wait: turning validation off trusts the caller)."""
+    here (the other ranks may then wait: turning validation off trusts the caller). ``codec`` names the codec in
+    a mismatch's message (None: the call has no codec field)."""
     if ch.validates(validate) or check_finite:
         _common.validate(what, group, fields, nonfinite=nonfinite, tag=tag, device=device, local=problem,
-                         texts={"codec": str(codec)}, **kw)
+                         texts={"codec": str(codec)} if codec is not None else None, **kw)
     elif problem is not None:
         raise problem
 
@@ -500,12 +501,9 @@ def run_all_gather_encoded(ch, output: torch.Tensor, input: torch.Tensor, numel:
             raise ValueError(f"megacomp.comm.all_gather_encoded: output has {output.numel()} bytes but must have "
                              f"world_size * input.numel() = {world} * {w} = {world * w}")
 
-    problem = _refusal(local)
-    if ch.validates(validate):
-        _common.validate("all_gather_encoded", group, {"bytes": w, "numel": numel, "dtype": dtype_code(dtype)},
-                         tag=_shown(tag, "all_gather_encoded"), device=input.device, local=problem)
-    elif problem is not None:
-        raise problem
+    _raise_or_validate(ch, validate, False, _refusal(local), "all_gather_encoded", group,
+                       {"bytes": w, "numel": numel, "dtype": dtype_code(dtype)}, None, input.device,
+                       _shown(tag, "all_gather_encoded"))
     raw = (world - 1) * numel * torch.empty((), dtype=dtype).element_size()
     ch.stats.record(tag or "all_gather_encoded", (world - 1) * w, raw)
     if world == 1:
