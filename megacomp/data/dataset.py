@@ -226,7 +226,8 @@ class TokenDataset(torch.utils.data.Dataset):
         if documents is None and self.num_tokens < seq_length + 1:
             raise ValueError(f"token file {bin_path!r} has {self.num_tokens} tokens, fewer than seq_length + 1 = "
                              f"{seq_length + 1} needed for one sample; lower seq_length or add text to the corpus")
-        if documents is not None and (documents.step != 1 or not 0 <= documents.start <= documents.stop <= self.num_docs):
+        if documents is not None and (documents.step != 1
+                                      or not 0 <= documents.start <= documents.stop <= self.num_docs):
             raise ValueError(f"documents {documents} is not a contiguous range inside the {self.num_docs} documents "
                              f"of {prefix}")
         self.documents = documents

@@ -82,8 +82,8 @@ def open_indexed(prefix: str):
     header = getattr(module, "_INDEX_HEADER", b"")
     with open(prefix + ".idx", "rb") as f:
         if f.read(len(header)) != header:
-            raise ValueError(f"{prefix}.idx is not a Megatron index (its header is not megatron-core's); write it again "
-                             f"with megacomp-preprocess-data or Megatron's preprocess_data.py")
+            raise ValueError(f"{prefix}.idx is not a Megatron index (its header is not megatron-core's); write it "
+                             f"again with megacomp-preprocess-data or Megatron's preprocess_data.py")
     if os.path.getsize(prefix + ".bin") == 0:
         raise ValueError(f"{prefix}.bin is empty: the dataset holds no tokens; preprocess a corpus with text")
     try:

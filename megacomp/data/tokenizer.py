@@ -269,7 +269,8 @@ def _train(files: list, vocab_size: int, path: str, max_bytes: int, seed: int, j
     spm.set_random_generator_seed(seed)
     writer = io.BytesIO()
     try:
-        spm.SentencePieceTrainer.train(sentence_iterator=training_lines(files, max_bytes, json_keys), model_writer=writer,
+        spm.SentencePieceTrainer.train(sentence_iterator=training_lines(files, max_bytes, json_keys),
+                                       model_writer=writer,
                                        vocab_size=vocab_size, minloglevel=2,
                                        **TRAINER_OPTIONS)
     except RuntimeError as e:

@@ -30,6 +30,8 @@ from .trackers import check_packages
 from .pretrain_config import COMPRESSION_DOC, REPO_CONFIGS, PretrainConfig, load_compression  # noqa: F401 (re-exported)
 
 def _flag(name: str) -> str:
+    """The command-line flag of flat name ``name`` (``global_batch_size`` -> ``--global-batch-size``): what every
+    message about a setting names, since the docs promise flags (a YAML key is the same name with underscores)."""
     return "--" + name.replace("_", "-")
 
 
@@ -97,8 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: ``--config FILE`` and one ``--flat-name`` flag per field of the configuration tree,
     grouped by component (each group titled with the component's YAML key and docstring).
 
-    Bool fields take ``--x/--no-x``, list fields (``--data-path``, ``--json-keys``) several values, the others are parsed as int,
-    float or str by their annotation. Every flag defaults to None, so parse_args can tell which were given.
+    Bool fields take ``--x/--no-x``, list fields (``--data-path``, ``--json-keys``) several values, the others are
+    parsed as int, float or str by their annotation. Every flag defaults to None, so parse_args can tell which were
+    given.
     """
     p = CommandLineParser(prog="megacomp-pretrain", description="GPT pretraining with compressed communication "
                                 "over tensor x pipeline x data parallelism. YAML keys and flags are the same names; "
@@ -271,42 +274,45 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         world_size = int(os.environ.get("WORLD_SIZE", "0")) or None
     check_numbers(cfg)
     if m.hidden_size % m.num_attention_heads:
-        raise ValueError(f"hidden_size {m.hidden_size} must be divisible by num_attention_heads {m.num_attention_heads}")
+        raise ValueError(f"{_flag('hidden_size')} {m.hidden_size} must be divisible by {_flag('num_attention_heads')} "
+                         f"{m.num_attention_heads}")
     if c.keep_checkpoints < 0 or t.max_skipped_steps < 0:
-        raise ValueError(f"keep_checkpoints and max_skipped_steps must be >= 0, got {c.keep_checkpoints} and "
+        raise ValueError(f"{_flag('keep_checkpoints')} and {_flag('max_skipped_steps')} must be >= 0, got "
+                         f"{c.keep_checkpoints} and "
                          f"{t.max_skipped_steps}")
     if t.loss_divergence_factor < 0 or 0 < t.loss_divergence_factor <= 1:
-        raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {t.loss_divergence_factor}")
+        raise ValueError(f"{_flag('loss_divergence_factor')} must be 0 (off) or > 1, got {t.loss_divergence_factor}")
     if t.optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}"
+        raise ValueError(f"{_flag('optimizer')} must be one of {', '.join(OPTIMIZERS)}, got {t.optimizer!r}"
                          f"{did_you_mean(str(t.optimizer), OPTIMIZERS)}")
     if m.params_dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {m.params_dtype!r}")
+        raise ValueError(f"{_flag('params_dtype')} must be float32, bfloat16 or float16, got {m.params_dtype!r}")
     if m.params_dtype == "float16" and t.optimizer not in ("lomo", "adalomo"):
-        raise ValueError(f"params_dtype float16 (with dynamic loss scaling) is supported by --optimizer lomo / adalomo; "
-                         f"optimizer {t.optimizer} keeps fp32 masters of bfloat16 parameters: use bfloat16")
+        raise ValueError(f"{_flag('params_dtype')} float16 (with dynamic loss scaling) is supported by --optimizer "
+                         f"lomo / adalomo; optimizer {t.optimizer} keeps fp32 masters of bfloat16 parameters: use "
+                         f"bfloat16")
     if t.initial_loss_scale <= 0 or t.loss_scale_window < 1:
-        raise ValueError(f"initial_loss_scale must be > 0 and loss_scale_window >= 1, got {t.initial_loss_scale} and "
-                         f"{t.loss_scale_window}")
+        raise ValueError(f"{_flag('initial_loss_scale')} must be > 0 and {_flag('loss_scale_window')} >= 1, got "
+                         f"{t.initial_loss_scale} and {t.loss_scale_window}")
     for flag, path in (("--save", c.save), ("--log-dir", cfg.logging.log_dir), ("--data-cache-dir", cfg.data.data_cache_dir)):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"{flag} {path}: is a file, not a directory; point {flag} at a directory (it is created if "
                              f"missing)")
     check_packages(cfg)  # --tensorboard-dir / --wandb-project: their packages are installed
     if c.finetune and not c.load:
-        raise ValueError("finetune starts from a checkpoint's model weights: give it with --load DIR")
+        raise ValueError(f"{_flag('finetune')} starts from a checkpoint's model weights: give it with --load DIR")
     if c.finetune and c.save and os.path.abspath(c.save) == os.path.abspath(c.load):
-        raise ValueError("finetune with --save equal to --load would restart from weights only on every requeue: save "
-                         "the fine-tuning run to its own directory (a restart then resumes from it)")
+        raise ValueError(f"{_flag('finetune')} with --save equal to --load would restart from weights only on every "
+                         "requeue: save the fine-tuning run to its own directory (a restart then resumes from it)")
     if p.dp_collectives not in ("auto", "flat"):
-        raise ValueError(f"dp_collectives must be auto (hop by hop where the DP group spans nodes with several ranks "
-                         f"on each) or flat, got {p.dp_collectives!r}")
+        raise ValueError(f"{_flag('dp_collectives')} must be auto (hop by hop where the DP group spans nodes with "
+                         f"several ranks on each) or flat, got {p.dp_collectives!r}")
     if p.ranks_per_node < 0 or p.nodes_per_site < 0:
-        raise ValueError(f"ranks_per_node and nodes_per_site must be >= 0 (0: from the launcher / one site), got "
-                         f"{p.ranks_per_node} and {p.nodes_per_site}")
+        raise ValueError(f"{_flag('ranks_per_node')} and {_flag('nodes_per_site')} must be >= 0 (0: from the "
+                         f"launcher / one site), got {p.ranks_per_node} and {p.nodes_per_site}")
     if world_size is not None and p.ranks_per_node and world_size % p.ranks_per_node:
-        raise ValueError(f"ranks_per_node {p.ranks_per_node} does not divide the {world_size} ranks: every node holds "
-                         f"the same number of ranks; fix --ranks-per-node")
+        raise ValueError(f"{_flag('ranks_per_node')} {p.ranks_per_node} does not divide the {world_size} ranks: every "
+                         f"node holds the same number of ranks; fix {_flag('ranks_per_node')}")
     for feature in FEATURES:
         feature.check(cfg, world_size)
     virtual_chunks(cfg)  # raises on a bad num_layers_per_virtual_pipeline_stage
@@ -314,23 +320,24 @@ def check(cfg: PretrainConfig, world_size: Optional[int] = None) -> None:
         return
     mp = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     if world_size % mp:
-        raise ValueError(f"tensor_model_parallel_size ({p.tensor_model_parallel_size}) x "
-                         f"pipeline_model_parallel_size ({p.pipeline_model_parallel_size}) = {mp} does not divide "
-                         f"the world size {world_size}; pick sizes whose product divides the number of ranks")
+        raise ValueError(f"{_flag('tensor_model_parallel_size')} ({p.tensor_model_parallel_size}) x "
+                         f"{_flag('pipeline_model_parallel_size')} ({p.pipeline_model_parallel_size}) = {mp} does not "
+                         f"divide the world size {world_size}; pick sizes whose product divides the number of ranks")
     dp = world_size // mp
     if t.global_batch_size % (t.micro_batch_size * dp):
-        raise ValueError(f"global_batch_size {t.global_batch_size} is not a multiple of micro_batch_size "
-                         f"{t.micro_batch_size} x data-parallel size {dp}")
+        raise ValueError(f"{_flag('global_batch_size')} {t.global_batch_size} is not a multiple of "
+                         f"{_flag('micro_batch_size')} {t.micro_batch_size} x data-parallel size {dp}")
     micro = t.global_batch_size // (t.micro_batch_size * dp)
     if micro % p.pipeline_model_parallel_size:
-        raise ValueError(f"{micro} micro-batches per iteration (global_batch_size {t.global_batch_size} / "
-                         f"(micro_batch_size {t.micro_batch_size} x DP {dp})) is not a multiple of the "
-                         f"{p.pipeline_model_parallel_size} pipeline stages; raise global_batch_size")
+        raise ValueError(f"{micro} micro-batches per iteration ({_flag('global_batch_size')} {t.global_batch_size} / "
+                         f"({_flag('micro_batch_size')} {t.micro_batch_size} x DP {dp})) is not a multiple of the "
+                         f"{p.pipeline_model_parallel_size} pipeline stages; raise {_flag('global_batch_size')}")
     if p.pipeline_model_parallel_size > m.num_layers:
-        raise ValueError(f"{p.pipeline_model_parallel_size} pipeline stages for {m.num_layers} layers: every stage "
-                         f"needs at least one layer")
+        raise ValueError(f"{p.pipeline_model_parallel_size} pipeline stages ({_flag('pipeline_model_parallel_size')}) "
+                         f"for {m.num_layers} layers ({_flag('num_layers')}): every stage needs at least one layer")
     if p.sequence_parallel and m.seq_length % p.tensor_model_parallel_size:
-        raise ValueError(f"sequence_parallel needs seq_length ({m.seq_length}) divisible by the TP size")
+        raise ValueError(f"{_flag('sequence_parallel')} needs {_flag('seq_length')} ({m.seq_length}) divisible by the "
+                         f"TP size ({p.tensor_model_parallel_size})")
     if p.num_layers_per_virtual_pipeline_stage is not None:
         check_interleaving(micro, p.pipeline_model_parallel_size, virtual_chunks(cfg))
 
