@@ -10,6 +10,7 @@
 - ``--save`` at a file or at an iteration directory: one line naming the directory to use; a ``--log-dir`` or
   ``--data-cache-dir`` that is a file: one line, before anything starts.
 """
+import json
 import os
 import subprocess
 import sys
@@ -146,7 +147,8 @@ def test_save_paths_that_are_files_or_one_iteration_are_refused(ck, tmp_path):
 
 
 def test_bad_paths_under_the_entry_point_are_one_line_and_status_2(ck, tiny_config, tmp_path):
-    """One process, no launcher: each bad path is one ``megacomp-pretrain: error:`` line and exit status 2."""
+    """One process, no launcher: each bad path is one ``megacomp-pretrain: error:`` line and exit status 2. The cases
+    run through megacomp.pretrain.main in one interpreter (the imports are paid once), a marker line between them."""
     cfg_file = tmp_path / "tiny.yaml"
     cfg_file.write_text(yaml.safe_dump({name: getattr(tiny_config, name) for name in tiny_config.explicit}))
     a_file = tmp_path / "a-file"
@@ -154,16 +156,26 @@ def test_bad_paths_under_the_entry_point_are_one_line_and_status_2(ck, tiny_conf
     (tmp_path / "ck" / "iter_0000001.tmp").mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MEGACOMP_DEBUG", None)
-    for flags, line in [(("--load", str(a_file)), f"--load {a_file}: is a file, not a checkpoint directory"),
-                        (("--save", str(a_file)), f"--save {a_file}: is a file, not a directory"),
-                        (("--log-dir", str(a_file)), f"--log-dir {a_file}: is a file, not a directory"),
-                        (("--data-cache-dir", str(a_file)), f"--data-cache-dir {a_file}: is a file, not a directory"),
-                        (("--load", str(tmp_path / "ck" / "iter_0000001.tmp")), "is a partial save")]:
-        out = subprocess.run([sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags],
-                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
-        errors = [x for x in out.stderr.splitlines() if x.startswith("megacomp-pretrain: error:")]
-        assert out.returncode == 2 and len(errors) == 1 and line in errors[0], out.stderr
-        assert 'File "' not in out.stderr and "iter      1 |" not in out.stdout
+    cases = [(("--load", str(a_file)), f"--load {a_file}: is a file, not a checkpoint directory"),
+             (("--save", str(a_file)), f"--save {a_file}: is a file, not a directory"),
+             (("--log-dir", str(a_file)), f"--log-dir {a_file}: is a file, not a directory"),
+             (("--data-cache-dir", str(a_file)), f"--data-cache-dir {a_file}: is a file, not a directory"),
+             (("--load", str(tmp_path / "ck" / "iter_0000001.tmp")), "is a partial save")]
+    driver = ("import json, sys\nfrom megacomp.pretrain import main\n"
+              "for flags in json.loads(sys.argv[1]):\n"
+              "    status = main(['--config', sys.argv[2], *flags])\n"
+              "    print(f'STATUS {status}', flush=True)\n"
+              "    print('--- next case', file=sys.stderr, flush=True)\n")
+    out = subprocess.run([sys.executable, "-c", driver, json.dumps([flags for flags, _ in cases]), str(cfg_file)],
+                         capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert [x for x in out.stdout.splitlines() if x.startswith("STATUS")] == ["STATUS 2"] * len(cases), out.stdout
+    parts = out.stderr.split("--- next case\n")
+    assert len(parts) == len(cases) + 1, out.stderr
+    for (flags, line), err in zip(cases, parts):
+        errors = [x for x in err.splitlines() if x.startswith("megacomp-pretrain: error:")]
+        assert len(errors) == 1 and line in errors[0], (flags, err)
+    assert 'File "' not in out.stderr and "iter      1 |" not in out.stdout
 
 
 def test_a_partial_save_left_by_a_killed_run_is_removed_when_the_next_run_resumes(tiny_config, tmp_path):

@@ -84,6 +84,19 @@ class Trainer:
     """
 
     def __init__(self, cfg: PretrainConfig) -> None:
+        try:
+            self._construct(cfg)
+        except BaseException:
+            # a refusal after the groups exist (a bad data path, a checkpoint that does not fit) must not leave them,
+            # or the --save lock, to the next Trainer of this process
+            if getattr(self, "groups", None) is not None:
+                parallel_state.destroy_model_parallel()
+            if getattr(self, "lock", None) is not None:
+                self.lock.release()
+                atexit.unregister(self.lock.release)
+            raise
+
+    def _construct(self, cfg: PretrainConfig) -> None:
         cfg = dataclasses.replace(cfg)  # a copy: the choices below must not change the caller's object
         self.cfg = cfg
         init_distributed(timeout_s=cfg.parallel.distributed_timeout_minutes * 60)
