@@ -424,6 +424,35 @@ def test_every_number_is_checked_and_named_by_its_flag():
         assert str(e.value).startswith(message) and "\n" not in str(e.value), (flags, str(e.value))
 
 
+def test_size_and_choice_checks_name_the_flags_the_docs_promise(monkeypatch):
+    """The checks that relate settings (batch sizes, parallel sizes, choices) name them by flag, as the numbers'
+    checks do, and every flag a message names is one the command line takes."""
+    from megacomp.training import parse_args
+    from megacomp.training.arguments import build_parser
+
+    known = set(build_parser()._option_string_actions)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for flags, message in [
+            (("--global-batch-size", "6", "--micro-batch-size", "2"),
+             "--global-batch-size 6 is not a multiple of --micro-batch-size 2 x data-parallel size 4"),
+            (("--tensor-model-parallel-size", "3"),
+             "--tensor-model-parallel-size (3) x --pipeline-model-parallel-size (1) = 3 does not divide the world "
+             "size 4"),
+            (("--hidden-size", "30", "--num-attention-heads", "4"),
+             "--hidden-size 30 must be divisible by --num-attention-heads 4"),
+            (("--optimizer", "sgd"), "--optimizer must be one of"),
+            (("--dp-collectives", "ring"), "--dp-collectives must be auto"),
+            (("--pipeline-model-parallel-size", "4", "--num-layers", "2", "--global-batch-size", "16",
+              "--micro-batch-size", "1"), "4 pipeline stages (--pipeline-model-parallel-size) for 2 layers "
+                                          "(--num-layers): every stage needs at least one layer")]:
+        with pytest.raises(ValueError) as e:
+            parse_args(list(flags))
+        text = str(e.value)
+        assert text.startswith(message) and "\n" not in text, (flags, text)
+        named = set(re.findall(r"--[a-z][a-z0-9-]*", text))
+        assert named and named <= known, (text, named - known)
+
+
 def test_an_unknown_nested_key_is_one_short_line_with_the_closest_key(tmp_path):
     from megacomp.training import parse_args
 
