@@ -66,7 +66,7 @@ def test_bad_settings_one_line_each(base):
     with pytest.raises(RankFailure, match="a codec is set for the inter_site hop, which this group does not cross "
                                           r"\(its hops: intra_node, inter_node\)"):
         run_ranks(_train_body, 4, replace(base, compression={"dp_gradient": {"inter_site": "int4"}}))
-    with pytest.raises(RankFailure, match="ranks_per_node 3 does not divide the 4 ranks"):
+    with pytest.raises(RankFailure, match="--ranks-per-node 3 does not divide the 4 ranks"):
         run_ranks(_train_body, 4, replace(base, ranks_per_node=3))
-    with pytest.raises(RankFailure, match="dp_collectives must be auto .* or flat, got 'ring'"):
+    with pytest.raises(RankFailure, match="--dp-collectives must be auto .* or flat, got 'ring'"):
         run_ranks(_train_body, 4, replace(base, dp_collectives="ring"))

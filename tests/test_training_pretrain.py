@@ -91,10 +91,10 @@ def test_bad_configuration_errors(base, tmp_path):
     cfg_file.write_text("num_layers: 2\nhiden_size: 64\n")
     with pytest.raises(ValueError, match=r"unknown key 'hiden_size' \(did you mean 'hidden_size'\?\)"):
         parse_args(["--config", str(cfg_file)])
-    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(3\) x pipeline_model_parallel_size \(1\) = 3 "
-                                         r"does not divide the world size 4"):
+    with pytest.raises(ValueError, match=r"--tensor-model-parallel-size \(3\) x --pipeline-model-parallel-size \(1\) "
+                                         r"= 3 does not divide the world size 4"):
         check(replace(base, tensor_model_parallel_size=3), world_size=4)
-    with pytest.raises(ValueError, match="global_batch_size 6 is not a multiple"):
+    with pytest.raises(ValueError, match="--global-batch-size 6 is not a multiple"):
         check(replace(base, global_batch_size=6), world_size=2)
     with pytest.raises(ValueError, match="3 micro-batches per iteration .* not a multiple of the 2 pipeline stages"):
         check(replace(base, global_batch_size=12, micro_batch_size=2, pipeline_model_parallel_size=2), world_size=4)
