@@ -36,3 +36,17 @@ def test_summary_adds_bytes_per_link_kind():
     text = ft.summary(1)
     assert traffic_group("replicas") == "replicas"
     assert "intra-node                 1.00 MB" in text and "between-replica-groups     3.00 MB, 3,000.0 per token" in text
+
+
+def test_summary_tokens_per_second_leave_out_the_first_iterations_one_time_costs():
+    """The first iteration builds the C++ kernels (a minute on a fresh machine): the summary's rate is over the
+    iterations after it, says so, and names the first iteration's time; one iteration reports its own rate."""
+    t = RunTotals()
+    for it, seconds in ((1, 50.0), (2, 0.25), (3, 0.25)):
+        t.add({"iteration_time_s": seconds, "loss": 3.0, "iteration": it, "traffic": {}}, 1000)
+    head = t.summary(3).splitlines()[0]
+    assert ("3,000 tokens in 50.5 s (4,000 tok/s after the first iteration, which took 50.0 s with the run's one-time "
+            "costs)") in head
+    one = RunTotals()
+    one.add({"iteration_time_s": 2.0, "loss": 3.0, "iteration": 7, "traffic": {}}, 1000)
+    assert "1,000 tokens in 2.0 s (500 tok/s, one iteration: one-time costs included)" in one.summary(7)

@@ -5,7 +5,10 @@ paths this layout does not use), the small-tensor threshold, where metrics go, w
 line's numbers mean and which link kind (within a node, between nodes) each group's traffic crosses. The summary
 adds up every iteration of the run (warm-up iterations included): tokens, time, first and last loss, per traffic
 kind the bytes on the wire next to the uncompressed bytes, and the bytes per link kind, so a run can be compared
-with megacomp.plan's bytes per token per tier.
+with megacomp.plan's bytes per token per tier. Its tokens/s is the steady rate, over the iterations after this
+run's first: the first carries one-time costs (the C++ codec kernels' build, about a minute on a fresh machine;
+the allocator's and the transport's warm-up), which would hide the rate of every other iteration; the summary
+says so and gives the first iteration's time apart. A run of one iteration reports its rate with those costs in.
 """
 from __future__ import annotations
 
@@ -192,6 +195,10 @@ class RunTotals:
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
     first_iteration: Optional[int] = None
+    first_seconds: Optional[float] = None
+    """The time of this run's first iteration, which carries the one-time costs (kept out of the steady rate)."""
+    first_tokens: int = 0
+    """The tokens of this run's first iteration."""
     traffic: dict = field(default_factory=dict)
     skipped: int = 0
     tiers: dict = field(default_factory=dict)
@@ -203,6 +210,8 @@ class RunTotals:
         self.tokens += tokens
         self.seconds += record["iteration_time_s"]
         loss = record["loss"]
+        if self.first_seconds is None:
+            self.first_seconds, self.first_tokens = record["iteration_time_s"], tokens
         if self.first_loss is None:
             self.first_loss, self.first_iteration = loss, record["iteration"]
         self.last_loss = loss
@@ -212,16 +221,26 @@ class RunTotals:
             tot[0] += w
             tot[1] += u
 
+    def rate_text(self) -> str:
+        """The summary's tokens/s clause: the steady rate over the iterations after this run's first, which is
+        timed apart (its one-time costs); with one iteration, its own rate, costs included."""
+        if self.iterations < 2 or self.first_seconds is None:
+            rate = self.tokens / self.seconds if self.seconds else 0.0
+            return f"{rate:,.0f} tok/s, one iteration: one-time costs included"
+        steady_s = self.seconds - self.first_seconds
+        rate = (self.tokens - self.first_tokens) / steady_s if steady_s > 0 else 0.0
+        return (f"{rate:,.0f} tok/s after the first iteration, which took {self.first_seconds:.1f} s with the run's "
+                f"one-time costs")
+
     def summary(self, last_iteration: int, stopped: str = "") -> str:
         """The end-of-run summary (several lines)."""
         mb = 1e6
-        rate = self.tokens / self.seconds if self.seconds else 0.0
 
         def fmt(x):
             return "n/a" if x is None or not math.isfinite(x) else f"{x:.4f}"
         head = (f"megacomp-pretrain: {stopped or 'done'}: iterations {self.first_iteration}-{last_iteration} "
                 f"({self.iterations} this run, {self.skipped} skipped), {self.tokens:,} tokens in {self.seconds:.1f} s "
-                f"({rate:,.0f} tok/s), loss {fmt(self.first_loss)} -> {fmt(self.last_loss)}")
+                f"({self.rate_text()}), loss {fmt(self.first_loss)} -> {fmt(self.last_loss)}")
         lines = [head, "  bytes on the wire over all iterations of this run, all ranks (sent / uncompressed):"]
         total_w = total_u = 0
         for kind, (w, u) in sorted(self.traffic.items()):
