@@ -26,6 +26,7 @@ from ..models.chunks import layers_per_virtual_stage_to_chunks
 from ..pipeline_parallel.interleaved import check_interleaving
 from .config_tree import component_fields, default_of, did_you_mean, field_docs, flat_name
 from .features import FEATURES, OPTIMIZERS
+from .megatron_flags import add_megatron_aliases, apply_megatron_aliases
 from .trackers import check_packages
 from .pretrain_config import COMPRESSION_DOC, REPO_CONFIGS, PretrainConfig, load_compression  # noqa: F401 (re-exported)
 
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
             _add_flag(group, flat_name(cls, f), str(f.type), docs.get(f.name, ""), default_of(f))
     group = p.add_argument_group("compression", "A codec per traffic path (every path the run sends).")
     _add_flag(group, "compression", "str", COMPRESSION_DOC, "none")
+    add_megatron_aliases(p)
     return p
 
 
@@ -158,6 +160,7 @@ def parse_args(argv=None) -> PretrainConfig:
     args = build_parser().parse_args(argv)
     values = config_values(load_yaml(args.config), args.config) if args.config else {}
     given = {name: v for name, v in vars(args).items() if name != "config" and v is not None}
+    given = apply_megatron_aliases(given, values)  # --disable-bias-linear, --bf16, ...: the fields they stand for
     cfg = PretrainConfig(**{**values, **given})
     cfg.explicit = frozenset(given)
     # checked as the run will use it: a setting only one value of can work is chosen at start (resolve, said in
