@@ -10,12 +10,11 @@ the command line is refused with one line naming both flags.
 from __future__ import annotations
 
 import argparse
-from types import MappingProxyType
 from typing import Any
 
 from .pretrain_config import ModelConfig
 
-ALIASES = MappingProxyType({
+ALIASES = {
     "disable_bias_linear": ("--disable-bias-linear", "no biases in the attention and MLP linear layers (Megatron-LM's "
                             "name for --no-add-bias-linear)"),
     "group_query_attention": ("--group-query-attention", "grouped-query attention (Megatron-LM's switch: the number "
@@ -23,7 +22,7 @@ ALIASES = MappingProxyType({
     "use_rotary_position_embeddings": ("--use-rotary-position-embeddings", "RoPE (Megatron-LM's older name for "
                                        "--position-embedding-type rope)"),
     "bf16": ("--bf16", "bfloat16 parameters with fp32 masters (Megatron-LM's name for --params-dtype bfloat16)"),
-})
+}
 """Switch aliases: destination -> (flag, help)."""
 
 MAX_POSITION_EMBEDDINGS = "max_position_embeddings"
