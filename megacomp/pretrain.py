@@ -12,7 +12,8 @@ paths, parallel sizes, a checkpoint that cannot be resumed) and for a file syste
 full or read-only ``--save`` or ``--log-dir``: the line says what was saved first); 3 when the run
 diverged (see megacomp.training.guard; nothing of the diverged state is saved); 4 when a replica of a
 local-step run did not reach an outer exchange within ``--outer-timeout`` (megacomp.outer.liveness: the
-survivors stop, naming it; restart from the last checkpoint), or a rank stalled or was lost (its heartbeat
+survivors stop, naming it; restart from the last checkpoint), a torchft replica group found no quorum within
+``--ft-quorum-timeout`` (the Lighthouse gone, or too few groups: it saves first), or a rank stalled or was lost (its heartbeat
 stood still for ``--distributed-timeout-minutes``, or a collective failed while it stood still:
 megacomp.training.heartbeat; one survivor names the rank, its host and the last iteration it reached, the
 others stop without a word), or torchrun died under its live workers (they stop together at the next iteration

@@ -58,12 +58,10 @@ exchanges with the ranks at its position in the other groups, as the outer group
 """
 from __future__ import annotations
 
-import argparse
 import copy
+import math
 import os
-import signal
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -74,10 +72,32 @@ from ..comm import Channel
 from ..comm.group_ops import ObjectGroup
 from ..compression import CodecLike
 from ..outer.diloco import _split  # Streaming DiLoCo's fragment partition, shared with megacomp's own outer loop
+from ..outer.liveness import ReplicaLost
+from .torchft_lighthouse import (QuorumClient, import_torchft, lighthouse_answers, lighthouse_main,  # noqa: F401
+                                 local_lighthouse)
+
+QUORUM_RETRY_S = 1.0
+"""Seconds between two tries of a quorum whose Lighthouse call failed (torchft's ManagerServer sleeps
+quorum_timeout / (retries + 1) between tries, then reconnects)."""
+PROBE_S = 2.0
+"""Seconds the Lighthouse is given to accept a connection when a quorum timed out (which line to print)."""
 
 
 class LighthouseUnreachable(ConnectionError):
     """The torchft Lighthouse did not answer within the connect timeout."""
+
+
+class LighthouseLost(ReplicaLost):
+    """The Lighthouse stopped answering and did not come back within the quorum timeout (a replica group waiting for
+    a quorum ends with it: ``address``, ``waited_s``)."""
+
+    def __init__(self, message: str, address: str, waited_s: float) -> None:
+        super().__init__(message)
+        self.address, self.waited_s = address, waited_s
+
+
+class QuorumTimedOut(ReplicaLost):
+    """The Lighthouse answers, but no quorum of ``min_replicas`` replica groups formed within the quorum timeout."""
 
 
 class ReplicaMismatch(ValueError):
@@ -153,16 +173,6 @@ class ReplicaGroup(ObjectGroup):
     """torchft's reconfigurable group as a megacomp channel group: rank and size of the current quorum."""
 
 
-def _torchft():
-    try:
-        import torchft  # noqa: F401
-        from torchft import Manager, ProcessGroupGloo
-    except ImportError as e:  # one line, with the fix
-        raise ImportError("megacomp.integrations.torchft needs torchft: pip install 'torchft==0.2.0' "
-                          "(or bash scripts/install.sh test; setup.py extra 'torchft')") from e
-    return Manager, ProcessGroupGloo
-
-
 class ReplicaQuorum:
     """One rank's membership in torchft's quorum of replica groups (see the module docstring).
 
@@ -174,6 +184,13 @@ class ReplicaQuorum:
         fingerprint: settings every replica must share (model shape, optimizer, compression preset): compared on
             every state transfer; a difference raises :class:`ReplicaMismatch` in the receiving replica.
 
+    A Lighthouse that stops answering (killed, its host restarted) is waited for: torchft's ManagerServer tries
+    the quorum again about every :data:`QUORUM_RETRY_S` seconds with a new connection (:func:`quorum_retries`),
+    and the heartbeats reconnect on their own, so a Lighthouse restarted on the same address within
+    ``quorum_timeout_s`` forms the next quorum and training continues (its quorum numbers start again from 1:
+    :class:`QuorumClient` keeps torchft's group reconfiguration right across that); one that does not come back
+    ends :meth:`start_step` with :class:`LighthouseLost` at the timeout.
+
     Raises:
         LighthouseUnreachable: the Lighthouse did not answer within ``connect_timeout_s``.
         ImportError: torchft is not installed.
@@ -181,7 +198,7 @@ class ReplicaQuorum:
 
     def __init__(self, config: TorchFTConfig, *, state_dict: Callable[[], Any], load_state_dict: Callable[[Any], None],
                  fingerprint: dict) -> None:
-        Manager, ProcessGroupGloo = _torchft()
+        Manager, ProcessGroupGloo = import_torchft()
         self.config = config
         self.fingerprint = dict(fingerprint)
         self._user_state, self._user_load = state_dict, load_state_dict
@@ -190,7 +207,7 @@ class ReplicaQuorum:
         self._members: Optional[tuple] = None
         self._snapshots: list = []
         self._store = None
-        lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
+        self.lighthouse = lighthouse = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
         if not lighthouse:
             raise ValueError("torchft: no Lighthouse address: pass --ft-lighthouse http://host:port (or set "
                              "TORCHFT_LIGHTHOUSE); start one with scripts/torchft_lighthouse.sh")
@@ -211,13 +228,16 @@ class ReplicaQuorum:
                 quorum_timeout=timedelta(seconds=config.quorum_timeout_s),
                 connect_timeout=timedelta(seconds=config.connect_timeout_s), rank=config.group_rank,
                 world_size=config.group_world_size, store_addr=addr, store_port=port, lighthouse_addr=lighthouse,
-                replica_id=config.replica_id, heartbeat_interval=timedelta(milliseconds=config.heartbeat_ms))
+                replica_id=config.replica_id, heartbeat_interval=timedelta(milliseconds=config.heartbeat_ms),
+                quorum_retries=quorum_retries(config.quorum_timeout_s))
         except RuntimeError as e:
             if "failed to connect" in str(e):
                 raise LighthouseUnreachable(
                     f"torchft: the Lighthouse at {lighthouse} cannot be reached within {config.connect_timeout_s:g} s: "
                     f"start it first (scripts/torchft_lighthouse.sh) and pass its http://host:port") from None
             raise
+        self.quorum_client = QuorumClient(self.manager._client, self.manager)  # a restarted Lighthouse: its docstring
+        self.manager._client = self.quorum_client
 
     # -- state a joiner receives -------------------------------------------------------------------
     def _state(self) -> dict:
@@ -247,20 +267,23 @@ class ReplicaQuorum:
 
         Raises:
             ReplicaMismatch: this replica's fingerprint differs from the peer it healed from.
+            LighthouseLost: no quorum within ``quorum_timeout_s`` and the Lighthouse does not answer.
+            QuorumTimedOut: no quorum within ``quorum_timeout_s`` although the Lighthouse answers (fewer than
+                ``min_replicas`` replica groups asked).
         """
         self._healed = False
         try:
             self.manager.start_quorum()
-        except ReplicaMismatch:
-            raise
+        except TimeoutError:  # torchft's client gave up at the quorum timeout ("status: Cancelled ... Timeout expired")
+            raise self._timed_out() from None
         err = self.manager.errored()
         if err is not None and isinstance(err.original_exception, ReplicaMismatch):
             raise err.original_exception
         n = self.manager.num_participants()
         rank = self.manager.participating_rank()
-        members = (self.manager._quorum_id, n, rank)  # torchft exposes no public quorum id
-        # a new quorum id is a new membership even at the same size and rank: a replica replaced by its restart
-        # (the others must validate with the joiner and drop the residuals of the old partition)
+        members = (self.quorum_client.configured, n, rank)  # torchft exposes no public quorum id or members
+        # a new quorum (number or members) is a new membership even at the same size and rank: a replica replaced by
+        # its restart (the others must validate with the joiner and drop the residuals of the old partition)
         changed = self._members is not None and members != self._members
         if changed or self._healed:
             for ch in self.channels:
@@ -277,9 +300,21 @@ class ReplicaQuorum:
         self._members = members
         self._snapshots = [ch.error_feedback.state_dict() if ch.error_feedback is not None else None
                            for ch in self.channels]
-        return QuorumStep(replicas=n, rank=rank if rank is not None else -1, quorum_id=members[0],
+        return QuorumStep(replicas=n, rank=rank if rank is not None else -1, quorum_id=self.manager._quorum_id,
                           step=self.manager.current_step(), batches_committed=self.manager.batches_committed(),
                           healed=self._healed, changed=changed, error=None if err is None else str(err.original_exception))
+
+    def _timed_out(self) -> ReplicaLost:
+        """The one-line error for a quorum that did not form within the quorum timeout: whose fault it is."""
+        c = self.config
+        if not lighthouse_answers(self.lighthouse, min(PROBE_S, c.connect_timeout_s)):
+            return LighthouseLost(f"torchft: the Lighthouse at {self.lighthouse} did not answer for {c.quorum_timeout_s:g} "
+                                  f"s (the quorum timeout); restart it on the same address "
+                                  f"(scripts/torchft_lighthouse.sh): replica groups that wait for a quorum continue "
+                                  f"when it answers within that time", self.lighthouse, c.quorum_timeout_s)
+        return QuorumTimedOut(f"torchft: no quorum of at least {c.min_replicas} replica group(s) formed within "
+                              f"{c.quorum_timeout_s:g} s (the quorum timeout) at the Lighthouse {self.lighthouse}, which "
+                              f"answers; start the missing replica groups, or lower the minimum (min_replicas)")
 
     def all_reduce(self, channel: Channel, tensor: torch.Tensor, key: Optional[str] = None) -> bool:
         """``tensor`` := its SUM over the live replicas through ``channel`` (in place). A collective error (a peer
@@ -424,45 +459,18 @@ class OuterSync:
         self.syncs = int(state["syncs"])
 
 
+def quorum_retries(quorum_timeout_s: float) -> int:
+    """torchft's ``quorum_retries`` that keeps a quorum trying until ``quorum_timeout_s``: the ManagerServer makes
+    one Lighthouse call per quorum by default, and when that call fails (the Lighthouse gone) it stops trying and
+    never answers its clients, which then wait out the quorum timeout even if the Lighthouse is back after a moment.
+    With R retries it sleeps ``quorum_timeout_s / (R + 1)`` (at least 0.1 s) after each failed call, reconnects and
+    calls again; R = ceil(timeout / QUORUM_RETRY_S) tries about once a second and keeps trying until the clients'
+    own deadline, the quorum timeout, ends the wait (a retry that would run past it is never awaited)."""
+    return max(1, math.ceil(quorum_timeout_s / QUORUM_RETRY_S))
+
+
 def _flat(params) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).to(torch.float32) for p in params])
-
-
-def local_lighthouse(min_replicas: int = 1):
-    """torchft's LighthouseServer in this process on a free port (for one machine: a try-out, a test); returns the
-    server (``.address()``, ``.shutdown()``). Replica groups on other machines need scripts/torchft_lighthouse.sh."""
-    _torchft()
-    from torchft._torchft import LighthouseServer
-    return LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=200, quorum_tick_ms=10,
-                            heartbeat_timeout_ms=2000)
-
-
-# -- the Lighthouse -------------------------------------------------------------------------------------
-
-def lighthouse_main(argv: Optional[list] = None) -> None:
-    """Run torchft's Lighthouse until SIGTERM/SIGINT (``python -m megacomp.integrations.torchft --help``); prints
-    ``lighthouse: http://host:port`` once it listens."""
-    p = argparse.ArgumentParser(prog="python -m megacomp.integrations.torchft",
-                                description="torchft's Lighthouse: forms the quorum of replica groups.")
-    p.add_argument("--bind", default="[::]:29510", help="address:port to listen on (port 0: any free port)")
-    p.add_argument("--min-replicas", type=int, default=1, help="smallest quorum")
-    p.add_argument("--join-timeout-ms", type=int, default=1000,
-                   help="how long a forming quorum waits for heartbeating replicas that have not asked yet")
-    p.add_argument("--quorum-tick-ms", type=int, default=10, help="how often a forming quorum is checked")
-    p.add_argument("--heartbeat-timeout-ms", type=int, default=2000,
-                   help="a replica silent this long is dead (bounds how long survivors wait for a new quorum)")
-    a = p.parse_args(argv)
-    _torchft()
-    from torchft._torchft import LighthouseServer
-    server = LighthouseServer(bind=a.bind, min_replicas=a.min_replicas, join_timeout_ms=a.join_timeout_ms,
-                              quorum_tick_ms=a.quorum_tick_ms, heartbeat_timeout_ms=a.heartbeat_timeout_ms)
-    print(f"lighthouse: {server.address()}", flush=True)
-    stop = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.append(1))
-    while not stop:
-        time.sleep(0.2)
-    server.shutdown()
 
 
 if __name__ == "__main__":

@@ -53,6 +53,15 @@ one member is the identity). R groups of D data-parallel ranks compute the same 
 in another summation order: the difference is fp32 round-off of the sums, at most about (R + D) x 2^-24 x the sum
 of the gradients' magnitudes per element.
 
+The Lighthouse gone (killed, its host lost): every group waits in its quorum while torchft retries the
+Lighthouse about once a second; restarted on the same address within ``--ft-quorum-timeout``, it forms the next
+quorum and training goes on (megacomp.integrations.torchft.QuorumClient keeps torchft's group right when the new
+Lighthouse numbers its quorums from 1 again). Not back by then: every group saves its last good iteration boundary
+under ``--save`` (per step, the last committed step; under DiLoCo the inner step just taken, its outer step skipped)
+and ends with exit status 4 and one line naming the Lighthouse's address, the flag and the fix (restart it, then
+every group with ``--load``); a quorum that timed out with the Lighthouse answering (too few groups for
+``--ft-min-replicas``) ends the same way with its own line.
+
 Failure behaviour: ValueError naming the flag for a schedule or optimizer this does not cover (an optimizer other
 than ``adamw``, ZeRO-2, PP > 1 with DiLoCo is fine, megacomp's own ``--outer-algorithm``, ``--ft-outer-steps``
 < 0, ``--ft-fragments`` < 1, above the layer count or without ``--ft-outer-steps``); the Lighthouse unreachable, a
@@ -100,7 +109,9 @@ class FaultToleranceConfig:
     """Seconds one cross-replica collective, the commit vote and the state transfer to a joiner may take: the bound
     on how long a replica that died inside a collective holds the others."""
     quorum_timeout: float = 300.0
-    """Seconds to wait for a quorum (must exceed the time between quorums: ft_outer_steps iterations)."""
+    """Seconds to wait for a quorum (must exceed the time between quorums: ft_outer_steps iterations); also how long
+    the Lighthouse may be gone: restarted on its address within this time, the groups continue; otherwise each group
+    saves its last committed iteration (with --save) and stops, naming the Lighthouse."""
     codec: Any = None
     """Codec of the cross-replica traffic (a name or mapping); overrides the compression config's ``replicas`` path;
     default: that path when set, else the config's dp_gradient codec (per step) or outer codec (DiLoCo)."""
@@ -274,8 +285,42 @@ class FaultTolerance(Feature):
         """Join the quorum. A joiner receives the live state; its learning rate comes with the optimizer state: the
         peer's for this iteration (per step), or the peer's last iteration's for the one inner step after an outer
         step under DiLoCo (the trainer sets every later one from the received iteration)."""
-        self.quorum = self.ft.start_step()
+        from ...integrations.torchft import LighthouseLost, QuorumTimedOut
+        try:
+            self.quorum = self.ft.start_step()
+        except (LighthouseLost, QuorumTimedOut) as e:
+            raise self._stop(run, e) from None
         return self.quorum
+
+    def _stop(self, run, error) -> Exception:
+        """The error that ends this replica group when no quorum formed within --ft-quorum-timeout, after saving the
+        last good iteration boundary under --save (a collective of the group: every rank's quorum times out alike).
+        The boundary: per step, the last committed step (the quorum comes before the forward pass); under DiLoCo,
+        the inner step just taken (its outer step is what failed; the local weights are a state DiLoCo passes
+        through, as if that outer step had been skipped)."""
+        from ...integrations.torchft import LighthouseLost, QuorumTimedOut
+        from ..checkpoint import latest_iteration
+        from ..checkpoint_paths import last_checkpoint_clause
+        f, save = self.cfg.ft, self.cfg.checkpoint.save
+        if self.at_outer_step:  # the trainer counts the iteration after this hook: it is complete
+            run.iteration += 1
+        failed = ""
+        if save:
+            try:
+                if latest_iteration(save) != run.iteration:
+                    run.save()
+            except (OSError, ValueError) as e:  # the line about the quorum stays first
+                failed = f"this iteration could not be saved ({e}); "
+        tail = failed + last_checkpoint_clause(save)  # after the save: the iteration just saved
+        resume = f" with --load {save}" if save else ""
+        if isinstance(error, LighthouseLost):
+            return LighthouseLost(f"the torchft Lighthouse at {error.address} did not answer for {error.waited_s:g} s "
+                                  f"(--ft-quorum-timeout); restart it (scripts/torchft_lighthouse.sh), then every "
+                                  f"replica group{resume}; {tail}", error.address, error.waited_s)
+        return QuorumTimedOut(f"no quorum of at least {f.min_replicas} replica group(s) formed within "
+                              f"{f.quorum_timeout:g} s (--ft-quorum-timeout) at the torchft Lighthouse "
+                              f"{self.ft.lighthouse}, which answers: too few replica groups asked; start them all "
+                              f"again{resume} (or lower --ft-min-replicas); {tail}")
 
     def _outer_sync(self, run, t: int) -> None:
         """DiLoCo's quorum point after ``t`` inner steps: the fragments due then (all of them for DiLoCo) average the
