@@ -39,10 +39,15 @@ _CHUNK = 1 << 22  # elements per reference chunk: bounds the int64 temporaries (
 def draw_key(generator: Optional[torch.Generator], device: torch.device | str) -> torch.Tensor:
     """One key per encode call, drawn from ``generator`` on the generator's own device (torch's default
     generator for ``device`` when None) and placed on ``device``: an int64 tensor of shape (1,), never read
-    back to the host by the CUDA path. A seeded codec's CPU generator thus also serves CUDA tensors."""
+    back to the host by the CUDA path. A seeded codec's CPU generator thus also serves CUDA tensors (its key is
+    copied from pinned memory, asynchronously: no host synchronisation)."""
     where = generator.device if generator is not None else torch.device(device)
     key = torch.randint(0, 1 << 62, (1,), generator=generator, device=where, dtype=torch.int64)
-    return key.to(device)
+    target = torch.device(device)
+    if key.device.type == "cpu" and target.type == "cuda":
+        # from pinned memory without blocking: a copy from pageable memory would wait for the device
+        return key.pin_memory().to(target, non_blocking=True)
+    return key.to(target)
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from . import counter_rng, quantize
-from .error_feedback import ErrorFeedback, blend_error, uses_fused_update
+from .error_feedback import ErrorFeedback, all_finite, blend_error, drop_nonfinite, uses_fused_update
 
 
 class ChunkEncoder:
@@ -149,9 +149,9 @@ class CompensatedEncoder(ChunkEncoder):
             ok = quantize.ef_update_scaled(buf, h, e, new, fmt, codec.block_size, codec.dual_scale, beta)
             if ok is None:
                 residual = h - codec.decode_flat(buf, size, h.dtype)
-                ok = bool(torch.isfinite(residual).all())
+                ok = all_finite(residual)
                 new.copy_(blend_error(e, residual, beta))
-        self.finite &= ok
+        self.finite = ok if self.finite is True else self.finite & ok  # a device flag stays on the device
         return buf
 
     def commit(self) -> None:
@@ -170,7 +170,7 @@ class CompensatedEncoder(ChunkEncoder):
             raise
         self.committed = True
         if self.chunked:
-            self.ef.commit(self.key, self.new if self.finite else torch.zeros_like(self.new), finite=self.finite)
+            self.ef.commit(self.key, drop_nonfinite(self.new, self.finite), finite=self.finite)
         else:
             h = torch.cat([self.h[o] for o, _ in ranges]) if ranges else self.g.new_empty(0, dtype=self.work)
             self.ef.update_encoded(self.key, h, self.codec, [self.bufs[o] for o, _ in ranges], [s for _, s in ranges])

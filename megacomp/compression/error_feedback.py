@@ -18,7 +18,9 @@ updated there once, so several messages of one optimizer step (ZeRO-2 reduce-sca
 micro-batch) count as one step and the reset keeps its period in steps.
 
 Failure behaviour: a non-finite ``h - deq(q)`` (overflow in the gradient) drops that key's error
-(``e = 0``) instead of poisoning later steps, and counts it in ``dropped``. A shape change for an
+(``e = 0``) instead of poisoning later steps, and counts it in ``dropped``. On CUDA the decision stays on the
+device (the "all finite" flag is never read back during a step: no host synchronisation); its count reaches
+``dropped`` when that is read. A shape change for an
 existing key raises ValueError. ``rescale(factor)`` adjusts all errors when a dynamic loss scale
 changes.
 """
@@ -93,13 +95,31 @@ class ErrorFeedback:
         self.config = make_error_feedback_config(config)
         self._errors: dict[str, Any] = {}  # key -> tensor (fp32/bf16) or (packet data, shape) for int8
         self.steps: dict[str, int] = {}
-        self.dropped: dict[str, int] = {}
+        self._dropped: dict[str, int] = {}
+        self._dropped_on_device: dict[str, torch.Tensor] = {}  # key -> int64 count from device flags, not yet read
         self._deferring = 0  # depth of deferred_count() blocks
         self._deferred: dict[str, None] = {}  # keys updated inside them, in order, not yet counted
         self._store_codec: Optional[Codec] = (
             make_codec("int8", block_size=self.config.storage_block_size) if self.config.storage == "int8" else None)
 
     # -- access ----------------------------------------------------------------------------------
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Per key, how many updates were dropped for a non-finite residual (or a failed call). Reading it brings
+        the counts kept on a GPU home (a host synchronisation: read it when logging or saving, not mid-step)."""
+        if self._dropped_on_device:
+            for key, count in self._dropped_on_device.items():
+                n = int(count)  # host sync: reading the drop counts (logging / checkpointing, never mid-step)
+                if n:
+                    self._dropped[key] = self._dropped.get(key, 0) + n
+            self._dropped_on_device.clear()
+        return self._dropped
+
+    @dropped.setter
+    def dropped(self, value: dict[str, int]) -> None:
+        self._dropped = dict(value)
+        self._dropped_on_device = {}
+
     def keys(self):
         """The keys (tensors) that hold an error."""
         return self._errors.keys()
@@ -145,11 +165,13 @@ class ErrorFeedback:
         """``e = beta * e + (1 - beta) * (h - h_hat)``, then the periodic reset."""
         beta = self.config.beta
         residual = h - h_hat
-        if not bool(torch.isfinite(residual).all()):
+        finite = all_finite(residual)
+        if finite is False:
             self.commit(key, torch.zeros_like(residual), finite=False)
             return
         e = self.error(key, like=residual)
-        self.commit(key, blend_error(None if e is None else self.check_shape(key, e, residual), residual, beta))
+        new = blend_error(None if e is None else self.check_shape(key, e, residual), residual, beta)
+        self.commit(key, drop_nonfinite(new, finite), finite=finite)
 
     def update_encoded(self, key: str, h: torch.Tensor, codec, bufs, sizes) -> None:
         """:meth:`update` from the encoded chunks of ``h`` (``bufs[i]`` holds ``sizes[i]`` consecutive elements):
@@ -169,17 +191,24 @@ class ErrorFeedback:
                 finite &= ok
                 off += s
             else:
-                self.commit(key, new if finite else torch.zeros_like(h), finite=finite)
+                self.commit(key, drop_nonfinite(new, finite), finite=finite)
                 return
         parts = [codec.decode_flat(b, s, h.dtype) for b, s in zip(bufs, sizes)]
         h_hat = torch.cat(parts) if parts else h.new_empty(0)
         self.update(key, h, h_hat)
 
-    def commit(self, key: str, new: torch.Tensor, finite: bool = True) -> None:
+    def commit(self, key: str, new: torch.Tensor, finite: Union[bool, torch.Tensor] = True) -> None:
         """Store the new error (counting a non-finite drop), advance the step, apply the periodic reset (inside
-        :meth:`deferred_count`: store only, and remember the key for :meth:`count_deferred`)."""
-        if not finite:
-            self.dropped[key] = self.dropped.get(key, 0) + 1
+        :meth:`deferred_count`: store only, and remember the key for :meth:`count_deferred`). ``finite``: a bool,
+        or a 0-dim bool tensor on the device (the caller already zeroed ``new`` with :func:`drop_nonfinite`); the
+        latter is counted on the device, so that committing never waits for the GPU."""
+        if torch.is_tensor(finite):
+            count = self._dropped_on_device.get(key)
+            if count is None:
+                count = self._dropped_on_device[key] = torch.zeros((), dtype=torch.int64, device=finite.device)
+            count.add_(finite.logical_not().reshape(()))
+        elif not finite:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
         if self._deferring:
             self._deferred[key] = None
             self._store(key, new)
@@ -247,6 +276,33 @@ class ErrorFeedback:
             self._errors[k] = (v["data"].clone(), tuple(v["shape"])) if self._store_codec is not None else v.clone()
         self.steps = dict(state["steps"])
         self.dropped = dict(state.get("dropped", {}))
+
+
+def all_finite(t: torch.Tensor) -> Union[bool, torch.Tensor]:
+    """Whether every element of ``t`` is finite: a bool for a CPU tensor, else a 0-dim bool tensor on ``t``'s device
+    (not read back: on a GPU that would stop the host until the stream drains)."""
+    flag = torch.isfinite(t).all()
+    return bool(flag) if t.device.type == "cpu" else flag
+
+
+def drop_nonfinite(new: torch.Tensor, finite: Union[bool, torch.Tensor]) -> torch.Tensor:
+    """``new`` when ``finite``, else zeros (error feedback drops a non-finite error). ``finite`` a bool: decided
+    here (a fresh zero tensor). A 0-dim bool tensor: decided on the device, ``new`` zeroed in place when it is False:
+    the Triton kernel for contiguous fp32 CUDA tensors costs a launch, not a pass, when the flag is True (the usual
+    case); otherwise ``masked_fill_`` (one pass)."""
+    if not torch.is_tensor(finite):
+        return new if finite else torch.zeros_like(new)
+    if new.is_cuda and new.dtype == torch.float32 and new.is_contiguous():
+        from ..kernels import triton_failed, triton_kernels
+
+        k = triton_kernels()
+        if k is not None:
+            try:
+                k.zero_unless(new, finite)
+                return new
+            except Exception as ex:  # a compile or launch failure: the eager path below, once logged
+                triton_failed(ex)
+    return new.masked_fill_(finite.logical_not().reshape(()), 0.0)
 
 
 def blend_error(e: Optional[torch.Tensor], residual: torch.Tensor, beta: float) -> torch.Tensor:

@@ -208,11 +208,19 @@ def decode_scaled(buf: torch.Tensor, numel: int, fmt: Format, block_size: int, d
     return res if out is None else out.copy_(res)
 
 
+def _flag(finite):
+    """A kernel's "every residual finite" answer as the caller gets it: the C++ kernels' bool, or the Triton
+    kernels' 0-dim bool tensor left on the device (``bool()`` of it would be a host synchronisation per chunk of
+    a collective; error feedback applies it on the device, megacomp.compression.error_feedback.drop_nonfinite)."""
+    return finite if torch.is_tensor(finite) else bool(finite)
+
+
 def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tensor], e_out: torch.Tensor, fmt: Format,
                      block_size: int, dual: bool, beta: float) -> Optional[bool]:
     """Fused ``e_out = beta * e + (1 - beta) * (h - decode(buf))`` (``h - decode`` for beta 0, ``e`` None
-    means no error yet); returns whether every residual was finite, or None when no kernel covers the
-    case (then the caller runs the reference)."""
+    means no error yet); returns whether every residual was finite (a bool, or a 0-dim bool tensor on the device
+    from the Triton kernels: see :func:`_flag`), or None when no kernel covers the case (then the caller runs the
+    reference)."""
     k = _kernels(fmt, False, h) if fmt.kind != "sign" else None
     n = h.numel()
     width = n if block_size == 0 else block_size
@@ -225,8 +233,8 @@ def ef_update_scaled(buf: torch.Tensor, h: torch.Tensor, e: Optional[torch.Tenso
         return None
     mode = 0 if beta == 0.0 else (1 if e is None else 2)
     try:
-        return bool(k.ef_update_into(buf.contiguous(), h.contiguous(), e if e is not None else h, e_out,
-                                     _kind_code(fmt), fmt.bits, block_size, dual, float(beta), mode))
+        return _flag(k.ef_update_into(buf.contiguous(), h.contiguous(), e if e is not None else h, e_out,
+                                      _kind_code(fmt), fmt.bits, block_size, dual, float(beta), mode))
     except Exception as ex:
         if not _kernel_failed(k, ex):
             raise
@@ -239,7 +247,8 @@ def ef_encode_scaled(g: torch.Tensor, e: Optional[torch.Tensor], out: torch.Tens
     ``e_out`` (may be ``e``) = the new error from those bytes, as :func:`ef_update_scaled` (beta 0:
     ``h - decode``, no error yet: ``(1 - beta)(h - decode)``); bit-identical to the three steps. ``key``:
     stochastic rounding's counter_rng key (drawn by the caller, who reuses it if this returns None).
-    Returns whether every residual was finite, or None (nothing written) when no kernel covers the case:
+    Returns whether every residual was finite (as :func:`ef_update_scaled`), or None (nothing written) when no
+    kernel covers the case:
     fp32 tensors, per-block scales on byte boundaries, more than one block, no dual scaling (Triton: blocks
     that fit one row tile), the C++ kernel on CPU, Triton on CUDA."""
     n = g.numel()
@@ -255,8 +264,8 @@ def ef_encode_scaled(g: torch.Tensor, e: Optional[torch.Tensor], out: torch.Tens
         return None
     mode = 0 if beta == 0.0 else (1 if e is None else 2)
     try:
-        return bool(k.ef_encode_into(g.contiguous(), None if e is None else e.contiguous(), out, e_out,
-                                     _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, float(beta), mode,
+        return _flag(k.ef_encode_into(g.contiguous(), None if e is None else e.contiguous(), out, e_out,
+                                      _kind_code(fmt), fmt.bits, float(fmt.qmax), block_size, float(beta), mode,
                                      key=key))
     except Exception as ex:
         if not _kernel_failed(k, ex):

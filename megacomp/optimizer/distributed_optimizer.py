@@ -74,6 +74,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import AnyChannel, Channel, all_gather_base, make_channel
+from ..comm.codec_stream import CodecStream
 from ..comm.spans import span
 from ..compression import CodecLike, make_codec
 from .buckets import Bucket, build_buckets
@@ -106,6 +107,8 @@ class DistributedOptimizer(GradientReduction, ParamGather):
     are all-reduced instead of reduce-scattered and there is no parameter all-gather (no ``param_codec``).
     ``zero_stage``: 1 (full-size gradient buckets for the whole step) or 2 (gradients sharded as they are
     produced; see the module docstring).
+    ``codec_stream``: True launches each bucket's reduction (its codec kernels) on a side CUDA stream, ordered by
+    events (megacomp.comm.codec_stream; inline on CPU); a ``CodecStream`` to use that one (tests record its steps).
 
     Raises:
         ValueError: error feedback without a lossy gradient codec; both a channel and codec arguments;
@@ -120,7 +123,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
                  loss_scaler: Optional[DynamicLossScaler] = None, check_replicated: bool = True,
                  grad_codec_warmup_steps: int = 0, grad_channel: Optional[AnyChannel] = None,
                  param_channel: Optional[Channel] = None, shard: bool = True, zero_stage: int = 1,
-                 **defaults: Any) -> None:
+                 codec_stream=False, **defaults: Any) -> None:
         if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
             raise ValueError(f"DistributedOptimizer: zero_stage must be 1 (sharded masters and optimizer state) or 2 "
                              f"(also sharded gradients), got {zero_stage!r}; shard=False is the unsharded optimizer")
@@ -190,13 +193,27 @@ class DistributedOptimizer(GradientReduction, ParamGather):
             inner_groups.append({"params": [m for m, b in zip(self.masters, self.buckets) if b.group == gi], **opts})
         self.optimizer = (optimizer_class or default_optimizer_class())(inner_groups, **defaults)
         self._norm_weights = self._build_norm_weights(grad_norm_weight)
-        self.step_count, self.skipped_steps, self.last_grad_norm = 0, 0, None
+        self.step_count, self.skipped_steps, self._last_grad_norm = 0, 0, None
         self._accumulating, self._validated = False, False
         self._in_flight: list = []  # ZeRO-2: (bucket, backend handle) of the reduce-scatter on the wire
         self._end_queued = False  # ZeRO-2: the end-of-backward callback is queued for the running backward
         self._prefetch, self._pending, self._gather_order = False, {}, []  # overlap_param_gather (param_gather.py)
+        self._codec_stream = (codec_stream if isinstance(codec_stream, CodecStream)
+                              else CodecStream(self.device) if codec_stream else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(b, i))
                        for b in self.buckets for i, p in enumerate(b.params)]
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm of the last step that clipped (None before one). It is computed on the device;
+        reading it here brings it to the host (a synchronisation, after the step: the trainer logs it)."""
+        if torch.is_tensor(self._last_grad_norm):
+            self._last_grad_norm = float(self._last_grad_norm)  # host sync: read by the caller after the step
+        return self._last_grad_norm
+
+    @last_grad_norm.setter
+    def last_grad_norm(self, value) -> None:
+        self._last_grad_norm = value
 
     @property
     def grad_codec(self):
@@ -261,20 +278,29 @@ class DistributedOptimizer(GradientReduction, ParamGather):
                              f"data-parallel group, and seed or broadcast the model identically on its ranks)")
 
     # -- step -------------------------------------------------------------------------------------
-    def _all_reduce_max(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+    def _all_reduce_max(self, value) -> float:
+        """The maximum of ``value`` (a float, or a one-element tensor on this optimizer's device, which avoids a
+        blocking host-to-device copy) over the group (and ``grad_norm_group``)."""
+        if torch.is_tensor(value):
+            t = value.to(torch.float64).reshape(1)
+        else:
+            t = torch.tensor([value], dtype=torch.float64, device=self.device)  # host sync: a host value (1-bit path)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         if self.grad_norm_group is not None:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.grad_norm_group)
+        # host sync: the one of a ZeRO step. Skipping the step on inf/NaN is Python control flow (an arbitrary inner
+        # optimizer, the step counters, the loss scaler, the error-feedback reset), decided alike on every rank.
         return t.item()
 
-    def _global_norm(self, shards: list[torch.Tensor]) -> float:
+    def _global_norm(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The global gradient norm over the group (and ``grad_norm_group``): a one-element fp64 tensor on the
+        device, never read back here."""
         sq = torch.stack([(s.double().square() * w if w is not None else s.double().square()).sum()
                           for s, w in zip(shards, self._norm_weights)]).sum().reshape(1)
         dist.all_reduce(sq, group=self.group)
         if self.grad_norm_group is not None:
             dist.all_reduce(sq, group=self.grad_norm_group)
-        return sq.sqrt().item()
+        return sq.sqrt()
 
     def step(self, closure=None) -> bool:
         """Reduce, update the local shard, all-gather parameters. Returns False when the step was skipped."""
@@ -293,17 +319,22 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         return self._finish_step()
 
     def _overflowed(self, shards: list[torch.Tensor]) -> bool:
-        """Whether any rank's (or, with ``grad_norm_group``, any model-parallel rank's) averaged shards hold inf/NaN."""
-        return bool(self._all_reduce_max(float(any(not bool(torch.isfinite(s).all()) for s in shards))))
+        """Whether any rank's (or, with ``grad_norm_group``, any model-parallel rank's) averaged shards hold inf/NaN:
+        this rank's flag is formed on the device, so the step's one host synchronisation is the reduced flag's."""
+        if not shards:
+            return bool(self._all_reduce_max(0.0))
+        bad = torch.stack([torch.isfinite(s).all() for s in shards]).logical_not().any()
+        return bool(self._all_reduce_max(bad))
 
     def _clip_and_update(self, shards: list[torch.Tensor]) -> None:
         """Clip ``shards`` by the global gradient norm (``max_grad_norm``) and step the inner optimizer on them."""
         if self.max_grad_norm is not None:
-            self.last_grad_norm = self._global_norm(shards)
-            coef = self.max_grad_norm / (self.last_grad_norm + 1e-6)
-            if coef < 1.0:
-                for s in shards:
-                    s.mul_(coef)
+            norm = self._global_norm(shards)
+            self.last_grad_norm = norm
+            # min(max_norm / (norm + 1e-6), 1) on the device (as torch.nn.utils.clip_grad_norm_): the same fp64
+            # coefficient as computed on the host, and a factor of 1 leaves the values unchanged, so no sync is needed
+            coef = (self.max_grad_norm / (norm + 1e-6)).clamp_(max=1.0).reshape(())
+            torch._foreach_mul_(shards, coef)
         for m, s in zip(self.masters, shards):
             m.grad = s
         with span("update"):

@@ -29,7 +29,10 @@ once (LoCo's reset period stays in steps); ``step()`` counts them.
 :class:`GradientReduction` is a mixin: it reads what DistributedOptimizer.__init__ sets (``buckets``, ``group``,
 ``world``, ``sharded``, ``shard_index``, ``parts``, ``hierarchy``, ``grad_channel``, ``_grad_plain``, ``scaler``,
 ``step_count``, ``skipped_steps``, ``grad_codec_warmup_steps``, ``zero_stage``, ``device``, ``_accumulating``,
-``_validated``, ``_in_flight``, ``_end_queued``). Subclasses change what a bucket's reduction is by overriding
+``_validated``, ``_in_flight``, ``_end_queued``, ``_codec_stream``).
+
+Side stream (``codec_stream``): each bucket's launch runs on megacomp.comm.codec_stream's side stream, after an
+event marking its gradients complete, and its handle joins that stream (an event wait) before the result is read. Subclasses change what a bucket's reduction is by overriding
 ``_launch`` (the 1-bit family does, under ZeRO-1 only).
 
 Failure behaviour: ZeRO-1: a gradient arriving for a bucket already being reduced, or twice in one communicating
@@ -50,6 +53,7 @@ from torch import nn
 
 from .. import comm
 from ..comm import Channel
+from ..comm.codec_stream import JoinedWork
 from ..comm.spans import span
 from .buckets import Bucket
 
@@ -144,8 +148,10 @@ class GradientReduction:
         ch = ch.level_for(f"dp_gradient/b{b.index}")  # Accordion: the level of this bucket's regime
         if not self.sharded:  # every rank reduces (and later updates) the whole bucket
             b.reduced = b.grad
-            b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_gradient/b{b.index}",
-                                   validate=not self._validated) or comm.CompressedWork(lambda: None)
+            with self._on_codec_stream(b):
+                b.work = ch.all_reduce(b.grad, group=self.group, async_op=True, key=f"dp_gradient/b{b.index}",
+                                       validate=not self._validated) or comm.CompressedWork(lambda: None)
+            self._joined(b)
             return
         stage2 = self.zero_stage == 2
         if stage2:
@@ -157,7 +163,7 @@ class GradientReduction:
             b.pending = out
         else:
             b.reduced = out
-        with self._counting_per_step(stage2):
+        with self._counting_per_step(stage2), self._on_codec_stream(b):
             if ch.low_rank:
                 self._launch_low_rank(b, ch, out)
             elif self.hierarchy is not None:
@@ -167,8 +173,22 @@ class GradientReduction:
                                                   key=f"dp_gradient/b{b.index}", validate=not self._validated)
                 if b.work is None:  # a group of one rank: torch returns no handle
                     b.work = comm.CompressedWork(lambda: None)
+        self._joined(b)
         if stage2:
             self._hand_off(b, ch)
+
+    def _on_codec_stream(self, b: Bucket):
+        """The launch of ``b``'s reduction on the side stream (``codec_stream``; megacomp.comm.codec_stream): its
+        codec kernels run beside the rest of backward, after the bucket's gradients (an event), never waiting on the
+        host. The gradient buffer is kept from the allocator until the side stream is done (ZeRO-2 frees it now)."""
+        if self._codec_stream is None:
+            return contextlib.nullcontext()
+        return self._codec_stream.launching(f"b{b.index}", keep=(b.grad,))
+
+    def _joined(self, b: Bucket) -> None:
+        """``b.work`` made to join the side stream first when waited for (before its result is read)."""
+        if self._codec_stream is not None:
+            b.work = JoinedWork(self._codec_stream, f"b{b.index}", b.work)
 
     def _hand_off(self, b: Bucket, ch) -> None:
         """ZeRO-2, after a bucket's reduce-scatter started: the bucket lets go of its full-size buffer (the next

@@ -292,7 +292,8 @@ class TritonCodecs:
     def ef_encode_into(self, g, e, out, e_out, kind, bits, qmax, block, beta, mode, key=None) -> bool:
         """One error-feedback step in one pass (the C++ entry point's signature): ``out`` = encode(g + e) (``g``
         if ``e`` is None), ``e_out`` = the new error from those codes (mode 0/1/2 as ef_update_into; may be
-        ``e``); returns whether every residual was finite. Per-block scales that fit one row tile."""
+        ``e``); returns whether every residual was finite (a 0-dim bool tensor on the device, never read back here).
+        Per-block scales that fit one row tile."""
         n = g.numel()
         if not self.ef_encode_covers(n, kind, bits, block):
             raise Unsupported("triton ef encode: per-block scales on byte boundaries, > 1 block, one row tile")
@@ -322,17 +323,28 @@ class TritonCodecs:
             FULL=bp2 == width, **self.opts)
         if scale.data_ptr() != out.data_ptr():
             out[:4 * nb].copy_(scale.view(torch.uint8))
-        return not bool(flags.any())
+        return flags.any().logical_not()  # on the device: reading it back would stop the host (zero_unless uses it)
 
     def ef_update_into(self, buf, h, e, e_out, kind, bits, block, dual, beta, mode) -> bool:
         """e_out = (h - d) | (1-beta)(h - d) | beta e + (1-beta)(h - d) for mode 0/1/2, d = decode(buf);
-        returns whether every residual h - d was finite."""
+        returns whether every residual h - d was finite, as a 0-dim bool tensor on the device (never read back)."""
         for t in (h, e_out) + ((e,) if mode == 2 else ()):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != h.numel():
                 raise Unsupported("triton ef update: contiguous fp32 tensors of one size")
         flags = self._decode(buf, e_out.view(-1), kind, bits, block, dual, 2 + mode, h.view(-1),
                              e.view(-1) if mode == 2 else None, beta)
-        return flags is None or not bool(flags.any())
+        return True if flags is None else flags.any().logical_not()
+
+    def zero_unless(self, e: torch.Tensor, ok: torch.Tensor) -> None:
+        """``e`` (contiguous fp32) zeroed in place when the 0-dim bool ``ok`` on its device is False, decided on the
+        device: error feedback drops a non-finite error without reading the flag back (no host synchronisation)."""
+        if e.dtype != torch.float32 or not e.is_contiguous() or ok.numel() != 1 or ok.device != e.device:
+            raise Unsupported("triton zero_unless: a contiguous fp32 tensor and a one-element flag on its device")
+        n = e.numel()
+        if n == 0:
+            return
+        nprog = min(triton.cdiv(n, TILE), 1024)
+        self.K.zero_unless[(nprog,)](e.view(-1), ok.reshape(1).to(torch.uint8), n, nprog, T=TILE, **self.opts)
 
 
 _lock = threading.Lock()

@@ -471,3 +471,15 @@ def sign_bits(x_ptr, pay_ptr, n, T: tl.constexpr, BF16: tl.constexpr):
     x = _load_f32(x_ptr, idx, m, BF16)
     b1 = pid * T + tl.arange(0, T)
     tl.store(pay_ptr + b1, _pack(((x >= 0.0) & m).to(tl.int32), T, 8, 1).to(tl.uint8), mask=b1 * 8 < n)
+
+
+# -- dropping a non-finite error on the device ---------------------------------------------------------------
+@triton.jit
+def zero_unless(e_ptr, ok_ptr, n, nprog, T: tl.constexpr):
+    """e[:n] = 0 where the byte at ``ok_ptr`` is 0 (some residual was non-finite); when it is 1 each of the
+    ``nprog`` programs returns after that one load, so the usual (finite) case costs a launch, not a pass."""
+    if tl.load(ok_ptr) == 0:
+        pid = tl.program_id(0)
+        for start in range(pid * T, n, nprog * T):
+            idx = start + tl.arange(0, T)
+            tl.store(e_ptr + idx, tl.full([T], 0.0, tl.float32), mask=idx < n)  # not tl.zeros (interpreter)
