@@ -418,7 +418,7 @@ def _split_check(in_splits: list[int], out_splits: list[int]):
         world = table.shape[0]
         sent = table[:, :world]      # sent[i][j]: rows rank i sends to rank j
         expected = table[:, world:]  # expected[j][i]: rows rank j expects from rank i
-        if not torch.equal(sent, expected.t()):
+        if not torch.equal(sent, expected.t()):  # host sync: argument validation (CommOptions.validate), not a hot path
             bad = [(i, j, int(sent[i, j]), int(expected[j, i])) for i in range(world) for j in range(world)
                    if sent[i, j] != expected[j, i]]
             desc = "; ".join(f"rank {i} sends {s} rows to rank {j}, which expects {e}" for i, j, s, e in bad[:4])

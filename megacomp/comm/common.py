@@ -76,6 +76,7 @@ def global_ranks(group) -> list[int]:
 
 def has_nonfinite(t: torch.Tensor) -> bool:
     """Whether a floating tensor holds inf or NaN (one reduction pass)."""
+    # host sync: check_finite=True only (an opt-in diagnostic: the answer decides whether to raise)
     return t.is_floating_point() and not bool(torch.isfinite(t).all())
 
 
@@ -93,6 +94,8 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
     some refused). ``nonfinite`` (when not None) is this rank's non-finite flag; if any rank has it set a
     FloatingPointError names those ranks.
     """
+    # host sync: the whole check (a table from host values, read back to compare): argument validation
+    # (CommOptions.validate), which the trainer turns off after its first iteration; not on the hot path
     names = list(fields)
     row = [fields[n] for n in names] + [int(bool(nonfinite)), int(local is not None)] + list(extra)
     device = device if device is not None else comm_device(group)
@@ -132,6 +135,7 @@ def validate(what: str, group, fields: dict[str, int], extra: Sequence[int] = ()
 def gather_texts(group, text: str, device=None) -> list[str]:
     """Every rank's ``text``, in group-rank order (a collective: lengths, then the UTF-8 bytes padded to the
     longest). For error messages: it costs two small all-gathers."""
+    # host sync: texts of an error message, gathered only when a validation fails
     device = device if device is not None else comm_device(group)
     world = group_ops.get_world_size(group)
     data = torch.tensor(list(text.encode()), dtype=torch.int64, device=device)

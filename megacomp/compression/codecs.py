@@ -320,6 +320,7 @@ class Codec:
 def _to_fp16_checked(flat: torch.Tensor) -> torch.Tensor:
     """Cast to fp16, raising if a finite input became inf (one extra pass only when an inf appears)."""
     y = flat.to(torch.float16)
+    # host sync: the fp16 cast codec's strict mode decides whether to raise (collectives pass strict=False)
     if flat.dtype != torch.float16 and bool(torch.isinf(y).any()):
         overflow = torch.isinf(y) & torch.isfinite(flat)
         if bool(overflow.any()):

@@ -282,7 +282,7 @@ def all_finite(t: torch.Tensor) -> Union[bool, torch.Tensor]:
     """Whether every element of ``t`` is finite: a bool for a CPU tensor, else a 0-dim bool tensor on ``t``'s device
     (not read back: on a GPU that would stop the host until the stream drains)."""
     flag = torch.isfinite(t).all()
-    return bool(flag) if t.device.type == "cpu" else flag
+    return bool(flag) if t.device.type == "cpu" else flag  # host sync: none (CPU tensors only: no device to wait for)
 
 
 def drop_nonfinite(new: torch.Tensor, finite: Union[bool, torch.Tensor]) -> torch.Tensor:

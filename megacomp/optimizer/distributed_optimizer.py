@@ -266,6 +266,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         return out
 
     def _check_replicated(self) -> None:
+        # host sync: once, at construction (the parameters compared across the group)
         sums = torch.stack([torch.stack([f.double().sum(), f.double().square().sum()])
                             for f in (self._flat_params(b) for b in self.buckets)]).reshape(-1)
         table = torch.empty(self.world * sums.numel(), dtype=sums.dtype, device=sums.device)
