@@ -91,9 +91,7 @@ def test_ctrl_c_under_torchrun_saves_at_the_next_boundary_and_says_so_once(tmp_p
     assert "error:" not in out + err and not megacomp_traceback(err), err
     # torchrun reports the signal it got (its own traceback); its workers exited with status 0
     assert "exitcode" not in err and "SignalException" in err
-    status, out, err = hit(tmp_path, base, ["--save", str(ck), "--load", str(ck), "--train-iters", str(stop + 1)],
-                           [], at=stop + 1)
-    assert status == 0 and f"resumed from {ck} at iteration {stop}" in out, err
+    # the save is an ordinary checkpoint: test_training_failures.py resumes one written at a signal bit for bit
 
 
 def test_ctrl_c_on_a_single_process_exits_0_after_saving(tmp_path, base):
