@@ -19,6 +19,9 @@
 # Environment: BIND [[::]:$PORT], PORT [29510], MIN_REPLICAS [1], JOIN_TIMEOUT_MS [1000] (a forming quorum waits
 # this long for replica groups that heartbeat but have not asked yet), HEARTBEAT_TIMEOUT_MS [2000] (a silent
 # group is dead after this: the survivors' next quorum forms then), QUORUM_TICK_MS [10].
+# The Lighthouse holds only the membership: if it dies, start it again with the same PORT within the groups'
+# --ft-quorum-timeout and they continue (docs/guide/fault-tolerance.md, "A lost Lighthouse"). torchft's own INFO
+# lines (every quorum) are off unless RUST_LOG is set, e.g. RUST_LOG=info bash scripts/torchft_lighthouse.sh.
 # (torchft's own `torchft_lighthouse` command of torchft 0.2.0 did not listen on its port on our machine, so this
 # runs the same LighthouseServer from Python.)
 set -euo pipefail

@@ -14,6 +14,7 @@
 """
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,6 +34,7 @@ except ImportError:
     pytest.skip("torchft is not installed", allow_module_level=True)
 
 QUORUM_TIMEOUT_S = 6  # --ft-quorum-timeout: the outage a replica group survives, and how long it waits for a dead one
+FT_TIMEOUT_S = 2  # --ft-timeout: a collective, a commit vote, a state transfer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -89,10 +91,12 @@ def test_a_restarted_lighthouse_is_survived_and_a_lost_one_ends_each_group_in_on
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     assert first.stdout.readline().startswith("lighthouse: "), "the Lighthouse did not start"
 
+    outs = []
+
     def group(rid: int, env: dict):
-        out = open(tmp_path / f"r{rid}.out", "w")
+        outs.append(out := open(tmp_path / f"r{rid}.out", "w"))
         cmd = [sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file), "--fault-tolerance", "torchft",
-               "--ft-lighthouse", address, "--ft-replica-id", str(rid), "--ft-timeout", "5",
+               "--ft-lighthouse", address, "--ft-replica-id", str(rid), "--ft-timeout", str(FT_TIMEOUT_S),
                "--ft-quorum-timeout", str(QUORUM_TIMEOUT_S), "--save", str(tmp_path / f"ck{rid}"),
                "--log-dir", str(tmp_path / f"r{rid}")]
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
@@ -125,6 +129,8 @@ def test_a_restarted_lighthouse_is_survived_and_a_lost_one_ends_each_group_in_on
                 p.wait()
         if restarted is not None:
             restarted.shutdown()
+        for out in outs:
+            out.close()
     # survived: steps committed by both groups together after the outage, no group restarted (its records go on)
     for rows in back:
         assert rows and rows[0]["iteration"] > 1 and any(x["ft_replicas"] == 2 and x["ft_committed"] for x in rows)
@@ -138,7 +144,7 @@ def test_a_restarted_lighthouse_is_survived_and_a_lost_one_ends_each_group_in_on
                           f"then every replica group with --load {tmp_path / f'ck{r}'}; the last checkpoint is "
                           f"iteration {last} ({tmp_path / f'ck{r}' / f'iter_{last:07d}'})"], text[-3000:]
         assert latest_iteration(str(tmp_path / f"ck{r}")) == last  # saved at the last good boundary, before the exit
-        assert "Traceback" not in text
+        assert not re.search(r'File ".*megacomp/', text), text[-3000:]  # no traceback through megacomp
     assert took < QUORUM_TIMEOUT_S + 25
     assert "torchft::" not in texts[1] and "[INFO]" not in texts[1]  # quiet by default
     assert "Failed to send heartbeat to lighthouse" in texts[0]  # RUST_LOG=info shows torchft's own lines

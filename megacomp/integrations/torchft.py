@@ -43,7 +43,15 @@ Data position: the step consumes replica-batch indices ``batches_committed + ran
 replica-batches and transfers the count to a joiner), so across losses and rejoins no replica-batch is trained
 twice and none is skipped; an uncommitted step's batches are drawn again by the next step.
 
-Failure behaviour (one line each, naming the fix): an unreachable Lighthouse (:class:`LighthouseUnreachable`);
+The Lighthouse holds only the membership. One that goes away while the replicas train is waited for: the quorum
+is tried again about once a second until ``quorum_timeout_s`` (:func:`quorum_retries`; torchft alone makes one try,
+then leaves its clients waiting out the timeout), so a Lighthouse restarted on the same address within that time
+forms the next quorum and training goes on (:class:`QuorumClient`: the new Lighthouse's quorum numbers start again
+from 1, which torchft's group reconfiguration does not expect).
+
+Failure behaviour (one line each, naming the fix): an unreachable Lighthouse at start (:class:`LighthouseUnreachable`);
+a quorum that did not form within ``quorum_timeout_s`` (:class:`LighthouseLost` when the Lighthouse does not answer
+then, :class:`QuorumTimedOut` when it does: too few replica groups asked; both megacomp.outer.ReplicaLost);
 a replica whose fingerprint (model, optimizer, compression) differs from the live peer it heals from
 (:class:`ReplicaMismatch`: raised in the joining replica only, the others continue without it). A peer that dies
 inside a collective makes it fail within ``timeout_s`` (gloo's timeout; a closed connection fails at once); the
@@ -51,7 +59,9 @@ step is not committed and the next quorum is formed without the dead replica aft
 timeout. Codec or shape mismatches inside one quorum raise megacomp's validation error on every member.
 
 The Lighthouse: ``python -m megacomp.integrations.torchft --bind [::]:29510 --min-replicas 1`` (scripts/
-torchft_lighthouse.sh) runs torchft's ``LighthouseServer``.
+torchft_lighthouse.sh) runs torchft's ``LighthouseServer`` (megacomp.integrations.torchft_lighthouse). torchft's own
+INFO lines (its Rust side logs every heartbeat that fails while the Lighthouse is down) are off unless ``RUST_LOG``
+is set (``RUST_LOG=info``).
 
 Across nodes: traffic between replica groups runs over torchft's process group, flat (each rank of a group
 exchanges with the ranks at its position in the other groups, as the outer groups of megacomp.outer do).
@@ -79,7 +89,7 @@ from .torchft_lighthouse import (QuorumClient, import_torchft, lighthouse_answer
 QUORUM_RETRY_S = 1.0
 """Seconds between two tries of a quorum whose Lighthouse call failed (torchft's ManagerServer sleeps
 quorum_timeout / (retries + 1) between tries, then reconnects)."""
-PROBE_S = 2.0
+PROBE_S = 1.0
 """Seconds the Lighthouse is given to accept a connection when a quorum timed out (which line to print)."""
 
 

@@ -79,9 +79,15 @@ class QuorumClient:
     the old quorum 1): the ``Manager`` would keep the old group, whose collectives then wait out their timeout; and
     (b) a reconfigured group would meet the store keys the old quorum of that number left.
 
+    and a group that did not take part in the new Lighthouse's first quorums may meet its old number and members
+    again while the others, whose number changed, reconfigure without it.
+
     So, per quorum result: (a) when its number is the group's but its members (torchft's replica ids, which carry a
-    per-process uuid) are not the ones the group was configured with, the ``Manager``'s quorum number is cleared,
-    which makes it reconfigure; (b) the store address gets the suffix ``/megacomp/<max step>/<digest of the
+    per-process uuid) are not the ones the group was configured with, or this group must heal (be sent the state:
+    under one Lighthouse a group falls behind its quorum only by failing a commit, and the Lighthouse gives the next
+    quorum a new number after a failed commit, so behind under the same number and members means the others
+    stepped under a restarted Lighthouse), the ``Manager``'s quorum number is cleared, which makes it reconfigure;
+    (b) the store address gets the suffix ``/megacomp/<max step>/<digest of the
     members>``, the same on every member of the quorum (they receive the same step and members), so a group is
     never configured twice under one prefix unless the same members meet again at the same step under the same
     number. Everything else passes through unchanged.
@@ -99,8 +105,9 @@ class QuorumClient:
     def _quorum(self, *args, **kwargs):
         result = self._client._quorum(*args, **kwargs)
         members = tuple(sorted(result.replica_ids))
-        if result.quorum_id == self._manager._quorum_id and (result.quorum_id, members) != self._configured:
-            self._manager._quorum_id = -1  # another membership under the same number: reconfigure
+        if result.quorum_id == self._manager._quorum_id and ((result.quorum_id, members) != self._configured
+                                                            or result.heal):
+            self._manager._quorum_id = -1  # a quorum the group was not configured for: reconfigure
         if result.quorum_id != self._manager._quorum_id:  # the Manager reconfigures for this result
             self._configured = (result.quorum_id, members)
         digest = hashlib.sha1("|".join(members).encode()).hexdigest()[:16]
