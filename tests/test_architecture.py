@@ -25,6 +25,7 @@ ALLOWED_MODULE_STATE = {
     ("megacomp/comm/transport.py", "_TRANSPORTS"),   # per-group direction groups and p2p tag counters
     ("megacomp/comm/stats.py", "PROCESS_STATS"),     # the default wire-statistics table (counters)
     ("megacomp/comm/spans.py", "RECORDER"),          # the profiler's switch and timed spans (timing only)
+    ("megacomp/comm/group_check.py", "CHECK"),       # validated-call counters per group (the store meeting)
     ("megacomp/compression/formats.py", "FORMATS"),  # the format registry (register_format adds names only)
     ("megacomp/kernels/triton/codec_triton.py", "_backends"),  # compiled Triton kernel handles
     ("megacomp/kernels/triton/codec_triton.py", "_lock"),      # a threading.Lock: builds _backends once

@@ -230,3 +230,88 @@ def _requires_grad_body(rank, world):
 def test_lossy_collectives_accept_tensors_that_require_grad():
     for t in run_ranks(_requires_grad_body, 2):
         assert torch.equal(t, torch.full((300,), 2.0))
+
+
+def _group_mismatch_body(rank, world):
+    """Ranks that pass different groups meet in the rendezvous store before any collective: each raises the same line
+    at once, and every group works afterwards. Direct transport (duplex=False): torch 2.13 hangs creating the duplex
+    transport's direction groups (local-synchronization new_group) of a group once a global new_group excluded a rank."""
+    import time
+    from datetime import timedelta
+    ch = comm.Channel("groups", "int8", options=comm.CommOptions(duplex=False))
+    world_group = dist.group.WORLD
+    tps = [dist.new_group(r) for r in ([0, 1], [2, 3])]
+    dps = [dist.new_group(r) for r in ([0, 2], [1, 3])]
+    tp, dp = tps[rank // 2], dps[rank % 2]
+    twin = dist.new_group([0, 1])  # the members of tps[0], another group
+
+    def reduced(group, size):
+        t = torch.ones(64)
+        ch.all_reduce(t, group=group)
+        assert torch.equal(t, torch.full((64,), float(size)))
+
+    def timed(exc, fn, *args, **kwargs):
+        start = time.monotonic()
+        return expect_error(exc, fn, *args, **kwargs), time.monotonic() - start
+
+    out = {}
+    # rank 0 passes its TP group, the others the world group
+    out["subset"] = timed(ValueError, ch.all_reduce, torch.ones(10), group=tp if rank == 0 else world_group)
+    reduced(world_group, world)
+    reduced(tp, 2)
+    # ranks 0 and 1 pass two groups of the same members; ranks 2 and 3 all-reduce on their TP group meanwhile
+    if rank < 2:
+        out["twin"] = timed(ValueError, ch.all_reduce, torch.ones(10), group=tp if rank == 0 else twin)
+        reduced(twin, 2)
+    else:
+        for _ in range(3):
+            reduced(tp, 2)
+    reduced(tp, 2)
+    # legitimately different groups at once, with a straggler: rank 0 waits in TP for rank 1 while rank 2 waits in DP
+    # for rank 0 (searching for a deadlock meanwhile) and must just wait
+    if rank == 1:
+        time.sleep(0.35)
+    start = time.monotonic()
+    reduced(tp, 2)
+    reduced(dp, 2)
+    out["straggler"] = time.monotonic() - start
+    # validation off: the hot path does not touch the store; a validated call on a fresh group does
+    store = dist.distributed_c10d._get_default_store()
+    fresh = dist.new_group([0, 1, 2, 3])
+    ch.all_reduce(torch.ones(10), group=fresh, validate=False)  # a group's first collective connects its members
+    dist.barrier()
+    before = store.num_keys()
+    dist.barrier()
+    ch.all_reduce(torch.ones(10), group=fresh, validate=False)
+    dist.barrier()
+    out["keys_unvalidated"] = store.num_keys() - before
+    dist.barrier()
+    ch.all_reduce(torch.ones(10), group=fresh)
+    dist.barrier()
+    out["keys_validated"] = store.num_keys() - before
+    # a rank that skips a validated call: the others raise at the store's timeout, naming it
+    if rank < 3:
+        store.set_timeout(timedelta(seconds=1))
+        out["missing"] = timed(RuntimeError, ch.all_reduce, torch.ones(10), group=fresh)
+    return out
+
+
+def test_ranks_passing_different_groups_raise_the_same_error_at_once():
+    results = run_ranks(_group_mismatch_body, 4, timeout=90, pg_timeout=20)
+    subset = ("ranks disagree on the group of megacomp.comm.all_reduce: rank 0 passed the group of ranks [0, 1], "
+              "rank 1 the group of ranks [0, 1, 2, 3]; every rank of a group must call it with that group")
+    for rank, out in enumerate(results):
+        text, seconds = out["subset"]
+        assert text == subset and seconds < 5, (rank, out["subset"])
+        assert out["straggler"] < 5
+        assert out["keys_unvalidated"] == 0 and out["keys_validated"] >= 1  # its counter (and a waiting rank's record)
+    for out in results[:2]:
+        text, seconds = out["twin"]
+        assert seconds < 5 and text.startswith("ranks disagree on the group of megacomp.comm.all_reduce: rank 0 passed "
+                                               "the group of ranks [0, 1] (group name '"), text
+        assert "rank 1 the group of ranks [0, 1] (group name '" in text
+    assert results[0]["twin"][0] == results[1]["twin"][0]
+    assert len({out["missing"][0] for out in results[:3]}) == 1  # one line, worded by the first rank to give up
+    for out in results[:3]:
+        text, seconds = out["missing"]
+        assert "rank(s) [3] of the group of ranks [0, 1, 2, 3] did not reach this call" in text and seconds < 5, text

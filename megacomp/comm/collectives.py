@@ -47,7 +47,7 @@ import torch
 
 from ..compression.ef_encoder import chunk_encoder
 from . import common as _common
-from . import group_ops
+from . import group_check, group_ops
 from .common import (CompressedWork, all_reduce_bytes, codec_code, dtype_code, has_nonfinite, offsets, op_code, op_name,
                      split_sizes)
 from .spans import enabled as _spans_on, span
@@ -93,6 +93,7 @@ def _raise_or_validate(ch, validate: Optional[bool], check_finite: bool, problem
     here (the other ranks may then wait: turning validation off trusts the caller). ``codec`` names the codec in
     a mismatch's message (None: the call has no codec field)."""
     if ch.validates(validate) or check_finite:
+        group_check.CHECK.check(what, group)  # the ranks meet in the store first: a mismatched group cannot hang
         _common.validate(what, group, fields, nonfinite=nonfinite, tag=tag, device=device, local=problem,
                          texts={"codec": str(codec)} if codec is not None else None, **kw)
     elif problem is not None:
