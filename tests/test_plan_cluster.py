@@ -2,6 +2,8 @@
 size against the real GPT."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from distributed import run_ranks
@@ -44,11 +46,31 @@ def test_layout_checks():
         Layout(2, 2, 2).check(m, 16)
 
 
-def _gpt_params(rank, world):
+LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
+             add_bias_linear=False, untie_embeddings_and_output_weights=True)
+
+
+def _model_shapes(rank, world, options):
     groups = parallel_state.initialize_model_parallel(1, 1)
-    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_length=16, vocab_size=64)
-    return sum(p.numel() for p in GPTModel(cfg, ModelParallelConfig(process_groups=groups)).parameters())
+    cfg = GPTConfig(num_layers=2, hidden_size=32, num_attention_heads=4, max_seq_length=16, vocab_size=64,
+                    ffn_hidden_size=48, **options)
+    return [tuple(p.shape) for p in GPTModel(cfg, ModelParallelConfig(process_groups=groups)).parameters()]
 
 
-def test_params_match_the_gpt_megacomp_builds():
-    assert ModelSpec(2, 32, 4, 16, 64).params == run_ranks(_gpt_params, 1)[0]
+@pytest.mark.parametrize("options", [{}, LLAMA, dict(LLAMA, add_bias_linear=True, normalization="LayerNorm")],
+                         ids=["gpt", "llama", "llama-with-biases"])
+def test_parameter_shapes_are_the_models_megacomp_builds(options):
+    spec = ModelSpec(2, 32, 4, 16, 64, ffn_hidden_size=48, **options)
+    shapes = run_ranks(_model_shapes, 1, options)[0]
+    assert spec.parameter_shapes() == shapes
+    assert spec.params == sum(math.prod(s) for s in shapes)
+
+
+def test_gpt_flops_are_megatrons_formula_and_llama_counts_its_three_mlp_matmuls():
+    L, h, a, s, V = 4, 256, 8, 512, 1024
+    gpt = ModelSpec(L, h, a, s, V)
+    assert gpt.flops_per_token == pytest.approx(72.0 * L * h * h * (1 + s / (6 * h) + V / (12 * h * L)), rel=1e-12)
+    llama = ModelSpec(L, h, a, s, V, ffn_hidden_size=4 * h, swiglu=True, num_query_groups=2)
+    # SwiGLU adds a third h x 4h matmul per layer; GQA's 2 key/value heads of 8 shrink K and V to a quarter
+    extra = 6 * L * (h * 4 * h - 2 * (h - 2 * h // a) * h)
+    assert llama.flops_per_token == pytest.approx(gpt.flops_per_token + extra, rel=1e-12)

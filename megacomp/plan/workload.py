@@ -1,10 +1,12 @@
-"""What is trained and how it is laid out: the GPT's sizes and batch, and the TP x PP x DP layout.
+"""What is trained and how it is laid out: the model's sizes and batch (a GPT, or a Llama-style model with RoPE,
+RMSNorm, SwiGLU, grouped-query attention, no biases and an untied output layer), and the TP x PP x DP layout.
 
-Parameter count and FLOPs follow Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473, eq. 3): per token of a
-forward and backward pass without recomputation, ``72 L h^2 (1 + s / (6 h) + V / (12 h L))`` FLOPs (= 6 x the
-parameters in matmuls plus attention scores and the vocabulary projection); parameters ``12 L h^2 (1 + 13 / (12 h)
-+ (V + s) / (12 L h))`` for a 4h MLP. Activation memory per layer ``s b h (34 + 5 a s / h)`` bytes (Korthikanti et al.
-2022, arXiv 2205.05198), divided by TP with sequence parallelism.
+FLOPs follow Megatron-LM (Narayanan et al. 2021, arXiv 2104.04473, eq. 3), written for any of these shapes: per token
+of a forward and backward pass without recomputation, 6 x the parameters of the matmuls (QKV, projection, MLP, the
+vocabulary projection) plus ``12 L s h`` for the attention scores; for a GPT with a 4h MLP this is Megatron's
+``72 L h^2 (1 + s / (6 h) + V / (12 h L))``. Parameters are counted from the tensors megacomp.models.gpt builds
+(:meth:`ModelSpec.parameter_shapes`). Activation memory per layer ``s b h (34 + 5 a s / h)`` bytes (Korthikanti et al.
+2022, arXiv 2205.05198, for the GPT layer; used for the Llama layer too), divided by TP with sequence parallelism.
 
 Failure behaviour: a layout that does not divide the cluster, the heads, the layers or the batch, or an unknown
 ``params_dtype``, raises ValueError in one line naming the fix (the same rules as megacomp.training.arguments.check).
@@ -20,7 +22,8 @@ PARAMS_DTYPES = ("float32", "bfloat16", "float16")
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The GPT model and its batch."""
+    """The model (a GPT by default; the Llama fields as megacomp.training.pretrain_config.ModelConfig) and its
+    batch."""
 
     num_layers: int
     """Transformer layers (L)."""
@@ -43,10 +46,25 @@ class ModelSpec:
     params_dtype: str = "bfloat16"
     """Dtype of the model's parameters (pretraining's ``params_dtype``): the sharded optimizer all-gathers them in
     it (``float32``, ``bfloat16`` or ``float16``)."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` (a learned s x h table) or ``rope`` (no parameters)."""
+    normalization: str = "LayerNorm"
+    """``LayerNorm`` (weight and bias) or ``RMSNorm`` (weight only)."""
+    swiglu: bool = False
+    """SwiGLU MLP: fc1 holds the gate and up projections (2 ffn x h), three matmuls instead of two."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads of grouped-query attention (None: one per head)."""
+    add_bias_linear: bool = True
+    """Biases in the attention and MLP linear layers."""
+    untie_embeddings_and_output_weights: bool = False
+    """A separate V x h output layer instead of the word embedding's transpose."""
 
     def __post_init__(self) -> None:
         if self.params_dtype not in PARAMS_DTYPES:
             raise ValueError(f"params_dtype {self.params_dtype!r}: use one of {', '.join(PARAMS_DTYPES)}")
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            raise ValueError(f"num_query_groups {groups} must divide the {self.num_attention_heads} attention heads")
 
     @property
     def ffn(self) -> int:
@@ -54,20 +72,38 @@ class ModelSpec:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
     @property
+    def qkv_rows(self) -> int:
+        """Rows of the fused QKV weight: h queries plus 2 x (key/value heads) x head width."""
+        h, a = self.hidden_size, self.num_attention_heads
+        return h + 2 * (self.num_query_groups or a) * (h // a)
+
+    @property
     def params(self) -> int:
-        """Parameters: per layer QKV + output projection (4h^2 + 4h), MLP (2 h ffn + ffn + h), two layer norms
-        (4h); embeddings V h + s h; final norm 2h (output layer tied to the embedding)."""
-        h, L = self.hidden_size, self.num_layers
-        per_layer = 4 * h * h + 4 * h + 2 * h * self.ffn + self.ffn + h + 4 * h
-        return L * per_layer + (self.vocab_size + self.seq_length) * h + 2 * h
+        """Parameters of the tensors megacomp.models.gpt builds (:meth:`parameter_shapes`); for a GPT with a 4h MLP,
+        Megatron's ``12 L h^2 (1 + 13 / (12 h) + (V + s) / (12 L h))``."""
+        total = 0
+        for shape in self.parameter_shapes():
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total
 
     def parameter_shapes(self) -> list[tuple]:
-        """The shapes of megacomp.models.gpt's parameters without TP, in its order: position and word embeddings,
-        per layer ln1 (weight, bias), QKV (3h x h, 3h), projection (h x h, h), ln2, fc1 (ffn x h, ffn), fc2
-        (h x ffn, h); the final norm. Their sizes add up to :attr:`params`."""
+        """The shapes of megacomp.models.gpt's parameters without TP, in its order: the position table (learned
+        positions only), the word embedding; per layer ln1 (weight, and bias for LayerNorm), QKV (:attr:`qkv_rows`
+        x h, bias), projection (h x h, bias), ln2, fc1 ((2 for SwiGLU) ffn x h, bias), fc2 (h x ffn, bias), each
+        bias only with ``add_bias_linear``; the final norm; the output layer when untied."""
         h, f = self.hidden_size, self.ffn
-        layer = [(h,), (h,), (3 * h, h), (3 * h,), (h, h), (h,), (h,), (h,), (f, h), (f,), (h, f), (h,)]
-        return [(self.seq_length, h), (self.vocab_size, h)] + layer * self.num_layers + [(h,), (h,)]
+        bias = self.add_bias_linear
+        norm = [(h,), (h,)] if self.normalization == "LayerNorm" else [(h,)]
+        fc1 = (2 * f if self.swiglu else f)
+        layer = (norm + [(self.qkv_rows, h)] + ([(self.qkv_rows,)] if bias else []) + [(h, h)]
+                 + ([(h,)] if bias else []) + norm + [(fc1, h)] + ([(fc1,)] if bias else []) + [(h, f)]
+                 + ([(h,)] if bias else []))
+        head = ([(self.seq_length, h)] if self.position_embedding_type == "learned_absolute" else [])
+        tail = [(self.vocab_size, h)] if self.untie_embeddings_and_output_weights else []
+        return head + [(self.vocab_size, h)] + layer * self.num_layers + norm + tail
 
     @property
     def vector_params(self) -> int:
@@ -77,9 +113,12 @@ class ModelSpec:
 
     @property
     def flops_per_token(self) -> float:
-        """Forward + backward FLOPs per token (Megatron's formula, no recomputation; for a 4h MLP)."""
-        h, L, s, V = self.hidden_size, self.num_layers, self.seq_length, self.vocab_size
-        return 72.0 * L * h * h * (1 + s / (6 * h) + V / (12 * h * L))
+        """Forward + backward FLOPs per token without recomputation: 6 x the matmul parameters (QKV, projection,
+        fc1, fc2 per layer; the vocabulary projection) + 12 L s h for the attention scores (Megatron's formula
+        for a GPT with a 4h MLP)."""
+        h, L, s, V, f = self.hidden_size, self.num_layers, self.seq_length, self.vocab_size, self.ffn
+        layer = self.qkv_rows * h + h * h + (3 if self.swiglu else 2) * h * f
+        return 6.0 * (L * layer + V * h) + 12.0 * L * s * h
 
     @property
     def tokens_per_iteration(self) -> int:
@@ -97,7 +136,9 @@ class ModelSpec:
         m, t = cfg.model, cfg.training
         name = str(path).rsplit("/", 1)[-1].removesuffix(".yaml")
         return cls(m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length, m.vocab_size,
-                   t.micro_batch_size, t.global_batch_size, m.ffn_hidden_size, name, m.params_dtype)
+                   t.micro_batch_size, t.global_batch_size, m.ffn_hidden_size, name, m.params_dtype,
+                   m.position_embedding_type, m.normalization, m.swiglu, m.num_query_groups, m.add_bias_linear,
+                   m.untie_embeddings_and_output_weights)
 
 
 @dataclass(frozen=True)
