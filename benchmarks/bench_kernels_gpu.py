@@ -16,10 +16,13 @@ reference on the GPU. MEGACOMP_KERNELS=reference times the eager reference inste
 
 Run:  python -m benchmarks.bench_kernels_gpu [--numel 256M] [--dtype bf16] [--codecs int8,int4] [--block 128]
       [--rounding stochastic]   (the counter-based draws computed in the encode kernel)
+``--numel 16M,256M`` measures each size in turn (one table each, Triton compiled once); ``--json PATH`` also writes
+every row (op, codec, dtype, numel, ms, bytes, GB/s, ratio) for scripts/device_checks.sh's results page.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -77,7 +80,8 @@ def check_identical(codec, x: torch.Tensor) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--numel", type=parse_count, default=parse_count("256M"))
+    p.add_argument("--numel", type=lambda s: [parse_count(v) for v in s.split(",") if v.strip()],
+                   default=[parse_count("256M")], help="elements, or a comma separated list of sizes (16M,256M)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--codecs", default="int8,int4", help="comma separated codec names (int8,int4,int2,fp8_e4m3,...)")
     p.add_argument("--block", type=int, default=128, help="block size (0: one scale per tensor)")
@@ -89,13 +93,28 @@ def main() -> None:
     p.add_argument("--ef", action="store_true", help="also time the one-pass error-feedback step (fp32 input)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke run of the script itself (the C++ kernels, perf_counter timing)")
+    p.add_argument("--json", default=None, help="also write every row to this JSON file")
     args = p.parse_args()
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         sys.exit("bench_kernels_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    records = []
+    for n in args.numel:
+        records += measure(args, n)
+        if cuda:
+            torch.cuda.empty_cache()
+    if args.json:
+        dev_name = torch.cuda.get_device_name(0) if cuda else "cpu (smoke run)"
+        with open(args.json, "w") as f:
+            json.dump({"device": dev_name, "torch": torch.__version__, "backend": kernels.backend_name(args.device),
+                       "repeats": args.repeats, "rows": records}, f, indent=1)
+
+
+def measure(args, n: int) -> list[dict]:
+    """Time every op for ``n`` elements; print the Markdown table; return its rows as dicts."""
+    cuda = args.device == "cuda"
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype]
-    n = args.numel
     backend = kernels.backend_name(args.device)
     timed = lambda fn: time_cuda(fn, args.repeats, args.warmup, cuda)
     torch.manual_seed(0)
@@ -164,6 +183,9 @@ def main() -> None:
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for r in rows:
         print("| " + " | ".join(fmt_v(v) for v in r) + " |")
+    print()
+    return [{"op": r[0], "codec": r[1], "dtype": args.dtype, "numel": n, "ms": r[2], "mb": r[3], "gbps": r[4],
+             "ratio": r[5], "first_s": r[6], "identical": r[7]} for r in rows]
 
 
 if __name__ == "__main__":

@@ -1,78 +1,116 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one run (the last results: benchmarks/results/gpu_checks/README.md).
+# The checks that need a CUDA GPU, in one command, within 8 minutes on one H100 or H200; one results page.
 #
-#   OUT=/tmp/gpu bash scripts/device_checks.sh      # from the repository root; logs and tables land in $OUT
+#   OUT=/tmp/gpu bash scripts/device_checks.sh      # from the repository root; logs, tables and README.md in $OUT
 #
-# 1. tests/test_kernels_triton.py: the compiled Triton codec kernels against the eager reference on the GPU
-#    (skipped without CUDA), with the interpreter tests beside them.
-# 2. tests/test_integrations_megatron.py -k cuda: stock megatron-core's sequence-parallel path (which allocates
-#    on CUDA, so it cannot run on a CPU-only torch) against MegatronCompression with compression off (bit for
-#    bit) and int8 (within the codec bound), TP 2 on spawned gloo ranks sharing the GPU; TP 1 without SP.
-# 3. ZeRO-1 against ZeRO-2 at DP 4 (the 125M config, fp32, micro-batch 1 x seq 128, 4 gloo ranks on the one
-#    GPU): torch.cuda allocator statistics of an untracked iteration, per phase (inline script below).
-# 4. memory_bench.py --device cuda: the same two methods with the dispatch-mode tracker's split and its
-#    "CUDA max allocated" column (measured inside the tracked iteration).
+# Steps (each with its own time limit, all within DEVICE_CHECKS_BUDGET_S, default 470 s; a slow or failing step
+# does not stop the others; a step that would start with under 15 s left is skipped and says so):
+#   triton  tests/test_kernels_triton.py -k cuda: the compiled Triton codec kernels bit for bit against the eager
+#           reference on the GPU (the sign codec's NaN-scale fix among them)
+#   bench   benchmarks/bench_kernels_gpu.py: int8, int4, int2, fp8_e4m3 and sign encode, decode, decode-accumulate
+#           and the fused error-feedback step at 16M and 256M elements, fp32 and bf16, against the measured
+#           device-to-device copy bandwidth (bytes read + written)
+#   sync    benchmarks/sync_check.py --strict: compressed all-reduce / reduce-scatter / all-gather with error
+#           feedback and ZeRO steps under torch.cuda.set_sync_debug_mode, NCCL at world size 1 and 2 gloo ranks
+#           sharing the GPU; every synchronisation with its stack
+#   e2e     benchmarks/gpu_e2e.py: the 125M GPT in bf16, 2 DP gloo ranks on the GPU, compression off and on:
+#           tokens/s, MFU, compute / codec / wire per iteration, the losses; a torch.profiler trace (side stream)
+# then benchmarks/gpu_report.py writes $OUT/README.md (device name, this command, every table). Copy it to
+# benchmarks/results/<folder>/README.md with the trace beside it.
+# Optional steps (DEVICE_CHECKS_STEPS="triton bench sync e2e megatron zero_alloc memory" for all): megatron-core's
+# sequence-parallel tests on CUDA, ZeRO-1 vs ZeRO-2 allocator statistics, memory_bench --device cuda (the checks of
+# benchmarks/results/gpu_checks/README.md).
 #
-# Needs a CUDA GPU, torch with triton, pytest, matplotlib; megatron-core==0.16.1 for step 2 (its tests skip
-# without it). Wheels in .whl/ are installed to /tmp/site first (a machine that cannot reach a package index).
-# Each step has its own time limit and a failing step does not stop the others; the exit status is 1 when any
-# step failed. Steps 1 and 2-4 run side by side (different processes; allocator statistics are per process).
+# Without a GPU: one line says so and the exit status is 77 (skipped). DEVICE_CHECKS_CPU=1 runs the same steps on
+# CPU with tiny sizes (a dry run of this script and of the page writer: tests/test_scripts_device_checks.py).
+# Exit status: 0 every step passed, 1 a step failed, timed out or was skipped for time, 77 skipped (no GPU).
+# Needs torch with triton, pytest; wheels in .whl/ are installed to /tmp/site first (a machine without an index).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/device_checks}
-mkdir -p "$OUT"
+CPU=${DEVICE_CHECKS_CPU:-0}
+BUDGET=${DEVICE_CHECKS_BUDGET_S:-470}
+STEPS=${DEVICE_CHECKS_STEPS:-triton bench sync e2e}
+COMMAND="OUT=$OUT${DEVICE_CHECKS_CPU:+ DEVICE_CHECKS_CPU=$CPU}${DEVICE_CHECKS_STEPS:+ DEVICE_CHECKS_STEPS=\"$STEPS\"} bash scripts/device_checks.sh"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ "$CPU" != 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "device_checks: installing .whl/ failed"; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-MB=benchmarks/memory_bench.py
-[ -f "$MB" ] || MB=scripts/memory_bench.py
+if [ "$CPU" != 1 ] && ! python3 -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "device_checks: skipped: no CUDA GPU here (torch.cuda.is_available() is False); DEVICE_CHECKS_CPU=1 is the CPU dry run"
+  exit 77
+fi
+mkdir -p "$OUT"
 start=$(date +%s)
+: >"$OUT/steps.tsv"
 {
   date -u +"date: %Y-%m-%dT%H:%M:%SZ"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 - <<'EOF'
+  [ "$CPU" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 - "$CPU" <<'EOF'
 import sys, torch
-print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
-      "| device", torch.cuda.get_device_name(0), "| capability", torch.cuda.get_device_capability(0))
-for mod in ("triton", "megatron.core", "pytest"):
+cpu = sys.argv[1] == "1"
+dev = "CPU (DEVICE_CHECKS_CPU=1 dry run)" if cpu else torch.cuda.get_device_name(0)
+cap = "" if cpu else f" capability {torch.cuda.get_device_capability(0)}"
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda, "| device", dev,
+      "|" + cap)
+for mod in ("triton", "pytest"):
     try:
-        m = __import__(mod, fromlist=["x"])
+        m = __import__(mod)
         print(mod, getattr(m, "__version__", "?"))
     except Exception as e:
         print(mod, "missing:", e)
 EOF
-  if [ -f SNAPSHOT_COMMIT ]; then echo "snapshot of commit $(cat SNAPSHOT_COMMIT)"; else git log -1 --format="commit %H %s"; fi
+  if [ -f SNAPSHOT_COMMIT ]; then echo "snapshot of commit $(cat SNAPSHOT_COMMIT)"; else git log -1 --format="commit %H %s" 2>/dev/null; fi
 } 2>&1 | tee "$OUT/env.txt"
-
-# the C++ CPU codec kernels, built once in the background (the interpreter tests' CPU dispatch may use them)
-python3 -c "from megacomp import kernels; print('CPU codec kernels:', kernels.backend_name('cpu'))" >/tmp/dc_build.log 2>&1 &
-
-# 1. Triton kernels (beside the rest)
-( timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_kernels_triton.py >"$OUT/triton.log" 2>&1
-  echo $? >/tmp/dc_triton.rc ) &
-triton_pid=$!
 
 fail=0
 step() {  # name, limit in seconds, log file, command...
   local name=$1 limit=$2 log=$3; shift 3
-  echo "=== $name ($(( $(date +%s) - start )) s in)"
-  timeout "$limit" "$@" 2>&1 | tee "$log"
+  local t0 left; t0=$(date +%s); left=$(( BUDGET - (t0 - start) ))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "=== $name: skipped, the budget of $BUDGET s is spent"
+    printf '%s\tskipped\t0\t0\n' "$name" >>"$OUT/steps.tsv"; fail=1; return
+  fi
+  echo "=== $name (limit $limit s, $(( t0 - start )) s in)"
+  timeout "$limit" "$@" >"$log" 2>&1
   local rc=$?
-  echo "=== $name: exit $rc"
+  tail -n 25 "$log"
+  echo "=== $name: exit $rc after $(( $(date +%s) - t0 )) s"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" >>"$OUT/steps.tsv"
   [ "$rc" = 0 ] || fail=1
 }
+wants() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
 
-# 2. megatron-core sequence parallelism on CUDA
-step "megatron-core SP on CUDA" 200 "$OUT/megatron.log" \
+if [ "$CPU" = 1 ]; then
+  DEV=cpu; SIZES=16k,64k; BENCH_EXTRA="--check 8k --repeats 2 --warmup 1"; SYNC_EXTRA="--numel 64k --worlds ranks"
+  E2E_EXTRA="--config configs/gpt_tiny.yaml --micro-batch 2 --seq-length 32 --iters 1 --warmup 1"
+else
+  DEV=cuda; SIZES=16M,256M; BENCH_EXTRA="--repeats 10 --warmup 2"; SYNC_EXTRA="--numel 4M --strict"
+  E2E_EXTRA="--config configs/gpt_125m.yaml --micro-batch 4 --seq-length 1024 --iters 8 --warmup 3"
+fi
+
+wants triton && step "triton kernel tests" 110 "$OUT/triton.log" \
+  python3 -m pytest -v --tb=short -p no:cacheprovider tests/test_kernels_triton.py -k cuda
+for dt in fp32 bf16; do
+  wants bench && step "codec kernels $dt" 100 "$OUT/bench_$dt.log" \
+    python3 -m benchmarks.bench_kernels_gpu --device $DEV --dtype $dt --numel $SIZES \
+      --codecs int8,int4,int2,fp8_e4m3,sign --ef $BENCH_EXTRA --json "$OUT/bench_$dt.json"
+done
+wants sync && step "host synchronisations" 70 "$OUT/sync_check.log" \
+  python3 -m benchmarks.sync_check --device $DEV --ranks 2 $SYNC_EXTRA --out "$OUT"
+wants e2e && step "end to end" 130 "$OUT/e2e.log" \
+  python3 -m benchmarks.gpu_e2e --device $DEV --ranks 2 $E2E_EXTRA --out "$OUT"
+
+# optional: the earlier checks of benchmarks/results/gpu_checks/README.md
+wants megatron && step "megatron-core SP on CUDA" 200 "$OUT/megatron.log" \
   python3 -m pytest -q -rs -p no:cacheprovider tests/test_integrations_megatron.py -k cuda
-
-# 3. allocator statistics, ZeRO-1 vs ZeRO-2, DP 4 on one GPU
-cat >/tmp/dc_zero_alloc.py <<'EOF'
+if wants zero_alloc; then
+  cat >/tmp/dc_zero_alloc.py <<'EOF'
 """ZeRO-1 vs ZeRO-2 with torch.cuda's allocator statistics: DP ranks (gloo) on one GPU, each in its own process.
 Per rank and stage: allocated at the iteration's start, the peak of forward / backward (the buckets'
 reduce-scatters start in backward) / optimizer step, the iteration's peak and its growth over the start."""
@@ -189,21 +227,14 @@ def main():
 if __name__ == "__main__":
     main()
 EOF
-step "ZeRO-1 vs ZeRO-2 allocator statistics" 180 "$OUT/zero_alloc.md" python3 /tmp/dc_zero_alloc.py
+  step "ZeRO-1 vs ZeRO-2 allocator statistics" 180 "$OUT/zero_alloc.md" python3 /tmp/dc_zero_alloc.py
+fi
+if wants memory; then
+  step "memory_bench --device cuda zero1,zero2" 200 "$OUT/memory_bench.log" \
+    python3 benchmarks/memory_bench.py --device cuda --dp 4 --methods zero1,zero2 --out /tmp/dc_zero2 --timeout 190
+  cp /tmp/dc_zero2/table.md "$OUT/zero2_table.md" 2>/dev/null
+fi
 
-# 4. memory_bench's tracked split with its CUDA column (only the tables come back)
-step "memory_bench --device cuda zero1,zero2" 200 "$OUT/memory_bench.log" \
-  python3 "$MB" --device cuda --dp 4 --methods zero1,zero2 --out /tmp/dc_zero2 --timeout 190
-cp /tmp/dc_zero2/table.md "$OUT/zero2_table.md" 2>/dev/null
-cp /tmp/dc_zero2/results.json "$OUT/zero2_results.json" 2>/dev/null
-
-echo "=== waiting for the Triton tests ($(( $(date +%s) - start )) s in)"
-wait "$triton_pid"
-trc=$(cat /tmp/dc_triton.rc 2>/dev/null || echo missing)
-tail -n 30 "$OUT/triton.log"
-echo "=== Triton kernel tests: exit $trc"
-[ "$trc" = 0 ] || fail=1
-wait
-cat /tmp/dc_build.log
-echo "=== device_checks: done in $(( $(date +%s) - start )) s, $( [ $fail = 0 ] && echo 'every step passed' || echo 'a step FAILED')"
+python3 -m benchmarks.gpu_report "$OUT" --command "$COMMAND" || fail=1
+echo "=== device_checks: done in $(( $(date +%s) - start )) s, $( [ $fail = 0 ] && echo 'every step passed' || echo 'a step FAILED or was skipped'); the page: $OUT/README.md"
 exit $fail
