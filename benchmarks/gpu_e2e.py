@@ -134,8 +134,9 @@ def _measure(rank, args, setting, gpt, groups, dev, cuda) -> dict:
 def _flops_per_token(gpt, seq_length: int) -> float:
     from megacomp.plan.workload import ModelSpec
 
-    spec = ModelSpec(gpt.num_layers, gpt.hidden_size, gpt.num_attention_heads, seq_length, gpt.vocab_size, 1, 1,
-                     gpt.ffn_hidden_size)
+    spec = ModelSpec(num_layers=gpt.num_layers, hidden_size=gpt.hidden_size,
+                     num_attention_heads=gpt.num_attention_heads, seq_length=seq_length, vocab_size=gpt.vocab_size,
+                     ffn_hidden_size=gpt.ffn_hidden_size)
     return spec.flops_per_token
 
 
