@@ -44,6 +44,8 @@ def test_layout_checks():
             lay.check(m)
     with pytest.raises(ValueError, match="does not match 16 GPUs"):
         Layout(2, 2, 2).check(m, 16)
+    with pytest.raises(ValueError, match="TP 4 does not divide the 2 key/value heads"):
+        Layout(4, 1, 1).check(ModelSpec(4, 64, 4, 32, 128, 2, 16, num_query_groups=2))
 
 
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,

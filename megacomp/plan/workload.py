@@ -175,6 +175,9 @@ class Layout:
         if model.num_attention_heads % self.tp or model.hidden_size % self.tp:
             raise ValueError(f"TP {self.tp} does not divide the {model.num_attention_heads} heads / hidden "
                              f"{model.hidden_size} of {model.name}: pick a TP size that divides both")
+        if model.num_query_groups and model.num_query_groups % self.tp:
+            raise ValueError(f"TP {self.tp} does not divide the {model.num_query_groups} key/value heads of "
+                             f"{model.name}: pick a TP size that divides num_query_groups")
         if model.num_layers % (self.pp * self.vp):
             raise ValueError(f"PP {self.pp} x VP {self.vp} does not divide the {model.num_layers} layers of "
                              f"{model.name}: pick stages (and chunks) that divide the layer count")
