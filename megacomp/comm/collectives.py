@@ -26,9 +26,12 @@ to fp32 round-off; versus the exact sum the error is at most the sum over ranks 
 per-element bound (see megacomp.compression.quantize). All-reduce over more than two ranks adds one
 more quantization of the reduced shard.
 
-Failure behaviour: every call first all-gathers a small description of its arguments (``validate``;
-see ``CommOptions.validate``) so that mismatched sizes, dtypes, codecs or ops raise the same ValueError on
-every rank instead of hanging; ``check_finite=True`` raises FloatingPointError naming the ranks whose
+Failure behaviour: every validated call (``CommOptions.validate``, or ``check_finite=True``) first meets the
+other members of its group in the rendezvous store (megacomp.comm.group_check), so ranks that pass different
+groups (a subset, or another group of the same members) all raise one ValueError naming each rank's group within
+seconds, before any collective is issued; it then all-gathers a small description of its arguments (``validate``)
+so that mismatched sizes, dtypes, codecs or ops raise the same ValueError on every rank instead of hanging. With
+validation off neither runs (no store traffic). ``check_finite=True`` raises FloatingPointError naming the ranks whose
 input holds inf/NaN. Otherwise inf/NaN propagate (they never decode to finite values). Only SUM and
 AVG are supported with a lossy codec; dtypes other than float32/bfloat16/float16/float64 need
 ``codec=None``. A group of one rank sends nothing and applies no codec.
@@ -89,9 +92,10 @@ def _refusal(check: Callable[[], None]) -> Optional[Exception]:
 
 def _raise_or_validate(ch, validate: Optional[bool], check_finite: bool, problem: Optional[Exception], what: str,
                        group, fields: dict, codec, device, tag: str, nonfinite=None, **kw) -> None:
-    """The cross-rank check of a call (with this rank's local ``problem``), or, validation off, ``problem`` raised
-    here (the other ranks may then wait: turning validation off trusts the caller). ``codec`` names the codec in
-    a mismatch's message (None: the call has no codec field)."""
+    """The cross-rank check of a call (with this rank's local ``problem``): the group meeting in the store, then the
+    arguments' all-gather; or, validation off, ``problem`` raised here (the other ranks may then wait: turning
+    validation off trusts the caller). ``codec`` names the codec in a mismatch's message (None: the call has no codec
+    field)."""
     if ch.validates(validate) or check_finite:
         group_check.CHECK.check(what, group)  # the ranks meet in the store first: a mismatched group cannot hang
         _common.validate(what, group, fields, nonfinite=nonfinite, tag=tag, device=device, local=problem,

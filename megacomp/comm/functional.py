@@ -51,7 +51,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group=None, async_op: bool
     megacomp.comm.collectives). ``tag`` names the traffic in ``comm.stats()`` (default 'all_reduce').
 
     Raises:
-        ValueError: mismatched numel/dtype/codec/op across ranks (validation), an op other than SUM/AVG with a
+        ValueError: mismatched numel/dtype/codec/op/group across ranks (validation), an op other than SUM/AVG with a
             lossy codec, or ``error_feedback`` that is not an ErrorFeedback / used without a lossy codec.
         FloatingPointError: ``check_finite=True`` and some rank's input holds inf/NaN (names the ranks).
         TypeError: a non-float dtype with a lossy codec."""
