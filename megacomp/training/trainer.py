@@ -19,7 +19,6 @@ boundary and return normally. ``--load DIR`` with no checkpoint in DIR starts fr
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import functools
 import math
@@ -41,17 +40,16 @@ from ..pipeline_parallel import (PipelineCommunicator, forward_backward_pipelini
                                  forward_backward_pipelining_without_interleaving)
 from .arguments import PretrainConfig, check, resolve, virtual_chunks
 from .pretrain_config import MODEL_OPTION_FIELDS
-from .checkpoint import latest_iteration, load_checkpoint, load_model_weights, save_checkpoint, select_checkpoint
-from .checkpoint_integrity import SaveDirLock
+from .checkpoint import latest_iteration
 from .evaluation import Evaluation
-from .checkpoint_paths import (check_save_dir, discard_checkpoint, last_checkpoint_clause, prune_checkpoints,
-                               remove_partial_saves, resolve_load)
+from .checkpoint_paths import discard_checkpoint, last_checkpoint_clause
 from .features import FEATURES
 from .guard import DivergenceGuard, TrainingDiverged
 from .metrics_log import MetricsLogger, Progress, gather_traffic
 from .report import RunTotals, banner, describe_model, dp_hops_line
 from .report import layout_tiers, tiers_line
 from .trackers import Trackers
+from .trainer_state import TrainerCheckpointing
 from .signals import DEFAULT_SIGNALS, ExitSignals, log_error_line, stop_requested
 
 
@@ -64,7 +62,7 @@ def learning_rate(cfg: PretrainConfig, it: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-class Trainer:
+class Trainer(TrainerCheckpointing):
     """Builds everything for one rank and runs the iterations. The training families a configuration selects
     (megacomp.training.features) are built and called through their hooks; the public attributes below are what
     they read and set.
@@ -172,30 +170,7 @@ class Trainer:
         self.is_logger = dist.get_rank() == 0
         resumed = None
         self.guard = DivergenceGuard(t.max_skipped_steps, t.loss_divergence_factor)  # _load restores its state
-        c = cfg.checkpoint
-        load = resolve_load(c.load)  # a file, an iteration directory, an unreadable one: one line (ValueError)
-        if c.finetune and c.save and latest_iteration(c.save) is not None:  # a restarted fine-tuning job
-            note = self._load(c.save)
-            resumed = f"resumed the fine-tuning run from {c.save} at iteration {self.iteration} (--finetune: " \
-                      f"{c.load} is only read when {c.save} holds no checkpoint yet)" + (f"; {note}" if note else "")
-        elif c.finetune:  # raises FileNotFoundError when --load holds no checkpoint
-            # no checkpoint at all: load_model_weights says so in fine-tuning's words
-            it, note = (select_checkpoint(load.root, c.load_fallback, load.iteration) if load.has_checkpoint
-                        else (None, None))
-            it = load_model_weights(load.root, self.model, self.groups, self.run_info(), iteration=it)
-            for f in self.features:
-                f.weights_loaded(self)  # e.g. the optimizer's fp32 masters from the loaded weights
-            resumed = (f"fine-tuning from the model weights of {c.load} (iteration {it}); optimizer, RNG, error "
-                       f"feedback and data order start fresh at iteration 0") + (f"; {note}" if note else "")
-        elif load.has_checkpoint:
-            note = "; ".join(n for n in (load.note, self._load(load.root, load.iteration)) if n)
-            resumed = f"resumed from {load.root} at iteration {self.iteration}" + (f"; {note}" if note else "")
-        elif c.load:
-            resumed = load.note
-        if self.lock is not None:  # this run owns --save: saves a killed run left half-written go (chosen already)
-            gone = remove_partial_saves(c.save)
-            chosen = chosen + ([f"removed {len(gone)} partial save(s) an interrupted run left: {', '.join(gone)}"]
-                               if gone else [])
+        resumed, chosen = self._resume(chosen)  # --load / --finetune (megacomp.training.trainer_state)
         self.resumed = self.iteration > 0
         self.totals = RunTotals()
         # --tensorboard-dir, --wandb-project: rank 0 writes what metrics.jsonl gets (megacomp.training.trackers)
@@ -250,93 +225,6 @@ class Trainer:
         cfg, tp = self.cfg, self.groups.tp_size
         s = cfg.model.seq_length // tp if cfg.parallel.sequence_parallel else cfg.model.seq_length
         return (s, cfg.training.micro_batch_size, cfg.model.hidden_size)
-
-    def run_info(self) -> dict:
-        """The run's configuration as recorded in megacomp.json (the fields a resume must match), under the flat
-        names (checkpoints written before the configuration became a tree compare equal)."""
-        info = {k: v for k, v in self.cfg.flat().items()}
-        info["vocab_size"] = self.gpt.vocab_size
-        # the error probe is a diagnostic: a resume may turn it on, off or change its interval
-        info["compression_resolved"] = {k: v for k, v in self.compression_spec.to_dict().items()
-                                        if k != "error_probe_interval"}
-        info["world_size"] = self.world
-        return info
-
-    # -- state -------------------------------------------------------------------------------------
-    def _extra_state(self) -> dict:
-        # the channels' error feedback (TP backward per layer, PP gradients per slot) and stochastic streams;
-        # the DP gradient error lives in the optimizer's sharded state; each family's own under its key
-        extra = {"rng": torch.get_rng_state(),
-                 "cuda_rng": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-                 "channels": self.channels.state_dict(skip_error_feedback=("dp_gradient",)),
-                 "guard": self.guard.state_dict(),  # the lowest loss so far: a resumed run judges against it
-                 "evaluation": self.evaluation.state_dict()}  # the validation losses so far
-        extra.update({f.state_key: None for f in FEATURES if f.state_key})
-        extra.update({f.state_key: f.state_dict() for f in self.features if f.state_key})
-        return extra
-
-    def _lock_save_dir(self, save: Optional[str]) -> tuple[Optional[SaveDirLock], Optional[str]]:
-        """Rank 0 takes the lock of the ``--save`` directory (megacomp.training.checkpoint_integrity); every rank
-        raises the same ValueError when another live run holds it. Returns (rank 0's lock, a banner line when a
-        stale lock was taken over)."""
-        if not save:
-            return None, None
-        lock, outcome = None, (None, None)
-        if dist.get_rank() == 0:
-            lock = SaveDirLock(save)
-            try:
-                check_save_dir(save)  # a file, or one iteration's checkpoint: one line naming the directory to use
-                outcome = (lock.acquire(), None)
-                atexit.register(lock.release)  # also when construction fails after this point
-            except ValueError as e:
-                lock, outcome = None, (None, str(e))
-            except OSError as e:
-                lock, outcome = None, (None, f"--save {save}: cannot create the checkpoint directory or its lock "
-                                             f"({e.strerror or e}); point --save at a writable directory")
-        box = [outcome]
-        dist.broadcast_object_list(box, src=0)
-        if box[0][1]:
-            raise ValueError(box[0][1])
-        return lock, box[0][0]
-
-    def _load(self, root: str, iteration: Optional[int] = None) -> Optional[str]:
-        """Resume from the checkpoint under ``root`` that verifies (select_checkpoint; ``iteration``: the one
-        ``--load`` named); returns the note when it is not the latest (``--load-fallback``)."""
-        it, note = select_checkpoint(root, self.cfg.checkpoint.load_fallback, iteration)
-        self.iteration, extra = load_checkpoint(root, self.model, self.optimizer, self.groups, self.run_info(),
-                                                replica=self.replica, iteration=it)
-        torch.set_rng_state(extra["rng"])
-        if extra.get("cuda_rng") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(extra["cuda_rng"])
-        self.channels.load_state_dict(extra["channels"])  # error feedback and seeded stochastic streams continue
-        active = {f.state_key: f for f in self.features if f.state_key}
-        for key in sorted({f.state_key for f in FEATURES if f.state_key}):
-            if (extra.get(key) is None) != (key not in active):
-                raise ValueError(f"checkpoint {root} was written {'with' if extra.get(key) is not None else 'without'} "
-                                 f"{key} state and this run is {'with' if key in active else 'without'} it; resume "
-                                 f"with the same settings (e.g. the same --outer-algorithm and compression)")
-            if key in active:
-                active[key].load_state_dict(extra[key])
-        guard = extra.get("guard") or {}  # a checkpoint from before the guard's state was saved: a fresh guard
-        self.guard.load_state_dict(guard)
-        self.evaluation.load_state_dict(extra.get("evaluation"))
-        notes = ([note] if note else []) + list(extra.get("resharded") or [])  # another layout: what moved, what reset
-        return "\n  ".join(notes) or None
-
-    def save(self) -> None:
-        """Write a checkpoint of this iteration under ``checkpoint.save`` (a collective: every rank calls it), say
-        where (rank 0), and keep only the newest ``keep_checkpoints`` when that is set. Work in flight lands first
-        (the families' ``before_save``: e.g. ACCO's update, the overlapped parameter all-gather)."""
-        c = self.cfg.checkpoint
-        with contextlib.ExitStack() as stack:
-            for f in self.features:
-                stack.enter_context(f.before_save(self))
-            path = save_checkpoint(c.save, self.iteration, self.model, self.optimizer, self._extra_state(),
-                                   self.groups, self.run_info(), replica=self.replica, lock=self.lock)
-        if self.is_logger:
-            removed = prune_checkpoints(c.save, c.keep_checkpoints) if c.keep_checkpoints else []
-            extra = f" (removed {len(removed)} older: --keep-checkpoints {c.keep_checkpoints})" if removed else ""
-            print(f"megacomp-pretrain: saved checkpoint to {path}{extra}", flush=True)
 
     # -- one iteration -------------------------------------------------------------------------------
     def _micro_batches(self) -> list:
