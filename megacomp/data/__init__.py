@@ -19,7 +19,7 @@ datasets are read with megatron-core's reader (:class:`IndexedTokenDataset`) and
 from __future__ import annotations
 
 from .blend import BlendedDataset, parse_data_path
-from .build import Datasets, build_datasets
+from .run_datasets import Datasets, build_datasets
 from .corpus import collect_files, corpus_fingerprint, default_corpus_files, iter_documents
 from .dataset import TokenDataset, build_token_file, read_index, token_dtype
 from .indexed import IndexedTokenDataset

@@ -118,7 +118,7 @@ class Trainer(TrainerCheckpointing):
         self.channels = self.compression.build_channels(  # one per traffic path, used by everything below
             g, dp_hierarchy=self.dp_hierarchy, dp_link=self.topology.slowest_link(g.dp_ranks))
         d = cfg.data
-        # the corpus or Megatron indexed data, the tokenizer, --split (megacomp.data.build); valid/test None when empty
+        # the corpus or Megatron indexed data, the tokenizer, --split (megacomp.data.run_datasets); valid/test None when empty
         self.data = build_datasets(d.data_path, cfg.model.seq_length, vocab_size=cfg.model.vocab_size,
                                    cache_dir=d.data_cache_dir, max_bytes=d.tokenizer_max_bytes, seed=t.seed,
                                    tokenizer_type=d.tokenizer_type, tokenizer_model=d.tokenizer_model,
