@@ -139,13 +139,14 @@ class _Call:
         self.store, self.me, self.what, self.name, self.n, self.ranks = store, me, what, name, n, ranks
         self.key = _count_key(name, n)
         self.record = [name, n, ranks, what]
-        self.recorded = False
+        self.recorded = False  # whether at/<me> names this call (emptied when the rank leaves it)
+        self.searcher = False  # whether this rank posted the call first: it searches for a deadlock, the others wait
 
     def meet(self) -> Optional[dict]:
         """Post this call and wait until every member did (None) or a verdict came (the verdict)."""
         size = len(self.ranks)
         count = self.store.add(self.key, 1)
-        self.searcher = count == 1  # the first to arrive searches for a deadlock; the others only wait
+        self.searcher = count == 1
         if count == size:
             if self.n:  # every member has left call n - 1 (each posted call n after it)
                 self.store.delete_key(_count_key(self.name, self.n - 1))
