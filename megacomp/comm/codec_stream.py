@@ -103,6 +103,7 @@ class JoinedWork:
         self._joined = False
 
     def wait(self, timeout=None) -> bool:
+        """Join the side stream (once), then wait for the collective; True."""
         if not self._joined:
             self._joined = True
             self.stream.join(self.tag)
@@ -111,4 +112,5 @@ class JoinedWork:
         return True
 
     def is_completed(self) -> bool:
+        """Whether the collective's own handle reports it finished (no handle: True)."""
         return self.work is None or self.work.is_completed()

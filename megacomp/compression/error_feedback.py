@@ -117,6 +117,7 @@ class ErrorFeedback:
 
     @dropped.setter
     def dropped(self, value: dict[str, int]) -> None:
+        """Replace the drop counts (a checkpoint's), forgetting those still on the device."""
         self._dropped = dict(value)
         self._dropped_on_device = {}
 

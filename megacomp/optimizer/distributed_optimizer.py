@@ -213,6 +213,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
 
     @last_grad_norm.setter
     def last_grad_norm(self, value) -> None:
+        """Set it: a float, or a one-element tensor on the device (read back only when asked for)."""
         self._last_grad_norm = value
 
     @property
