@@ -1,7 +1,7 @@
-"""scripts/device_checks.sh, the one command of a lent GPU session, proven on CPU before the GPU's clock runs: its
-CPU dry run (DEVICE_CHECKS_CPU=1: every step on CPU with tiny sizes) passes and writes the results page with every
-section, and without a GPU the plain command says so in one line with exit status 77. The page writer's targets
-are checked on a hand-made measurement file."""
+"""scripts/device_checks.sh, the one command of a lent GPU session: without a GPU the plain command says so in one line
+with exit status 77, and the page writer's targets are checked on a hand-made measurement file. Its CPU dry run
+(DEVICE_CHECKS_CPU=1: every step on CPU with tiny sizes, about 2 minutes) is a CI stage of its own,
+scripts/ci_device_checks_cpu.sh, which checks the page it writes."""
 from __future__ import annotations
 
 import json
@@ -16,29 +16,6 @@ from benchmarks import gpu_report
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "device_checks.sh"
-
-
-def test_cpu_dry_run_writes_the_page(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), DEVICE_CHECKS_CPU="1", OMP_NUM_THREADS="1")
-    res = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=400)
-    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
-    page = (tmp_path / "README.md").read_text()
-    assert page.startswith("# Device checks: CPU (DEVICE_CHECKS_CPU=1 dry run)")
-    assert f"Command: `OUT={tmp_path} DEVICE_CHECKS_CPU=1 bash scripts/device_checks.sh`" in page
-    for section in ("## 1. Triton", "## 2. Codec kernels", "### fp32 inputs", "### bf16 inputs",
-                    "## 3. Host synchronisations", "**Verdict: PASS**", "## 4. End to end", "| off |", "| on (int8"):
-        assert section in page, section
-    steps = [row.split("\t") for row in (tmp_path / "steps.tsv").read_text().splitlines()]
-    assert [s[0] for s in steps] == ["triton kernel tests", "codec kernels fp32", "codec kernels bf16",
-                                     "host synchronisations", "end to end"]
-    assert all(s[1] == "0" for s in steps), steps
-    assert (tmp_path / "trace_on_rank0.json.gz").stat().st_size > 0
-    for dt in ("fp32", "bf16"):
-        rows = json.loads((tmp_path / f"bench_{dt}.json").read_text())["rows"]
-        codecs = {r["codec"].split("/")[0] for r in rows if r["op"] != "memcpy copy_"}
-        assert codecs == {"int8", "int4", "int2", "fp8_e4m3", "sign"}
-        assert {r["numel"] for r in rows} == {16 * 1024, 64 * 1024}
-        assert sum(r["op"].startswith("ef step") for r in rows) == 10
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the line printed where there is no GPU")
