@@ -9,6 +9,7 @@
   and stalled in its collective past the other's quorum timeout.
 - Gone for good: every group saves its last committed iteration under ``--save`` and ends with exit status 4 and
   one line naming the Lighthouse's address, the timeout flag and the fix (restart it, resume with ``--load``).
+- ``--load`` of that checkpoint continues from its iteration (the quorum's counters are in the checkpoint).
 - torchft's own INFO lines (a heartbeat failure every few hundred ms while the Lighthouse is down) stay out of
   the output unless ``RUST_LOG`` asks for them.
 """
@@ -20,8 +21,12 @@ import subprocess
 import sys
 import time
 
+from dataclasses import replace
+
 import pytest
 import yaml
+from distributed import run_ranks
+from training_runs import train_losses
 
 from megacomp.integrations.torchft import QUORUM_RETRY_S, lighthouse_answers, quorum_retries
 from megacomp.integrations.torchft_lighthouse import import_torchft
@@ -148,3 +153,8 @@ def test_a_restarted_lighthouse_is_survived_and_a_lost_one_ends_each_group_in_on
     assert took < QUORUM_TIMEOUT_S + 25
     assert "torchft::" not in texts[1] and "[INFO]" not in texts[1]  # quiet by default
     assert "Failed to send heartbeat to lighthouse" in texts[0]  # RUST_LOG=info shows torchft's own lines
+    # the advice works: --load continues from the saved iteration (the quorum's counters come with the checkpoint)
+    resume = replace(base, fault_tolerance="torchft", ft_lighthouse="local", ft_replica_id="1",
+                     load=str(tmp_path / "ck1"), train_iters=last + 2)
+    [(losses, reached)] = run_ranks(train_losses, 1, resume, timeout=300, start_method="spawn")
+    assert len(losses) == 2 and reached == last + 2

@@ -361,6 +361,15 @@ class ReplicaQuorum:
         """Committed steps (the same on every live replica)."""
         return self.manager.current_step()
 
+    def state_dict(self) -> dict:
+        """The quorum's counters for a checkpoint: committed steps and replica-batches (torchft's Manager state)."""
+        return self.manager.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the counters of :meth:`state_dict` (a run resumed from a checkpoint: every group resumed from
+        the same committed step meets the others there; one behind heals from them)."""
+        self.manager.load_state_dict({"step": int(state["step"]), "batches_committed": int(state["batches_committed"])})
+
     def shutdown(self) -> None:
         """Leave the quorum (the others notice after the Lighthouse's heartbeat timeout)."""
         self.manager.shutdown(wait=False)

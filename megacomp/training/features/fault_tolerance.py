@@ -165,6 +165,7 @@ class FaultTolerance(Feature):
     name = "fault_tolerance"
     CONFIG = FaultToleranceConfig
     config_key = "ft"
+    state_key = "torchft"  # the quorum's counters: a run resumed with --load continues its iterations and data
 
     @classmethod
     def selected(cls, cfg) -> bool:
@@ -382,6 +383,15 @@ class FaultTolerance(Feature):
             record["iteration"] = run.iteration
         record.update(ft_time=time.time(), ft_replicas=q.replicas if q else None, ft_quorum_id=q.quorum_id if q else None,
                       ft_healed=bool(q.healed) if q else False, ft_committed=self.committed)
+
+    def state_dict(self) -> dict:
+        """The quorum's committed steps and replica-batches, and the iteration they count from (per step: the
+        iteration is ``start + committed steps`` and the data position ``batches_committed + rank``)."""
+        return {**self.ft.state_dict(), "start": self.start}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.start = int(state["start"])
+        self.ft.load_state_dict(state)
 
     def close(self, run) -> None:
         self.ft.shutdown()
