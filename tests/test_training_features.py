@@ -145,7 +145,11 @@ def test_every_family_builds_from_one_yaml_that_sets_every_path(tmp_path):
     path = tmp_path / "every_path.yaml"
     assert set(ALL_TRAFFIC_PATHS) <= set(EVERY_PATH)
     path.write_text(yaml.safe_dump({"compression": EVERY_PATH}))
+    # the Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied output): every family
+    # trains it with every path compressed; the GPT's families are pinned by tests/test_golden.py's features
     base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=32, vocab_size=512,
+                position_embedding_type="rope", normalization="RMSNorm", swiglu=True, num_query_groups=2,
+                add_bias_linear=False, untie_embeddings_and_output_weights=True,
                 micro_batch_size=2, train_iters=3, lr=1e-3, lr_warmup_iters=2,
                 data_path=default_corpus_files()[:40], data_cache_dir=str(tmp_path / "cache"),
                 tokenizer_max_bytes=400_000, log_interval=1000, loss_divergence_factor=0.0)

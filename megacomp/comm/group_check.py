@@ -47,8 +47,8 @@ last of them arriving (the first search's delay, then the search interval). A me
 collective, or called it with validation off) leaves the others waiting until the store's timeout
 (``init_process_group``'s); the first to give up words a RuntimeError naming the missing ranks and poisons the call
 (a compare-and-set on the counter, so a member arriving at that moment completes it instead), and every posted
-member raises that line. Validated calls of one process must come from one thread at a time (their order must match
-across ranks anyway); a call issued while another thread is in this check skips it.
+member raises that line. Only calls from the main thread are checked: a background thread's calls (ACCO's update, the
+overlapped parameter all-gather) come from the same thread on every rank and keep only the argument validation.
 """
 from __future__ import annotations
 
@@ -84,7 +84,6 @@ class GroupCheck:
         self._store = None
         self._counters: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._busy = False
 
     def check(self, what: str, group) -> None:
         """Meet the other members of ``group`` for collective ``what`` in the store (see the module docstring).
@@ -99,14 +98,14 @@ class GroupCheck:
         ranks = group_ops.member_ranks(g)
         if len(ranks) < 2:
             return
+        # only the main thread's calls meet: which thread issues a call is decided by the code path, the same on every
+        # rank (ACCO's and the overlapped all-gather's background threads on all of them), so every rank counts the
+        # same calls per group; skipping a call because another thread happened to be in a check would not be
+        # (a rank whose count falls behind leaves its peers waiting for a call it never posts)
+        if threading.current_thread() is not threading.main_thread():
+            return
         with self._lock:
-            if self._busy:  # another thread of this process is in a check: one call at a time per rank
-                return
-            self._busy = True
-        try:
             self._check(what, g, ranks)
-        finally:
-            self._busy = False
 
     def _check(self, what: str, g, ranks: list[int]) -> None:
         store = self._bind()
