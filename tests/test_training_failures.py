@@ -153,6 +153,17 @@ def test_an_exploding_loss_stops_even_when_its_gradients_overflowed_too():
     assert "step skipped (inf/NaN gradients)" in tolerant.observe(2, 4.3e12, False, 1e6)
 
 
+def test_a_step_a_quorum_did_not_commit_is_said_and_not_counted_as_a_bad_step():
+    """A fault-tolerance quorum that did not commit a step (a replica group lost or joining) excuses it: the note says
+    why, and however many in a row, the run is not called diverged (the gradients were not at fault)."""
+    guard = DivergenceGuard(max_skipped_steps=1)
+    why = "not committed: the torchft quorum changed during the step; it is retried"
+    for it in range(1, 5):
+        assert guard.observe(it, 6.0, False, 1e-3, why) == f"iteration {it}: step not taken ({why})"
+    assert (guard.consecutive, guard.skipped_total) == (0, 0)
+    assert "step skipped (non-finite loss)" in guard.observe(5, float("nan"), False, 1e-3, why)  # a NaN still counts
+
+
 def test_skipped_steps_are_tolerated_up_to_the_limit(base):
     """Inf/NaN gradients skip the step; more than max_skipped_steps in a row stop the run, on every rank."""
     cfg = replace(base, train_iters=6, lr=1e6, loss_divergence_factor=0.0, max_skipped_steps=2)

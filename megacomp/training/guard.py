@@ -52,8 +52,10 @@ class DivergenceGuard:
         if self.loss_divergence_factor < 0 or (0 < self.loss_divergence_factor <= 1):
             raise ValueError(f"loss_divergence_factor must be 0 (off) or > 1, got {self.loss_divergence_factor}")
 
-    def observe(self, iteration: int, loss: float, stepped: bool, lr: float) -> Optional[str]:
-        """Account iteration ``iteration`` (1-based); returns a note to print for a tolerated bad step.
+    def observe(self, iteration: int, loss: float, stepped: bool, lr: float, excused: Optional[str] = None) -> Optional[str]:
+        """Account iteration ``iteration`` (1-based); returns a note to print for a tolerated bad step. ``excused``:
+        why a step with a finite loss was not taken for a reason other than its gradients (a fault-tolerance quorum
+        that did not commit it): said in the note, not counted as a bad step.
 
         Raises:
             TrainingDiverged: too many consecutive bad steps, or an exploding loss (the message names the
@@ -67,6 +69,8 @@ class DivergenceGuard:
                 f"training diverged at iteration {iteration}: loss {loss:.4g} is more than "
                 f"--loss-divergence-factor {self.loss_divergence_factor:g} x the lowest loss so far "
                 f"({self.best_loss:.4g}); lower --lr (now {lr:.3g}), then resume from the last checkpoint")
+        if not stepped and finite and excused:
+            return f"iteration {iteration}: step not taken ({excused})"
         if not stepped or not finite:
             self.consecutive += 1
             self.skipped_total += 1

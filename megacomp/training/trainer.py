@@ -362,7 +362,8 @@ class Trainer(TrainerCheckpointing):
                         self.metrics.log(record)  # before the verdict: a diverging iteration is on record too
                     except OSError as e:  # rank 0 only: the ranks stop together at this boundary, after saving
                         log_error = e
-                note = self.guard.observe(self.iteration, record["loss"], not record["skipped"], record["lr"])
+                note = self.guard.observe(self.iteration, record["loss"], not record["skipped"], record["lr"],
+                                          record.get("skip_reason"))
                 if note and self.is_logger:
                     print(f"megacomp-pretrain: {note}", flush=True)
                 signalled, log_error = stop_requested(signals, log_error, self.device,  # agreed by every rank

@@ -383,6 +383,9 @@ class FaultTolerance(Feature):
             record["iteration"] = run.iteration
         record.update(ft_time=time.time(), ft_replicas=q.replicas if q else None, ft_quorum_id=q.quorum_id if q else None,
                       ft_healed=bool(q.healed) if q else False, ft_committed=self.committed)
+        if not self.committed and record["skipped"]:
+            # a replica group lost or joining: the step is retried, it says nothing about the gradients' health
+            record["skip_reason"] = "not committed: the torchft quorum changed during the step; it is retried"
 
     def state_dict(self) -> dict:
         """The quorum's committed steps and replica-batches, and the iteration they count from (per step: the
