@@ -125,10 +125,13 @@ def build_datasets(data_path: Optional[Sequence[str]], seq_length: int, *, vocab
         data_path: None (the default corpus), corpus files / folders, or indexed prefixes with optional weights.
         seq_length: tokens per sample.
         vocab_size: the vocabulary to train when no ``tokenizer_type`` is given.
-        cache_dir, max_bytes: the token cache and the text the tokenizer trains on (:func:`prepare_data`).
+        cache_dir: the token cache (:func:`prepare_data`).
+        max_bytes: the text the tokenizer trains on (:func:`prepare_data`).
         seed: seeds the blend's walk over each dataset (the sampler's order has its own seed).
-        tokenizer_type, tokenizer_model, vocab_file, merge_file: Megatron's tokenizer flags
-            (:func:`~megacomp.data.tokenizer_files.build_tokenizer`).
+        tokenizer_type: Megatron's ``--tokenizer-type`` (:func:`~megacomp.data.tokenizer_files.build_tokenizer`).
+        tokenizer_model: ``--tokenizer-model``: a tokenizer.json, its folder, or a sentencepiece model.
+        vocab_file: ``--vocab-file`` (GPT2BPETokenizer's vocab.json).
+        merge_file: ``--merge-file`` (GPT2BPETokenizer's merges.txt).
         json_keys: the JSON keys of ``*.jsonl`` corpus files (default ``text``).
         split: Megatron's ``--split`` (None: no split).
 
