@@ -208,7 +208,8 @@ class CheckpointConfig:
     """Keep only the newest this many checkpoints under --save (0 = keep all)."""
     allow_data_order_change: bool = False
     """Resume although a field that decides which samples an iteration sees (seed, data path, dataset samples,
-    global batch size, tokenizer bytes) differs from the checkpoint's; without it such a resume is refused."""
+    global batch size, tokenizer bytes, split, the tokenizer's type and files, JSON keys) differs from the checkpoint's;
+    without it such a resume is refused."""
     load_fallback: bool = False
     """When the latest checkpoint under --load fails verification (a file's SHA-256 differs from its manifest, a
     file is missing or truncated), resume from the newest older one that verifies, saying so (without it the run
