@@ -92,7 +92,9 @@ def table(study: dict) -> list[str]:
                                       + (" — **changes** from the training-loss study" if v["changes"] else
                                          ", as in the training-loss study"))
         fewer = f"{row['fewer_bytes']:.1f}x" if "fewer_bytes" in row else "(baseline)"
-        lines.append(f"| {row['variant']} | {row['layout']} | {_pm(row['valid'])} | {_pm(row.get('diff_pct'), pct=True)}"
+        name = row["variant"] if row["seeds"] == list(study["seeds"]) else \
+            f"{row['variant']} (seeds {', '.join(map(str, row['seeds']))} only)"
+        lines.append(f"| {name} | {row['layout']} | {_pm(row['valid'])} | {_pm(row.get('diff_pct'), pct=True)}"
                      f" | {_pm(row.get('train_diff_pct'), pct=True)} | {row['wire_per_iter'] / 1e6:.2f} "
                      f"({row['raw_per_iter'] / 1e6:.2f}) | {fewer} | {before} | {said} |")
     return lines
