@@ -16,6 +16,17 @@ from pathlib import Path
 from typing import Optional
 
 
+RESULTS = Path(__file__).resolve().parent / "results"
+"""benchmarks/results/: the studies this page compares with are its sibling folders."""
+
+
+def study_page(name: str) -> str:
+    """The relative link from this study's page to study ``name``'s page (its README.md, else its convergence.md),
+    so that it resolves on GitHub and in the strict documentation build."""
+    page = "README.md" if (RESULTS / name / "README.md").exists() else "convergence.md"
+    return f"../{name}/{page}"
+
+
 def slug(name: str) -> str:
     """A folder name for a variant."""
     return "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
@@ -85,7 +96,7 @@ def table(study: dict) -> list[str]:
     refs = study.get("references", {})
     for row in variant_rows(study):
         ref = refs.get(row["variant"])
-        before = "—" if ref is None else (f"[{ref[0]}]({ref[0]}/): {ref[2]:+.2f}%"
+        before = "—" if ref is None else (f"[{ref[0]}]({study_page(ref[0])}): {ref[2]:+.2f}%"
                                           + (f" ± {ref[3]:.2f}%" if ref[3] is not None else "") + f" ({ref[1]})")
         v = row.get("verdict")
         said = "—" if v is None else (("within" if v["here"] else "not within") + f" {v['target']:g}%"
