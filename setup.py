@@ -24,8 +24,9 @@ setup(
     extras_require={
         # tokenizers: the data tests build HuggingFace / GPT-2 tokenizer files (megacomp.data.tokenizer_files)
         # tensorboard, wandb: the trackers' tests write real event and run files and read them back
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers", "tensorboard",
-                 "wandb"],
+        # (pinned: the versions CI tests; the data extra leaves tokenizers free for users)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers==0.23.3",
+                 "tensorboard==2.21.0", "wandb==0.31.0"],
         # HuggingFaceTokenizer / GPT2BPETokenizer files; Megatron indexed data also needs megatron-core (installed
         # --no-deps, see scripts/install.sh)
         "data": ["tokenizers"],
