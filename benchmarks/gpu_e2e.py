@@ -24,16 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import sys
-import tempfile
 import time
 import traceback
 from datetime import timedelta
 
 import torch
+from benchmarks.spawn_ranks import spawn_ranks
 
 CODEC_KERNELS = ("enc_rows", "enc_flat", "dec_rows", "dec_flat", "ef_rows", "amax_segments", "sign_rows",
                  "sign_segments", "sign_bits", "zero_unless")
@@ -141,21 +140,8 @@ def _flops_per_token(gpt, seq_length: int) -> float:
 
 
 def launch(settings, args):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, init_file = tempfile.mkstemp(prefix="gpu-e2e-")
-    os.close(fd)
-    os.unlink(init_file)
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, init_file, args, settings, q)) for r in range(args.ranks)]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=args.timeout) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    bad = [v for _, ok, v in out if not ok]
-    if bad:
-        raise RuntimeError("\n".join(bad))
-    return [v for _, _, v in sorted(out, key=lambda t: t[0])]
+    """``args.ranks`` spawned gloo ranks (benchmarks.spawn_ranks), each running every setting in turn."""
+    return spawn_ranks(_rank, args.ranks, (args, settings), timeout=args.timeout, prefix="gpu-e2e-")
 
 
 def table(results: dict, args, device_name: str) -> str:

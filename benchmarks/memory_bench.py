@@ -32,10 +32,8 @@ import argparse
 import functools
 import gc
 import json
-import multiprocessing as mp
 import os
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.memory_report import ZERO_GROUPS, grad_detail, plot, table, zero_table  # noqa: E402
 from megacomp.training.memory import PARTIAL, MemoryTracker, reset_rss_peak, rss  # noqa: E402
+from benchmarks.spawn_ranks import spawn_ranks  # noqa: E402
 
 
 # -- methods ----------------------------------------------------------------------------------------
@@ -344,29 +343,10 @@ def _worker(rank, world, init_file, args, method, queue):
 
 def launch(args, method: str) -> list[dict]:
     """Fresh processes per method (spawned, so no rank inherits another method's heap): ``args.dp`` gloo ranks."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    fd, init_file = tempfile.mkstemp(prefix="megacomp-membench-")
-    os.close(fd)
-    os.unlink(init_file)
-    procs = [ctx.Process(target=_worker, args=(r, args.dp, init_file, args, method, queue)) for r in range(args.dp)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
     try:
-        for _ in procs:
-            rank, ok, value = queue.get(timeout=args.timeout)
-            (results if ok else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        if os.path.exists(init_file):
-            os.unlink(init_file)
-    if errors:
-        raise RuntimeError(f"{method}: rank(s) {sorted(errors)} failed:\n" + "\n".join(errors.values()))
-    return [results[r] for r in range(args.dp)]
+        return spawn_ranks(_worker, args.dp, (args, method), timeout=args.timeout, prefix="megacomp-membench-")
+    except RuntimeError as e:
+        raise RuntimeError(f"{method}: {e}") from None
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -29,16 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
-import os
 import pathlib
 import sys
-import tempfile
 import traceback
 import warnings
 from datetime import timedelta
 
 import torch
+from benchmarks.spawn_ranks import spawn_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MARK = "# host sync:"
@@ -178,21 +176,8 @@ def rank_main(rank, world, init_file, args, q):
 
 
 def launch(world, args):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    fd, init_file = tempfile.mkstemp(prefix="sync-check-")
-    os.close(fd)
-    os.unlink(init_file)
-    procs = [ctx.Process(target=rank_main, args=(r, world, init_file, args, q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = [q.get(timeout=args.timeout) for _ in procs]
-    for p in procs:
-        p.join(timeout=30)
-    bad = [v for _, ok, v in out if not ok]
-    if bad:
-        raise RuntimeError("\n".join(bad))
-    return sorted(((r, v) for r, _, v in out), key=lambda t: t[0])
+    """``world`` spawned ranks (benchmarks.spawn_ranks): [(rank, its result)]."""
+    return list(enumerate(spawn_ranks(rank_main, world, (args,), timeout=args.timeout, prefix="sync-check-")))
 
 
 def verdict(results) -> tuple[bool, list[str]]:
