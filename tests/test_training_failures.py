@@ -393,8 +393,8 @@ def _heartbeat_body(rank, world):
     verdicts = []
     hb = Heartbeat(1.0, progress=lambda: 7, on_verdict=lambda line, claimed: verdicts.append((line, claimed)),
                    interval=0.1).start()
+    out = {"rank0_known_at_start": hb.known.get(0)}  # before any tick: the line for a lost store names rank 0
     dist.barrier()
-    out = {}
     if rank == 0:
         time.sleep(0.5)
         os.kill(pids[1], signal.SIGSTOP)
@@ -419,7 +419,9 @@ def _heartbeat_body(rank, world):
 def test_the_heartbeat_names_a_stopped_rank_and_tells_an_exited_one_apart():
     from megacomp.training.heartbeat import lost_line
 
-    out = run_ranks(_heartbeat_body, 2)[0]
+    out, out1 = run_ranks(_heartbeat_body, 2)
+    first = out1["rank0_known_at_start"]  # rank 1 read rank 0's first beat in start(), before its first tick
+    assert out["rank0_known_at_start"] is None and (first.rank, first.count, first.iteration) == (0, 1, 7)
     kind, [beat] = out["stalled"]
     assert kind == "lost" and (beat.rank, beat.iteration, beat.exit_status) == (1, 7, None)
     [(line, claimed)] = out["verdicts"]  # the watcher thread, once, and it was the first to claim

@@ -132,9 +132,23 @@ class Heartbeat:
         by a forced unwind through torch's C++ code, which aborts the process ("terminate called without an active
         exception") instead of exiting with its status."""
         self._beat()
+        if self.rank != 0 and self.world > 1:
+            self._learn_rank0()
         self._thread.start()
         atexit.register(self._halt)
         return self
+
+    def _learn_rank0(self) -> None:
+        """Read rank 0's first beat before training starts, waiting for it (every rank starts its heartbeat right
+        after the launch rendezvous, so the wait is that skew): the line for a store lost with rank 0 names its
+        host and pid, and a small run can lose rank 0 before the thread's first tick. Waits at most the
+        timeout; a store already gone is the thread's to judge."""
+        from datetime import timedelta
+        try:
+            self.store.wait([f"{PREFIX}0"], timedelta(seconds=max(1.0, self.timeout_s)))
+            self.read(0)
+        except Exception:  # noqa: BLE001 - rank 0 stalled or went away during start-up: the thread judges it
+            pass
 
     def stop(self, exit_status: Optional[int] = 0) -> None:
         """Stop the thread and write a last beat with ``exit_status``, so no peer takes this rank for lost
