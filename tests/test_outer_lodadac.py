@@ -316,3 +316,64 @@ def test_pretraining_with_lodadac_over_four_replicas_logs_outer_traffic_and_resu
     first = run_ranks(_pretrain_body, 4, replace(cfg, save=ck, exit_interval=3))[0]
     rest = run_ranks(_pretrain_body, 4, replace(cfg, load=ck))[0]
     assert [loss for loss, _ in first + rest] == losses
+
+
+def test_lodadac_runs_unclipped_unless_clip_grad_is_typed():
+    from megacomp.training import PretrainConfig
+    from megacomp.training.arguments import resolve
+
+    cfg = PretrainConfig(outer_algorithm="lodadac", num_replicas=4)  # clip_grad not given: the trainer's 1.0
+    lines = resolve(cfg, 4)
+    assert cfg.training.clip_grad == 0 and any("no gradient clipping" in line for line in lines)
+    typed = PretrainConfig(outer_algorithm="lodadac", num_replicas=4, clip_grad=0.5)
+    resolve(typed, 4)
+    assert typed.training.clip_grad == 0.5  # a typed --clip-grad is the user's: kept (the banner names it)
+    other = PretrainConfig(outer_algorithm="diloco", num_replicas=4)
+    resolve(other, 4)
+    assert other.training.clip_grad == 1.0
+
+
+# The authors' release (github.com/HavenCook/LoDAdaC-release, commit b3fbfed, src/Optimizer.py, optim_name
+# "DistributedAdam", restated here, not copied): per parameter, with beta1 0.9, beta2 0.999, eps 1e-8,
+#     m = b1 m + (1 - b1) g;  v_prev = v;  v = b2 v + (1 - b2) g * g;  u_prev = u;  u = u - v_prev + v
+#     x -= lr m / sqrt(u_prev + eps)
+# followed by the neighbour step; with one agent (nprocs 1) every neighbour_reduce returns at once, so this is the
+# whole local update. u is gossiped only when "u" is in comm_set (the experiments' sets are ['x'] and
+# ['x_bar', 'g_bar']), so u = v: Algorithm 1's u with the previous u in the denominator. The release clips nothing.
+# Uncompressed, its neighbour step replaces x by the mean of x and the neighbours' x: W x with 1 / (d + 1) weights.
+RELEASE_LR, RELEASE_B1, RELEASE_B2, RELEASE_EPS = 1e-3, 0.9, 0.999, 1e-8
+
+
+def _release_local_steps(x, grads):
+    """The release's iterate after ``grads``, and the signed shift that moving delta outside the root makes: the
+    gradients are given, so m and u are the same sequences on both sides and only the denominators differ."""
+    m, v, u = torch.zeros_like(x), torch.zeros_like(x), torch.zeros_like(x)
+    out, shift = x.clone(), torch.zeros_like(x)
+    for g in grads:
+        m = RELEASE_B1 * m + (1 - RELEASE_B1) * g
+        v_prev, v = v, RELEASE_B2 * v + (1 - RELEASE_B2) * g * g
+        u_prev, u = u, u - v_prev + v
+        out = out - RELEASE_LR * m / torch.sqrt(u_prev + RELEASE_EPS)
+        # megacomp: 1 / (sqrt(u) + 1e-4) (Algorithm 1's delta) where the release has 1 / sqrt(u + 1e-8); equal at u = 0
+        shift += RELEASE_LR * m * (1 / torch.sqrt(u_prev + RELEASE_EPS) - 1 / (u_prev.sqrt() + 1e-4))
+    return out, shift
+
+
+def test_local_update_is_the_releases_distributed_adam_up_to_where_delta_sits():
+    grads = [torch.randn(33, generator=torch.Generator().manual_seed(40 + s), dtype=torch.float64) for s in range(8)]
+    x0 = torch.randn(33, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    for steps in (1, len(grads)):
+        x = torch.nn.Parameter(x0.float())
+        opt = LoDAdaCAdam([x], lr=RELEASE_LR, betas=(RELEASE_B1, RELEASE_B2), eps=1e-4)  # the release's defaults
+        for g in grads[:steps]:
+            x.grad = g.float()
+            opt.step()
+        ref, shift = _release_local_steps(x0.float().double(), [g.float().double() for g in grads[:steps]])
+        # ~10 fp32 roundings per step, each relative to the iterate or the step (the first step, lr m / delta, is
+        # of the gradients' size; later ones are smaller): the scale of the values
+        rounding = steps * 10 * EPS32 * max(float(ref.abs().max()), float(grads[0].abs().max()), 1.0)
+        assert float((x.detach().double() - (ref + shift)).abs().max()) <= rounding
+        if steps == 1:
+            assert float(shift.abs().max()) == 0  # the first step is the release's (sqrt(0 + 1e-8) = 1e-4)
+        else:  # after it the delta placement is the whole difference, far above the rounding
+            assert float(shift.abs().max()) > 100 * rounding

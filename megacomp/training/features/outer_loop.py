@@ -241,6 +241,18 @@ class OuterLoop(Feature):
                                  f"{world} = TP {p.tensor_model_parallel_size} x PP {p.pipeline_model_parallel_size} "
                                  f"x DP {dp})")
 
+    @classmethod
+    def resolve(cls, cfg, world) -> list[str]:
+        """LoDAdaC is the paper's Algorithm 1, which clips nothing (nor does the authors' release): unless
+        --clip-grad was typed, the trainer's global-norm clip (1.0 by default, and in the model YAMLs) is turned
+        off for it, said in the banner; a typed --clip-grad is kept and the LoDAdaC banner names it."""
+        t = cfg.training
+        if cfg.outer.algorithm != "lodadac" or not t.clip_grad or "clip_grad" in cfg.explicit:
+            return []
+        was, t.clip_grad = t.clip_grad, 0.0
+        return [f"optimizer: no gradient clipping (clip_grad 0 instead of {was:g}): LoDAdaC's Algorithm 1 and the "
+                f"authors' release do not clip (--clip-grad N clips)"]
+
     def build(self, run) -> None:
         """Split DP into replicas (the inner optimizer then works inside one) and build the outer step; MT-DAO also
         picks the inner optimizer."""
@@ -277,12 +289,14 @@ class OuterLoop(Feature):
                     f"(traffic kind 'outer'); control variates u_i, v and the copy y in fp32"]
         if self.cfg.outer.algorithm == "lodadac":
             o = self.cfg.outer
+            clip = self.cfg.training.clip_grad
             off = [name for name, on in (("bias correction", o.lodadac_bias_correction),
                                          (f"decoupled weight decay {self.cfg.training.weight_decay:g}",
-                                          o.lodadac_weight_decay)) if on]
+                                          o.lodadac_weight_decay),
+                                         (f"gradient clipping at global norm {clip:g} (--clip-grad)", clip)) if on]
             local = (f"local {o.lodadac_rule} (Table 2: m, the previous u, delta {o.lodadac_delta:g}, lr from the "
                      f"schedule; " + (f"with {' and '.join(off)}, which Algorithm 1 does not have" if off else
-                                      "no bias correction, no weight decay") + ")")
+                                      "no bias correction, no weight decay, no clipping") + ")")
             graph = ("topology random_peer (a new W each round, outside the paper: per-pair copies)"
                      if oc.topology == "random_peer" else
                      f"topology {oc.topology} (rho {mixing_rho(oc.topology, replicas):.3g})")
