@@ -334,6 +334,37 @@ def test_fp16_overflow_skips_steps_and_backs_off_the_scale():
     assert all(math.isfinite(float(p.float().abs().max())) for p in got)
 
 
+def _fp16_ef_body(rank, world, changing):
+    """fp16 LOMO with int4 + classic error feedback; step 2 overflows on rank 1 (skipped). ``changing``: the scale
+    doubles after every clean step and halves at the overflow; else it stays 2^10 (backoff and growth off)."""
+    model = Params().half()
+    scaler = (DynamicLossScaler(scale=2.0 ** 10, growth_interval=1) if changing else
+              DynamicLossScaler(scale=2.0 ** 10, growth_interval=10 ** 9, backoff_factor=1.0))
+    ch = Channel("dp_gradient", {"name": "int4", "block_size": 8}, error_feedback="ef", min_compress_numel=0)
+    opt = Lomo(model, lr=0.0625, loss_scaler=scaler, channel=ch)
+    scales = []
+    for step in range(STEPS + 1):
+        cs = [c.half() for c in _grads(rank, step)]
+        if step == 2 and rank == 1:
+            cs[0][0, 0] = float("inf")
+        opt.grad_norm(model.loss(cs))
+        opt.fused_backward(model.loss(cs))
+        scales.append(scaler.scale)
+    return [p.detach().clone() for p in model.parameters()], scales
+
+
+def test_fp16_error_feedback_does_not_depend_on_loss_scale_changes():
+    """The gradients travel at the loss scale, so the residuals are kept at the scale of their step: at every scale
+    change they must follow it. Scales and world are powers of two and the int4 codec's block scale is its absmax
+    over a constant, so every value (fp16 gradients, codes, residuals, the unscaled average) is the constant-scale
+    run's times a power of two: the parameters must be the same bits with and without scale changes (a residual
+    left at the old scale is off by 2x after each change and moves the next steps)."""
+    (same, trace), _ = run_ranks(_fp16_ef_body, 2, True)
+    (want, flat), _ = run_ranks(_fp16_ef_body, 2, False)
+    assert trace == [2048.0, 4096.0, 2048.0, 4096.0, 8192.0] and set(flat) == {1024.0}  # grew, backed off, grew
+    assert all(torch.equal(a, b) for a, b in zip(same, want))
+
+
 def test_bf16_parameters_follow_sgd_rounded_to_bf16_each_step():
     """LOMO keeps no fp32 master: each step computes in fp32 and rounds to bf16; the fp64 restatement rounded
     to bf16 after every step differs by at most one bf16 ulp per step (the two roundings of a double-rounded

@@ -44,6 +44,8 @@ Precision: parameters may be fp32, bf16 or fp16; gradients travel in the paramet
 ZeRO-3 path all-reduces ``p.grad``), every update is computed in fp32 and written back in the parameter's dtype
 (no fp32 master: that is LOMO's memory saving). fp16 takes a ``loss_scaler`` (megacomp.optimizer.DynamicLossScaler):
 both passes backpropagate ``loss * scale`` and the averaged gradient is divided by the scale before clipping.
+The gradients are reduced at the loss scale, so error-feedback residuals are too: when the scale changes they are
+multiplied by ``new / old`` (a power of two, exact), so a residual always meets gradients of its own scale.
 
 Overflow and non-finite gradients: an update applied inside backward cannot be undone, so the check must come
 before the first update. The norm pass (:meth:`grad_norm`) is that check: when its global norm is inf/NaN
@@ -271,6 +273,17 @@ class Lomo:
             self.clip_coef = torch.clamp(float(self.clip_grad_norm) / (total + 1e-6), max=1.0)
         return total.item()
 
+    def _update_scale(self, overflow: bool) -> None:
+        """The loss scaler's rule after a step, and the error-feedback residuals follow a changed scale: gradients
+        travel at the loss scale (in the parameter's dtype, where unscaling first could underflow), so each residual
+        is kept at the scale of the step that left it and is multiplied by ``new / old`` when the scale changes
+        (exact for the scaler's powers of two), so that it is added to the next scaled gradient in the same units."""
+        before = self.scaler.scale
+        self.scaler.update(overflow)
+        ef = self.channel.error_feedback
+        if ef is not None and self.scaler.scale != before:
+            ef.rescale(self.scaler.scale / before)
+
     def fused_backward(self, loss: torch.Tensor, lr: Optional[float] = None) -> bool:
         """Backward with the fused update of every trainable parameter (its gradient freed on the way). Returns
         False, without running backward, when :meth:`grad_norm` found an overflow (the step is skipped and the
@@ -291,7 +304,7 @@ class Lomo:
             self.skipped_steps += 1
             self.last_grad_norm = None
             if self.scaler is not None:
-                self.scaler.update(True)
+                self._update_scale(True)
             return False
         self.step_num += 1
         try:
@@ -301,7 +314,7 @@ class Lomo:
             self.clip_coef, self._checked = None, False
             bad, self._bad = self._bad, []
         if self.scaler is not None:
-            self.scaler.update(False)
+            self._update_scale(False)
         if bad:
             flags = torch.stack([b for _, b in bad]).to(torch.float32)
             if self.tp_size > 1:
