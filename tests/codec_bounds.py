@@ -49,6 +49,8 @@ def hadamard(size: int) -> torch.Tensor:
 
 def elementwise_bound(codec, x: torch.Tensor) -> torch.Tensor:
     """Upper bound of |decode(encode(x)) - x| per element (flat, fp64) for a finite ``x``."""
+    if getattr(codec, "name", "") == "taco":
+        return taco_bound(codec, x)
     if getattr(codec, "hadamard", 0):
         # quantize in the rotated basis, rotate back: |err_i| <= (1/sqrt(B)) sum_j |err_rot_j| over i's block
         size, n = codec.hadamard, x.numel()
@@ -111,3 +113,20 @@ def all_reduce_bound(codec, partials) -> torch.Tensor:
         out.append(b1 + elementwise_bound(codec, envelope))
         o += s
     return torch.cat(out).view(partials[0].shape)
+
+
+def taco_bound(codec, x: torch.Tensor) -> torch.Tensor:
+    """Per-element bound of TACO's codec whatever reshape and row flags it picks: element i's row lies in its
+    aligned window W of G_max = codec.hadamard elements; an orthonormal row transform keeps the row's error norm,
+    and e4m3 rounds each element of the transformed row y to within 2^-4 |y_j| + 2^-10 s_b, with every fine scale
+    s_b <= coarse = amax(y) / 448 <= max_W ||x_W|| / 448. So |err_i| <= 2^-4 ||x_W(i)|| + 2^-10 sqrt(G_max) max_W
+    ||x_W|| / 448, plus fp32 round-off of the transforms and the cast back to x.dtype."""
+    g, n = codec.hadamard, x.numel()
+    flat = x.reshape(-1).double()
+    if n == 0:
+        return flat
+    win = torch.cat([flat, flat.new_zeros((-n) % g)]).view(-1, g).norm(dim=1, keepdim=True)
+    mant_out, sub_out = OUT_CAST[x.dtype]
+    base = win * 2.0 ** -4 + 2.0 ** -10 * g ** 0.5 * win.max() / 448.0
+    per = (base * (1 + 8 * FP32_ULP) + win * 16 * FP32_ULP).expand(-1, g).reshape(-1)[:n]
+    return per + flat.abs() * 2.0 ** -(mant_out + 1) * 1.01 + sub_out

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from . import quantize, sparse, transforms
+from . import quantize, sparse, taco, transforms
 from .formats import Format, get_format
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -60,7 +60,8 @@ class Codec:
     """
 
     name: str = "none"
-    """Registered format name: none, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, int2, sign."""
+    """Registered format name: none, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, int2, sign, or taco (TACO's codec,
+    megacomp.compression.taco: there block_size is the fine-scale block, hadamard the largest reshape row)."""
     block_size: Optional[int] = None
     """Elements per scale. 0 = one scale for the whole tensor; None = the format's default (128 for
     scaled formats). Must be None for none/bf16/fp16, which carry no scale."""
@@ -92,6 +93,8 @@ class Codec:
 
     def __post_init__(self) -> None:
         fmt = get_format(self.name)
+        if fmt.kind == "taco":  # its own options and defaults (megacomp.compression.taco)
+            return taco.configure(self)
         self._check_structure()
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"codec {self.name}: rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
@@ -175,6 +178,8 @@ class Codec:
         return out
 
     def __str__(self) -> str:
+        if self.format.kind == "taco":
+            return taco.describe(self)
         if self.structured:
             parts = [str(sparse.value_codec(self))]
             if self.k:
@@ -206,6 +211,8 @@ class Codec:
             return numel * torch.empty((), dtype=dtype).element_size()
         if fmt.kind == "cast":
             return numel * fmt.bits // 8
+        if fmt.kind == "taco":
+            return taco.wire_bytes(self, numel)
         if self.hadamard and numel:
             numel = transforms.padded_numel(numel, self.hadamard)
         return quantize.scale_nbytes(numel, self.block_size, self.dual_scale) + quantize.payload_nbytes(numel, fmt)
@@ -245,6 +252,8 @@ class Codec:
         if fmt.kind == "cast":
             y = _to_fp16_checked(flat) if fmt.dtype == torch.float16 and strict else flat.to(fmt.dtype)
             return y.contiguous().view(torch.uint8)
+        if fmt.kind == "taco":
+            return taco.encode(self, flat)
         if self.hadamard and flat.numel():
             x32 = transforms.rotate(flat, self.hadamard)
         elif flat.is_cuda and flat.dtype in (torch.bfloat16, torch.float16):
@@ -264,6 +273,8 @@ class Codec:
         """
         if self.structured:
             return sparse.decode(self, buf, numel, dtype)
+        if self.format.kind == "taco":  # always the original basis (each rank's rows are transformed its own way)
+            return taco.decode(self, buf, numel, dtype)
         expected = self.wire_bytes(numel, dtype)
         if buf.dtype != torch.uint8 or buf.numel() != expected:
             raise ValueError(f"codec {self}: expected a uint8 buffer of {expected} bytes for {numel} elements, "
@@ -299,7 +310,7 @@ class Codec:
 
     def unrotate(self, rotated: torch.Tensor, numel: int) -> torch.Tensor:
         """Back from the rotated basis: the first ``numel`` elements, fp32 (identity without hadamard)."""
-        if not self.hadamard or numel == 0:
+        if not self.hadamard or numel == 0 or self.format.kind == "taco":  # taco decodes to the original basis
             return rotated[:numel]
         return transforms.unrotate(rotated, self.hadamard, numel)
 

@@ -9,6 +9,7 @@ Kinds:
   ``int``       symmetric integers in ``[-qmax, qmax]``, ``qmax = 2**(bits-1) - 1``, absmax scaled
   ``sign``      one bit per element, with a per-block magnitude
   ``float8``    torch float8 dtypes, absmax scaled so the block maximum maps to the format's maximum
+  ``taco``      TACO's codec (megacomp.compression.taco): fp8 e4m3 after its own reshape and transform
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Optional
 
 import torch
 
-KINDS = ("identity", "cast", "int", "sign", "float8")
+KINDS = ("identity", "cast", "int", "sign", "float8", "taco")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ FORMATS: dict[str, Format] = {
     "int4": Format("int", 4, 7.0, None, 128),
     "int2": Format("int", 2, 1.0, None, 128),
     "sign": Format("sign", 1, 1.0, None, 128),
+    "taco": Format("taco", 8, 448.0, torch.float8_e4m3fn, 128, 2.0 ** -4, 2.0 ** -9),
 }
 
 
