@@ -19,7 +19,7 @@ from codec_bounds import hadamard
 from distributed import run_ranks
 from megacomp import parallel_state
 from megacomp.comm import StatsTable
-from megacomp.compression import make_codec
+from megacomp.compression import make_codec, taco
 from megacomp.config import CommCompressionConfig, ModelParallelConfig
 from megacomp.plan import wire
 from megacomp.tensor_parallel import RowParallelLinear
@@ -87,6 +87,8 @@ def test_codec_matches_the_transform_restated_in_plain_torch(seed, outliers):
     assert torch.equal(wire_flags[:flags.numel()], flags) and not wire_flags[flags.numel():].any()
     got = codec.decode(codec.encode(x)).reshape(-1)
     assert torch.allclose(got, ref, rtol=0, atol=1e-6 * x.abs().max().item())
+    sent, received = taco.wire_values(codec, x)  # the transformed message: orthonormal rows keep the error's norm
+    assert math.isclose((received - sent).norm().item(), (got - x.reshape(-1)).norm().item(), rel_tol=1e-4)
     if outliers:  # a row holding an outlier channel has a smaller largest magnitude once rotated
         assert flags.any()
 

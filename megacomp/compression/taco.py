@@ -158,6 +158,21 @@ def encode(codec: "Codec", x: torch.Tensor) -> torch.Tensor:
     return torch.cat([q, header, pack_bits(bits, 1)])
 
 
+def wire_values(codec: "Codec", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(transformed message before quantisation, its dequantised values): what TACO's fp8 codes carry, flat fp32 and
+    padded, for measurements of the wire (underflow); the reshape and flags are those :func:`encode` picks."""
+    n = x.numel()
+    buf = encode(codec, x)
+    if n == 0:
+        return torch.empty(0, device=x.device), torch.empty(0, device=x.device)
+    padded, qbytes, fbytes = _sizes(codec, n)
+    g = groups(codec)[int(buf[qbytes])]  # host sync: the chosen row length
+    flags = unpack_bits(buf[qbytes + 1:], 1, padded // g).bool()
+    flat = torch.cat([x.reshape(-1).to(torch.float32), x.new_zeros(padded - n, dtype=torch.float32)])
+    sent = _transform(flat.view(-1, g), flags)
+    return sent, quantize.decode_scaled(buf[:qbytes], padded, get_format(_FP8), codec.block_size, True)
+
+
 def decode(codec: "Codec", buf: torch.Tensor, numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``numel`` elements of ``dtype`` (flat, original basis) from a buffer of :func:`encode`.
 
