@@ -1,4 +1,5 @@
-"""Learned gradient compression (LGC) on the tiny GPT, next to PowerSGD rank 4 and int4 + LoCo.
+"""Learned gradient compression, megacomp's chunked PCA / MLP reading (``lgc_pca``; the "LGC" variants below), on
+the tiny GPT, next to PowerSGD rank 4 and int4 + LoCo. (LGC as published is ``lgc``: megacomp.compression.lgc.)
 
     python -m benchmarks.convergence_lgc --seeds 1,2,3 --iters 200 --nproc 2
     python -m benchmarks.convergence_lgc --from-results          # the page and plots only, no training
@@ -34,7 +35,7 @@ from benchmarks import plot_metrics as pm
 from benchmarks.convergence_suites import SUITES
 
 INT4 = {"name": "int4", "block_size": 128}
-LGC = {"name": "lgc", "latent": 32, "chunk": 512, "train_steps": 20}
+LGC = {"name": "lgc_pca", "latent": 32, "chunk": 512, "train_steps": 20}
 SUITE = "lgc"
 OUT = "benchmarks/results/convergence_lgc"
 

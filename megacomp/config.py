@@ -16,7 +16,7 @@ from .compression import (Accordion, Codec, CodecLike, ErrorFeedbackConfig, Powe
                           check_own_error_feedback, make_codec, make_compressor, make_error_feedback_config,
                           parse_codec_arg)
 from .compression.ladder import AutoCodecConfig
-from .compression.learned import LGC
+from .compression.learned import LGC, LGCPCA
 from .compression.unbiased import UnbiasedCodec, make_unbiased_codec, unbiased_name
 
 _EF_PATHS = ("tp_backward", "pp_gradient", "dp_gradient")  # the paths that may use error feedback
@@ -78,8 +78,9 @@ class CommCompressionConfig:
     block_size: 128}, intra_node: bf16}``; links not named travel uncompressed), PowerSGD settings
     (``{name: powersgd, rank: 4}``; megacomp.compression.low_rank), which bring their own error feedback, or
     Accordion settings (``{name: accordion, low: ..., high: ..., eta: 0.5, interval: 10}``) switching
-    between two such levels; or learned gradient compression (``{name: lgc, latent: 32, chunk: 512}``;
-    megacomp.compression.learned), an autoencoder per bucket with its own error feedback."""
+    between two such levels; or learned gradient compression as published (``{name: lgc, variant: ps}``: top-k
+    plus an autoencoder of the top-k values; megacomp.compression.lgc) or its chunked PCA / MLP reading
+    (``{name: lgc_pca, latent: 32, chunk: 512}``; megacomp.compression.learned), each with its own error feedback."""
     dp_parameter: Optional[CodecLike] = None
     """Data-parallel parameter all-gather after the sharded optimizer step: a codec (on the slowest link the DP
     group crosses, as dp_gradient) or a codec per link kind."""
@@ -358,7 +359,7 @@ class CommCompressionConfig:
                 value = value.to_dict()
             elif isinstance(value, UnbiasedCodec):  # LoCoDL's outer compressor
                 value = value.to_dict()
-            elif isinstance(value, LGC):  # learned gradient compression settings (dp_gradient)
+            elif isinstance(value, (LGC, LGCPCA)):  # learned gradient compression settings (dp_gradient)
                 value = value.to_dict()
             elif isinstance(value, AutoCodecConfig):
                 value = value.to_dict()

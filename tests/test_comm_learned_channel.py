@@ -1,11 +1,12 @@
-"""Learned gradient compression (megacomp.compression.learned, megacomp.comm.learned_channel) on real gloo ranks.
+"""The chunked PCA / MLP autoencoder code ``lgc_pca`` (megacomp.compression.learned, megacomp.comm.learned_channel) on
+real gloo ranks. (LGC as published, ``lgc``, is tests/test_comm_lgc_channel.py.)
 
 What is checked: the settings refuse what cannot compress (one line naming the fix); the ring variant's premise
 (a linear decoder decodes a sum of codes to the sum of the decodings; an MLP decoder does not); the training calls
 are torch.distributed.all_reduce of the bucket bit for bit and their bytes are counted; in the frozen phase the
 residual is exactly the input minus the sender's own decoding, and delivered sums plus the final residuals equal
 the inputs' sum within a bound derived from the fp32 roundings of the step (below); the frozen call's bytes; the
-retraining trigger; resume; and pretraining with ``dp_gradient: {name: lgc, ...}``.
+retraining trigger; resume; and pretraining with ``dp_gradient: {name: lgc_pca, ...}``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from distributed import run_ranks
 from megacomp.comm import LearnedChannel, StatsTable, make_channel
 from megacomp.comm.common import all_reduce_bytes
 from megacomp.comm.learned_channel import encode_message
-from megacomp.compression import LGC, make_compressor
+from megacomp.compression import LGCPCA, make_compressor
 from megacomp.compression.learned import decode, init_autoencoder
 from megacomp.config import CommCompressionConfig
 
@@ -55,30 +56,30 @@ def _flat(tensors) -> torch.Tensor:
 
 
 def test_settings_that_cannot_compress_name_the_fix():
-    with pytest.raises(ValueError, match=r"lgc: latent=512 cannot compress chunks of 512 elements.*use latent < 512"):
-        LGC(latent=512, chunk=512)
+    with pytest.raises(ValueError, match=r"lgc_pca: latent=512 cannot compress chunks of 512 elements.*use latent < 512"):
+        LGCPCA(latent=512, chunk=512)
     with pytest.raises(ValueError, match=r"latent=511 cannot compress.*with its scale.*use latent < 511"):
-        LGC(latent=511, chunk=512, variant="ps")
+        LGCPCA(latent=511, chunk=512, variant="ps")
     with pytest.raises(ValueError, match="ring variant sums codes.*use decoder: linear, or variant: ps"):
-        LGC(decoder="mlp")
-    with pytest.raises(ValueError, match=r"unknown lgc option\(s\) \['rank'\]"):
-        make_compressor({"name": "lgc", "rank": 4})
+        LGCPCA(decoder="mlp")
+    with pytest.raises(ValueError, match=r"unknown lgc_pca option\(s\) \['rank'\]"):
+        make_compressor({"name": "lgc_pca", "rank": 4})
     with pytest.raises(ValueError, match="keeps its own error feedback.*leave dp_gradient_error_feedback at None"):
-        CommCompressionConfig(dp_gradient={"name": "lgc"}, dp_gradient_error_feedback="ef")
-    spec = {"name": "lgc", "latent": 8, "chunk": 256, "variant": "ps", "decoder": "mlp"}
+        CommCompressionConfig(dp_gradient={"name": "lgc_pca"}, dp_gradient_error_feedback="ef")
+    spec = {"name": "lgc_pca", "latent": 8, "chunk": 256, "variant": "ps", "decoder": "mlp"}
     cfg = CommCompressionConfig(dp_gradient=spec)
-    assert isinstance(cfg.dp_gradient, LGC)
+    assert isinstance(cfg.dp_gradient, LGCPCA)
     assert CommCompressionConfig.from_dict(cfg.to_dict()).dp_gradient == cfg.dp_gradient  # YAML round trip
     assert isinstance(make_channel("dp_gradient", cfg.dp_gradient), LearnedChannel)
     off = make_channel("dp_gradient", CommCompressionConfig().dp_gradient)  # compression off: no autoencoder at all,
     assert type(off).__name__ == "Channel" and off.codec.is_identity  # the plain Channel (torch.distributed's calls)
-    assert LGC(chunk=512, latent=16).message_numel(1264) == 3 * 16 + 2  # 3 chunks, plus the two error sums
+    assert LGCPCA(chunk=512, latent=16).message_numel(1264) == 3 * 16 + 2  # 3 chunks, plus the two error sums
 
 
 def test_a_linear_decoder_decodes_a_sum_of_codes_to_the_sum_of_decodings_an_mlp_does_not():
     # integer weights and codes in fp64: every product and sum is exact, so equality here is the algebra, not luck
     g = torch.Generator().manual_seed(0)
-    lin, mlp = LGC(latent=4, chunk=16), LGC(latent=4, chunk=16, hidden=8, decoder="mlp", variant="ps")
+    lin, mlp = LGCPCA(latent=4, chunk=16), LGCPCA(latent=4, chunk=16, hidden=8, decoder="mlp", variant="ps")
     codes = [torch.randint(-4, 5, (3, 4), generator=g).double() for _ in range(3)]
     for lgc in (lin, mlp):
         w = {k: torch.randint(-3, 4, v.shape, generator=g).double() for k, v in init_autoencoder(lgc, "k").items()}
@@ -92,7 +93,7 @@ def test_a_linear_decoder_decodes_a_sum_of_codes_to_the_sum_of_decodings_an_mlp_
 
 def _training_calls(rank, world):
     stats = StatsTable()
-    lgc = LGC(**SMALL)
+    lgc = LGCPCA(**SMALL)
     ch = LearnedChannel("dp_gradient", lgc, stats=stats)
     same, wires = [], []
     for step in range(lgc.train_steps):
@@ -108,7 +109,7 @@ def _training_calls(rank, world):
 
 
 def test_training_calls_are_the_plain_all_reduce_bit_for_bit_and_their_bytes_are_counted():
-    world, lgc = 3, LGC(**SMALL)
+    world, lgc = 3, LGCPCA(**SMALL)
     numel = sum(math.prod(s) for s in SHAPES)
     for rank, (same, wires, weights, training) in enumerate(run_ranks(_training_calls, world)):
         assert all(same) and not training
@@ -120,7 +121,7 @@ def test_training_calls_are_the_plain_all_reduce_bit_for_bit_and_their_bytes_are
 
 def _frozen_calls(rank, world, spec, steps):
     stats = StatsTable()
-    lgc = LGC(**spec)
+    lgc = LGCPCA(**spec)
     ch = LearnedChannel("dp_gradient", lgc, stats=stats)
     for step in range(lgc.train_steps):
         ch.all_reduce_coalesced(_grads(rank, step), key="b0")
@@ -170,7 +171,7 @@ def _frozen_calls(rank, world, spec, steps):
 def test_frozen_calls_send_codes_feed_back_the_exact_sender_error_and_telescope(variant, decoder):
     world, steps = 3, 6
     spec = dict(SMALL, variant=variant, decoder=decoder, hidden=32)
-    lgc = LGC(**spec)
+    lgc = LGCPCA(**spec)
     n = sum(math.prod(s) for s in SHAPES)
     for rank, (exact, wires, within, worst, rel, res_norm) in enumerate(run_ranks(_frozen_calls, world, spec, steps)):
         assert all(exact)
@@ -193,7 +194,7 @@ def _retrain(rank, world):
     handler = Keep(level=logging.WARNING)
     log.addHandler(handler)
     try:
-        lgc = LGC(**dict(SMALL, train_steps=2, retrain_threshold=1e-6))  # any real error is above it
+        lgc = LGCPCA(**dict(SMALL, train_steps=2, retrain_threshold=1e-6))  # any real error is above it
         ch = LearnedChannel("dp_gradient", lgc)
         for step in range(3):  # two training calls, one frozen call that triggers retraining
             ch.all_reduce_coalesced(_grads(rank, step), key="b0")
@@ -215,7 +216,7 @@ def test_an_error_above_the_threshold_retrains_and_is_logged():
 
 
 def _resume(rank, world):
-    lgc = LGC(**dict(SMALL, variant="ps", decoder="mlp", hidden=16))
+    lgc = LGCPCA(**dict(SMALL, variant="ps", decoder="mlp", hidden=16))
     a = LearnedChannel("dp_gradient", lgc)
     for step in range(lgc.train_steps + 1):
         a.all_reduce_coalesced(_grads(rank, step), key="b0")
@@ -242,7 +243,7 @@ def test_state_resumes_bit_for_bit():
 def test_pretraining_with_lgc_on_the_dp_gradient_path(tiny_config):
     from test_training_pretrain import _train_body
 
-    lgc = {"name": "lgc", "latent": 16, "chunk": 256, "train_steps": 2, "train_samples": 8, "train_iters": 3}
+    lgc = {"name": "lgc_pca", "latent": 16, "chunk": 256, "train_steps": 2, "train_samples": 8, "train_iters": 3}
     cfg = replace(tiny_config, train_iters=5, compression={"dp_gradient": lgc, "min_compress_numel": 4096})
     history = run_ranks(_train_body, 2, cfg)[0]
     assert all(math.isfinite(h[0]) for h in history)
@@ -258,7 +259,7 @@ def _hook(rank, world):
 
     _, base = train(rank, None, 60)
     comm.reset_stats()
-    state = CompressedHookState(codec={"name": "lgc", "latent": 16, "chunk": 512, "train_steps": 5},
+    state = CompressedHookState(codec={"name": "lgc_pca", "latent": 16, "chunk": 512, "train_steps": 5},
                                 min_compress_numel=1000)
     _, losses = train(rank, state, 60)
     stats = comm.stats()["dp_gradient"]

@@ -5,7 +5,8 @@
   a value codec (``int4``, ``{name: sign, block_size: 0}``, None = identity)   -> :class:`Channel`
   PowerSGD settings (``powersgd``, ``{name: powersgd, rank: 4}``)              -> :class:`LowRankChannel`
   Accordion settings (``{name: accordion, low: ..., high: ...}``)              -> :class:`AccordionChannel`
-  LGC settings (``{name: lgc, latent: 32, chunk: 512}``)                       -> :class:`LearnedChannel`
+  LGC settings (``{name: lgc, variant: ps}``)                                 -> :class:`LGCChannel`
+  lgc_pca settings (``{name: lgc_pca, latent: 32, chunk: 512}``)              -> :class:`LearnedChannel`
 
 and, over a megacomp.comm.hop_groups.HierarchicalGroup, a value codec or a codec per hop ->
 :class:`HierarchicalChannel` (PowerSGD, Accordion and LGC see whole buckets: they run flat on the whole group);
@@ -31,7 +32,8 @@ from .accordion_channel import AccordionChannel
 from .channel import Channel
 from .low_rank_channel import LowRankChannel
 from .learned_channel import LearnedChannel
-from ..compression.learned import LGC
+from .lgc_channel import LGCChannel
+from ..compression.learned import LGC, LGCPCA
 from .hierarchical import HierarchicalChannel
 from .hop_groups import HierarchicalGroup, HopCodecs, is_hop_mapping
 from .options import CommOptions
@@ -77,11 +79,13 @@ def make_channel(name: str, spec: Any = None, *, group=None, error_feedback: Any
         return AccordionChannel(name, compressor, error_feedback=error_feedback, **common)
     if isinstance(compressor, PowerSGD):
         return LowRankChannel(name, compressor, **common)
-    if isinstance(compressor, LGC):  # learned gradient compression (megacomp.comm.learned_channel)
+    if isinstance(compressor, LGC):  # LGC as published (megacomp.comm.lgc_channel)
+        return LGCChannel(name, compressor, **common)
+    if isinstance(compressor, LGCPCA):  # the chunked PCA / MLP code (megacomp.comm.learned_channel)
         return LearnedChannel(name, compressor, **common)
     return Channel(name, compressor, error_feedback=error_feedback, **common)
 
 
 def _whole_bucket(spec: Any) -> bool:
     """Whether a setting names a compressor that must see whole buckets (PowerSGD, Accordion, LGC)."""
-    return isinstance(make_compressor(spec), (Accordion, PowerSGD, LGC))
+    return isinstance(make_compressor(spec), (Accordion, PowerSGD, LGC, LGCPCA))

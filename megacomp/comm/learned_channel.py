@@ -1,5 +1,6 @@
-"""A learned-gradient-compression traffic path: :class:`LearnedChannel`, the autoencoder counterpart of
-:class:`Channel` (as megacomp.comm.low_rank_channel is PowerSGD's).
+"""The traffic path of ``lgc_pca`` (the chunked PCA / MLP autoencoder code): :class:`LearnedChannel`, the
+autoencoder counterpart of :class:`Channel` (as megacomp.comm.low_rank_channel is PowerSGD's). LGC as published
+(``lgc``) is megacomp.comm.lgc_channel.
 
 The algorithm (chunks, scales, the autoencoder, its training, the two variants, the bounds) is stated in
 megacomp.compression.learned. This module runs it over a process group, one call per bucket (a DDP bucket, a
@@ -49,7 +50,7 @@ from torch.distributed import ReduceOp
 
 from ..compression import ErrorFeedback
 from ..compression.codecs import FLOAT_DTYPES
-from ..compression.learned import (LGC, chunked, decode, encode, init_autoencoder, make_learned, normalise,
+from ..compression.learned import (LGCPCA, chunked, decode, encode, init_autoencoder, make_lgc_pca, normalise,
                                    restart_training, train, train_state)
 from .channel import Channel
 from .common import all_reduce_bytes, op_name
@@ -65,16 +66,16 @@ class LearnedChannel(WholeBucketChannel):
 
     Args:
         name: the tag its traffic is counted under in ``comm.stats()``.
-        codec: an :class:`~megacomp.compression.learned.LGC`, ``'lgc'`` or a mapping.
+        codec: an :class:`~megacomp.compression.learned.LGCPCA`, ``'lgc_pca'`` or a mapping.
         group: the default process group of its calls.
         min_compress_numel: the small-tensor rule its owners apply with :meth:`compresses`.
         options: ``CommOptions`` of its collectives (default: from the environment).
         stats: the wire-statistics table (default: the process's).
     """
 
-    def __init__(self, name: str, codec: Any = "lgc", *, group=None, min_compress_numel: int = 0,
+    def __init__(self, name: str, codec: Any = "lgc_pca", *, group=None, min_compress_numel: int = 0,
                  options: Optional[CommOptions] = None, stats: Optional[StatsTable] = None) -> None:
-        self.codec: LGC = make_learned(codec)
+        self.codec: LGCPCA = make_lgc_pca(codec)
         super().__init__(name, group=group, min_compress_numel=min_compress_numel, options=options, stats=stats)
         self.error_feedback = ErrorFeedback("ef")
         # the exchanges run on a private table; each call records its total under this path's name
@@ -107,10 +108,10 @@ class LearnedChannel(WholeBucketChannel):
         group = self.group if group is None else group
         key = key or self.name
         if op_name(op) not in ("SUM", "AVG"):
-            raise ValueError(f"megacomp.comm.LearnedChannel: lgc supports ReduceOp SUM and AVG, got {op_name(op)}")
+            raise ValueError(f"megacomp.comm.LearnedChannel: lgc_pca supports ReduceOp SUM and AVG, got {op_name(op)}")
         for t in tensors:
             if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"lgc compresses floating tensors (float32, bfloat16, float16, float64), got "
+                raise TypeError(f"lgc_pca compresses floating tensors (float32, bfloat16, float16, float64), got "
                                 f"{t.dtype}; reduce other dtypes with an uncompressed channel")
         if not tensors:
             return
@@ -120,7 +121,7 @@ class LearnedChannel(WholeBucketChannel):
         if not self.codec.compresses(flat.numel()):
             if key not in self._said_plain:
                 self._said_plain.add(key)
-                log.info("megacomp: %s bucket %s of %d elements travels uncompressed: its lgc code (%d numbers) "
+                log.info("megacomp: %s bucket %s of %d elements travels uncompressed: its lgc_pca code (%d numbers) "
                          "would not be smaller", self.name, key, flat.numel(), self.codec.message_numel(flat.numel()))
             self._wire.all_reduce(flat, group=group, validate=validate)
         elif self.training(key):
@@ -160,7 +161,7 @@ class LearnedChannel(WholeBucketChannel):
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if calls == self.train_until.get(key, lgc.train_steps):
             self._adopt_rank0(key, group, world, validate)
-            log.info("megacomp: %s lgc autoencoder of %s frozen after call %d (mean squared error %.4g on normalised "
+            log.info("megacomp: %s lgc_pca autoencoder of %s frozen after call %d (mean squared error %.4g on normalised "
                      "chunks)", self.name, key, calls, loss)
 
     def _frozen_call(self, flat: torch.Tensor, key: str, group, world: int, rank: int, validate) -> torch.Tensor:
@@ -184,12 +185,12 @@ class LearnedChannel(WholeBucketChannel):
         rel = math.sqrt(float(sums[0]) / float(sums[1])) if float(sums[1]) > 0 else 0.0
         self.last_error[key] = rel
         if calls == self.train_until.get(key, lgc.train_steps) + 1:  # the first frozen call after a training phase
-            log.info("megacomp: %s lgc %s: first frozen call, reconstruction error %.4g measured by the senders",
+            log.info("megacomp: %s lgc_pca %s: first frozen call, reconstruction error %.4g measured by the senders",
                      self.name, key, rel)
         if lgc.retrain_threshold and not rel <= lgc.retrain_threshold:  # NaN included
             self.train_until[key] = calls + lgc.train_steps
             self.retrains[key] = self.retrains.get(key, 0) + 1
-            log.warning("megacomp: %s lgc %s: reconstruction error %.4g measured by the senders exceeds "
+            log.warning("megacomp: %s lgc_pca %s: reconstruction error %.4g measured by the senders exceeds "
                         "retrain_threshold %.4g at call %d; retraining for %d calls (retraining #%d)", self.name, key,
                         rel, lgc.retrain_threshold, calls, lgc.train_steps, self.retrains[key])
         return delivered
@@ -241,7 +242,7 @@ class LearnedChannel(WholeBucketChannel):
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; raises ValueError when it was saved with other LGC settings."""
+        """Restore :meth:`state_dict`; raises ValueError when it was saved with other lgc_pca settings."""
         if state["codec"] != self.codec.to_dict():
             raise ValueError(f"channel {self.name!r}: state saved with {state['codec']}, this channel uses "
                              f"{self.codec.to_dict()}; resume with the same compression config")
@@ -257,7 +258,7 @@ class LearnedChannel(WholeBucketChannel):
             self.error_feedback.load_state_dict(state["error_feedback"])
 
 
-def encode_message(lgc: LGC, w: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_message(lgc: LGCPCA, w: dict, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What a rank sends for the compensated bucket ``h`` (fp32, 1-D) and the sender's own decoding of it.
 
     Per chunk ``x`` (normalised ``u``, code ``z = E(u)``, ``d = D(z)``) the scale sent is the least-squares one,
@@ -279,7 +280,7 @@ def encode_message(lgc: LGC, w: dict, h: torch.Tensor) -> tuple[torch.Tensor, to
     return message, (d * a.unsqueeze(1)).reshape(-1)[:h.numel()]
 
 
-def decode_ps(lgc: LGC, w: dict, messages: torch.Tensor, numel: int) -> torch.Tensor:
+def decode_ps(lgc: LGCPCA, w: dict, messages: torch.Tensor, numel: int) -> torch.Tensor:
     """The ``ps`` variant's delivered sum: each rank's message (``messages[r]``, ``chunks x (latent + 1)``) decoded on
     its own (the same shapes and operations as the sender's :func:`encode_message`, so the same bits) and summed in
     rank order; fp32, ``numel`` elements."""

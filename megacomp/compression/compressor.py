@@ -18,7 +18,7 @@ from typing import Any, Union
 from .accordion import Accordion, is_accordion, make_accordion
 from .codecs import Codec, make_codec
 from .low_rank import PowerSGD, is_low_rank, make_low_rank
-from .learned import LGC, is_learned, make_learned
+from .learned import LGC, LGCPCA, is_learned, make_learned
 
 Compressor = Union[Codec, PowerSGD, Accordion]
 """What a path that accepts structured compressors (dp_gradient) holds after construction."""
@@ -30,7 +30,7 @@ def make_compressor(spec: Any) -> Compressor:
     :class:`Accordion`. None is the identity codec."""
     if is_accordion(spec):
         return make_accordion(spec)
-    if is_learned(spec):  # LGC settings (megacomp.compression.learned)
+    if is_learned(spec):  # LGC as published or lgc_pca (megacomp.compression.lgc, .learned)
         return make_learned(spec)
     return make_low_rank(spec) if is_low_rank(spec) else make_codec(spec)
 
@@ -38,7 +38,7 @@ def make_compressor(spec: Any) -> Compressor:
 def keeps_own_error_feedback(compressor: Any) -> bool:
     """Whether ``compressor`` (built, see :func:`make_compressor`) brings its own error feedback: PowerSGD settings,
     or Accordion settings whose levels are PowerSGD (their residuals are per matrix, shaped by the factors)."""
-    if isinstance(compressor, LGC):  # LGC: classic error feedback on the sender's own decoding
+    if isinstance(compressor, (LGC, LGCPCA)):  # LGC, lgc_pca: error feedback on what was delivered for the sender
         return True
     return isinstance(compressor, PowerSGD) or (isinstance(compressor, Accordion) and compressor.low_rank)
 

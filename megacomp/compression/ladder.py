@@ -164,7 +164,7 @@ def _rung(path: str, i: int, spec: Any) -> Codec:
     if isinstance(spec, Mapping) and "name" not in spec:
         raise ValueError(f"auto.ladder.{path}[{i}]: {dict(spec)} names no codec; a ladder switches value codecs in "
                          f"place (none, bf16, int8, int4, ...), one setting per rung")
-    if name in ("powersgd", "accordion", "lgc"):
+    if name in ("powersgd", "accordion", "lgc", "lgc_pca"):
         raise ValueError(f"auto.ladder.{path}[{i}]: {name} is not a value codec; a ladder switches value codecs in "
                          f"place (none, bf16, int8, int4, ...): give {name} as the path's static setting instead")
     try:

@@ -1,5 +1,8 @@
-"""Learned gradient compression (LGC; Abrahamyan et al., IEEE TNNLS 2021): the settings as data, and the local
-autoencoder math (encode, decode, train). The exchange lives in megacomp.comm.learned_channel.
+"""A chunked PCA / MLP autoencoder code of gradient buckets (``lgc_pca``): megacomp's earlier reading of learned
+gradient compression, kept under its own name. It is NOT the published LGC (Abrahamyan et al., IEEE TNNLS 2021:
+a top-k front end, an autoencoder over the top-k values with a similarity term between the nodes' codes, a
+parameter-server and a ring-allreduce instance), which is ``lgc`` (megacomp.compression.lgc). The settings as
+data, and the local autoencoder math (encode, decode, train); the exchange lives in megacomp.comm.learned_channel.
 
 A gradient bucket (flattened, fp32) is cut into chunks of ``chunk`` elements (the last one zero-padded). Each chunk
 ``x`` is one autoencoder sample: its scale ``s = ||x||_2 / sqrt(chunk)`` (0 for a zero chunk) normalises it,
@@ -49,6 +52,7 @@ from typing import Any, Mapping
 import torch
 
 from .codecs import build_from_spec
+from .lgc import LGC, is_lgc, make_lgc
 from .low_rank import StructuredCompressor
 
 VARIANTS = ("ring", "ps")
@@ -56,11 +60,12 @@ DECODERS = ("linear", "mlp")
 
 
 @dataclass(frozen=True)
-class LGC(StructuredCompressor):
-    """Settings of learned gradient compression (YAML: ``{name: lgc, latent: 32, chunk: 512, train_steps: 20}``)."""
+class LGCPCA(StructuredCompressor):
+    """Settings of the chunked PCA / MLP autoencoder code (YAML: ``{name: lgc_pca, latent: 32, chunk: 512,
+    train_steps: 20}``)."""
 
-    name: str = "lgc"
-    """Always ``lgc`` (names the compressor in YAML and checkpoints)."""
+    name: str = "lgc_pca"
+    """Always ``lgc_pca`` (names the compressor in YAML and checkpoints)."""
     latent: int = 32
     """Numbers per chunk in the code (must be below ``chunk``: the code is what is sent)."""
     chunk: int = 512
@@ -87,9 +92,9 @@ class LGC(StructuredCompressor):
     """Seed of the autoencoder's initial weights and of the sample draws (the same on every rank)."""
 
     def __post_init__(self) -> None:
-        where = "lgc"
-        if self.name != "lgc":
-            raise ValueError(f"LGC settings have name 'lgc', got {self.name!r}")
+        where = "lgc_pca"
+        if self.name != "lgc_pca":
+            raise ValueError(f"LGCPCA settings have name 'lgc_pca', got {self.name!r}")
         for field in ("latent", "chunk", "hidden", "train_steps", "train_samples", "train_iters"):
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -119,7 +124,7 @@ class LGC(StructuredCompressor):
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def __str__(self) -> str:
-        return f"lgc-{self.variant}-{self.decoder}{self.latent}/{self.chunk}+ef"
+        return f"lgc_pca-{self.variant}-{self.decoder}{self.latent}/{self.chunk}+ef"
 
     # -- sizes -----------------------------------------------------------------------------------------
     def chunks(self, numel: int) -> int:
@@ -137,7 +142,7 @@ class LGC(StructuredCompressor):
         return self.message_numel(numel) < numel
 
 
-def init_autoencoder(lgc: LGC, key: str, device=None) -> dict[str, torch.Tensor]:
+def init_autoencoder(lgc: LGCPCA, key: str, device=None) -> dict[str, torch.Tensor]:
     """The seeded start weights of key ``key``'s autoencoder (drawn on the CPU: the same on every rank and device).
 
     Linear: ``enc`` (latent x chunk) with orthonormal rows, ``dec`` its transpose. MLP: two layers each side,
@@ -155,7 +160,7 @@ def init_autoencoder(lgc: LGC, key: str, device=None) -> dict[str, torch.Tensor]
     return {k: v.to(device) if device is not None else v for k, v in out.items()}
 
 
-def chunked(lgc: LGC, flat: torch.Tensor) -> torch.Tensor:
+def chunked(lgc: LGCPCA, flat: torch.Tensor) -> torch.Tensor:
     """``flat`` (fp32, 1-D) zero-padded to whole chunks, as a ``chunks x chunk`` matrix."""
     n = lgc.chunks(flat.numel())
     pad = n * lgc.chunk - flat.numel()
@@ -169,14 +174,14 @@ def normalise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x / torch.where(s > 0, s, torch.ones_like(s)).unsqueeze(1), s
 
 
-def encode(lgc: LGC, w: Mapping[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
+def encode(lgc: LGCPCA, w: Mapping[str, torch.Tensor], u: torch.Tensor) -> torch.Tensor:
     """Codes ``E(u)`` of the normalised chunks ``u`` (rows), ``chunks x latent``."""
     if lgc.decoder == "linear":
         return u @ w["enc"].t()
     return torch.relu(u @ w["enc1"].t() + w["enc1_b"]) @ w["enc2"].t() + w["enc2_b"]
 
 
-def decode(lgc: LGC, w: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
+def decode(lgc: LGCPCA, w: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Tensor:
     """Decodings ``D(z)`` of codes ``z`` (rows), ``chunks x chunk``. Linear: ``z @ W^T``, so ``D(a + b) = D(a) + D(b)``
     in real arithmetic (the ring variant's premise); MLP: not additive."""
     if lgc.decoder == "linear":
@@ -184,7 +189,7 @@ def decode(lgc: LGC, w: Mapping[str, torch.Tensor], z: torch.Tensor) -> torch.Te
     return torch.relu(z @ w["dec1"].t() + w["dec1_b"]) @ w["dec2"].t() + w["dec2_b"]
 
 
-def train_state(lgc: LGC, w: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def train_state(lgc: LGCPCA, w: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The training state of an autoencoder with weights ``w``. Linear: the running second-moment matrix of the
     samples seen (``cov``, fp64, chunk x chunk) and their count ``t``; MLP: Adam's zero first and second moments
     (``m.<name>``, ``v.<name>``) and its step count ``t``."""
@@ -197,7 +202,7 @@ def train_state(lgc: LGC, w: Mapping[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def train(lgc: LGC, w: dict[str, torch.Tensor], state: dict[str, torch.Tensor], samples: torch.Tensor) -> float:
+def train(lgc: LGCPCA, w: dict[str, torch.Tensor], state: dict[str, torch.Tensor], samples: torch.Tensor) -> float:
     """One training call on the normalised ``samples`` (rows), updating ``w`` and ``state`` in place; returns the mean
     squared reconstruction error of the samples after it. Deterministic: the same samples, weights and state give the
     same bits on the same device.
@@ -230,7 +235,7 @@ def train(lgc: LGC, w: dict[str, torch.Tensor], state: dict[str, torch.Tensor], 
     return float((decode(lgc, w, encode(lgc, w, samples)) - samples).pow(2).mean())
 
 
-def restart_training(lgc: LGC, state: dict[str, torch.Tensor]) -> None:
+def restart_training(lgc: LGCPCA, state: dict[str, torch.Tensor]) -> None:
     """Before a retraining phase: a linear autoencoder forgets the samples seen so far (its new subspace is fitted to
     the gradients of now); an MLP keeps its weights and Adam state and continues from them."""
     if lgc.decoder == "linear":
@@ -239,15 +244,25 @@ def restart_training(lgc: LGC, state: dict[str, torch.Tensor]) -> None:
 
 
 def is_learned(spec: Any) -> bool:
-    """Whether ``spec`` names LGC settings (an LGC, ``'lgc'`` or a mapping with that name)."""
-    if isinstance(spec, LGC):
+    """Whether ``spec`` names a learned compressor: LGC as published (``lgc``, megacomp.compression.lgc) or the
+    chunked PCA / MLP code (``lgc_pca``): an instance, its name, or a mapping with that name."""
+    if isinstance(spec, (LGCPCA, LGC)):
         return True
     if isinstance(spec, str):
-        return spec == "lgc"
-    return isinstance(spec, Mapping) and spec.get("name") == "lgc"
+        return spec in ("lgc", "lgc_pca")
+    return isinstance(spec, Mapping) and spec.get("name") in ("lgc", "lgc_pca")
 
 
-def make_learned(spec: Any, **options: Any) -> LGC:
-    """Build :class:`LGC` from ``'lgc'``, a mapping (YAML) or an LGC; extra keyword options override fields.
-    Raises ValueError naming unknown fields and the allowed ones, or a setting that cannot compress."""
-    return build_from_spec(LGC, spec, options, "lgc")
+def make_learned(spec: Any, **options: Any) -> "LGCPCA | LGC":
+    """Build the learned compressor ``spec`` names: :class:`~megacomp.compression.lgc.LGC` for ``lgc``,
+    :class:`LGCPCA` for ``lgc_pca`` (from the name, a mapping (YAML) or an instance); extra keyword options override
+    fields. Raises ValueError naming unknown fields and the allowed ones, or a setting that cannot compress."""
+    if is_lgc(spec):
+        return make_lgc(spec, **options)
+    return make_lgc_pca(spec, **options)
+
+
+def make_lgc_pca(spec: Any, **options: Any) -> LGCPCA:
+    """Build :class:`LGCPCA` from ``'lgc_pca'``, a mapping (YAML) or an LGCPCA; raises ValueError naming unknown
+    fields and the allowed ones, or a setting that cannot compress."""
+    return build_from_spec(LGCPCA, spec, options, "lgc_pca")
