@@ -8,8 +8,9 @@ keyed by the call's ``key``. The collectives, issued from the calling thread in 
   training call:     the leader's broadcast of its ``k`` indices, one all-gather of every rank's values there;
                      local training (the same on every rank); on the last one, the leader's broadcast of its weights;
   compressed call:   ``ps``: the leader's broadcast of ``[code, indices]``, one all-gather of every rank's
-                     ``[scale, innovation values, innovation positions]``; ``ring``: the leader's broadcast of the
-                     indices, one all-reduce of ``[s_i * code_i, s_i]``.
+                     ``[output scale, input scale, innovation values, innovation positions]``; ``ring``: the
+                     leader's broadcast of the indices, one all-reduce of ``[s_i * code_i, s_i]`` and (``fit_scale``)
+                     one of the output scales.
 
 A broadcast is ``torch.distributed.broadcast`` counted as the leader sending its message to the ``N - 1`` others;
 the all-gathers and the all-reduce are the path's own Channel calls, counted by their models. Each call records
@@ -36,7 +37,7 @@ from torch.distributed import ReduceOp
 
 from ..compression import ErrorFeedback
 from ..compression.codecs import FLOAT_DTYPES
-from ..compression.lgc import LGC, make_lgc, normalised, rms, top_indices
+from ..compression.lgc import LGC, fitted_scale, make_lgc, normalised, rms, top_indices
 from ..compression.lgc_autoencoder import (decode, encode, init_autoencoder, innovation_dense, innovation_positions,
                                            train, train_state)
 from .channel import Channel
@@ -171,11 +172,19 @@ class LGCChannel(WholeBucketChannel):
             z = encode(lgc, w, normalised(v, s))
             buf = torch.cat([(s * z.reshape(-1)), s])
             self._wire.all_reduce(buf, group=group, validate=validate)
-            total = buf[-1]
+            total = buf[-1:]
             if not bool(total > 0):  # every rank's values are zero: nothing to deliver
+                if lgc.fit_scale:  # the second all-reduce still runs: every rank takes this branch together
+                    self._wire.all_reduce(torch.zeros(1, device=h.device), group=group, validate=validate)
                 return h.new_zeros(n), h.new_zeros(n)
-            dbar = decode(lgc, w, 0, (buf[:-1] / total).view(z.shape), k).reshape(-1)
-            return h.new_zeros(n).index_copy_(0, idx, total * dbar), h.new_zeros(n).index_copy_(0, idx, s * dbar)
+            dbar = decode(lgc, w, 0, (buf[:-1] / total).view(z.shape), k)
+            a = s
+            if lgc.fit_scale:
+                a = fitted_scale(v, dbar)
+                total = a.clone()
+                self._wire.all_reduce(total, group=group, validate=validate)
+            dbar = dbar.reshape(-1)
+            return h.new_zeros(n).index_copy_(0, idx, total * dbar), h.new_zeros(n).index_copy_(0, idx, a * dbar)
         # ps: the leader's indices and common code, every rank's scale and innovation
         code_numel = lgc.code_numel(n)
         lead = torch.empty(code_numel + k, dtype=torch.int32, device=h.device)
@@ -191,17 +200,21 @@ class LGCChannel(WholeBucketChannel):
         s = rms(v)
         k_inno = lgc.innovation(n)
         pos = innovation_positions(v, k_inno)
-        msg = torch.cat([s.view(torch.int32), v.gather(1, pos).reshape(-1).view(torch.int32),
+        vals = v.gather(1, pos)
+        a = s
+        if lgc.fit_scale:  # the scale of this rank's own decoding (the receivers decode the same bits)
+            a = fitted_scale(v, decode(lgc, w, rank, z0, k, innovation_dense(k, pos, normalised(vals, s))))
+        msg = torch.cat([a.view(torch.int32), s.view(torch.int32), vals.reshape(-1).view(torch.int32),
                          pos.reshape(-1).to(torch.int32)]).view(torch.uint8)
         got = torch.empty(world * msg.numel(), dtype=torch.uint8, device=h.device)
         self._wire.all_gather_encoded(got, msg, numel=n, group=group, validate=validate)
         got = got.view(world, -1).view(torch.int32)
         total, own = h.new_zeros(k), None
         for r in range(world):  # node r's decoder, from the common code and node r's innovation, in rank order
-            sr = got[r, :1].view(torch.float32)
-            vals = got[r, 1:1 + k_inno].view(torch.float32).unsqueeze(0)
-            inno = innovation_dense(k, got[r, 1 + k_inno:].long().unsqueeze(0), normalised(vals, sr))
-            part = (sr * decode(lgc, w, r, z0, k, inno)).reshape(-1)
+            ar, sr = got[r, :1].view(torch.float32), got[r, 1:2].view(torch.float32)
+            vals = got[r, 2:2 + k_inno].view(torch.float32).unsqueeze(0)
+            inno = innovation_dense(k, got[r, 2 + k_inno:].long().unsqueeze(0), normalised(vals, sr))
+            part = (ar * decode(lgc, w, r, z0, k, inno)).reshape(-1)
             total += part
             own = part if r == rank else own
         return h.new_zeros(n).index_copy_(0, idx, total), h.new_zeros(n).index_copy_(0, idx, own)

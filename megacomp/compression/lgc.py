@@ -19,17 +19,22 @@ entries of largest magnitude and carries the rest to the next step. Three phases
   3. compressed (every later call), one of two instances:
        ``ps``   (parameter server): the leader broadcasts its indices and the code ``E(v_0 / s_0)`` of its values
                 (``s = RMS of v``); every rank all-gathers its scale ``s_i`` and its innovation: the
-                ``k_inno = ceil(innovation_density * n)`` largest of its own ``v_i`` with their positions. Node i's
-                values are decoded by node i's decoder from the common code and node i's innovation:
-                ``v̂_i = s_i * D_i(E(v_0 / s_0), inno_i / s_i)``; the delivered sum is ``sum_i v̂_i`` at the
-                indices, in rank order;
+                ``k_inno = ceil(innovation_density * n)`` largest of its own ``v_i`` with their positions, and its
+                output scale ``a_i``. Node i's values are decoded by node i's decoder from the common code and node
+                i's innovation: ``v̂_i = a_i * D_i(E(v_0 / s_0), inno_i / s_i)``; the delivered sum is
+                ``sum_i v̂_i`` at the indices, in rank order;
        ``ring`` (ring all-reduce): the leader broadcasts its indices; every rank encodes its normalised values and
-                the ranks all-reduce ``[s_i * E(v_i / s_i), s_i]``; with ``S = sum_i s_i`` and the weighted mean
-                code ``z = sum_i s_i z_i / S``, the delivered sum is ``S * D(z)`` at the indices.
+                the ranks all-reduce ``[s_i * E(v_i / s_i), s_i]``; with ``S = sum_i s_i``, the weighted mean
+                code ``z = sum_i s_i z_i / S`` and ``d = D(z)``, every rank's output scale ``a_i`` is all-reduced
+                too, and the delivered sum is ``(sum_i a_i) * d`` at the indices.
+
+     The output scale ``a_i`` is the least-squares one, ``<v_i, d_i> / ||d_i||^2`` for node i's decoding ``d_i``
+     (``fit_scale``, megacomp's addition: no node's values are delivered worse than not at all, so the residuals
+     cannot grow), or ``s_i`` (``fit_scale: false``; ``ring`` then skips the second all-reduce).
 
 Error feedback: each rank keeps ``e = h - own``, where ``own`` is the part of the delivered sum attributed to it,
 computed with the same operations its receivers use: warm-up and training its sparse vector, ``ps`` its decoding
-``v̂_i``, ``ring`` its share ``s_i * D(z)``. So ``sum_t delivered_t + sum_i e_i,T = sum_t sum_i g_i,t`` up to the
+``v̂_i``, ``ring`` its share ``a_i * D(z)``. So ``sum_t delivered_t + sum_i e_i,T = sum_t sum_i g_i,t`` up to the
 fp32 roundings of those sums and products, whatever the autoencoder learned.
 
 Bytes per rank and call (fp32 values, int32 indices; megacomp.comm.stats' models: an all-gather sends a rank's
@@ -97,6 +102,11 @@ class LGC(StructuredCompressor):
     """Channels of the code; the code has ``code_channels * ceil(k / 2**downsample)`` numbers."""
     downsample: int = 2
     """Stride-2 convolutions in the encoder (and stride-2 transposed ones per decoder)."""
+    fit_scale: bool = True
+    """Multiply each node's decoding by the least-squares scale ``a_i = <v_i, d_i> / ||d_i||^2`` of its own values
+    ``v_i`` onto its decoding ``d_i`` (megacomp's addition: then ``||v_i - a_i d_i|| <= ||v_i||``, so error feedback
+    never grows a residual, whatever the decoder learned; one more number per rank). False: the RMS scale ``s_i``
+    that normalised the input, as the paper's normalisation would."""
     leader: int = 0
     """Group rank that chooses the common top-k indices (and sends the common code for ``ps``)."""
     seed: int = 0
@@ -111,6 +121,8 @@ class LGC(StructuredCompressor):
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"lgc: {field} must be an int >= 1, got {v!r}")
+        if not isinstance(self.fit_scale, bool):
+            raise ValueError(f"lgc: fit_scale must be true or false, got {self.fit_scale!r}")
         if not isinstance(self.leader, int) or isinstance(self.leader, bool) or self.leader < 0:
             raise ValueError(f"lgc: leader must be a group rank (an int >= 0), got {self.leader!r}")
         for field in ("density", "innovation_density"):
@@ -174,8 +186,8 @@ class LGC(StructuredCompressor):
         ``k`` values (``(N - 1) * 4k``);
         ``adopt`` (added to the last training call): the leader's broadcast of ``weights_numel`` fp32 weights;
         ``compressed``, ``ps``: the leader's broadcast of its code and ``k`` indices, and the all-gather of every
-        rank's scale, ``k_inno`` values and ``k_inno`` int32 positions; ``ring``: the leader's broadcast of ``k``
-        indices and the all-reduce of ``code + 1`` fp32 numbers."""
+        rank's two scales, ``k_inno`` values and ``k_inno`` int32 positions; ``ring``: the leader's broadcast of
+        ``k`` indices, the all-reduce of ``code + 1`` fp32 numbers and (``fit_scale``) of one more."""
         if phase not in PHASES:
             raise ValueError(f"lgc: phase must be one of {PHASES}, got {phase!r}")
         if world <= 1:
@@ -189,8 +201,10 @@ class LGC(StructuredCompressor):
             return (world - 1) * 4 * weights_numel if lead else 0
         if self.variant == "ps":
             broadcast = (world - 1) * 4 * (self.code_numel(numel) + k) if lead else 0
-            return broadcast + (world - 1) * 4 * (1 + 2 * self.innovation(numel))
-        return ((world - 1) * 4 * k if lead else 0) + 4 * _all_reduce_numel(self.code_numel(numel) + 1, world, rank)
+            return broadcast + (world - 1) * 4 * (2 + 2 * self.innovation(numel))
+        fitted = 4 * _all_reduce_numel(1, world, rank) if self.fit_scale else 0
+        return ((world - 1) * 4 * k if lead else 0) + 4 * _all_reduce_numel(self.code_numel(numel) + 1, world, rank) \
+            + fitted
 
 
 def _all_reduce_numel(numel: int, world: int, rank: int) -> int:
@@ -204,6 +218,13 @@ def top_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the ``k`` entries of ``x`` (1-D) of largest magnitude, ascending (int64). A NaN counts as the
     largest (torch.topk's order), so it is sent, not silently kept back."""
     return torch.topk(x.abs(), k, sorted=False).indices.sort().values
+
+
+def fitted_scale(v: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """Per row: the least-squares scale ``<v, d> / ||d||^2`` of ``v`` onto ``d`` (0 where ``d = 0``), so that
+    ``||v - a d||^2 = ||v||^2 - <v, d>^2 / ||d||^2 <= ||v||^2``."""
+    dd = d.pow(2).sum(dim=-1)
+    return (v * d).sum(dim=-1) / torch.where(dd > 0, dd, torch.ones_like(dd))
 
 
 def rms(v: torch.Tensor) -> torch.Tensor:
