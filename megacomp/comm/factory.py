@@ -39,7 +39,7 @@ from .hop_groups import HierarchicalGroup, HopCodecs, is_hop_mapping
 from .options import CommOptions
 from .stats import StatsTable
 
-AnyChannel = Union[Channel, HierarchicalChannel, LowRankChannel, AccordionChannel, LearnedChannel]
+AnyChannel = Union[Channel, HierarchicalChannel, LowRankChannel, AccordionChannel, LearnedChannel, LGCChannel]
 """A traffic path's channel, whichever compressor it carries."""
 
 

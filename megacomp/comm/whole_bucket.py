@@ -1,6 +1,6 @@
 """The Channel surface shared by the paths that reduce a bucket whole with codec state of their own (PowerSGD's
-LowRankChannel, LGC's LearnedChannel): what the sharded optimizer and the DDP hook read to route a bucket to
-``all_reduce_coalesced``. Behaviour lives in the subclasses; this only answers the routing questions."""
+LowRankChannel, LGC's LGCChannel, lgc_pca's LearnedChannel): what the sharded optimizer and the DDP hook read to
+route a bucket to ``all_reduce_coalesced``. Behaviour lives in the subclasses; this only answers the routing questions."""
 from __future__ import annotations
 
 from typing import Optional
