@@ -492,3 +492,141 @@ def test_flush_before_finishes_the_reduction_in_flight_and_changes_no_bit():
     for (a, before), (b, seen) in zip(plain, flushed):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
         assert len(seen) == 6 and all(seen) and not any(before)  # both passes of 3 steps; without it: pos in flight
+
+
+# -- the reference's step, restated ------------------------------------------------------------------
+# OpenLMLab/LOMO ``lomo_optim/lomo.py`` and ``lomo_optim/adalomo.py`` at commit 45d4bac (non-ZeRO path), restated
+# in plain torch: a gradient hook on every parameter that, when it fires, updates every parameter whose gradient is
+# already there (and frees it), one more sweep after backward; the first pass gathers per-parameter norms.
+class _Reference:
+    def __init__(self, model, lr, *, ada=False, scale=None, dynamic=False, clip_grad_norm=None, clip_grad_value=None,
+                 weight_decay=0.0, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8):
+        self.model, self.lr, self.ada, self.scale, self.dynamic = model, lr, ada, scale, dynamic
+        self.clip_norm, self.clip_value, self.wd, self.eps, self.d, self.decay = (
+            clip_grad_norm, clip_grad_value, weight_decay, eps, clip_threshold, decay_rate)
+        self.gather, self.norms, self.clip_coef, self.overflow, self.step_num, self.state = False, [], None, False, 0, {}
+        for p in model.parameters():
+            p.register_hook(self.sweep)
+
+    def sweep(self, x=None):
+        with torch.no_grad():
+            for n, p in self.model.named_parameters():
+                if p.grad is None:
+                    continue
+                if self.dynamic and (self.overflow or not math.isfinite(float(p.grad.float().sum()))):
+                    p.grad, self.overflow = None, True  # LOMO's scaler: drop the gradient, the step is lost
+                    break
+                g = p.grad.to(torch.float32)
+                p.grad = None
+                if self.scale:
+                    g.div_(self.scale)
+                if self.gather:
+                    self.norms.append(torch.norm(g, 2.0))
+                    continue
+                if self.clip_value is not None and self.clip_value > 0:
+                    g.clamp_(min=-self.clip_value, max=self.clip_value)
+                if self.clip_norm is not None and self.clip_coef is not None:
+                    g.mul_(self.clip_coef)
+                p32 = p.data.to(torch.float32)
+                lr, u = self.lr, g
+                if self.ada:
+                    beta2t = 1.0 - math.pow(self.step_num, self.decay)
+                    u = g ** 2 + self.eps[0]
+                    if p.dim() > 1:
+                        row, col = self.state.setdefault(n, (torch.zeros(p.shape[0]), torch.zeros(p.shape[1])))
+                        row.mul_(beta2t).add_(u.mean(dim=-1), alpha=1.0 - beta2t)
+                        col.mul_(beta2t).add_(u.mean(dim=-2), alpha=1.0 - beta2t)
+                        r = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+                        u = torch.mul(r, col.unsqueeze(-2).rsqrt()).mul_(g)
+                    else:
+                        v = self.state.setdefault(n, torch.zeros(p.shape[0]))
+                        u = v.mul_(beta2t).add_(u, alpha=1.0 - beta2t).rsqrt().mul_(g)
+                    u.div_((u.norm(2) / (u.numel() ** 0.5) / self.d).clamp_(min=1.0))
+                    lr = self.lr * max(self.eps[1], torch.norm(p32, 2.0) / math.sqrt(p.numel()))
+                if self.wd > 0.0:
+                    p32.mul_(1.0 - lr * self.wd)
+                p32.add_(u, alpha=-lr)
+                p.data.copy_(p32)
+        return x
+
+    def grad_norm(self, loss):
+        self.gather, self.norms, self.overflow = True, [], False
+        (loss * self.scale if self.scale else loss).backward(retain_graph=True)
+        self.sweep()
+        if self.overflow:  # halve the scale, clear the gradients; the update pass then drops every gradient
+            self.scale = max(self.scale / 2.0, 1.0)
+            for p in self.model.parameters():
+                p.grad = None
+            return
+        self.clip_coef = torch.clamp(float(self.clip_norm) / (torch.norm(torch.stack(self.norms), 2.0) + 1e-6), max=1.0)
+        self.gather = False
+
+    def fused_backward(self, loss):
+        self.step_num += 1
+        (loss * self.scale if self.scale else loss).backward()
+        self.sweep()
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(6, 8), nn.Linear(8, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.b(torch.tanh(self.a(x))), y)
+
+
+def _batch(step, dtype):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(5, 6, generator=g).to(dtype), torch.randint(0, 4, (5,), generator=g)
+
+
+def _against_the_reference(make_ours, ref_kw, dtype=torch.float32, steps=5, big_at=None):
+    """Both optimizers on their own copy of the model and the same batches; after every step the parameters must be
+    the same bits (and, under loss scaling, the scale and whether the step happened). At step ``big_at`` the loss
+    is weighted by 10^4 (in fp16 at the loss scale: an overflow)."""
+    ours_m, ref_m = _Mlp().to(dtype), _Mlp().to(dtype)
+    ours, ref = make_ours(ours_m), _Reference(ref_m, **ref_kw)
+    trace = []
+    for step in range(steps):
+        x, y = _batch(step, dtype)
+        w = 1e4 if step == big_at else 1.0
+        if ours.needs_norm_pass:
+            ours.grad_norm(ours_m(x, y) * w)
+        stepped = ours.fused_backward(ours_m(x, y) * w)
+        if ref.clip_norm is not None:
+            ref.grad_norm(ref_m(x, y) * w)
+        ref.fused_backward(ref_m(x, y) * w)
+        assert all(torch.equal(a, b) for a, b in zip(ours_m.parameters(), ref_m.parameters())), step
+        if ours.scaler is not None:
+            assert ours.scaler.scale == ref.scale, step
+        trace.append(stepped)
+    return trace
+
+
+def test_lomo_is_the_reference_step_bit_for_bit():
+    for kw in (dict(clip_grad_norm=0.5, weight_decay=0.1), dict(clip_grad_norm=2.0, clip_grad_value=0.05), dict()):
+        _against_the_reference(lambda m: Lomo(m, lr=0.05, **kw), dict(lr=0.05, **kw))
+
+
+def test_fp16_lomo_with_the_reference_loss_scaler_is_the_reference():
+    """fp16 with Lomo.reference_loss_scaler() and clip_grad_norm 1 (the reference forces it): the same bits, the
+    same skipped step (a loss 10^4 times larger overflows at step 2) and the scale halves once, never grows."""
+    s = Lomo.reference_loss_scaler()
+    assert (s.scale, s.backoff_factor, s.growth_factor, s.min_scale) == (2.0 ** 32, 0.5, 1.0, 1.0)
+    make = lambda m: Lomo(m, lr=0.05, clip_grad_norm=1.0, loss_scaler=Lomo.reference_loss_scaler(2.0 ** 8))  # noqa: E731
+    trace = _against_the_reference(make, dict(lr=0.05, clip_grad_norm=1.0, scale=2.0 ** 8, dynamic=True),
+                                   torch.float16, big_at=2)
+    assert trace == [True, True, False, True, True]
+
+
+def test_adalomo_is_the_reference_step_bit_for_bit():
+    """fp32 without a loss scaler against the reference's static 2^10 (a power of two changes no bit here)."""
+    for kw in (dict(weight_decay=0.1), dict(clip_grad_norm=0.5, clip_grad_value=0.05)):
+        _against_the_reference(lambda m: AdaLomo(m, lr=0.05, **kw), dict(lr=0.05, ada=True, scale=2.0 ** 10, **kw))
+
+
+def test_fp16_adalomo_with_the_reference_loss_scale_is_the_reference():
+    make = lambda m: AdaLomo(m, lr=0.05, weight_decay=0.1, loss_scaler=AdaLomo.reference_loss_scaler())  # noqa: E731
+    _against_the_reference(make, dict(lr=0.05, ada=True, scale=2.0 ** 10, weight_decay=0.1), torch.float16)

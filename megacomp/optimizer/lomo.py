@@ -19,7 +19,8 @@ order of operations, OpenLMLab/LOMO ``lomo_optim``). Per parameter p, in its pos
      tensor for a moment after ``wait()`` returns; were that a gradient, its memory could outlive its step
      next to the next gradients (the measured peak would then exceed the bound by chance);
   2. ``g`` in fp32; ``clip_grad_value``: clamp to [-v, v]; ``clip_grad_norm``: multiply by
-     ``min(1, clip_grad_norm / (||g_all|| + 1e-6))``, the norm of all averaged gradients computed by
+     ``min(1, clip_grad_norm / (||g_all|| + 1e-6))``, the norm of the per-parameter norms of the averaged
+     gradients computed by
      :meth:`grad_norm` in a first backward pass (LOMO's two-pass clipping; that pass reduces with the codec but
      without error feedback, so the residuals advance once per step);
   3. LOMO: ``p <- p (1 - lr wd) - lr g`` (in fp32, written back in p's dtype).
@@ -57,6 +58,23 @@ you asked for). Without a norm pass, a non-finite averaged gradient is noticed d
 some parameters were updated: :meth:`fused_backward` finishes the pass on every rank (so the collectives stay
 matched) and raises FloatingPointError naming the parameters; the model then holds non-finite values.
 
+Compared with the reference (OpenLMLab/LOMO ``lomo_optim/lomo.py`` and ``adalomo.py`` at commit 45d4bac, their
+non-ZeRO path; tests/test_optimizer_lomo.py restates its step in plain torch, hooks included, and checks the same
+bits on a tiny MLP): the expressions above are the reference's, in its order and rounding (per-parameter norms,
+then their norm; value clamp before norm clipping; AdaLomo's ``RMS = ||t|| / sqrt(n)`` and ``lr * max(eps2,
+RMS(p))`` rounded in fp32), with its defaults (no weight decay, no norm clipping, eps, clip_threshold,
+decay_rate). Options that reproduce the rest: ``loss_scaler=Lomo.reference_loss_scaler()`` with
+``clip_grad_norm=1.0`` is LOMO's fp16 policy (from 2^32, halve on overflow, never grow: the reference never runs its
+growth window; it also forces that clipping for fp16, here you pass it), ``AdaLomo.reference_loss_scaler()``
+AdaLomo's static 2^10 (in fp32 / bf16 no scaler gives the same bits). What remains different, on purpose: an
+overflow at scale 1 or on the first step (the reference raises: at its minimum scale, or for its unset clipping
+coefficient) and an overflow under AdaLomo's static scale (the reference applies it) are skipped steps here; a
+:meth:`fused_backward` without :meth:`grad_norm` is refused on every step (the reference reuses the previous
+step's coefficient after the first); data parallelism sums in the gradient's dtype and divides by the world in
+fp32 with every rank updating whole parameters (the reference's ZeRO-3 path averages with NCCL in the
+gradient's dtype and updates its partition); AdaLomo factors a >2-D parameter over its last two dims (the
+reference takes 1-D and 2-D); TP and compression are additions.
+
 Failure behaviour: ValueError for a non-positive ``clip_grad_norm``, a sharded parameter without its
 ``tp_group``, or a sequence-parallel layer; RuntimeError when :meth:`fused_backward` is called with
 ``clip_grad_norm`` or a loss scaler set but without :meth:`grad_norm` first (the reference's rule);
@@ -91,7 +109,8 @@ class Lomo:
             over the whole parameter). Sequence parallelism is not supported (its replicated gradients are
             partial sums until the trainer all-reduces them, after the hooks have run).
         channel: the ``dp_gradient`` channel (codec, error feedback, small-tensor rule); None: uncompressed.
-        loss_scaler: dynamic loss scaling for fp16 parameters (see the module docstring), or None.
+        loss_scaler: dynamic loss scaling for fp16 parameters (see the module docstring), or None;
+            :meth:`reference_loss_scaler` gives the reference's policy.
     """
 
     def __init__(self, model: nn.Module, lr: float = 1e-3, *, weight_decay: float = 0.0,
@@ -139,8 +158,8 @@ class Lomo:
         self._overflow = False  # ... and found an inf/NaN norm: that step is skipped
         self._bad: list[tuple[str, torch.Tensor]] = []  # update pass without a check: non-finite flags per parameter
         self._gather_norm = False
-        self._sq_norms: list[torch.Tensor] = []
-        self._sq_sharded: list[torch.Tensor] = []
+        self._norms: list[torch.Tensor] = []
+        self._norms_sharded: list[torch.Tensor] = []
         self._pending: Optional[tuple] = None
         # one reduction buffer per gradient dtype, the size of the largest such parameter (see step 1)
         self._comm_bufs: dict[torch.dtype, torch.Tensor] = {}
@@ -149,6 +168,16 @@ class Lomo:
                 b = self._comm_bufs.get(p.dtype)
                 if b is None or b.numel() < p.numel():
                     self._comm_bufs[p.dtype] = torch.empty(p.numel(), dtype=p.dtype, device=p.device)
+
+    @staticmethod
+    def reference_loss_scaler(init_scale: float = 2.0 ** 32) -> DynamicLossScaler:
+        """The reference's fp16 loss-scale policy (OpenLMLab/LOMO ``lomo_optim/lomo.py``): start at ``init_scale``
+        (its default, 2^32; its experiments' ``lomo/src/lomo.py`` starts at 2^16), halve after an overflow (that step
+        is skipped), never below 1, and never grow: the reference only ever calls its scaler on overflows, so its
+        1000-step growth window never runs. With ``clip_grad_norm=1.0`` (which the reference forces for fp16) this
+        reproduces the reference's fp16 LOMO (tests/test_optimizer_lomo.py restates it). Left: at scale 1 the
+        reference raises on an overflow, here the step is skipped again."""
+        return DynamicLossScaler(scale=init_scale, growth_factor=1.0, backoff_factor=0.5, min_scale=1.0)
 
     # -- the per-parameter hook --------------------------------------------------------------------
     def _make_hook(self, name: str):
@@ -190,9 +219,8 @@ class Lomo:
             del buf
             if not self._gather_norm and not self._checked:  # no norm pass: flag it here (no host sync per tensor)
                 self._bad.append((name, ~torch.isfinite(g).all()))
-            if self._gather_norm:
-                sq = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) ** 2
-                (self._sq_sharded if name in self.sharded else self._sq_norms).append(sq)
+            if self._gather_norm:  # per-parameter norms, then the norm of those: the reference's expressions
+                (self._norms_sharded if name in self.sharded else self._norms).append(torch.norm(g, 2.0))
                 return
             if self.clip_grad_value is not None and self.clip_grad_value > 0:
                 g.clamp_(min=-self.clip_grad_value, max=self.clip_grad_value)
@@ -230,11 +258,11 @@ class Lomo:
         return t
 
     def _rms(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """RMS of the whole parameter ``name`` (its shards' squares summed over TP when sharded)."""
-        sq = (t * t).sum()
-        if name in self.sharded:
-            sq = self._tp_sum(sq)
-        return (sq / self.full_numel[name]).sqrt()
+        """RMS of the whole parameter ``name``: ``||t|| / sqrt(n)`` as the reference computes it, or, when sharded,
+        the square root of its shards' squares summed over TP over n."""
+        if name not in self.sharded:
+            return torch.norm(t, 2.0) / math.sqrt(self.full_numel[name])
+        return (self._tp_sum((t * t).sum()) / self.full_numel[name]).sqrt()
 
     # -- the passes --------------------------------------------------------------------------------
     @property
@@ -250,19 +278,18 @@ class Lomo:
         """First pass: backward (graph kept), the averaged gradients' global norm and, with ``clip_grad_norm``,
         ``clip_coef = min(1, clip_grad_norm / (norm + 1e-6))``; no parameter changes. Returns the norm; an
         inf/NaN norm (an overflow) marks the step to be skipped by :meth:`fused_backward` and is returned as is."""
-        self._gather_norm, self._sq_norms, self._sq_sharded = True, [], []
+        self._gather_norm, self._norms, self._norms_sharded = True, [], []
         try:
             self._scaled(loss).backward(retain_graph=True)
             self._flush()
         finally:
             self._gather_norm = False
-        total = torch.stack(self._sq_norms).sum() if self._sq_norms else torch.zeros(())
+        total = torch.norm(torch.stack(self._norms), 2.0) if self._norms else torch.zeros(())
         if self.tp_size > 1:  # sharded parameters' squares summed over TP, replicated ones counted once
-            part = torch.stack(self._sq_sharded).sum() if self._sq_sharded else torch.zeros(())
+            part = (torch.stack(self._norms_sharded) ** 2).sum() if self._norms_sharded else torch.zeros(())
             dist.all_reduce(part, group=self.tp_group)
-            total = total + part
-        total = total.sqrt()
-        self._sq_norms, self._sq_sharded = [], []
+            total = (total ** 2 + part).sqrt()
+        self._norms, self._norms_sharded = [], []
         bad = (~torch.isfinite(total)).to(torch.float32).reshape(1)
         if self.tp_size > 1:  # replicated parameters' squares are local: every TP rank must reach the same verdict
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.tp_group)
@@ -395,6 +422,14 @@ class AdaLomo(Lomo):
             else:
                 self.state[name] = {"v": torch.zeros(p.shape, dtype=torch.float32, device=p.device)}
 
+    @staticmethod
+    def reference_loss_scaler(init_scale: float = 2.0 ** 10) -> DynamicLossScaler:
+        """The reference's loss scale (OpenLMLab/LOMO ``lomo_optim/adalomo.py``, ``loss_scale=2**10``): static,
+        for every dtype, without an overflow check. Here: the same static scale (no growth, no back-off); an overflow
+        step is skipped (the reference would apply it and leave non-finite parameters). In fp32 and bf16 a power-of-two
+        scale changes no bit of the update (barring underflow), so the reference equals no scaler there."""
+        return DynamicLossScaler(scale=init_scale, growth_factor=1.0, backoff_factor=1.0)
+
     def reload_params(self, params, *, reset_state: bool = False) -> None:
         """These parameters were replaced in place (LoQT's merge): the model holds them, so nothing to reload; with
         ``reset_state`` their second-moment statistics are zeroed (parameters it does not manage are ignored)."""
@@ -414,7 +449,7 @@ class AdaLomo(Lomo):
     def _update(self, name: str, p: nn.Parameter, g: torch.Tensor) -> None:
         st = self.state[name]
         beta2t = 1.0 - math.pow(self.step_num, self.decay_rate)
-        sq = g * g + self.eps[0]
+        sq = g ** 2 + self.eps[0]
         if p.dim() > 1:
             st["row"].mul_(beta2t).add_(self._mean(name, sq, -1), alpha=1.0 - beta2t)
             st["col"].mul_(beta2t).add_(self._mean(name, sq, -2), alpha=1.0 - beta2t)
@@ -426,7 +461,8 @@ class AdaLomo(Lomo):
             update = st["v"].rsqrt().mul_(g)
         update.div_((self._rms(name, update) / self.clip_threshold).clamp(min=1.0))
         p32 = p.detach().to(torch.float32)
-        lr = self.lr * max(self.eps[1], self._rms(name, p32).item())
+        # the reference's expression: a 0-dim fp32 tensor when RMS(p) > eps2 (so lr * RMS(p) is rounded in fp32)
+        lr = self.lr * max(self.eps[1], self._rms(name, p32))
         if self.weight_decay:
             p32.mul_(1.0 - lr * self.weight_decay)
         p32.add_(update, alpha=-lr)
