@@ -15,6 +15,17 @@ gradient buffer for that weight (the lookup's backward adds into the output laye
 parameter all-gather (every DP rank applies the same averaged gradient), so the ``dp_parameter`` path must be
 uncompressed and unused.
 
+Compared with the reference (OpenLMLab/LOMO at commit 45d4bac; the optimizer's own comparison is in
+megacomp.optimizer.lomo): the step is the reference's, but this loop's defaults are the shared config's, not the
+reference's: ``weight_decay`` 0.1 and ``clip_grad`` 1.0 (the reference: no weight decay; LOMO's experiments clip
+at 1.0, AdaLomo's scripts do not clip) and an fp16 loss scale that doubles every ``loss_scale_window`` clean
+steps (the reference's never grows). The reference's settings, as options: LOMO ``--weight-decay 0 --clip-grad 1``
+(fp16: ``--initial-loss-scale 65536``, the start in its experiments' code, 2^32 in ``lomo_optim``, and a
+``--loss-scale-window`` longer than the run);
+AdaLomo ``--weight-decay 0 --clip-grad 0`` (fp16: ``--initial-loss-scale 1024`` and a window longer than the run,
+its static 2^10 as long as no step overflows; an overflow here halves the scale and skips the step, the reference
+applies it). The banner states the weight decay and clipping in use.
+
 Failure behaviour: ValueError when the compression config asks for what LOMO cannot do (a ``dp_parameter``
 codec, a low-rank or Accordion ``dp_gradient``, full-precision warm-up steps); TrainingDiverged when an update
 pass without a norm pass met a non-finite gradient (already applied: the run stops without saving).
@@ -125,8 +136,8 @@ def build_fused(name: str, model, groups, channels, compression, cfg) -> FusedSt
     if cfg.model.params_dtype == "float16":
         scaler = DynamicLossScaler(scale=t.initial_loss_scale, growth_interval=t.loss_scale_window)
     # weight decay and LOMO's clipping by the global norm (clip_grad; 0 = off, which also drops the first backward
-    # pass unless fp16 needs it for the overflow check); AdaLomo's eps / clip_threshold / decay_rate are the
-    # reference's defaults
+    # pass unless fp16 needs it for the overflow check): the config's, which differ from the reference's defaults
+    # (module docstring); AdaLomo's eps / clip_threshold / decay_rate are the reference's defaults
     opt = LOMO_OPTIMIZERS[name](model, lr=t.lr, dp_group=groups.dp, tp_group=groups.tp if groups.tp_size > 1 else None,
                                 channel=ch, loss_scaler=scaler, weight_decay=t.weight_decay,
                                 clip_grad_norm=t.clip_grad or None)
@@ -155,10 +166,11 @@ def lomo_summary(step: FusedStep, name: str) -> str:
     clip = (f"clipping by the global norm {opt.clip_grad_norm:g} (two backward passes)" if opt.clip_grad_norm
             else "no clipping" + (" (a first backward pass checks for fp16 overflow)" if opt.scaler else ""))
     scale = f", fp16 loss scale from {opt.scaler.scale:g}" if opt.scaler is not None else ""
+    wd = f", weight decay {opt.weight_decay:g}"
     biggest = max(p.numel() * p.element_size() for p in opt.params.values())
     return (f"{name}: each parameter all-reduced over DP (dp_gradient, {ch.codec}{ef}) and updated inside "
             f"backward, its gradient freed: at most two gradients alive (largest {biggest / 1e6:.2f} MB), no fp32 "
-            f"masters; {clip}{scale}")
+            f"masters; {clip}{wd}{scale}")
 
 
 
