@@ -74,7 +74,13 @@ def natural_round(x: torch.Tensor, generator: Optional[torch.Generator] = None) 
         raise ValueError(f"natural compression: an entry is >= 2^127 in magnitude or not finite (max |x| = "
                          f"{float(ax.max()):.3g}); scale the message into fp32's range")
     where = generator.device if generator is not None else x.device
-    u = torch.rand(x.shape, generator=generator, dtype=torch.float64, device=where).to(x.device)
+    return natural_round_with(x, torch.rand(x.shape, generator=generator, dtype=torch.float64, device=where).to(x.device))
+
+
+def natural_round_with(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """:func:`natural_round` with the uniforms ``u`` (float64, x's shape) given: entry j rounds up when u_j < m_j
+    (batched simulations draw each sender's uniforms from its own generator, then round all at once)."""
+    ax = x.abs()
     mant, exp = torch.frexp(ax.double())  # |x| = mant 2^exp, mant in [0.5, 1): |x| = 2^(exp-1) (1 + m)
     m = 2 * mant - 1
     low = torch.ldexp(torch.ones_like(mant), exp - 1)
