@@ -1,7 +1,8 @@
 """Dynamic loss scaling for fp16 training (the torch.cuda.amp.GradScaler rule, device-agnostic).
 
-The loss is multiplied by ``scale`` before backward; the optimizer divides the gradients by it before
-they are communicated (so error-feedback state is in unscaled units and never needs rescaling). On a
+The loss is multiplied by ``scale`` before backward; DistributedOptimizer divides the gradients by it before
+they are communicated (so its error-feedback state is in unscaled units and never needs rescaling; LOMO sends
+them at the scale, in fp16, and rescales its residuals when the scale changes: megacomp.optimizer.lomo). On a
 step with inf/NaN gradients the step is skipped and ``scale *= backoff_factor``; after
 ``growth_interval`` clean steps in a row ``scale *= growth_factor``.
 """
