@@ -9,7 +9,8 @@
 - The batched compressors are megacomp's natural compression entry for entry, and rand-k / rand-k + natural keep
   k entries scaled by d / k, unbiased.
 - On a well-conditioned instance every method of the grid (GD, DIANA, ADIANA, LoCoDL; natural and rand-k) reaches
-  f - f* < 1e-8, and the results table reads its bits.
+  f - f* < 1e-8, the thinned record keeps the bits at which each power of ten is crossed, and the results table
+  reads them.
 """
 import dataclasses
 import math
@@ -131,6 +132,9 @@ def test_every_method_converges_on_a_well_conditioned_instance():
     for r in runs:
         assert r["gap"][-1] < 1e-8 and r["gap"][0] > 1e-2, (r["label"], r["gap"][-1])
         assert r["bits"] == sorted(r["bits"])
+        small = lp.thin(r)  # what results.json keeps: the table's crossings exactly
+        assert len(small["gap"]) <= len(r["gap"]) and all(lp.bits_to(small, e) == lp.bits_to(r, e)
+                                                          for e in (1e-2, 1e-4, 1e-6, 1e-8))
     md = lp.table(runs, [1e-4, 1e-8])
     assert md.count("\n") == len(runs) + 1 and "not reached" not in md
     gd = next(r for r in runs if r["method"] == "gd")
