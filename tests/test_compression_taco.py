@@ -186,3 +186,12 @@ def test_tp_all_reduce_with_taco_bytes_bound_and_compression_off_bit_for_bit():
         bound = _promise(codec) * sum(p.double().norm().item() for p in partials)
         assert (got.double() - plain.double()).norm().item() <= bound * (1 + 1e-5)
         assert not torch.equal(got, plain)
+
+
+def test_every_tp_path_with_sequence_parallelism_stays_within_the_bound():
+    """taco on tp_forward, tp_backward and the sequence-parallel all-gather / reduce-scatter of megacomp's TP
+    layers: each layer's outputs and gradients within the codec's per-element bound (tests/codec_bounds.py)
+    propagated through the matmuls, as for the other codecs in test_tensor_parallel_layers.py."""
+    from test_tensor_parallel_layers import _body
+    names = run_ranks(_body, 2, 2, True, {"name": "taco"}, False)[0]
+    assert "col.dx" in names and "row.out" in names
