@@ -61,7 +61,8 @@ class Codec:
 
     name: str = "none"
     """Registered format name: none, bf16, fp16, fp8_e4m3, fp8_e5m2, int8, int4, int2, sign, or taco (TACO's codec,
-    megacomp.compression.taco: there block_size is the fine-scale block, hadamard the largest reshape row)."""
+    megacomp.compression.taco: there block_size is the fine-scale block, hadamard the largest reshape row, and
+    dual_scale is always on)."""
     block_size: Optional[int] = None
     """Elements per scale. 0 = one scale for the whole tensor; None = the format's default (128 for
     scaled formats). Must be None for none/bf16/fp16, which carry no scale."""
