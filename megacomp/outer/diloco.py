@@ -22,8 +22,11 @@ weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weig
 
 NoLoCo (``algorithm='noloco'``) keeps this schedule and state but replaces the all-reduce and the SGD step
 by megacomp.outer.noloco's point-to-point exchange inside a seeded random group and its outer rule.
-SparseLoCo (``algorithm='sparseloco'``; DCT-momentum DiLoCo is the same with a DCT codec) keeps the schedule too and
-replaces the outer momentum by megacomp.outer.sparseloco's error-feedback accumulator and all-gather exchange.
+SparseLoCo (``algorithm='sparseloco'``; with a 1-D DCT codec it is megacomp's SparseLoCo-DCT) keeps the schedule too
+and replaces the outer momentum by megacomp.outer.sparseloco's error-feedback accumulator and all-gather exchange.
+DCT-DiLoCo (``algorithm='dct_diloco'``, Nedelkoski et al. 2025) keeps it as well and replaces the all-reduce and the
+SGD step by megacomp.outer.dct_diloco's: Nesterov momentum whose largest 2-D DCT components per tile are all-gathered
+and averaged, the rest kept locally, and a step with the replica's own pseudo-gradient.
 MT-DAO is this loop as parameter averaging plus the trainer averaging the optimizer moments after each
 synchronisation (megacomp.outer.mt_dao). Every exchange can be guarded by a ReplicaWatch (liveness.py).
 
@@ -59,6 +62,7 @@ from ..comm import AnyChannel, Channel, make_channel
 from ..compression import (CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config,
                            parse_codec_arg)
 from .liveness import ReplicaLost, ReplicaWatch
+from . import dct_diloco
 from . import sparseloco
 from .noloco import gossip_groups, outer_update, start_exchange
 
@@ -87,13 +91,19 @@ class DiLoCoConfig:
     """Streaming DiLoCo: alpha in local = lerp(outer, local, alpha) when a fragment is applied (0: outer)."""
     algorithm: str = "diloco"
     """'diloco' (all-reduce of the pseudo-gradient, outer SGD), 'noloco' (gossip in random groups,
-    megacomp.outer.noloco; outer_lr is alpha, outer_momentum beta, nesterov is not used) or 'sparseloco'
+    megacomp.outer.noloco; outer_lr is alpha, outer_momentum beta, nesterov is not used), 'sparseloco'
     (error-feedback accumulator and all-gather, megacomp.outer.sparseloco; outer_lr is alpha, outer_momentum
-    the accumulator's decay beta; the accumulator is the error feedback, so error_feedback must be None)."""
+    the accumulator's decay beta; the accumulator is the error feedback, so error_feedback must be None) or
+    'dct_diloco' (megacomp.outer.dct_diloco: outer_momentum is the Nesterov beta, codec the format of the kept
+    DCT coefficients; the momentum is the error feedback, so error_feedback must be None)."""
     group_size: int = 2
     """NoLoCo: replicas per gossip group (must divide the replica count)."""
     seed: int = 0
     """NoLoCo: seed of the group draws (the same on every rank)."""
+    dct_topk: int = dct_diloco.DEFAULT_TOPK
+    """DCT-DiLoCo: DCT coefficients of largest magnitude shared per tile (all of a smaller tile)."""
+    dct_chunk: int = dct_diloco.DEFAULT_CHUNK
+    """DCT-DiLoCo: largest DCT tile side (tiles of up to dct_chunk x dct_chunk, at most 256)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.outer_steps, int) or self.outer_steps < 1:
@@ -113,14 +123,25 @@ class DiLoCoConfig:
                                  f"{self.outer_momentum}")
         elif not 0 <= self.outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {self.outer_momentum}")
-        if self.algorithm not in ("diloco", "noloco", "sparseloco"):
-            raise ValueError(f"outer algorithm must be 'diloco', 'noloco' or 'sparseloco', got {self.algorithm!r}")
+        if self.algorithm not in ("diloco", "noloco", "sparseloco", "dct_diloco"):
+            raise ValueError(f"outer algorithm must be 'diloco', 'noloco', 'sparseloco' or 'dct_diloco', got "
+                             f"{self.algorithm!r}")
+        if self.algorithm == "dct_diloco":
+            if self.error_feedback is not None:
+                raise ValueError("DCT-DiLoCo's momentum is its error feedback (what is not sent stays in it); drop "
+                                 "error_feedback")
+            for name in ("dct_topk", "dct_chunk"):
+                v = getattr(self, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"DCT-DiLoCo {name} must be an int >= 1, got {v!r}")
         if self.algorithm == "sparseloco" and self.error_feedback is not None:
             raise ValueError("SparseLoCo's accumulator is its error feedback; drop error_feedback (outer_momentum "
                              "sets the accumulator's decay)")
         if self.algorithm == "noloco" and (not isinstance(self.group_size, int) or self.group_size < 2):
             raise ValueError(f"NoLoCo group_size must be an int >= 2, got {self.group_size!r}")
         self.codec = make_codec(parse_codec_arg(self.codec))
+        if self.algorithm == "dct_diloco":
+            dct_diloco.check_value_codec(self.codec)
         if self.error_feedback is not None:
             self.error_feedback = make_error_feedback_config(self.error_feedback)
         check_error_feedback_codec(self.codec, self.error_feedback, "DiLoCo error_feedback")
@@ -133,6 +154,8 @@ class DiLoCoConfig:
         d = asdict(self)
         d["codec"] = None if self.codec.is_identity else self.codec.to_dict()
         d["error_feedback"] = asdict(self.error_feedback) if self.error_feedback is not None else None
+        if self.algorithm != "dct_diloco":  # checkpoints of the other algorithms keep their saved form
+            del d["dct_topk"], d["dct_chunk"]
         return d
 
 
@@ -176,8 +199,12 @@ class DiLoCo:
         if config.algorithm == "noloco" and self.replicas % config.group_size:
             raise ValueError(f"NoLoCo group_size {config.group_size} does not divide the replica count {self.replicas}; "
                              f"use a divisor of {self.replicas}")
-        self.channel = _check_channel(channel, config) if channel is not None else make_channel(
-            "outer", config.codec, group=outer_group, error_feedback=config.error_feedback)
+        dct = config.algorithm == "dct_diloco"  # encodes its messages itself: the channel carries and counts them
+        if channel is not None:
+            self.channel = channel if dct else _check_channel(channel, config)
+        else:
+            self.channel = make_channel("outer", None if dct else config.codec, group=outer_group,
+                                        error_feedback=config.error_feedback)
         self.plain = self.channel.uncompressed()  # NoLoCo's slow weights: same traffic kind, never quantised
         # DiLoCo with lr 1, no momentum, no mixing and no codec is parameter averaging: the weights themselves
         # are averaged (sum of theta_i / R), which is the same value as theta - mean(theta - theta_i) without
@@ -185,6 +212,10 @@ class DiLoCo:
         self.averaging = (config.algorithm == "diloco" and config.outer_lr == 1 and config.outer_momentum == 0
                           and config.mixing == 0 and self.channel.codec.is_identity)
         self.fragments = _split(self.params, config.fragments)
+        # DCT-DiLoCo: each fragment's tensor shapes and their per-tile top-k codecs
+        self.shapes = [[p.shape for p in f] for f in self.fragments]
+        self.dct_codecs = [dct_diloco.codecs_for(s, config.dct_topk, config.dct_chunk, config.codec)
+                           for s in self.shapes] if dct else []
         with torch.no_grad():  # theta_{t-1}, one flat fp32 tensor per fragment
             self.outer = [torch.nn.Parameter(_flat(f), requires_grad=False) for f in self.fragments]
         nesterov = config.nesterov and config.outer_momentum > 0
@@ -245,7 +276,12 @@ class DiLoCo:
             if not background:
                 self._await(n, members)  # before entering a blocking exchange a dead replica would hang
         at = self.inner_steps + (self.config.delay if background else 0)
-        if self.config.algorithm == "sparseloco":
+        if self.config.algorithm == "dct_diloco":
+            work, gathered = dct_diloco.start_exchange(self.channel, self.momenta[frag], delta, self.shapes[frag],
+                                                       self.dct_codecs[frag], self.config.dct_chunk,
+                                                       self.config.outer_momentum, self.replicas, background, None)
+            tensors = [gathered, delta]
+        elif self.config.algorithm == "sparseloco":
             work, gathered = sparseloco.start_exchange(self.channel, self.momenta[frag], delta, self.config.outer_momentum,
                                                        self.replicas, background)
             tensors = [gathered]
@@ -276,7 +312,11 @@ class DiLoCo:
         if work is not None:
             work.wait()
         outer = self.outer[frag]
-        if self.config.algorithm == "sparseloco":
+        if self.config.algorithm == "dct_diloco":
+            dct_diloco.outer_update(outer.data, self.momenta[frag], tensors[1], tensors[0], self.shapes[frag],
+                                    self.dct_codecs[frag], self.config.dct_chunk, self.replicas, self.config.outer_lr,
+                                    self.config.outer_momentum)
+        elif self.config.algorithm == "sparseloco":
             sparseloco.outer_update(outer.data, self.momenta[frag], tensors[0], self.replica, self.replicas,
                                     self.config.outer_lr)
         elif self.config.algorithm == "noloco":

@@ -1,5 +1,5 @@
 """Local-step outer loops over model replicas (``--outer-algorithm diloco | streaming_diloco | noloco | mt_dao |
-sparseloco | locodl | lodadac``; the algorithms are megacomp.outer): the data-parallel ranks split into replicas, the sharded
+sparseloco | sparseloco_dct | dct_diloco | locodl | lodadac``; the algorithms are megacomp.outer): the data-parallel ranks split into replicas, the sharded
 optimizer works inside a replica, and every ``outer_steps`` inner steps the replicas exchange a pseudo-gradient
 on the ``outer`` path (its codec from the compression config's ``outer`` / ``outer_error_feedback``, or from
 ``--outer-codec`` / ``--outer-error-feedback``, which win when given).
@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from ...compression import parse_codec_arg
+from ...compression import make_codec, parse_codec_arg
 from ...compression.unbiased import unbiased_name
 from ...optimizer import MultiTimescaleAdamW
 from ...outer import DiLoCo, DiLoCoConfig, ReplicaWatch, build_replica_groups
@@ -34,9 +34,15 @@ from ...outer.lodadac import LoDAdaC, LoDAdaCAdam, LoDAdaCConfig
 from ...outer.mt_dao import average_optimizer_state
 from ...outer.topology import check_topology, mixing_rho
 from ...outer.sparseloco import DEFAULT_CODEC as SPARSELOCO_CODEC
+from ...outer import dct_diloco
+
+SPARSELOCO_DCT_CODEC = "{name: bf16, k: 4, chunk: 64, transform: dct}"
+"""SparseLoCo-DCT's outer codec when none is set: top-4 of every 64 coefficients of a 1-D chunked DCT, bf16 values
+(the setting of megacomp's structured-codec study)."""
 from .base import Feature
 
-OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco", "locodl", "lodadac")
+OUTER_ALGORITHMS = ("none", "diloco", "streaming_diloco", "noloco", "mt_dao", "sparseloco", "sparseloco_dct",
+                    "dct_diloco", "locodl", "lodadac")
 
 
 @dataclass
@@ -45,10 +51,11 @@ class OuterConfig:
 
     FLAT_PREFIX = "outer_"
     algorithm: str = "none"
-    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao, sparseloco, locodl
-    or lodadac (megacomp.outer; sparseloco with a DCT codec is DCT-momentum DiLoCo; locodl: local training plus
-    unbiased compression with control variates; lodadac: the paper's Algorithm 1, local Adam-type steps plus
-    compressed gossip)."""
+    """Local-step outer loop over model replicas: none, diloco, streaming_diloco, noloco, mt_dao, sparseloco,
+    sparseloco_dct, dct_diloco, locodl or lodadac (megacomp.outer; sparseloco_dct: SparseLoCo's accumulator with a
+    1-D DCT top-k codec, megacomp's own variant; dct_diloco: DCT-DiLoCo as published, Nesterov momentum whose
+    largest 2-D DCT components are shared; locodl: local training plus unbiased compression with control variates;
+    lodadac: the paper's Algorithm 1, local Adam-type steps plus compressed gossip)."""
     num_replicas: int = field(default=1, metadata={"flag": "num_replicas"})
     """Replicas the data-parallel ranks are split into (must divide the DP size); each trains on its own
     and they exchange a pseudo-gradient every --outer-steps steps."""
@@ -65,10 +72,15 @@ class OuterConfig:
     codec: Any = None
     """Codec of the pseudo-gradient exchange, the compression config's ``outer`` path (a name, or a mapping, also
     as '{name: int4, ...}' on the command line); given here it wins over the compression config. Default:
-    uncompressed; for sparseloco {name: int2, k: 64, chunk: 4096}; add transform: dct for DCT-momentum DiLoCo."""
+    uncompressed; for sparseloco {name: int2, k: 64, chunk: 4096}, for sparseloco_dct {name: bf16, k: 4, chunk: 64,
+    transform: dct}; for dct_diloco the format of the kept DCT coefficients only (default fp32, as published)."""
     error_feedback: Any = None
     """Error feedback on the pseudo-gradient ('ef', 'loco'; the compression config's outer_error_feedback, which
     this wins over when given); needs a lossy outer codec."""
+    dct_topk: int = dct_diloco.DEFAULT_TOPK
+    """DCT-DiLoCo: DCT coefficients of largest magnitude each replica shares per tile (the release's 32)."""
+    dct_chunk: int = dct_diloco.DEFAULT_CHUNK
+    """DCT-DiLoCo: largest DCT tile side, tiles of up to dct_chunk x dct_chunk (the release's 64; at most 256)."""
     fragments: int = 1
     """Streaming DiLoCo: parameter fragments synchronised at staggered steps (at most num_layers)."""
     delay: int = 0
@@ -164,16 +176,24 @@ def lodadac_optimizer(cfg):
 def outer_config(cfg) -> DiLoCoConfig:
     """The megacomp.outer.DiLoCoConfig of a run. Raises ValueError for bad values (see DiLoCoConfig)."""
     o = cfg.outer
-    noloco, mt_dao, sparse = o.algorithm == "noloco", o.algorithm == "mt_dao", o.algorithm == "sparseloco"
-    momentum = o.momentum if o.momentum is not None else (0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else 0.9)
-    lr = o.lr if o.lr is not None else (1.0 if mt_dao or sparse else 0.7)
+    noloco, mt_dao, dct = o.algorithm == "noloco", o.algorithm == "mt_dao", o.algorithm == "dct_diloco"
+    sparse = o.algorithm in ("sparseloco", "sparseloco_dct")
+    momentum = o.momentum if o.momentum is not None else (0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else
+                                                          dct_diloco.DEFAULT_DECAY if dct else 0.9)
+    lr = o.lr if o.lr is not None else (1.0 if mt_dao or sparse else dct_diloco.DEFAULT_LR if dct else 0.7)
     comp = cfg.compression_config()
     codec = parse_codec_arg(o.codec) if o.codec is not None else comp.outer
     error_feedback = o.error_feedback if o.error_feedback is not None else comp.outer_error_feedback
+    if o.algorithm == "sparseloco_dct":
+        codec = parse_codec_arg(SPARSELOCO_DCT_CODEC) if codec is None else codec
+        if make_codec(codec).transform != "dct":
+            raise ValueError(f"outer_algorithm sparseloco_dct needs a codec with transform: dct, got {codec}; add "
+                             f"transform: dct or use --outer-algorithm sparseloco")
     if sparse and codec is None:
         codec = SPARSELOCO_CODEC
-    algorithm = "noloco" if noloco else "sparseloco" if sparse else "diloco"
+    algorithm = "noloco" if noloco else "sparseloco" if sparse else "dct_diloco" if dct else "diloco"
     return DiLoCoConfig(outer_steps=o.steps, outer_lr=lr, outer_momentum=momentum, algorithm=algorithm,
+                        dct_topk=o.dct_topk, dct_chunk=o.dct_chunk,
                         group_size=o.group_size, seed=cfg.training.seed if noloco else 0, codec=codec,
                         error_feedback=error_feedback, fragments=o.fragments, delay=o.delay, mixing=o.mixing)
 
@@ -202,6 +222,9 @@ class OuterLoop(Feature):
         if o.algorithm in ("diloco", "mt_dao") and (o.fragments != 1 or o.delay or o.mixing):
             raise ValueError("outer_fragments, outer_delay and outer_mixing are Streaming DiLoCo (and NoLoCo) settings: "
                              "use --outer-algorithm streaming_diloco")
+        if o.algorithm == "dct_diloco" and (o.fragments != 1 or o.delay or o.mixing):
+            raise ValueError("DCT-DiLoCo as published synchronises every parameter every outer_steps steps: drop "
+                             "outer_fragments, outer_delay and outer_mixing")
         if o.algorithm == "mt_dao":
             mt_dao_optimizer_kwargs(cfg)  # raises on bad lists
             if cfg.zero.freeze_variance_step:
@@ -315,8 +338,13 @@ class OuterLoop(Feature):
         elif oc.algorithm == "noloco":
             text = (f"NoLoCo{stream} over {per}, gossip in random groups of {oc.group_size} (no all-reduce), alpha "
                     f"{oc.outer_lr:g} beta {oc.outer_momentum:g}, {codec}; slow weights sent uncompressed")
+        elif oc.algorithm == "dct_diloco":
+            text = (f"DCT-DiLoCo over {per}: m <- {oc.outer_momentum:g} m + Delta, the top-{oc.dct_topk} of each "
+                    f"2-D DCT tile (up to {oc.dct_chunk}x{oc.dct_chunk}) of m all-gathered in {oc.codec} and averaged "
+                    f"into m, the rest kept; theta -= {oc.outer_lr:g} x (Delta + {oc.outer_momentum:g} m) with the "
+                    f"replica's own Delta (traffic kind 'outer')")
         elif oc.algorithm == "sparseloco":
-            text = (f"SparseLoCo over {per}: accumulator e <- {oc.outer_momentum:g} e + Delta, C(e) all-gathered and "
+            text = (f"SparseLoCo{'-DCT' if self.cfg.outer.algorithm == 'sparseloco_dct' else ''} over {per}: accumulator e <- {oc.outer_momentum:g} e + Delta, C(e) all-gathered and "
                     f"averaged, theta -= {oc.outer_lr:g} x mean, pseudo-gradient codec {oc.codec} (traffic kind "
                     f"'outer')")
         else:
