@@ -26,7 +26,8 @@ setup(
         # tensorboard, wandb: the trackers' tests write real event and run files and read them back
         # scikit-learn: benchmarks.locodl_paper's data set (its bundled breast_cancer copy, no download)
         # (pinned: the versions CI tests; the data extra leaves tokenizers free for users)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers==0.23.3",
+        # scikit-learn: its bundled data sets (digits) feed the simulation benchmarks' tests (benchmarks.lodadac_sweep)
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "scikit-learn", "tokenizers==0.23.3",
                  "tensorboard==2.21.0", "wandb==0.31.0", "scikit-learn"],
         # HuggingFaceTokenizer / GPT2BPETokenizer files; Megatron indexed data also needs megatron-core (installed
         # --no-deps, see scripts/install.sh)
