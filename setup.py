@@ -24,10 +24,10 @@ setup(
     extras_require={
         # tokenizers: the data tests build HuggingFace / GPT-2 tokenizer files (megacomp.data.tokenizer_files)
         # tensorboard, wandb: the trackers' tests write real event and run files and read them back
-        # scikit-learn: benchmarks.locodl_paper's data set (its bundled breast_cancer copy, no download)
+        # scikit-learn: benchmarks.locodl_paper's data set (its bundled breast_cancer copy, no download) and
+        # benchmarks.lodadac_sweep's (digits)
         # (pinned: the versions CI tests; the data extra leaves tokenizers free for users)
-        # scikit-learn: its bundled data sets (digits) feed the simulation benchmarks' tests (benchmarks.lodadac_sweep)
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "scikit-learn", "tokenizers==0.23.3",
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers==0.23.3",
                  "tensorboard==2.21.0", "wandb==0.31.0", "scikit-learn"],
         # HuggingFaceTokenizer / GPT2BPETokenizer files; Megatron indexed data also needs megatron-core (installed
         # --no-deps, see scripts/install.sh)
