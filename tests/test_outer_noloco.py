@@ -78,6 +78,42 @@ def test_outer_step_equals_the_reference_rule_in_fp64(world, cfg_kw):
         assert syncs == 4 and worst <= 0, f"error exceeds the fp32 bound by {worst}"
 
 
+def _reference_code_body(rank, world, steps):
+    """The engine with NoLoCo's defaults against the reference code's gossip step (gensyn-ai/noloco @a1b4a42,
+    src/noloco/sparse_optimizer_c.py: outer_step), restated in fp32 in its order of operations for a group of 2:
+    mean = (phi_root + phi_other) / 2, mean_g = ((theta - phi)_root + (theta - phi)_other) / 2,
+    m += (beta - 1) m + alpha mean_g + alpha (mean - phi), phi += m, theta = phi."""
+    params = make_params()
+    cfg = DiLoCoConfig(outer_steps=1, algorithm="noloco")
+    outer = DiLoCo(params, None, cfg)
+    m = torch.zeros(flat(params).numel())
+    worst = 0.0
+    for t in range(steps):
+        inner_step(params, rank, t)
+        phi, theta = outer.outer[0].detach().clone(), flat(params).clone()
+        gathered = [torch.empty(2, theta.numel()) for _ in range(world)]
+        dist.all_gather(gathered, torch.stack([phi, theta]))
+        assert outer.step()
+        root, other = gathered  # a group of two: both replicas, the root first as in the reference
+        mean = (root[0] + other[0]) * (1.0 / 2)
+        mean_g = ((root[1] - root[0]) + (other[1] - other[0])) * (1.0 / 2)
+        m = m + ((cfg.outer_momentum - 1.0) * m + cfg.outer_lr * mean_g + cfg.outer_lr * (mean - phi))
+        want = phi + m
+        got = flat(params)
+        # both orders of operations round each of ~10 fp32 operations once, on magnitudes up to s
+        s = phi.abs() + theta.abs() + m.abs() + want.abs() + max(x.abs().max() for x in gathered)
+        worst = max(worst, ((got - want).abs() - 20 * EPS32 * s).max().item())
+    return (cfg.outer_lr, cfg.outer_momentum, cfg.group_size), worst
+
+
+def test_defaults_and_step_are_the_reference_codes():
+    """DiLoCoConfig(algorithm='noloco') left unset is the reference's every gossip configuration (alpha 0.7, beta
+    0.5, groups of 2), and the engine's step is the reference code's within fp32 rounding, over 3 outer steps."""
+    for defaults, worst in run_ranks(_reference_code_body, 2, 3):
+        assert defaults == (0.7, 0.5, 2)
+        assert worst <= 0, f"error exceeds the fp32 bound by {worst}"
+
+
 def _averaging_body(rank, world):
     params = make_params()
     outer = DiLoCo(params, None, DiLoCoConfig(outer_steps=1, outer_lr=1.0, outer_momentum=0.0, algorithm="noloco",

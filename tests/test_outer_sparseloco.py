@@ -62,6 +62,73 @@ def test_outer_step_equals_the_papers_rule_in_fp64(world, spec):
             assert acc_ok
 
 
+def _tiles(x: torch.Tensor, tile: int = 64) -> torch.Tensor:
+    """The reference code's ChunkingTransform without DCT: a matrix cut into h x w tiles (h, w the largest divisors
+    of its sides <= 64), a vector into pieces of s (the same rule); one row per tile, row-major inside it."""
+    split = lambda n: max(d for d in range(1, min(n, tile) + 1) if n % d == 0)  # noqa: E731
+    if x.dim() == 1:
+        return x.reshape(-1, split(x.numel()))
+    h, w = split(x.shape[0]), split(x.shape[1])
+    return x.reshape(x.shape[0] // h, h, x.shape[1] // w, w).permute(0, 2, 1, 3).reshape(-1, h * w)
+
+
+def _reference_code_body(rank, world, shape, top_k, steps):
+    """The engine with SparseLoCo's defaults against the reference code's step (tplr-ai/SparseLoCo's
+    src/tplr/sparseloco.py, SparseLoCo.step without quantization, read at QErywan/RobustDiLoCo @276fa59), restated in
+    plain fp32 torch: e <- beta e + lr Delta; in every tile the k = max(1, round(h w top_k / 64^2)) entries of
+    largest |e| are sent; e <- e - sent; theta <- theta - lr * aggregate. On a tensor whose tiles are contiguous
+    (64 columns, or a vector) they are megacomp's chunks, so the codec {name: none, k, chunk} sends the same entries.
+    Returns the defaults, and per step: the accumulator equal bit for bit, the error against the paper's aggregate
+    (1/R) sum, the error against the code's (scatter_reduce 'mean': the mean over the replicas that sent an entry)
+    on the entries every replica sent, and how many entries only some replicas sent (there the code's step is
+    R / senders times the paper's)."""
+    params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(7)))]
+    tile = _tiles(params[0].detach()).shape[1]
+    k = max(1, round(tile * top_k / 64 ** 2))
+    cfg = DiLoCoConfig(outer_steps=1, algorithm="sparseloco", codec={"name": "none", "k": k, "chunk": tile})
+    outer = DiLoCo(params, None, cfg)
+    beta, lr = cfg.outer_momentum, cfg.outer_lr
+    e = torch.zeros(shape)
+    out = []
+    for t in range(steps):
+        theta = params[0].detach().clone()
+        with torch.no_grad():  # a stand-in for H inner steps
+            params[0].add_(torch.randn(shape, generator=torch.Generator().manual_seed(100 * rank + t)),
+                           alpha=0.05 * (rank + 1))
+        local = params[0].detach().clone()
+        assert outer.step()
+        e = e.mul(beta).add(theta - local, alpha=lr)  # the code's p.grad is the pseudo-gradient Delta
+        rows = _tiles(e)
+        idx = rows.abs().topk(k, dim=-1).indices
+        sent = torch.zeros_like(rows).scatter(-1, idx, rows.gather(-1, idx))
+        e = e - sent.reshape(shape)  # contiguous tiles: a row is a run of the flat tensor
+        both = [torch.empty(2, *sent.shape) for _ in range(world)]
+        dist.all_gather(both, torch.stack([sent, torch.zeros_like(sent).scatter(-1, idx, 1.0)]))
+        total, senders = sum(x[0] for x in both), sum(x[1] for x in both)
+        paper = total / world
+        code = torch.where(senders > 0, total / senders.clamp_min(1), 0.0)
+        got, before = _tiles(params[0].detach()), _tiles(theta)
+        scale = before.abs() + torch.stack([x[0] for x in both]).abs().sum(0)
+        out.append((torch.equal(outer.momenta[0], e.reshape(-1)),
+                    ((got - (before - lr * paper)).abs() - 4 * EPS32 * scale).max().item(),
+                    ((got - (before - lr * code)).abs() - 8 * EPS32 * scale)[senders == world].max().item()
+                    if (senders == world).any() else 0.0,
+                    int(((senders > 0) & (senders < world)).sum())))
+    return (lr, beta), out
+
+
+@pytest.mark.parametrize("shape", [(128, 64), (256,)], ids=["matrix-64x64-tiles", "vector-64-pieces"])
+def test_defaults_and_step_are_the_reference_codes_without_its_quantizer(shape):
+    """alpha 1 and beta 0.95 when unset (the paper's runs); top_k 128 per 64 x 64 tile (3.1%, the reference's
+    512M sweep; a vector's 64-entry pieces keep round(128 / 64) = 2). megacomp aggregates as the paper writes it,
+    (1/R) sum; the code divides each entry by the replicas that sent it, so entries sent by some replicas only
+    (counted, and present here) move R / senders times further there."""
+    for defaults, steps in run_ranks(_reference_code_body, 2, shape, 128, 3):
+        assert defaults == (1.0, 0.95)
+        for same_e, paper_excess, code_excess, partial in steps:
+            assert same_e and paper_excess <= 0 and code_excess <= 0 and partial > 0
+
+
 def _averaging_body(rank, world):
     params = make_params()
     outer = DiLoCo(params, None, DiLoCoConfig(outer_steps=1, outer_lr=1.0, outer_momentum=0.0, algorithm="sparseloco"))

@@ -63,8 +63,12 @@ from ..compression import (CodecLike, check_error_feedback_codec, make_codec, ma
                            parse_codec_arg)
 from .liveness import ReplicaLost, ReplicaWatch
 from . import dct_diloco
-from . import sparseloco
+from . import noloco, sparseloco
 from .noloco import gossip_groups, outer_update, start_exchange
+
+# (outer lr, outer momentum) of each algorithm when the config leaves them unset: the published values
+PUBLISHED_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (noloco.DEFAULT_LR, noloco.DEFAULT_MOMENTUM),
+                      "sparseloco": (sparseloco.DEFAULT_LR, sparseloco.DEFAULT_DECAY)}
 
 
 @dataclass
@@ -73,10 +77,11 @@ class DiLoCoConfig:
 
     outer_steps: int = 50
     """H: inner optimizer steps between two synchronisations."""
-    outer_lr: float = 0.7
-    """Outer SGD learning rate."""
-    outer_momentum: float = 0.9
-    """Outer SGD momentum (0 = plain SGD)."""
+    outer_lr: Optional[float] = None
+    """Outer SGD learning rate. None: the algorithm's published value (DiLoCo 0.7, NoLoCo 0.7, SparseLoCo 1)."""
+    outer_momentum: Optional[float] = None
+    """Outer SGD momentum (0 = plain SGD). None: the algorithm's published value (DiLoCo 0.9, NoLoCo 0.5,
+    SparseLoCo's accumulator decay 0.95)."""
     nesterov: bool = True
     """Nesterov momentum (ignored without momentum)."""
     codec: CodecLike = None
@@ -106,6 +111,9 @@ class DiLoCoConfig:
     """DCT-DiLoCo: largest DCT tile side (tiles of up to dct_chunk x dct_chunk, at most 256)."""
 
     def __post_init__(self) -> None:
+        lr, momentum = PUBLISHED_DEFAULTS.get(self.algorithm, (0.7, 0.9))
+        self.outer_lr = lr if self.outer_lr is None else self.outer_lr
+        self.outer_momentum = momentum if self.outer_momentum is None else self.outer_momentum
         if not isinstance(self.outer_steps, int) or self.outer_steps < 1:
             raise ValueError(f"outer_steps (H) must be an int >= 1, got {self.outer_steps!r}")
         if not isinstance(self.fragments, int) or self.fragments < 1:

@@ -32,6 +32,10 @@ import torch
 
 from ..comm import Channel
 
+DEFAULT_LR, DEFAULT_MOMENTUM = 0.7, 0.5
+"""alpha and beta of every gossip configuration (``sparse_optimizer_c``, groups of 2) the reference code ships: the
+outer_lr and outer_momentum of megacomp.outer.DiLoCoConfig(algorithm='noloco') left unset, and of the CLI."""
+
 DELTA_TAG, PHI_TAG = 71, 72  # point-to-point tags of the two messages (distinct from the pipeline's)
 
 

@@ -37,6 +37,10 @@ import torch
 from ..comm import Channel
 from ..compression import make_codec
 
+DEFAULT_LR, DEFAULT_DECAY = 1.0, 0.95
+"""alpha and beta of the paper's runs (the reference code's outer_learning_rate 1 and error_decay 0.95): the outer_lr
+and outer_momentum of megacomp.outer.DiLoCoConfig(algorithm='sparseloco') left unset, and of the CLI."""
+
 DEFAULT_CODEC = make_codec("int2", k=64, chunk=4096)
 """SparseLoCo's outer codec when none is set: top-64 of every 4096 entries (1.6% density, inside the paper's 1-3%),
 values in 2 bits (the ``outer`` path of a CommCompressionConfig left unset means this for SparseLoCo)."""
