@@ -121,7 +121,8 @@ def _table(results: list[dict]) -> str:
         sd = statistics.stdev(acc) if len(acc) > 1 else 0.0
         lines.append(f"| {v} | {100 * statistics.mean(acc):.2f}% ± {100 * sd:.2f} | "
                      f"{', '.join(f'{100 * a:.2f}' for a in acc)} | "
-                     f"{f'{100 * statistics.mean(delta):+.2f} pts' if delta else '-'} | {statistics.mean(r['bytes'] for r in runs) / 1e6:.3f} | "
+                     f"{f'{100 * statistics.mean(delta):+.2f} pts' if delta else '-'} | "
+                     f"{statistics.mean(r['bytes'] for r in runs) / 1e6:.3f} | "
                      f"{statistics.mean(r['tail_bytes_per_step'] for r in runs):.0f} |")
     return "\n".join(lines)
 

@@ -161,8 +161,8 @@ class LearnedChannel(WholeBucketChannel):
         calls = self.calls[key] = self.calls.get(key, 0) + 1
         if calls == self.train_until.get(key, lgc.train_steps):
             self._adopt_rank0(key, group, world, validate)
-            log.info("megacomp: %s lgc_pca autoencoder of %s frozen after call %d (mean squared error %.4g on normalised "
-                     "chunks)", self.name, key, calls, loss)
+            log.info("megacomp: %s lgc_pca autoencoder of %s frozen after call %d (mean squared error %.4g on "
+                     "normalised chunks)", self.name, key, calls, loss)
 
     def _frozen_call(self, flat: torch.Tensor, key: str, group, world: int, rank: int, validate) -> torch.Tensor:
         lgc, ef, n = self.codec, self.error_feedback, flat.numel()
