@@ -217,3 +217,24 @@ def test_pretraining_with_dct_diloco_logs_outer_traffic_and_resumes(tiny_config,
     first = run_ranks(_pretrain_body, 2, replace(cfg, save=ck, exit_interval=3))[0]  # mid-cycle
     rest = run_ranks(_pretrain_body, 2, replace(cfg, load=ck))[0]
     assert [loss for loss, _ in first + rest] == [loss for loss, _ in full]
+
+
+def test_algorithm_names_and_trainer_checks():
+    from megacomp.compression import make_codec
+    from megacomp.training import PretrainConfig
+    from megacomp.training.features.outer_loop import OuterLoop, outer_config
+
+    # megacomp's earlier variant keeps working under its own name: SparseLoCo with a 1-D DCT top-k codec
+    old = outer_config(PretrainConfig(outer_algorithm="sparseloco_dct", num_replicas=2))
+    assert (old.algorithm, make_codec(old.codec).transform, old.outer_lr, old.outer_momentum) == \
+        ("sparseloco", "dct", 1.0, 0.95)
+    with pytest.raises(ValueError, match="needs a codec with transform: dct"):
+        outer_config(PretrainConfig(outer_algorithm="sparseloco_dct", num_replicas=2, outer_codec="int2"))
+    new = outer_config(PretrainConfig(outer_algorithm="dct_diloco", num_replicas=2, outer_dct_topk=8,
+                                      outer_codec="bf16"))
+    assert (new.algorithm, new.dct_topk, new.dct_chunk, new.codec.name) == ("dct_diloco", 8, 64, "bf16")
+    with pytest.raises(ValueError, match="DCT-DiLoCo as published synchronises every parameter"):
+        OuterLoop.check(PretrainConfig(outer_algorithm="dct_diloco", num_replicas=2, outer_fragments=2), 2)
+    with pytest.raises(ValueError, match="momentum is its error feedback"):
+        OuterLoop.check(PretrainConfig(outer_algorithm="dct_diloco", num_replicas=2, outer_codec="int8",
+                                       outer_error_feedback="ef"), 2)

@@ -1,10 +1,10 @@
-"""Chunked orthonormal DCT-II: the transform of DeMo and of the ``transform='dct'`` codecs.
+"""Chunked orthonormal DCT-II: the transform of DeMo, of DCT-DiLoCo and of the ``transform='dct'`` codecs.
 
 Two forms:
   1-D (codecs, which see flat messages): ``dct_chunks(x, c)`` pads the flat tensor with zeros to a multiple
       of ``c`` and multiplies each chunk of ``c`` elements by the orthonormal DCT-II matrix ``D_c``;
       ``idct_chunks`` applies ``D_c^T`` and drops the padding.
-  2-D (DeMo, which sees parameter shapes): a matrix of shape [Y*h, X*w] is cut into Y*X tiles of h x w,
+  2-D (DeMo and DCT-DiLoCo, which see parameter shapes): a matrix of shape [Y*h, X*w] is cut into Y*X tiles of h x w,
       ``h = block_size_for(rows, c)`` and ``w = block_size_for(cols, c)`` (the largest divisors not above
       ``c``, as DeMo's reference picks them), and each tile T becomes ``D_h T D_w^T``. Vectors use 1-D
       tiles of ``block_size_for(n, c)`` elements.
