@@ -195,6 +195,8 @@ def test_bad_settings_name_the_fix():
         DiLoCoConfig(algorithm="dct_diloco", dct_topk=0)
     with pytest.raises(ValueError, match=r"outer_momentum must be in \[0, 1\)"):
         DiLoCoConfig(algorithm="dct_diloco", outer_momentum=1.0)
+    cfg = DiLoCoConfig(algorithm="dct_diloco")  # the release's settings when none are given
+    assert (cfg.outer_lr, cfg.outer_momentum, cfg.dct_topk, cfg.dct_chunk) == (0.7, 0.95, 32, 64)
     # the other algorithms' checkpoints keep their saved form (no DCT-DiLoCo keys)
     assert "dct_topk" not in DiLoCoConfig().to_dict() and "dct_topk" in DiLoCoConfig(algorithm="dct_diloco").to_dict()
 

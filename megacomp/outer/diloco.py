@@ -62,13 +62,13 @@ from ..comm import AnyChannel, Channel, make_channel
 from ..compression import (CodecLike, check_error_feedback_codec, make_codec, make_error_feedback_config,
                            parse_codec_arg)
 from .liveness import ReplicaLost, ReplicaWatch
-from . import dct_diloco
-from . import noloco, sparseloco
+from . import dct_diloco, noloco, sparseloco
 from .noloco import gossip_groups, outer_update, start_exchange
 
 # (outer lr, outer momentum) of each algorithm when the config leaves them unset: the published values
 PUBLISHED_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (noloco.DEFAULT_LR, noloco.DEFAULT_MOMENTUM),
-                      "sparseloco": (sparseloco.DEFAULT_LR, sparseloco.DEFAULT_DECAY)}
+                      "sparseloco": (sparseloco.DEFAULT_LR, sparseloco.DEFAULT_DECAY),
+                      "dct_diloco": (dct_diloco.DEFAULT_LR, dct_diloco.DEFAULT_DECAY)}
 
 
 @dataclass
@@ -78,10 +78,11 @@ class DiLoCoConfig:
     outer_steps: int = 50
     """H: inner optimizer steps between two synchronisations."""
     outer_lr: Optional[float] = None
-    """Outer SGD learning rate. None: the algorithm's published value (DiLoCo 0.7, NoLoCo 0.7, SparseLoCo 1)."""
+    """Outer SGD learning rate. None: the algorithm's published value (DiLoCo 0.7, NoLoCo 0.7, SparseLoCo 1,
+    DCT-DiLoCo 0.7)."""
     outer_momentum: Optional[float] = None
     """Outer SGD momentum (0 = plain SGD). None: the algorithm's published value (DiLoCo 0.9, NoLoCo 0.5,
-    SparseLoCo's accumulator decay 0.95)."""
+    SparseLoCo's accumulator decay 0.95, DCT-DiLoCo's Nesterov beta 0.95)."""
     nesterov: bool = True
     """Nesterov momentum (ignored without momentum)."""
     codec: CodecLike = None
