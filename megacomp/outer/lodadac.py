@@ -30,7 +30,8 @@ Options that leave Algorithm 1 (off by default, named in the training banner): `
 1 / (1 - b^t) factors on m and on the previous u) and ``apply_weight_decay`` (AdamW's decoupled x -= alpha lambda x
 with each parameter group's ``weight_decay``). ``random_peer`` is outside the paper too (its W changes at every
 exchange; a perfect matching has rho = 1): each pair keeps its own (xh_i, xh_j) copies, started at x^0, and
-x_i += gamma / 2 (xh_j - xh_i) with the pair's copies (CHOCO per edge).
+x_i += gamma / 2 (xh_j - xh_i) with the pair's copies (CHOCO per edge). Neither Algorithm 1 nor the authors' release
+clips g; the trainer turns its global-norm clip off for LoDAdaC unless --clip-grad is typed, and names it when it is.
 
 Bytes: each exchange sends q_i once per neighbour, |N_i| x wire_bytes, recorded per neighbour under the channel's
 tag (``outer``) against the fp32 size.
