@@ -52,6 +52,51 @@ def test_average_optimizer_state_is_the_mean_and_keeps_the_step(world):
         assert count == 3 and all(out.values()), out  # exp_avg, exp_avg_sq, slow_avg_0; step unchanged
 
 
+def _paper_body(rank, world, rounds, k):
+    """megacomp (MultiTimescaleAdamW with betas[0] = 0, the parameters averaged, average_optimizer_state) against the
+    paper's MT-DAO-Adam in its quasi-hyperbolic form, restated in fp64 for every replica here:
+        g = grad f_r(x);  x <- x (1 - lr wd);  u <- b u + (1 - b) g;  v <- b2 v + (1 - b2) g^2
+        x <- x - lr ((1 - w) g + w u / (1 - b^t)) / (sqrt(v / (1 - b2^t)) + eps)
+    for K steps on replica r's own f_r(x) = sum(a_r (x - c_r)^2) / 2, then x, u and v replaced by their means."""
+    lr, b2, eps, wd, b, w = 0.05, 0.95, 1e-8, 0.1, 0.9, 0.9
+    data = [(torch.rand(6, 3, generator=torch.Generator().manual_seed(r), dtype=torch.float64) + 0.5,
+             torch.randn(6, 3, generator=torch.Generator().manual_seed(50 + r), dtype=torch.float64))
+            for r in range(world)]
+    x0 = torch.randn(6, 3, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+    p = torch.nn.Parameter(x0.clone())
+    opt = MultiTimescaleAdamW([p], lr=lr, betas=(0.0, b2), eps=eps, weight_decay=wd, slow_betas=(b,), slow_weights=(w,))
+    xs, us, vs = [x0.clone() for _ in data], [torch.zeros_like(x0) for _ in data], [torch.zeros_like(x0) for _ in data]
+    worst, counts, t = 0.0, [], 0
+    for _ in range(rounds):
+        for _ in range(k):
+            t += 1
+            a, c = data[rank]
+            p.grad = a * (p.detach() - c)
+            opt.step()
+            for r, (a, c) in enumerate(data):
+                g = a * (xs[r] - c)
+                xs[r] = xs[r] * (1 - lr * wd)
+                us[r] = b * us[r] + (1 - b) * g
+                vs[r] = b2 * vs[r] + (1 - b2) * g * g
+                xs[r] = xs[r] - lr * ((1 - w) * g + w * us[r] / (1 - b ** t)) / ((vs[r] / (1 - b2 ** t)).sqrt() + eps)
+        with torch.no_grad():
+            dist.all_reduce(p.data)
+            p.data.div_(world)
+        counts.append(average_optimizer_state(opt, Channel("outer", None)))
+        xs, us, vs = ([torch.stack(z).mean(0)] * world for z in (xs, us, vs))
+        state = opt.state[p]
+        for got, want in ((p.detach(), xs[0]), (state["slow_avg_0"], us[0]), (state["exp_avg_sq"], vs[0])):
+            worst = max(worst, ((got - want).abs() / want.abs().clamp_min(1e-3)).max().item())
+    return worst, counts
+
+
+def test_beta1_zero_is_the_papers_quasi_hyperbolic_mt_dao():
+    """Two replicas, 2 rounds of K = 3 steps: parameters, slow momentum and second moment equal the restatement to
+    fp64 rounding, and each synchronisation sends the slow momentum and v only (exp_avg is the gradient)."""
+    for worst, counts in run_ranks(_paper_body, 2, 2, 3):
+        assert worst < 1e-12 and counts == [2, 2]
+
+
 def _pretrain_body(rank, world, cfg):
     from megacomp.training import Trainer
 
