@@ -65,10 +65,10 @@ from .liveness import ReplicaLost, ReplicaWatch
 from . import dct_diloco, noloco, sparseloco
 from .noloco import gossip_groups, outer_update, start_exchange
 
-# (outer lr, outer momentum) of each algorithm when the config leaves them unset: the published values
-PUBLISHED_DEFAULTS = {"diloco": (0.7, 0.9), "noloco": (noloco.DEFAULT_LR, noloco.DEFAULT_MOMENTUM),
-                      "sparseloco": (sparseloco.DEFAULT_LR, sparseloco.DEFAULT_DECAY),
-                      "dct_diloco": (dct_diloco.DEFAULT_LR, dct_diloco.DEFAULT_DECAY)}
+# (algorithm, (outer lr, outer momentum)) when the config leaves them unset: the published values (a tuple: constant)
+PUBLISHED_DEFAULTS = (("diloco", (0.7, 0.9)), ("noloco", (noloco.DEFAULT_LR, noloco.DEFAULT_MOMENTUM)),
+                      ("sparseloco", (sparseloco.DEFAULT_LR, sparseloco.DEFAULT_DECAY)),
+                      ("dct_diloco", (dct_diloco.DEFAULT_LR, dct_diloco.DEFAULT_DECAY)))
 
 
 @dataclass
@@ -112,7 +112,7 @@ class DiLoCoConfig:
     """DCT-DiLoCo: largest DCT tile side (tiles of up to dct_chunk x dct_chunk, at most 256)."""
 
     def __post_init__(self) -> None:
-        lr, momentum = PUBLISHED_DEFAULTS.get(self.algorithm, (0.7, 0.9))
+        lr, momentum = dict(PUBLISHED_DEFAULTS).get(self.algorithm, (0.7, 0.9))
         self.outer_lr = lr if self.outer_lr is None else self.outer_lr
         self.outer_momentum = momentum if self.outer_momentum is None else self.outer_momentum
         if not isinstance(self.outer_steps, int) or self.outer_steps < 1:
