@@ -69,8 +69,9 @@ def adamw_step(params, state_opt, grads, max_norm):
     state_opt.step()
 
 
-def restated_acco(world, steps, micro_batches, max_norm):
-    """ACCO restated from its formulas on one process: returns θ_t after every step."""
+def restated_acco(world, steps, micro_batches, max_norm, warmup=0):
+    """ACCO restated from its formulas on one process: returns θ_t after every step. The first ``warmup`` steps are
+    plain undelayed steps (both halves at θ_t, no estimate), after which θ̃ = θ."""
     model = make_model()
     theta = [p.detach().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(theta, **ADAM)
@@ -82,6 +83,12 @@ def restated_acco(world, steps, micro_batches, max_norm):
             g["lr"] = lr_at(step)
         ga = grads_at(model, estimate, world, step, range(half), micro_batches)
         gb = grads_at(model, [t.detach() for t in theta], world, step, range(half, micro_batches), micro_batches)
+        if step < warmup:  # one undelayed step on the whole batch; the next step's half A runs at θ_{t+1}
+            adamw_step(theta, opt, [g / world for g in rank_sum([[a + b for a, b in zip(ra, rb)]
+                                                                 for ra, rb in zip(ga, gb)])], max_norm)
+            estimate = [t.detach().clone() for t in theta]
+            history.append([t.detach().clone() for t in theta])
+            continue
         # estimate on a copy of the parameters and state
         shadow = [t.detach().clone().requires_grad_() for t in theta]
         shadow_opt = torch.optim.AdamW(shadow, **ADAM)
@@ -113,20 +120,21 @@ def run_acco(rank, model, acco, steps, micro_batches, start=0):
     return history
 
 
-def _exact_body(rank, world, micro_batches, max_norm):
+def _exact_body(rank, world, micro_batches, max_norm, warmup=0):
     model = make_model()
     opt = DistributedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size=50, max_grad_norm=max_norm, **ADAM)
     assert len(opt.buckets) > 1
-    acco = ACCO(opt)
+    acco = ACCO(opt, warmup_steps=warmup)
     hist = run_acco(rank, model, acco, 4, micro_batches)
     acco.finish()
     return hist, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("micro,max_norm", [(2, None), (4, None), (4, 0.05)], ids=["m2", "m4", "m4-clip"])
-def test_uncompressed_equals_restated_acco_bit_for_bit(micro, max_norm):
-    want = restated_acco(2, 4, micro, max_norm)
-    for hist, final in run_ranks(_exact_body, 2, micro, max_norm):
+@pytest.mark.parametrize("micro,max_norm,warmup", [(2, None, 0), (4, None, 0), (4, 0.05, 0), (2, None, 2)],
+                         ids=["m2", "m4", "m4-clip", "m2-warmup2"])
+def test_uncompressed_equals_restated_acco_bit_for_bit(micro, max_norm, warmup):
+    want = restated_acco(2, 4, micro, max_norm, warmup)
+    for hist, final in run_ranks(_exact_body, 2, micro, max_norm, warmup):
         for step, (got, ref) in enumerate(zip(hist, want)):
             for a, b in zip(got, ref):
                 assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3g}"
@@ -298,9 +306,10 @@ def test_bad_configurations_and_calls_raise_naming_the_fix():
         assert "background update failed" in msgs["background"] and "division by zero" in msgs["background"]
 
 
-def restated_dpu(world, steps):
+def restated_dpu(world, steps, warmup=0):
     """DPU restated: θ_{t+1} = AdamW(θ_t, mean G_t(θ_{t-1})), θ_{-1} = θ_0 (step t's gradients are computed while
-    θ_t is being made)."""
+    θ_t is being made); the first ``warmup`` steps undelayed, θ_{t+1} = AdamW(θ_t, mean G_t(θ_t)) (ZeRO-Offload's
+    warm-up)."""
     model = make_model()
     theta = [p.detach().clone().requires_grad_() for p in model.parameters()]
     opt = torch.optim.AdamW(theta, **ADAM)
@@ -312,14 +321,16 @@ def restated_dpu(world, steps):
         grads = rank_sum(grads_at(model, previous, world, step, range(2), 2))
         previous = [t.detach().clone() for t in theta]  # θ_t: where the next step's gradients are computed
         adamw_step(theta, opt, [g / world for g in grads], None)
+        if step < warmup:  # undelayed: the next step's gradients at θ_{t+1}
+            previous = [t.detach().clone() for t in theta]
         history.append([t.detach().clone() for t in theta])
     return history
 
 
-def _dpu_body(rank, world):
+def _dpu_body(rank, world, warmup=0):
     model = make_model()
     acco = ACCO(DistributedOptimizer(model.parameters(), torch.optim.AdamW, bucket_size=50, **ADAM),
-                delay_compensation=False)
+                delay_compensation=False, warmup_steps=warmup)
     history = []
     for step in range(4):
         for g in acco.param_groups:
@@ -336,9 +347,10 @@ def _dpu_body(rank, world):
     return history, message
 
 
-def test_dpu_equals_restated_delayed_update_bit_for_bit():
-    want = restated_dpu(2, 4)
-    for hist, message in run_ranks(_dpu_body, 2):
+@pytest.mark.parametrize("warmup", [0, 2], ids=["no-warmup", "warmup2"])
+def test_dpu_equals_restated_delayed_update_bit_for_bit(warmup):
+    want = restated_dpu(2, 4, warmup)
+    for hist, message in run_ranks(_dpu_body, 2, warmup):
         for step, (got, ref) in enumerate(zip(hist, want)):
             for a, b in zip(got, ref):
                 assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max().item():.3g}"

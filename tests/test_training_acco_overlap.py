@@ -82,6 +82,7 @@ def test_resume_continues_the_uninterrupted_run_bit_for_bit(base, tmp_path, over
     (dict(global_batch_size=12), "two equal halves"),
     (dict(compression="pp_aqsgd4"), "AQ-SGD"),
     (dict(outer_algorithm="diloco", num_replicas=2), "outer-algorithm diloco"),
+    (dict(overlap_optimizer_warmup_steps=-1), "overlap_optimizer_warmup_steps must be >= 0"),
 ])
 def test_acco_refusals_name_the_fix(base, change, match):
     with pytest.raises(ValueError, match=match):

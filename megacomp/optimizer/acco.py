@@ -29,6 +29,19 @@ are no halves and no estimate: ``step()`` after each step's whole backward waits
 into the model and starts θ_{t+1} = Opt(θ_t, mean G(θ_{t-1})) in the background, so the next step's whole compute
 overlaps one reduce-scatter + update + all-gather: DistributedOptimizer's bytes, gradients one step stale.
 
+Warm-up (``warmup_steps`` W, default 0): the first W steps are DistributedOptimizer's undelayed steps on the whole
+batch at θ_t (both halves at θ_t, no estimate; DPU: the step's gradient at θ_t), each update waited for before the
+step returns, so the model holds θ_{t+1} for the next step; overlap starts at step W with θ̃_W = θ_W (ACCO's start).
+ACCO as published needs none (0 in the authors' ACCO configuration); ZeRO-Offload's DPU warms up with undelayed steps
+and the authors' DPU baseline uses 1000. Counted in optimizer steps (committed + skipped), so a resumed run keeps
+the count.
+
+Not built: the paper's time-varying accumulation (Algorithm 1 with per-worker N_i^(t)): the authors' workers keep
+adding micro-batches until the background job finishes, and divide the summed gradients by the micro-batch count
+summed over workers (an all-reduce of the counts), advancing the learning-rate schedule by that count. Here each
+half is a fixed number of micro-batches (the case where every half outlasts the background job), so a step's batch
+is fixed and a run is deterministic; a rank cannot accumulate extra micro-batches while it waits.
+
 Error bound: with codecs the real update's reduce-scatter keeps the gradient channel's error feedback (key per
 bucket, as DistributedOptimizer); the estimate's is the same codec without error feedback (its error affects only
 θ̃, never the committed state). With no codecs ``step()`` is exact: tests/test_optimizer_acco.py compares it with an
@@ -89,11 +102,16 @@ class ACCO:
     the module docstring). ``optimizer``: ZeRO-1, sharded, flat (no hierarchy), a value codec or none, no loss
     scaler, no overlapped parameter all-gather. Its hooks then only accumulate; drive it with :meth:`estimate` after
     half A and :meth:`step` after half B of every step, instead of ``optimizer.step()``
-    (``delay_compensation=False``, DPU: :meth:`step` after each step's whole backward)."""
+    (``delay_compensation=False``, DPU: :meth:`step` after each step's whole backward). ``warmup_steps``: that many
+    undelayed steps first (see the module docstring)."""
 
-    def __init__(self, optimizer: DistributedOptimizer, delay_compensation: bool = True) -> None:
+    def __init__(self, optimizer: DistributedOptimizer, delay_compensation: bool = True, warmup_steps: int = 0) -> None:
         opt = optimizer
         self.compensated = bool(delay_compensation)
+        if not (isinstance(warmup_steps, int) and warmup_steps >= 0):
+            raise ValueError(f"ACCO: warmup_steps must be an integer >= 0 (undelayed steps before the overlap), got "
+                             f"{warmup_steps!r}")
+        self.warmup_steps = warmup_steps
         if type(opt) is not DistributedOptimizer:
             raise ValueError(f"ACCO overlaps DistributedOptimizer's AdamW-style update; {type(opt).__name__} has its "
                              f"own reduction (1-bit family): use it without ACCO")
@@ -156,9 +174,14 @@ class ACCO:
         self._hyper = [dict(g) for g in self._param_groups]  # this step's hyperparameters, for both of its jobs
         for b, r in zip(self.opt.buckets, self._reduced_input):  # G_A leaves the accumulation buffers
             b.grad, self._reduced_input[b.index] = r.zero_(), b.grad
-        self._submit(self._estimate_job, "estimate", float(scale))
+        if not self.warming():  # a warm-up step has no estimate: half B runs at θ_t, as half A did
+            self._submit(self._estimate_job, "estimate", float(scale))
         self._load_model(self._real)
         self.phase = "B"
+
+    def warming(self) -> bool:
+        """Whether the current step is a warm-up step (undelayed, no estimate); read between the calls of a step."""
+        return self.opt.step_count + self.opt.skipped_steps < self.warmup_steps
 
     def step(self, scale: float = 1.0) -> None:
         """After half B: wait for the estimate, put θ̃_{t+1} into the model, start the real update of this step
@@ -174,16 +197,27 @@ class ACCO:
             self._hyper = [dict(g) for g in self._param_groups]
             for b, r in zip(self.opt.buckets, self._reduced_input):
                 b.grad, self._reduced_input[b.index] = r.zero_(), b.grad
+            warming = self.warming()
             self._submit(self._real_job, "update", float(scale))
+            if warming:  # undelayed: the next step's gradients at θ_{t+1}
+                self._wait()
             self._estimate = self._real  # the next step computes at θ_t (θ_{t+1} replaces _real at the next wait)
             self._load_model(self._estimate)
             return
         for b, r in zip(self.opt.buckets, self._reduced_input):
             r.add_(b.grad)
             b.grad.zero_()
+        warming = self.warming()
         self._submit(self._real_job, "update", float(scale))
+        if warming:
+            self._land()
         self._load_model(self._estimate)
         self.phase = "A"
+
+    def _land(self) -> None:
+        """A warm-up step: wait for its update now; the next step computes at θ_{t+1} (θ̃_{t+1} = θ_{t+1})."""
+        self._wait()
+        self._estimate = [r.clone() for r in self._real]
 
     @contextlib.contextmanager
     def synchronized(self):

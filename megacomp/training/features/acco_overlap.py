@@ -35,6 +35,11 @@ class OverlapConfig:
     halves and the estimate (DistributedOptimizer's bytes; each step's gradients are applied one step late).
     'none': the step waits for its communication."""
 
+    warmup_steps: int = field(default=0, metadata={"flag": "overlap_optimizer_warmup_steps"})
+    """Undelayed steps before the overlap starts (acco and dpu): each of the first N steps waits for its own update
+    (ZeRO-1's step, the whole batch at the current parameters). 0: ACCO as published (the paper's ACCO needs no
+    warm-up); ZeRO-Offload's DPU warms up this way (the ACCO authors' DPU baseline uses 1000)."""
+
 
 class ACCOOverlap(Feature):
     """ACCO / DPU around the sharded AdamW optimizer (see the module docstring)."""
@@ -54,6 +59,8 @@ class ACCOOverlap(Feature):
             raise ValueError(f"overlap_optimizer must be 'none', 'acco' or 'dpu', got {mode!r}")
         if mode == "none":
             return
+        if cfg.overlap.warmup_steps < 0:
+            raise ValueError(f"overlap_optimizer_warmup_steps must be >= 0, got {cfg.overlap.warmup_steps}")
         why = (f"optimizer {cfg.training.optimizer} has its own exchange (use --optimizer adamw)"
                if cfg.training.optimizer != "adamw" else
                "needs the sharded optimizer (drop --no-shard-optimizer)" if cfg.zero.shard is False else
@@ -81,10 +88,15 @@ class ACCOOverlap(Feature):
                                  f"multiple of 2 x {pp} x micro_batch_size x DP")
 
     def build(self, run) -> None:
-        self.acco = ACCO(run.optimizer, delay_compensation=self.cfg.overlap.mode == "acco")
+        self.acco = ACCO(run.optimizer, delay_compensation=self.cfg.overlap.mode == "acco",
+                         warmup_steps=self.cfg.overlap.warmup_steps)
         run.optimizer = self.acco
 
     def banner(self, run) -> list[str]:
+        return self._banner(run) + ([f"optimizer: the first {self.acco.warmup_steps} step(s) undelayed (warm-up), "
+                                     f"then overlapped"] if self.acco.warmup_steps else [])
+
+    def _banner(self, run) -> list[str]:
         m = run.num_microbatches
         if not self.acco.compensated:
             return ["optimizer: DPU (ACCO without delay compensation): each step's gradient reduce-scatter, update and "
