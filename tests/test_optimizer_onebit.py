@@ -308,19 +308,27 @@ def _sign_exchange_case(rank, world):
         e = ef.error(f"dp_momentum/b{b.index}/worker").reshape(-1)
         # the sign codec's promise per chunk: |x - decode(encode(x))| <= max |x| of the chunk (one scale per chunk)
         assert float(e.abs().max()) <= float(x.abs().max()) * (1 + 2 ** -20)
-        out.append((b.numel, x, e, opt.optimizer.state[masters[b.index]]["exp_avg"].clone()))
+        server = ef.error(f"dp_momentum/b{b.index}/server").reshape(-1)  # this rank's chunk (DP 2 too: DeepSpeed)
+        out.append((b.numel, x, e, server, opt.optimizer.state[masters[b.index]]["exp_avg"].clone()))
     return out
 
 
-def test_sign_exchange_is_mean_of_decoded_local_momenta():
+def test_sign_exchange_is_mean_of_decoded_local_momenta_requantized_by_the_chunk_owner():
+    """At DP 2 as at any size (DeepSpeed's compressed all-reduce): worker signs with worker error, the chunk owner
+    averages them, adds its server error and sends signs again; so the result on chunk r is the mean of what the
+    workers sent minus half of rank r's new server error (the channel re-quantizes the sum; the optimizer halves)."""
+    from megacomp.comm.common import split_sizes
+
     per_rank = run_ranks(_sign_exchange_case, 2)
     for items in zip(*per_rank):
-        (n, x0, e0, m0), (_, x1, e1, m1) = items
+        (n, x0, e0, s0, m0), (_, x1, e1, s1, m1) = items
         assert torch.equal(m0, m1)  # every rank decoded the same bytes
         decoded_mean = ((x0 - e0) + (x1 - e1)) / 2  # decode = x - new error, exactly what was sent
+        sent = decoded_mean - torch.cat([s0, s1]) / 2  # the owner sent y - its new server error (y: the sum)
+        assert [s0.numel(), s1.numel()] == split_sizes(m0.numel(), 2) and s0.abs().max() > 0
         scale = max(float(x0.abs().max()), float(x1.abs().max()))
-        # fp32 round-off: x formed in another operation order here (1 ulp), x - e, the sum and the halving
-        assert (m0 - decoded_mean)[:n].abs().max() <= 4 * 2 ** -24 * scale
+        # fp32 round-off: x formed in another operation order here (1 ulp), x - e, the sum, the halving, y - e_s
+        assert (m0 - sent)[:n].abs().max() <= 8 * 2 ** -24 * scale
         assert not m0[n:].any()  # padding carries nothing
 
 

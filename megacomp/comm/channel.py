@@ -180,13 +180,13 @@ class Channel:
     def init_residuals(self, key: str, numel: int, all_reduce: bool = False) -> None:
         """Zero error-feedback residuals for a tensor of ``numel`` elements under ``key`` where none exist yet (so a
         fresh owner's state_dict has every key a trained one has): ``key + '/worker'`` of the whole tensor and, for
-        ``all_reduce`` over more than two ranks, ``key + '/server'`` of this rank's chunk. Nothing without error
-        feedback."""
+        ``all_reduce`` over more than two ranks (two with ``options.two_rank_server``), ``key + '/server'`` of this
+        rank's chunk. Nothing without error feedback."""
         if self.error_feedback is None:
             return
         self.error_feedback.init_key(f"{key}/worker", (numel,))
         world = group_ops.get_world_size(self.group)
-        if all_reduce and world > 2:
+        if all_reduce and (world > 2 or world == 2 and self.options.two_rank_server):
             self.error_feedback.init_key(f"{key}/server", (collectives.server_numel(
                 numel, world, group_ops.get_rank(self.group), self),))
 

@@ -13,7 +13,8 @@ same tensors, so results are bit-identical to it. With a lossy codec:
       shard is re-encoded ([server error feedback]) and all-gathered; every rank decodes the same bytes,
       so all ranks end with identical results (own shard included). Two ranks instead all-gather their
       whole encodings and both decode-sum them in rank order: the same bytes on the wire as the two
-      phases, one quantization instead of two, half the encode work, no server error.
+      phases, one quantization instead of two, half the encode work, no server error
+      (``CommOptions.two_rank_server`` keeps the two phases and the server error at two ranks too).
   Pipelining: tensors over ``CommOptions.segment_numel`` elements (default 1M) are cut into
       segments (reduce-scatter / all-gather: pieces of every chunk) that run the steps above independently, so encoding, transfer and decoding of
       consecutive segments overlap. Segments start new scale blocks (and per-tensor scales become
@@ -246,7 +247,8 @@ def _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segments, skey):
 
 def server_numel(numel: int, world: int, rank: int, ch) -> int:
     """Length of the server error (key ``.../server``) that ``ch.all_reduce`` keeps on ``rank`` for a tensor of
-    ``numel`` elements over ``world`` > 2 ranks: this rank's chunk of every pipeline segment."""
+    ``numel`` elements over ``world`` > 2 ranks (or 2 with ``CommOptions.two_rank_server``): this rank's chunk of
+    every pipeline segment."""
     return sum(split_sizes(length, world)[rank] for length in pipeline_segments(numel, ch.options.segment_numel))
 
 
@@ -268,7 +270,7 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
     """``torch.distributed.all_reduce`` (in place) through channel ``ch``; see the module docstring.
 
     Error-feedback keys: ``key + '/worker'`` (the full tensor) and ``key + '/server'`` (this rank's shard,
-    more than two ranks only)."""
+    more than two ranks, or two with ``CommOptions.two_rank_server``)."""
     codec = ch.codec_for(tensor.numel())
     world = group_ops.get_world_size(group)
     n = tensor.numel()
@@ -290,7 +292,7 @@ def run_all_reduce(ch, tensor: torch.Tensor, op, group, async_op: bool, key: str
     segs = pipeline_segments(n, ch.options.segment_numel)
     avg = op_name(op) == "AVG"
     try:  # the algorithm commits src after its last encode; a failure before that drops a half-updated error
-        if world == 2:
+        if world == 2 and not ch.options.two_rank_server:
             finish, wire = _all_reduce_direct(ch, tensor, src, codec, group, avg, segs)
         else:
             finish, wire = _all_reduce_rs_ag(ch, tensor, src, codec, group, avg, segs, key + "/server")

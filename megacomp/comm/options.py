@@ -34,6 +34,11 @@ class CommOptions:
     transfer and decode overlap. This changes the numbers of scaled codecs (a segment's chunks start new
     scale blocks; a per-tensor scale becomes a per-segment scale), so it is part of a run's recorded
     compression config and a checkpoint written with another value is refused."""
+    two_rank_server: bool = False
+    """A lossy all-reduce over two ranks: run the reduce-scatter and the re-encoded all-gather as for more ranks
+    (two quantizations; the server error kept under ``key + '/server'``) instead of the direct exchange (one
+    quantization, no server error). The 1-bit optimizers set it: DeepSpeed's compressed all-reduce always
+    quantizes twice, with worker and server error feedback. The bytes on the wire are the same."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.segment_numel, int) or self.segment_numel < 0:

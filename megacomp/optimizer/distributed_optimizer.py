@@ -173,6 +173,8 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         if not isinstance(grad_codec_warmup_steps, int) or grad_codec_warmup_steps < 0:
             raise ValueError(f"grad_codec_warmup_steps must be an int >= 0, got {grad_codec_warmup_steps!r}")
         self.grad_codec_warmup_steps = grad_codec_warmup_steps
+        if self.grad_channel.adaptive and self.grad_channel.lr_source is None:  # Accordion's lr_trigger: this step's rate
+            self.grad_channel.follow_lr(lambda: self.param_groups[0]["lr"])
         self.max_grad_norm, self.grad_norm_group, self.scaler = max_grad_norm, grad_norm_group, loss_scaler
         lossy = [ch for ch in (self.grad_channel, self.param_channel, *self._more_channels()) if ch.lossy]
         self.buckets: list[Bucket] = build_buckets([g["params"] for g in groups], self.world, bucket_size,
@@ -299,7 +301,8 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         device, never read back here."""
         sq = torch.stack([(s.double().square() * w if w is not None else s.double().square()).sum()
                           for s, w in zip(shards, self._norm_weights)]).sum().reshape(1)
-        dist.all_reduce(sq, group=self.group)
+        if self.sharded:  # unsharded, every rank holds the whole averaged gradient: summing would count it N times
+            dist.all_reduce(sq, group=self.group)
         if self.grad_norm_group is not None:
             dist.all_reduce(sq, group=self.grad_norm_group)
         return sq.sqrt()

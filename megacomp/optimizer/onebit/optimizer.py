@@ -7,8 +7,9 @@ Per step ``t``, by action:
 
   ``grad`` (warm-up; 0/1 Adam's variance updates): the full-precision gradient reduction of the base class
       (reduce-scatter when sharded, all-reduce when not), started in backward; clipping by the global norm.
-  ``grad_1bit`` (0/1 Adam): the gradient all-reduced through the momentum channel (1-bit, worker and server
-      error feedback), started in backward.
+  ``grad_1bit`` (0/1 Adam): each rank's local gradient all-reduced through the momentum channel (1-bit, worker
+      and server error feedback), started in backward, or in ``step()`` after clipping the local gradient
+      (``max_grad_norm``) or with ``momentum_scaling="deepspeed"``.
   ``momentum`` (1-bit Adam / LAMB after ``freeze_step``): every rank forms its local momentum
       ``x = b1 M + (1-b1) g_local`` from the last exchanged momentum ``M`` (identical on every rank; LAMB scales
       each parameter's slice by its momentum scale first), all-reduces ``x`` through the momentum channel
@@ -35,12 +36,19 @@ DeepSpeed (measured on the tiny GPT at DP 2: 0.09 MB per compressed step unshard
 gather, 0.38 MB with an int8 gather), at the memory cost of whole fp32 masters and state on every rank. 0/1 Adam
 needs ``shard=False``: its local steps update every parameter on every rank.
 
-Gradient clipping (``max_grad_norm``): in ``grad`` and ``grad_1bit`` steps by the norm of the averaged
-gradient (over the data- and model-parallel groups); in ``momentum`` and ``local`` steps the average
-gradient is never formed, so each rank clips its own local gradient by its norm over the model-parallel
-group before it enters the momentum (``last_grad_norm`` is then this rank's). Overflow (inf/NaN in any
-rank's gradient) is detected by an all-reduce of one flag over both groups on every step, skips the step on
-every rank, and resets the momentum channel's error feedback.
+Gradient clipping (``max_grad_norm``): in ``grad`` steps by the norm of the averaged gradient (over the data-
+and model-parallel groups); in ``grad_1bit``, ``momentum`` and ``local`` steps each rank clips its own local
+gradient by its norm over the model-parallel group before it is sent or enters the momentum, as DeepSpeed does
+(its engine skips the gradient all-reduce on those steps; ``last_grad_norm`` is then this rank's). Overflow
+(inf/NaN in any rank's gradient) is detected by an all-reduce of one flag over both groups on every step and
+skips the step on every rank; the momentum errors are kept (DeepSpeed checks before it exchanges), unless the
+step's exchange already ran in backward: they then absorbed the inf/NaN and are zeroed.
+
+Every DP size, two ranks included, runs the two-phase compressed all-reduce (worker error, then the chunk owner's
+re-quantization with its server error: ``CommOptions.two_rank_server``, set on the momentum channel), as
+DeepSpeed's ``compressed_allreduce``. ``momentum_scaling="deepspeed"`` runs that function exactly
+(megacomp.optimizer.onebit.deepspeed_exchange: RMS scales per param group, or the whole model for LAMB, instead
+of the codec's scale per bucket x segment x chunk).
 
 The momentum channel is built from ``momentum_codec`` / ``momentum_error_feedback`` (classic error feedback on the
 worker and the server side), or handed in whole as ``momentum_channel`` (megacomp.comm.make_channel; e.g. the
@@ -52,15 +60,18 @@ steps that sent a model-sized message (checkpointed).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 
 from ... import comm
-from ...comm import AnyChannel, Channel, make_channel
+from ...comm import AnyChannel, Channel, CommOptions, make_channel
 from ...compression import Codec, make_codec
 from ..distributed_optimizer import DistributedOptimizer
+from ..params import param_groups_of
+from .deepspeed_exchange import ReferenceAllReduce
 from .rules import OneBitAdamRule, OneBitLambRule, ZeroOneAdamRule
 from .schedule import FreezeSchedule, ZeroOneSchedule
 
@@ -102,7 +113,8 @@ def build_momentum_channel(codec: Any, error_feedback: bool, group, min_compress
     ``error_feedback``); raises as :func:`check_momentum_codec`."""
     c = check_momentum_codec(codec, error_feedback, what)
     return make_channel("dp_momentum", c, group=group, error_feedback="ef" if error_feedback else None,
-                        min_compress_numel=min_compress_numel, error_feedback_arg="momentum_error_feedback")
+                        min_compress_numel=min_compress_numel, error_feedback_arg="momentum_error_feedback",
+                        options=CommOptions.from_env(two_rank_server=True))
 
 
 def check_momentum_channel(channel: AnyChannel, what: str) -> AnyChannel:
@@ -112,7 +124,14 @@ def check_momentum_channel(channel: AnyChannel, what: str) -> AnyChannel:
         raise ValueError(f"{what}: momentum_channel {channel!r} compresses by structure (PowerSGD / Accordion); the "
                          f"1-bit family needs a value codec (sign, int2, int4, int8, fp8_*, bf16)")
     check_momentum_codec(channel.codec, channel.error_feedback is not None, what)
+    if isinstance(getattr(channel, "options", None), CommOptions):  # two quantizations at DP 2 too (DeepSpeed)
+        channel.options = replace(channel.options, two_rank_server=True)
     return channel
+
+
+MOMENTUM_SCALINGS = ("chunk", "deepspeed")
+"""``momentum_scaling``: ``chunk`` (the momentum channel: its codec's scale per bucket x segment x destination
+chunk) or ``deepspeed`` (megacomp.optimizer.onebit.deepspeed_exchange: DeepSpeed's compressed all-reduce exactly)."""
 
 
 class OneBitOptimizer(DistributedOptimizer):
@@ -123,13 +142,15 @@ class OneBitOptimizer(DistributedOptimizer):
         ValueError: 0/1 Adam with ``shard=True``; ``zero_stage=2``; bad codecs (see :func:`build_momentum_channel`,
             :func:`check_momentum_channel`); ``momentum_channel`` together with ``momentum_codec`` or
             ``momentum_error_feedback``; a gradient codec other than :data:`WARMUP_GRAD_CODECS` for the
-            full-precision phase; the base class's.
+            full-precision phase; ``momentum_scaling`` not in :data:`MOMENTUM_SCALINGS`, or ``deepspeed`` with
+            ``shard=True``, a momentum channel or a momentum codec other than the default; the base class's.
     """
 
     def __init__(self, params: Iterable, rule_class, rule_kwargs: dict, schedule, process_group=None, *,
                  momentum_codec: Any = DEFAULT_MOMENTUM_CODEC, momentum_error_feedback: bool = True,
                  momentum_channel: Optional[AnyChannel] = None, shard: bool = False, min_compress_numel: int = 65536,
-                 grad_norm_weight=None, overlap_momentum: bool = True, **base: Any) -> None:
+                 grad_norm_weight=None, overlap_momentum: bool = True, momentum_scaling: str = "chunk",
+                 **base: Any) -> None:
         if base.get("zero_stage", 1) != 1:
             raise ValueError(f"{rule_class.__name__.replace('Rule', '')} exchanges each rank's whole local gradient or "
                              f"momentum in step(), so its gradient buckets cannot be sharded in backward: use "
@@ -137,10 +158,21 @@ class OneBitOptimizer(DistributedOptimizer):
         if rule_class is ZeroOneAdamRule and shard:
             raise ValueError("0/1 Adam takes local steps that update every parameter on every rank, so its masters "
                              "cannot be sharded; pass shard=False (pretraining: --no-shard-optimizer)")
+        what = rule_class.__name__.replace("Rule", "")
+        if momentum_scaling not in MOMENTUM_SCALINGS:
+            raise ValueError(f"{what}: momentum_scaling must be one of {', '.join(MOMENTUM_SCALINGS)}, got "
+                             f"{momentum_scaling!r}")
+        if momentum_scaling == "deepspeed" and (shard or momentum_channel is not None or not momentum_error_feedback
+                                                or momentum_codec is not DEFAULT_MOMENTUM_CODEC):
+            raise ValueError(f"{what}: momentum_scaling='deepspeed' is DeepSpeed's unsharded 1-bit exchange with worker "
+                             f"and server error feedback; drop shard=True, momentum_channel, momentum_codec and "
+                             f"momentum_error_feedback=False (or use momentum_scaling='chunk')")
+        # the param groups twice (here for the reference layout, in the base class for the buckets)
+        params = [dict(g, params=list(g["params"])) if isinstance(g, dict) else g for g in params]
+        self.momentum_scaling = momentum_scaling
         self.schedule, self.rounds, self._full_m = schedule, 0, {}
         self.overlap_momentum = bool(overlap_momentum)
         self._local_finite: dict[int, torch.Tensor] = {}  # per bucket launched in backward: its local grad finite
-        what = rule_class.__name__.replace("Rule", "")
         if momentum_channel is None:
             momentum_channel = build_momentum_channel(momentum_codec, momentum_error_feedback, process_group,
                                                       min_compress_numel, what)
@@ -160,6 +192,13 @@ class OneBitOptimizer(DistributedOptimizer):
                              f"one of {', '.join(WARMUP_GRAD_CODECS)}")
         self._local_weights = self._build_norm_weights(grad_norm_weight, whole=True)  # local-gradient clipping
         self._master = {b.index: m for b, m in zip(self.buckets, self.masters)}
+        self._reference = None
+        if momentum_scaling == "deepspeed":
+            where = {id(p): (b.index, o) for b in self.buckets for p, o in zip(b.params, b.offsets)}
+            layouts = [[(*where[id(p)], p.numel()) for p in g["params"]] for g in param_groups_of(params)]
+            if rule_class is OneBitLambRule:  # DeepSpeed's 1-bit LAMB: the whole model's momentum in one buffer
+                layouts = [[piece for lay in layouts for piece in lay]]
+            self._reference = ReferenceAllReduce(layouts, self.group, self.device, self.momentum_channel.stats)
 
     def _more_channels(self) -> tuple:
         return (self.momentum_channel,)
@@ -192,7 +231,8 @@ class OneBitOptimizer(DistributedOptimizer):
         action = self._action()
         if action == "grad":
             return super()._launch(b)
-        if action == "grad_1bit":  # 0/1 Adam, unsharded: the 1-bit average gradient, started in backward
+        if action == "grad_1bit" and self._grad_1bit_in_backward():  # 0/1 Adam: the 1-bit average gradient
+            self._local_finite[b.index] = torch.isfinite(b.grad).all()
             b.reduced = b.grad
             b.work = self._momentum_all_reduce(b, b.grad, tag="dp_gradient_1bit", async_op=True)
             return None
@@ -203,8 +243,14 @@ class OneBitOptimizer(DistributedOptimizer):
             b.reduced = x  # marks the bucket as exchanged in backward
             b.work = self._momentum_all_reduce(b, x, async_op=True)
             return None
-        b.work, b.reduced = comm.CompressedWork(lambda: None), None  # momentum / local: in step()
+        b.work, b.reduced = comm.CompressedWork(lambda: None), None  # momentum / grad_1bit / local: in step()
         return None
+
+    def _grad_1bit_in_backward(self) -> bool:
+        """Whether 0/1 Adam's 1-bit gradient exchange starts in backward: not when each rank's local gradient is
+        clipped first (DeepSpeed clips the local gradient: its backward all-reduce is off on these steps) or with
+        DeepSpeed's scaling (one buffer per param group)."""
+        return self.max_grad_norm is None and self._reference is None
 
     def _momentum_all_reduce(self, b, x: torch.Tensor, tag: str = "dp_momentum", async_op: bool = False):
         """Sum ``x`` (bucket ``b``'s message) over the group through the momentum channel (compressed buckets) or
@@ -217,8 +263,8 @@ class OneBitOptimizer(DistributedOptimizer):
     def _momentum_in_backward(self) -> bool:
         """Whether this step's momentum exchange starts in backward (the same answer for every bucket of a step
         and on every rank: it reads settings and state that only ``step()`` changes)."""
-        if not self.overlap_momentum or self.max_grad_norm is not None:
-            return False  # clipping needs the whole local gradient's norm before any momentum is formed
+        if not self.overlap_momentum or self.max_grad_norm is not None or self._reference is not None:
+            return False  # clipping needs the whole local gradient's norm first; DeepSpeed's buffers span buckets
         if self.sharded and len(self._full_m) < len(self.buckets):
             return False  # the full momentum is all-gathered in step() first (the switch, a resume)
         if isinstance(self.optimizer, OneBitLambRule):
@@ -231,7 +277,7 @@ class OneBitOptimizer(DistributedOptimizer):
         t = self.step_count + 1
         action = self.schedule.action(t)
         self.optimizer.action = action
-        if action in ("grad", "grad_1bit"):
+        if action == "grad":
             stepped = super().step(closure)
         else:
             stepped = self._deferred_step(action, t)
@@ -241,8 +287,11 @@ class OneBitOptimizer(DistributedOptimizer):
         return stepped
 
     def _skip_step(self) -> bool:
-        """The base class's skip, and the momentum residuals dropped too."""
-        if self.momentum_channel.error_feedback is not None:
+        """The base class's skip. The momentum errors are kept, as DeepSpeed keeps them (its overflow check comes
+        before the exchange), unless this step's exchange already ran in backward: its errors then hold the
+        non-finite values and are zeroed."""
+        if (self._action() in ("momentum", "grad_1bit") and any(b.reduced is not None for b in self.buckets)
+                and self.momentum_channel.error_feedback is not None):
             self.momentum_channel.error_feedback.reset()
         return super()._skip_step()
 
@@ -252,7 +301,7 @@ class OneBitOptimizer(DistributedOptimizer):
                 self._launch(b)
             b.work.wait()
             b.work = None
-        in_backward = action == "momentum" and all(b.reduced is not None for b in self.buckets)
+        in_backward = action in ("momentum", "grad_1bit") and all(b.reduced is not None for b in self.buckets)
         if in_backward:  # the buckets now hold the exchanged momentum: the local gradients' flags were kept
             bad = any(not bool(f) for f in self._local_finite.values())
         else:
@@ -265,9 +314,34 @@ class OneBitOptimizer(DistributedOptimizer):
             self._clip_local()
         if action == "momentum":
             self._exchange_momentum(in_backward)
+        elif action == "grad_1bit":
+            self._exchange_grad(in_backward)
         else:
             self._local(t)
         return self._finish_step()
+
+    def _average(self, xs: dict, tag: str) -> None:
+        """Average every bucket's ``xs[b.index]`` over the group in place: DeepSpeed's exchange, or the momentum
+        channel bucket by bucket; the padding zeroed."""
+        if self._reference is not None:
+            self._reference.average(xs, tag)
+        for b in self.buckets:
+            x = xs[b.index]
+            if self._reference is None:
+                self._momentum_all_reduce(b, x, tag=tag)
+                x.mul_(1.0 / self.world)
+            x[b.numel:].zero_()  # padding carries nothing (a sign codec decodes 0 as +scale)
+
+    def _exchange_grad(self, in_backward: bool) -> None:
+        """0/1 Adam's 1-bit step: average the (clipped) local gradients, or take what backward averaged."""
+        if in_backward:
+            for b in self.buckets:
+                b.grad.mul_(1.0 / self.world)[b.numel:].zero_()
+        else:
+            self._average({b.index: b.grad for b in self.buckets}, "dp_gradient_1bit")
+        for b in self.buckets:
+            self._master[b.index].grad = b.grad
+        self.optimizer.step()
 
     def _clip_local(self) -> None:
         """Clip this rank's local gradient by its norm over the model-parallel group (no DP reduction)."""
@@ -319,14 +393,15 @@ class OneBitOptimizer(DistributedOptimizer):
 
     def _exchange_momentum(self, in_backward: bool = False) -> None:
         """Average every bucket's local momentum (exchanged here, or already in backward) and update."""
+        formed = {b.index: (b.reduced, self._scales(b)) if in_backward else self._form_momentum(b)
+                  for b in self.buckets}
+        if in_backward:
+            for b in self.buckets:
+                b.reduced.mul_(1.0 / self.world)[b.numel:].zero_()  # padding carries nothing
+        else:
+            self._average({i: x for i, (x, _) in formed.items()}, "dp_momentum")
         for b in self.buckets:
-            if in_backward:
-                x, scales = b.reduced, self._scales(b)
-            else:
-                x, scales = self._form_momentum(b)
-                self._momentum_all_reduce(b, x)
-            x.mul_(1.0 / self.world)
-            x[b.numel:].zero_()  # padding carries nothing (a sign codec decodes 0 as +scale)
+            x, scales = formed[b.index]
             if scales is not None:
                 for (p, o), s in zip(zip(b.params, b.offsets), scales):
                     x[o:o + p.numel()].div_(s)
@@ -338,20 +413,20 @@ class OneBitOptimizer(DistributedOptimizer):
 
     def _local(self, t: int) -> None:
         """0/1 Adam after the variance freeze: a local step, and a synchronisation when the schedule says."""
-        if t == self.schedule.var_freeze_step + 1 and self.momentum_channel.error_feedback is not None:
-            self.momentum_channel.error_feedback.reset()  # the 1-bit gradients' residuals do not carry over (DeepSpeed)
+        if t == self.schedule.var_freeze_step + 1:  # the 1-bit gradients' residuals do not carry over (DeepSpeed)
+            if self.momentum_channel.error_feedback is not None:
+                self.momentum_channel.error_feedback.reset()
+            if self._reference is not None:
+                self._reference.reset()
         for b in self.buckets:
             self._master[b.index].grad = b.grad
         self.optimizer.step()
         if not self.schedule.syncs(t):
             return
+        ws = {b.index: self.optimizer.sync_buffer(self._master[b.index]) for b in self.buckets}
+        self._average(ws, "dp_momentum")
         for b in self.buckets:
-            m = self._master[b.index]
-            w = self.optimizer.sync_buffer(m)
-            self._momentum_all_reduce(b, w)
-            w.mul_(1.0 / self.world)
-            w[b.numel:].zero_()
-            self.optimizer.finish_sync(m, w)
+            self.optimizer.finish_sync(self._master[b.index], ws[b.index])
 
     # -- checkpointing ------------------------------------------------------------------------------
     def init_state(self) -> None:
@@ -366,7 +441,8 @@ class OneBitOptimizer(DistributedOptimizer):
         for b in self.buckets:
             if b.compressed:
                 ef.init_key(f"dp_momentum/b{b.index}/worker", (b.padded,))
-                if self.world > 2:
+                options = getattr(self.momentum_channel, "options", None)
+                if self.world > 2 or self.world == 2 and options is not None and options.two_rank_server:
                     ef.init_key(f"dp_momentum/b{b.index}/server",
                                 (comm.server_numel(b.padded, self.world, self.rank, self.momentum_channel),))
 
@@ -377,6 +453,8 @@ class OneBitOptimizer(DistributedOptimizer):
         out[f"dp_rank_{self.rank}"]["onebit"] = {
             "schedule": self.schedule.state_dict(), "rounds": self.rounds,
             "momentum_channel": self.momentum_channel.state_dict()}
+        if self._reference is not None:
+            out[f"dp_rank_{self.rank}"]["onebit"]["deepspeed_errors"] = self._reference.state_dict()
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -390,6 +468,10 @@ class OneBitOptimizer(DistributedOptimizer):
         self.schedule.load_state_dict(o["schedule"])
         self.rounds = int(o["rounds"])
         self.momentum_channel.load_state_dict(o["momentum_channel"])
+        if self._reference is not None:
+            if "deepspeed_errors" not in o:
+                raise ValueError("optimizer checkpoint was written with momentum_scaling='chunk'; resume with it")
+            self._reference.load_state_dict(o["deepspeed_errors"])
         self._full_m = {}  # rebuilt from the loaded momentum shards at the next compressed step
 
 
