@@ -343,6 +343,59 @@ def test_streaming_diloco_resumes_bit_identically_with_an_exchange_in_flight():
         assert in_flight == [0] and same
 
 
+def _torchft_body(rank, world, cfg_kw, steps):
+    """This rank's parameters under schedule='torchft', and a plain-torch restatement of torchft 0.2.0's DiLoCo
+    (local_sgd.py: pseudo-gradient original - local when a fragment is prepared, all-reduce SUM then / R, restore
+    the original weights, the outer SGD steps the model's own parameters, save them, lerp towards the local weights
+    saved at the sync) run for every replica in this process."""
+    cfg = DiLoCoConfig(schedule="torchft", **cfg_kw)
+    params = make_params()
+    outer = DiLoCo(params, None, cfg)
+    frags = [[next(i for i, q in enumerate(params) if q is p) for p in f] for f in outer.fragments]
+    H, P, tau, alpha = cfg.outer_steps, cfg.fragments, cfg.delay, cfg.mixing
+    reps = [[p.detach().clone() for p in make_params()] for _ in range(world)]
+    original = [p.detach().clone() for p in make_params()]
+    model = [torch.nn.Parameter(p.clone()) for p in original]  # what torchft's outer optimizer steps
+    opt = torch.optim.SGD(model, lr=cfg.outer_lr, momentum=cfg.outer_momentum,
+                          nesterov=cfg.nesterov and cfg.outer_momentum > 0)
+    local_step, manager_step, grads, syncs = 0, 0, {}, 0
+    for t in range(1, steps + 1):
+        inner_step(params, rank, t)
+        outer.step()
+        for r in range(world):
+            inner_step(reps[r], r, t)
+        local_step += 1
+        if local_step == H // P - tau:  # prepare_sync of fragment manager_step % P
+            f = manager_step % P
+            grads[f] = {i: sum(original[i] - reps[r][i] for r in range(world)) / world for i in frags[f]}
+        if local_step == H // P:  # perform_sync
+            f = manager_step % P
+            for i in frags[f]:
+                model[i].data.copy_(original[i])
+                model[i].grad = grads[f][i]
+            opt.step()
+            opt.zero_grad()
+            for i in frags[f]:
+                original[i] = model[i].detach().clone()
+                for r in range(world):
+                    reps[r][i] = model[i].detach().clone().lerp_(reps[r][i], alpha)
+            manager_step, local_step, syncs = manager_step + 1, 0, syncs + 1
+    outer.finish()
+    return [p.detach().clone() for p in params], reps[rank], outer.syncs, syncs
+
+
+@pytest.mark.parametrize("cfg_kw", [dict(outer_steps=3), dict(outer_steps=4, fragments=2, delay=1, mixing=0.5),
+                                    dict(outer_steps=6, fragments=3, delay=1, mixing=0.25, outer_momentum=0.0),
+                                    dict(outer_steps=4, fragments=1, delay=3, mixing=0.5)],
+                         ids=["DiLoCo-H3", "P2-tau1-a.5", "P3-tau1-plainSGD", "P1-tau3-a.5"])
+def test_torchft_schedule_equals_a_restatement_of_torchfts_diloco_bit_for_bit(cfg_kw):
+    # two replicas: torchft's (a + b) / 2 and megacomp's a / 2 + b / 2 round alike, so the match is exact
+    for got, want, syncs, want_syncs in run_ranks(_torchft_body, 2, cfg_kw, 13):
+        assert syncs == want_syncs >= 3
+        for p, q in zip(got, want):
+            assert torch.equal(p, q), (p - q).abs().max()
+
+
 def test_streaming_settings_are_checked():
     with pytest.raises(ValueError, match="delay"):
         DiLoCoConfig(outer_steps=4, delay=4)
@@ -350,6 +403,12 @@ def test_streaming_settings_are_checked():
         DiLoCoConfig(mixing=1.0)
     with pytest.raises(ValueError, match="fragments"):
         DiLoCoConfig(fragments=0)
+    with pytest.raises(ValueError, match="divisible by fragments"):
+        DiLoCoConfig(outer_steps=6, fragments=4, schedule="torchft")
+    with pytest.raises(ValueError, match="delay"):
+        DiLoCoConfig(outer_steps=4, fragments=2, delay=2, schedule="torchft")
+    with pytest.raises(ValueError, match="schedule"):
+        DiLoCoConfig(schedule="paper")
 
 
 def test_pretraining_with_streaming_diloco_resumes_with_an_exchange_in_flight(tiny_config, tmp_path):

@@ -18,7 +18,13 @@ about equal size, fragment p starts its exchange at the inner steps t with (t + 
 (staggered, so the peak traffic is one fragment), the exchange runs in the background for ``delay``
 inner steps (tau < H) and is applied then, and the fragment's local weights are merged with the new outer
 weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weights). DiLoCo is fragments
-1, delay 0, mixing 0, and runs exactly the same operations.
+1, delay 0, mixing 0, and runs exactly the same operations. ``schedule='torchft'`` moves the exchanges to
+torchft 0.2.0's timing instead (fragment p prepared tau steps before (p + 1) * H / P and applied there, fragments
+in order 0, 1, ...); with two replicas the iterates then equal torchft's DiLoCo bit for bit (tested against a
+plain-torch restatement of its local_sgd.py). Against torchft otherwise: the mean is sum(Delta / R) rather than
+sum(Delta) / R (a rounding apart for R not a power of two; the codecs need the scaled values), the outer state is
+fp32 whatever the parameter dtype, and fragments are contiguous element-balanced groups of this rank's tensors
+(torchft takes the user's modules; the Streaming DiLoCo paper strides transformer blocks across fragments).
 
 NoLoCo (``algorithm='noloco'``) keeps this schedule and state but replaces the all-reduce and the SGD step
 by megacomp.outer.noloco's point-to-point exchange inside a seeded random group and its outer rule.
@@ -95,6 +101,12 @@ class DiLoCoConfig:
     """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau, < outer_steps)."""
     mixing: float = 0.0
     """Streaming DiLoCo: alpha in local = lerp(outer, local, alpha) when a fragment is applied (0: outer)."""
+    schedule: str = "megacomp"
+    """Streaming DiLoCo: when each fragment's exchange runs. 'megacomp': fragment p starts at the inner steps t with
+    (t + p * H // P) % H == 0 and is applied delay steps later. 'torchft': torchft 0.2.0's DiLoCo, step for step:
+    fragment p starts at the inner steps t with (t + delay) % H == (p + 1) * H // P % H and is applied at
+    (p + 1) * H // P (mod H); needs outer_steps divisible by fragments and delay < outer_steps // fragments. The
+    two are the same with fragments 1 and delay 0 (plain DiLoCo)."""
     algorithm: str = "diloco"
     """'diloco' (all-reduce of the pseudo-gradient, outer SGD), 'noloco' (gossip in random groups,
     megacomp.outer.noloco; outer_lr is alpha, outer_momentum beta, nesterov is not used), 'sparseloco'
@@ -122,6 +134,13 @@ class DiLoCoConfig:
         if not isinstance(self.delay, int) or not 0 <= self.delay < self.outer_steps:
             raise ValueError(f"delay (tau) must be an int in [0, outer_steps={self.outer_steps}), got {self.delay!r}: "
                              f"an exchange must be applied before its fragment's next one starts")
+        if self.schedule not in ("megacomp", "torchft"):
+            raise ValueError(f"schedule must be 'megacomp' or 'torchft', got {self.schedule!r}")
+        if self.schedule == "torchft" and (self.outer_steps % self.fragments
+                                           or self.delay >= self.outer_steps // self.fragments):
+            raise ValueError(f"schedule 'torchft' syncs one fragment every outer_steps // fragments inner steps: it "
+                             f"needs outer_steps ({self.outer_steps}) divisible by fragments ({self.fragments}) and "
+                             f"delay ({self.delay}) < {self.outer_steps // self.fragments}; change one of them")
         if not 0 <= self.mixing < 1:
             raise ValueError(f"mixing (alpha) must be in [0, 1), got {self.mixing}")
         if not self.outer_lr > 0:
@@ -165,6 +184,8 @@ class DiLoCoConfig:
         d["error_feedback"] = asdict(self.error_feedback) if self.error_feedback is not None else None
         if self.algorithm != "dct_diloco":  # checkpoints of the other algorithms keep their saved form
             del d["dct_topk"], d["dct_chunk"]
+        if self.schedule == "megacomp":  # likewise: checkpoints from before the option load unchanged
+            del d["schedule"]
         return d
 
 
@@ -253,7 +274,7 @@ class DiLoCo:
                 self._apply(frag)
                 changed = True
         for frag in range(cfg.fragments):
-            if (t + frag * cfg.outer_steps // cfg.fragments) % cfg.outer_steps == 0:
+            if self._starts(frag, t):
                 self._start(frag)
                 if cfg.delay == 0:
                     self._apply(frag)
@@ -261,6 +282,13 @@ class DiLoCo:
         if changed and self.after_sync is not None:
             self.after_sync()
         return changed
+
+    def _starts(self, frag: int, t: int) -> bool:
+        """Whether fragment ``frag``'s exchange starts after inner step ``t`` (DiLoCoConfig.schedule)."""
+        h, parts = self.config.outer_steps, self.config.fragments
+        if self.config.schedule == "torchft":  # torchft syncs fragment p at (p + 1) * H / P, prepared tau earlier
+            return (t + self.config.delay) % h == (frag + 1) * (h // parts) % h
+        return (t + frag * h // parts) % h == 0
 
     @torch.no_grad()
     def sync(self) -> None:
