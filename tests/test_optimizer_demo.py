@@ -100,6 +100,59 @@ def _reference_run(world, steps, lr, decay, topk, chunk, wd):
     return params, deltas
 
 
+# -- a second restatement, following bloc97/DeMo demo.py (commit cab4606) operation by operation in plain torch:
+# tiles "(y h) (x w) -> y h x w" transformed by einsum with its basis matrices (forward D^T per axis, inverse D),
+# torch.topk of |c| per tile, the sender's own scatter_reduce(mean) decoded and subtracted from delta, the ranks'
+# indices and values concatenated in rank order and scatter_reduce(mean, include_self=False), sign, SGD step.
+# The reference handles 1-D and 2-D tensors; the 3-D one is given megacomp's [shape[0], rest] view.
+def _ref_encode(x, chunk):
+    if x.dim() == 1:
+        w = _largest_divisor(x.shape[0], chunk)
+        return torch.einsum("xj,jb->xb", x.reshape(-1, w), _dct_matrix(w).T)
+    m = x.reshape(x.shape[0], -1)
+    h, w = _largest_divisor(m.shape[0], chunk), _largest_divisor(m.shape[1], chunk)
+    tiles = m.reshape(m.shape[0] // h, h, m.shape[1] // w, w)
+    return torch.einsum("yjkl,jb,ld->ykbd", tiles, _dct_matrix(h).T, _dct_matrix(w).T)
+
+
+def _ref_decode(c, shape):
+    if c.dim() == 2:
+        return torch.einsum("xj,jb->xb", c, _dct_matrix(c.shape[1])).reshape(shape)
+    y, xx, h, w = c.shape
+    return torch.einsum("yxkl,kb,ld->ybxd", c, _dct_matrix(h), _dct_matrix(w)).reshape(shape)
+
+
+def _ref_scatter_mean(c, idx, val):
+    flat = torch.zeros_like(c).reshape(*c.shape[:-2], -1) if c.dim() == 4 else torch.zeros_like(c)
+    flat.scatter_reduce_(-1, idx, val, reduce="mean", include_self=False)
+    return flat.reshape(c.shape)
+
+
+def _reference_code_run(world, steps, lr, decay, topk, chunk, wd):
+    params = [p.detach().clone() for p in _params(torch.float64)]
+    deltas = [[torch.zeros_like(p) for p in params] for _ in range(world)]
+    for step in range(steps):
+        grads = [_grads(r, step, torch.float64) for r in range(world)]
+        params = [p * (1.0 - lr * wd) for p in params]
+        new = []
+        for i, p in enumerate(params):
+            idxs, vals = [], []
+            for r in range(world):
+                d = deltas[r][i] * decay + lr * grads[r][i]
+                c = _ref_encode(d, chunk)
+                flat = c.reshape(*c.shape[:-2], -1) if c.dim() == 4 else c
+                idx = torch.topk(flat.abs(), k=min(topk, flat.shape[-1]), dim=-1, largest=True, sorted=False).indices
+                val = torch.gather(flat, -1, idx)
+                deltas[r][i] = d - _ref_decode(_ref_scatter_mean(c, idx, val), d.shape)
+                idxs.append(idx)
+                vals.append(val)
+            c = _ref_encode(torch.zeros_like(p), chunk)
+            mean = _ref_scatter_mean(c, torch.cat(idxs, -1), torch.cat(vals, -1))
+            new.append(p - lr * _ref_decode(mean, p.shape).sign())
+        params = new
+    return params, deltas
+
+
 def _demo_run(rank, world, steps, dtype, kwargs, channel_tag=None):
     params = _params(dtype)
     channel = comm.Channel(channel_tag, None) if channel_tag else None
@@ -113,21 +166,23 @@ def _demo_run(rank, world, steps, dtype, kwargs, channel_tag=None):
 
 def _restatement_body(rank, world, kwargs, steps):
     got = _demo_run(rank, world, steps, torch.float64, kwargs)
-    ref_params, ref_deltas = _reference_run(world, steps, kwargs["lr"], kwargs["compression_decay"],
-                                            kwargs["compression_topk"], kwargs["compression_chunk"],
-                                            kwargs["weight_decay"])
-    return got, ref_params, ref_deltas[rank]
+    args = [world, steps] + [kwargs[k] for k in ("lr", "compression_decay", "compression_topk", "compression_chunk",
+                                                 "weight_decay")]
+    ref_params, ref_deltas = _reference_run(*args)
+    code_params, code_deltas = _reference_code_run(*args)
+    return got, [(ref_params, ref_deltas[rank]), (code_params, code_deltas[rank])]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_update_equals_an_fp64_restatement_of_the_reference(world):
     kwargs = dict(lr=0.05, compression_decay=0.9, compression_topk=3, compression_chunk=8, weight_decay=0.1)
     results = run_ranks(_restatement_body, world, kwargs, 3)
-    for rank, ((params, deltas), ref_params, ref_delta) in enumerate(results):
-        for p, q in zip(params, ref_params):
-            assert torch.allclose(p, q, rtol=0, atol=1e-12), (rank, (p - q).abs().max())
-        for d, e in zip(deltas, ref_delta):
-            assert torch.allclose(d, e, rtol=0, atol=1e-12), (rank, (d - e).abs().max())
+    for rank, ((params, deltas), references) in enumerate(results):
+        for ref_params, ref_delta in references:  # the description's restatement, then the code's
+            for p, q in zip(params, ref_params):
+                assert torch.allclose(p, q, rtol=0, atol=1e-12), (rank, (p - q).abs().max())
+            for d, e in zip(deltas, ref_delta):
+                assert torch.allclose(d, e, rtol=0, atol=1e-12), (rank, (d - e).abs().max())
     for p, q in zip(results[0][0][0], results[-1][0][0]):
         assert torch.equal(p, q)  # the replicas stay bit-identical
 
