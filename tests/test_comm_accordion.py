@@ -95,3 +95,96 @@ def _skipped(rank, world):
 def test_a_skipped_step_does_not_reach_the_norms():
     for previous, critical in run_ranks(_skipped, 2):
         assert previous == 0.0 and critical  # the discarded interval reads as no gradient: a change of 100%
+
+
+# -- the reference's rule, restated ----------------------------------------------------------------------------
+LOW, HIGH = "low", "high"
+
+
+def _reference_levels(norms: list, lrs: list, switch_freq: int) -> list:
+    """The level each epoch uses under the reference code (uw-mad-dash/Accordion at 82046df: main.py's epoch loop
+    with --auto-switch --start-k, auto_scale.run_auto_scale_gng), restated in plain python: epoch 0 runs the start
+    level (the light one); after epoch e, when e % switch_freq == 0, e == 0 picks the light level, otherwise the
+    ratio |prev - new| / prev of epoch e's accumulated gradient norm against epoch e - switch_freq's (9 when prev is
+    0) picks strong compression below 0.5, light otherwise; then a learning rate lower for epoch e + 1 than for
+    epoch e picks the light level. ``lrs`` holds one rate more than ``norms`` (the next epoch's)."""
+    level, used = LOW, []
+    for epoch, new in enumerate(norms):
+        used.append(level)
+        if epoch % switch_freq == 0:
+            if epoch == 0:
+                level = LOW
+            else:
+                prev = norms[epoch - switch_freq]
+                ratio = abs(prev - new) / prev if prev != 0.0 else 9
+                level = HIGH if ratio < 0.5 else LOW
+        if lrs[epoch + 1] < lrs[epoch]:
+            level = LOW
+    return used
+
+
+# epochs 0, 3, 6, ... are the compared windows (switch_freq 3): calm (+5%), critical (+90%), calm, calm while the
+# rate falls after epochs 9 and 12, a fall to 0, a rise from 0, calm; the others' norms are never read
+NORMS = [10.0, 7, 7, 10.5, 7, 7, 20.0, 7, 7, 20.0, 7, 7, 21.0, 7, 7, 0.0, 7, 7, 5.0, 7, 7, 5.1, 7]
+LRS = [0.02, 0.05, 0.1] + [0.1] * 7 + [0.01] * 3 + [0.001] * 11  # warm-up (rising: no trigger), two decays
+
+
+def _reference_rule(rank, world, window):
+    spec = {**LEVELS, "interval": 3 * window, "window": window, "lr_trigger": True}
+    ch = AccordionChannel("dp_gradient", spec, error_feedback="ef")
+    lr = [LRS[0]]
+    ch.follow_lr(lambda: lr[0])
+    seen = []
+    for epoch, norm in enumerate(NORMS):
+        lr[0] = LRS[epoch]
+        for step in range(window):
+            seen.append((epoch, ch.channel_for("b0") is ch.low))
+            full = torch.zeros(8)
+            full[0], full[1] = 0.6 * norm / window, 0.8 * norm / window  # the window sums to `norm`
+            ch.observe("b0", full[rank::world], replicated=False)
+            ch.end_step()
+    return seen
+
+
+def test_decisions_equal_the_reference_code_rule_on_scripted_norms_and_rates():
+    expected = _reference_levels(NORMS, LRS + [LRS[-1]], 3)
+    assert expected.count(HIGH) >= 4 and expected[10:13] == [LOW] * 3  # both rules move the scripted run
+    for seen in run_ranks(_reference_rule, 2, 2):
+        assert [(e, level == LOW) for e, level in enumerate(expected) for _ in range(2)] == seen
+
+
+def test_the_learning_rate_trigger_needs_a_rate():
+    spec = {**LEVELS, "interval": 2, "lr_trigger": True}
+    ch = AccordionChannel("dp_gradient", spec, error_feedback="ef")
+    ch.end_step()
+    with pytest.raises(ValueError, match="lr_trigger needs the learning rate"):
+        ch.end_step()
+    with pytest.raises(ValueError, match="window must be an int that divides interval"):
+        Accordion(low="int8", high="int2", interval=10, window=3)
+
+
+def _q_on_switch(rank, world, keep_q):
+    ranks = {"low": {"name": "powersgd", "rank": 2, "min_compression_rate": 0},
+             "high": {"name": "powersgd", "rank": 1, "min_compression_rate": 0}}
+    ch = AccordionChannel("dp_gradient", {"name": "accordion", **ranks, "eta": 100.0, "interval": 1,
+                                          "keep_q": keep_q})
+    g = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    qs = []
+    for step in range(4):  # low, low (first decision), high from step 2 on, and low again never (eta 100)
+        level = ch.channel_for("b")
+        level.all_reduce_coalesced([g.clone()], key="b")
+        ch.observe("b", g, replicated=True)
+        qs.append({name: lv.q["b/0"].clone() for name, lv in (("low", ch.low), ("high", ch.high)) if "b/0" in lv.q})
+        ch.end_step()
+    ch.critical["b"] = False  # as a decision would: back to low, then see what low starts from
+    ch._set("b", True, 0.0, "test")
+    return qs, ch.low.q["b/0"].clone(), ch.low.draws["b/0"]
+
+
+@pytest.mark.parametrize("keep_q", [False, True])
+def test_a_switch_restarts_the_entered_levels_power_iteration_unless_keep_q(keep_q):
+    for qs, low_after, draws in run_ranks(_q_on_switch, 2, keep_q):
+        if keep_q:  # megacomp's earlier behaviour: low resumes the Q it left at step 1
+            assert torch.equal(low_after, qs[1]["low"]) and draws == 1
+        else:  # the reference: a new reducer, a fresh random Q (a second draw)
+            assert not torch.equal(low_after, qs[1]["low"]) and draws == 2

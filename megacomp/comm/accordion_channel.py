@@ -2,26 +2,33 @@
 picks one per tensor and interval (the rule is in megacomp.compression.accordion).
 
 :class:`AccordionChannel` holds a ``low`` and a ``high`` channel (``Channel`` for codecs, ``LowRankChannel``
-for PowerSGD ranks) that share one error-feedback state, so a tensor's residual carries over a switch;
-PowerSGD keeps a warm-start Q per rank level, so each level resumes its own power iteration. Its owner
+for PowerSGD ranks) that share one error-feedback state, so a tensor's residual carries over a switch. With
+PowerSGD levels the level a tensor enters redraws its start Q (a fresh power iteration, as the reference's new
+reducer), or with ``keep_q`` resumes the Q it left. Its owner
 
   1. asks :meth:`channel_for` (key) which channel reduces a tensor this step;
   2. reports the reduced gradient with :meth:`observe` (key, tensor, replicated): the whole tensor on every
-     rank (a DDP bucket: ``replicated=True``) or this rank's shard of it (the sharded optimizer);
+     rank (a DDP bucket: ``replicated=True``) or this rank's shard of it (the sharded optimizer); steps
+     outside an interval's window are not summed;
   3. calls :meth:`end_step` once per step it took (skipped steps call :meth:`discard_step` first: their
-     inf/NaN gradients must not enter the norms), on every rank of the group. Every ``interval`` steps it
+     inf/NaN gradients must not enter the norms), on every rank of the group. At each window's end it
      all-reduces the accumulated squared norms (one fp64 vector, shards summed, replicated tensors counted
-     once), so every rank takes the same decision, and logs every switch.
+     once), so every rank takes the same decision, and logs every switch;
+  4. with ``lr_trigger``, gives the learning rate with :meth:`follow_lr` (a callable read when a step asks for
+     its channels: the sharded optimizer passes its own). The rate is the same on every rank, so the trigger
+     needs no collective: the first :meth:`channel_for` after each window's end compares it with the rate of
+     the window's last step.
 
 Bytes are counted by the level channels under the path's name, as if there were one channel.
 
 Failure behaviour: settings are checked by Accordion; a key observed with two different lengths raises
-ValueError; loading a state saved with other settings raises ValueError.
+ValueError; loading a state saved with other settings raises ValueError; ``lr_trigger`` without
+:meth:`follow_lr` raises ValueError at the first window's end.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -76,6 +83,14 @@ class AccordionChannel:
         self.replicated: dict[str, bool] = {}
         self.steps = 0
         self.switches: list[tuple[int, str, str, float]] = []  # (step, key, level, change): a log, not state
+        self.lr_source: Optional[Callable[[], float]] = None
+        self._lr: Optional[float] = None  # the rate of the step in progress (read by channel_for)
+        self._lr_mark: Optional[float] = None  # the rate of a window's last step, until the next step compares
+
+    def follow_lr(self, source: Callable[[], float]) -> None:
+        """Read the learning rate from ``source()`` (e.g. ``lambda: optimizer.param_groups[0]["lr"]``) when a step
+        asks for its channels: the rate set for that step, the same on every rank (``lr_trigger``)."""
+        self.lr_source = source
 
     def __repr__(self) -> str:
         return f"AccordionChannel({self.name!r}, {self.codec})"
@@ -128,11 +143,42 @@ class AccordionChannel:
     # -- the policy ----------------------------------------------------------------------------------
     def channel_for(self, key: str):
         """The level channel that reduces tensor ``key`` in this interval (``low`` while critical)."""
+        if self.codec.lr_trigger and self.lr_source is not None:
+            self._lr = float(self.lr_source())
+            if self._lr_mark is not None:  # the first step after a window's end
+                if self._lr < self._lr_mark:  # learning-rate decay: critical until the next decision
+                    for k in sorted(set(self.sums) | set(self.critical)):
+                        self._set(k, True, float("nan"), f"the learning rate fell from {self._lr_mark:g} to {self._lr:g}")
+                self._lr_mark = None
         return self.low if self.critical.get(key, True) else self.high
+
+    def _set(self, key: str, critical: bool, change: float, why: str) -> None:
+        """Set ``key``'s regime; on a change log it and (PowerSGD, not ``keep_q``) restart the entered level's Q."""
+        if critical != self.critical.get(key, True):
+            level = "low" if critical else "high"
+            self.switches.append((self.steps, key, level, change))
+            log.info("megacomp accordion: %s %s switches to %s (%s) after step %d: %s", self.name, key, level,
+                     self.codec.low if critical else self.codec.high, self.steps, why)
+            if self.codec.low_rank and not self.codec.keep_q:
+                self._restart_q(self.low if critical else self.high, key)
+        self.critical[key] = critical
+
+    @staticmethod
+    def _restart_q(level: LowRankChannel, key: str) -> None:
+        # the reference builds a new PowerSGD reducer on a rank change: its first step draws a random start Q.
+        # Redrawn in place (not dropped), so checkpoint templates keep their keys; the draw count makes it the
+        # same on every rank and after a resume.
+        for k in [k for k in level.q if k.startswith(key + "/")]:
+            q = level.q.pop(k)
+            level.q[k] = level._start_q(k, q.shape[0], q.shape[1], q.device)
 
     @torch.no_grad()
     def observe(self, key: str, reduced: torch.Tensor, replicated: bool) -> None:
-        """Add this step's reduced gradient of ``key`` (whole on every rank, or this rank's shard)."""
+        """Add this step's reduced gradient of ``key`` (whole on every rank, or this rank's shard); a step outside
+        the interval's window is not summed."""
+        if self.steps % self.codec.interval >= self.codec.steps_summed:
+            self.replicated.setdefault(key, replicated)
+            return
         flat = reduced.detach().reshape(-1).to(torch.float64)
         acc = self.sums.get(key)
         if acc is None:
@@ -152,9 +198,17 @@ class AccordionChannel:
 
     @torch.no_grad()
     def end_step(self, group=None) -> None:
-        """Count one optimizer step; at the end of an interval decide every key's next regime (collective)."""
+        """Count one optimizer step; at the end of a window decide every key's next regime (collective), and with
+        ``lr_trigger`` keep the rate of the window's last step for the next :meth:`channel_for` to compare."""
         self.steps += 1
-        if self.steps % self.codec.interval:
+        window = self.codec.steps_summed
+        if self.codec.lr_trigger and self.steps % window == 0:
+            if self.lr_source is None:
+                raise ValueError(f"accordion channel {self.name!r}: lr_trigger needs the learning rate: call "
+                                 f"channel.follow_lr(lambda: optimizer.param_groups[0]['lr']) (the sharded optimizer "
+                                 f"does), or set lr_trigger: false")
+            self._lr_mark = self._lr
+        if (self.steps - 1) % self.codec.interval != window - 1:
             return
         group = self.group if group is None else group
         keys = sorted(self.sums)
@@ -168,13 +222,8 @@ class AccordionChannel:
             old = self.previous.get(k, 0.0)
             change = abs(old - value) / old if old > 0 else float("inf")
             critical = change >= self.codec.eta
-            if critical != self.critical.get(k, True):
-                level = "low" if critical else "high"
-                self.switches.append((self.steps, k, level, change))
-                log.info("megacomp accordion: %s %s switches to %s (%s) after step %d: accumulated gradient norm "
-                         "changed by %.3g (%s eta %g)", self.name, k, level, self.codec.low if critical else self.codec.high,
-                         self.steps, change, ">=" if critical else "<", self.codec.eta)
-            self.critical[k] = critical
+            self._set(k, critical, change, f"accumulated gradient norm changed by {change:.3g} "
+                                           f"({'>=' if critical else '<'} eta {self.codec.eta:g})")
             self.previous[k] = value
             self.sums[k].zero_()  # kept (zeroed), so a checkpoint template has the same keys at any step
 
@@ -194,17 +243,25 @@ class AccordionChannel:
         return {"codec": self.codec.to_dict(), "steps": self.steps, "critical": dict(self.critical),
                 "previous": dict(self.previous), "sums": {k: v.clone() for k, v in self.sums.items()},
                 "replicated": dict(self.replicated),
+                "lr": {"step": _nan_for_none(self._lr), "mark": _nan_for_none(self._lr_mark)},
                 "low": self.low.state_dict(error_feedback=error_feedback),
                 "high": self.high.state_dict(error_feedback=False)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; raises ValueError for other settings."""
-        if state["codec"] != self.codec.to_dict():
+        if make_accordion(state["codec"]).to_dict() != self.codec.to_dict():  # defaults of later fields filled
             raise ValueError(f"channel {self.name!r}: state saved with {state['codec']}, this channel uses "
                              f"{self.codec.to_dict()}; resume with the same compression config")
         self.steps = int(state["steps"])
         self.critical, self.previous = dict(state["critical"]), dict(state["previous"])
         self.sums = {k: v.clone() for k, v in state["sums"].items()}
         self.replicated = dict(state["replicated"])
+        lr = state.get("lr", {})  # absent in states saved before the learning-rate trigger
+        self._lr, self._lr_mark = (None if v is None or v != v else float(v) for v in (lr.get("step"), lr.get("mark")))
         self.low.load_state_dict(state["low"])
         self.high.load_state_dict(state["high"])
+
+
+def _nan_for_none(value: Optional[float]) -> float:
+    # a float either way, so checkpoint templates (torch.distributed.checkpoint) hold the same types at any step
+    return float("nan") if value is None else float(value)
