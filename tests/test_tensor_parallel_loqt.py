@@ -546,3 +546,81 @@ def test_lomo_updates_the_factors_in_backward_and_not_on_merge_steps():
         opt.fused_backward(loss)
         losses.append(loss.item())
     assert all(m.factor.any() for m in layers) and losses[-1] < losses[0]
+
+
+def _restated_forward(x, weights, biases):
+    return F.linear(F.gelu(F.linear(x, weights[0], biases[0])), weights[1], biases[1])
+
+
+def test_merge_step_equals_the_reference_first_commit_restated():
+    """sebulo/LoQT's first commit (3ab2ead) restated in plain torch on two nn.Linear layers (one of each
+    orientation; base codec none, so Q holds W exactly): a merge iteration sets W = W + alpha * low-rank, takes
+    W's gradient there with the low-rank path off, sets P to its top-r singular vectors (SVD) and B = 0, and takes
+    no optimizer step (the biases and their AdamW state stay as they were); any other iteration trains B and the
+    biases with AdamW (the factor's moments kept across merges, as both commits). megacomp's LoQT driven as its
+    docstring says matches it at every iteration, fp32 round-off apart (P's signs by megacomp's rule)."""
+    alpha, steps = 0.5, 6
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(H, O), nn.GELU(), nn.Linear(O, H))
+    weights = [model[0].weight.detach().clone(), model[2].weight.detach().clone()]
+    biases = [model[i].bias.detach().clone().requires_grad_() for i in (0, 2)]
+    convert_to_loqt(model, R, codec="none", alpha=alpha, compensate_iters=0)
+    layers = [model[0], model[2]]
+    assert [m.kind for m in layers] == ["column", "row"]  # the reference's rule: 'left' when in <= out
+    ctl = LoQT(model, LoQTSchedule(gap=2))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    factors = [torch.zeros_like(m.factor).requires_grad_() for m in layers]
+    projs = [None, None]
+    ref_opt = torch.optim.AdamW([factors[0], biases[0], factors[1], biases[1]], lr=1e-2)
+
+    def low_rank(i):
+        if projs[i] is None:
+            return torch.zeros_like(weights[i])
+        return factors[i] @ projs[i].t() if i == 0 else projs[i] @ factors[i]
+
+    x, t = randn(L, H, seed=1), randn(L, H, seed=2)
+    merges = []
+    for step in range(steps):
+        if ctl.wants_full_gradient(step):  # the merge iteration
+            merges.append(step)
+            bias_before = [m.bias.detach().clone() for m in layers]
+            state_before = {k: v.clone() for k, v in opt.state[layers[0].bias].items()} if step else {}
+            ctl.start_full_gradient()
+            F.mse_loss(model(x), t).backward()
+            ctl.merge_and_reinit(step)
+            sync_optimizer(opt, ctl.layers)
+            opt.zero_grad()
+            # the reference: merge, then the gradient at the merged weight with the low-rank path off
+            with torch.no_grad():
+                weights = [w + alpha * low_rank(i) for i, w in enumerate(weights)]
+            dense = [w.clone().requires_grad_() for w in weights]
+            F.mse_loss(_restated_forward(x, dense, biases), t).backward()
+            for i, w in enumerate(dense):
+                u, _, vh = torch.linalg.svd(w.grad.double())
+                vecs = vh[:R].t() if i == 0 else u[:, :R]  # column: right singular vectors, row: left
+                # the SVD's signs are arbitrary; the factor's AdamW moments carry over a merge, so the sign matters
+                # from the second merge on: megacomp's documented rule, each column's largest-magnitude entry > 0
+                top = vecs.abs().argmax(dim=0)
+                projs[i] = (vecs * vecs[top, torch.arange(R)].sign()).to(torch.float32)
+                with torch.no_grad():
+                    factors[i].zero_()
+            ref_opt.zero_grad()  # no optimizer step on a merge iteration
+            assert all(torch.equal(m.bias, b) for m, b in zip(layers, bias_before))
+            assert all(torch.equal(opt.state[layers[0].bias][k], v) for k, v in state_before.items())
+            assert all(not m.factor.any() for m in layers)
+        else:
+            F.mse_loss(model(x), t).backward()
+            opt.step()
+            opt.zero_grad()
+            eff = [w + alpha * low_rank(i) for i, w in enumerate(weights)]
+            F.mse_loss(_restated_forward(x, eff, biases), t).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        for i, m in enumerate(layers):
+            got_proj = m.proj @ m.proj.t()
+            want_proj = projs[i] @ projs[i].t()
+            assert torch.allclose(got_proj, want_proj, atol=1e-5), f"step {step} layer {i}: P"
+            want = (weights[i] + alpha * low_rank(i)).detach()
+            assert torch.allclose(m.effective_weight(), want, rtol=1e-5, atol=1e-6), f"step {step} layer {i}: W"
+            assert torch.allclose(m.bias, biases[i], rtol=1e-5, atol=1e-6), f"step {step} layer {i}: bias"
+    assert merges == [0, 2, 5]

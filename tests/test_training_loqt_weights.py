@@ -80,3 +80,17 @@ def test_bad_loqt_settings_are_refused(base):
         check(replace(base, loqt_update_interval=0))
     with pytest.raises(AssertionError, match="block_size must divide the local weight rows"):
         run_ranks(_body, 2, replace(base, loqt_codec="{name: int8, block_size: 24}"))
+
+
+def test_merge_optimizer_step_steps_on_merge_iterations(base):
+    """--loqt-merge-optimizer-step (sebulo/LoQT's head): a merge iteration merges and also takes the optimizer step
+    (its record has a gradient norm); without it (the first commit) that iteration's gradients are dropped, so the
+    runs part after the first merge iteration and not before."""
+    cfg = replace(base, tensor_model_parallel_size=1, train_iters=3)
+    stepped = run_ranks(_body, 2, replace(cfg, loqt_merge_optimizer_step=True))[0]
+    dropped = run_ranks(_body, 2, cfg)[0]
+    assert [h[1] for h in stepped] == [h[1] for h in dropped] == [True, False, False]
+    assert stepped[0][2] is not None and dropped[0][2] is None
+    assert stepped[0][0] == dropped[0][0] and stepped[1][0] != dropped[1][0]
+    with pytest.raises(ValueError, match="loqt_merge_optimizer_step needs --optimizer adamw"):
+        check(replace(base, optimizer="lomo", loqt_merge_optimizer_step=True))

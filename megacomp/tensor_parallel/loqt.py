@@ -46,7 +46,10 @@ scales are the same at every TP size. After a merge ``|deq(Q_new) - (deq(Q_old) 
 (+ round-off); with compensation ``||W - deq Q - alpha*lowrank(B)||_F <= ||W - deq(quantise W)||_F``. Codec
 ``none`` stores W's own bytes: with B = 0 the layer is bit-identical to the original.
 
-Reference (sebulo/LoQT: loqt/LoQT.py, torchrun_main.py, loqt/utils.py, scripts/350m_loqt8bit.sh), followed:
+Reference (sebulo/LoQT at its first commit 3ab2ead: loqt/LoQT.py, torchrun_main.py, loqt/utils.py,
+scripts/350m_loqt8bit.sh; the head 375b41a differs in the merge iteration only by also taking the optimizer step
+with the factors' gradients zeroed and by keeping merges up to the last step: the pretraining loop's
+``--loqt-merge-optimizer-step`` gives that step, docs/guide/loqt.md says why the first commit is the default), followed:
 W = Q + scale * (a fixed factor from the gradient's SVD times a zero-initialised trainable one), scale = lora_alpha
 used directly (not alpha/r; default 0.5); B zero at (re)initialisation unless ``compensate_quant_error_iterations``
 > 0 (then the iterative compensation above, best-of by Frobenius norm); the full weight gradient reduced over DP

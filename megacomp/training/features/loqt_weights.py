@@ -5,8 +5,10 @@ Per iteration ``it`` (0-based):
   - a merge iteration (iteration 0 and the schedule's steps): the usual forward/backward with the full weight
     gradients captured, then every layer's merge and re-initialisation (DP sum of the captured gradient, the
     projection from the TP-summed Gram matrix, ``Q = quantise(deq Q + alpha low-rank)``, the factor restarted),
-    the optimizer's fp32 copy of the factors refreshed, and no optimizer step (as the reference): LOMO / AdaLomo
-    still update the other parameters inside that backward; the sharded optimizer drops the iteration's gradients;
+    the optimizer's fp32 copy of the factors refreshed, and no optimizer step (as sebulo/LoQT's first commit
+    3ab2ead): LOMO / AdaLomo still update the other parameters inside that backward; the sharded optimizer drops the
+    iteration's gradients (``--loqt-merge-optimizer-step``: it steps on them instead, the factors' gradients zero,
+    as the reference's head 375b41a does);
   - any other iteration is an ordinary step: only the factors, biases, norms and embeddings have gradients, so
     only they cross the data-parallel group (dp_gradient), compressed as configured.
 The merge gradients travel as traffic kind ``loqt_merge`` (DP, uncompressed) and ``loqt_merge_tp`` (the Gram
@@ -51,6 +53,12 @@ class LoQTConfig:
     """LoQT: growth psi of the merge intervals (1: every interval is tau + 1)."""
     compensate_iters: int = 5
     """LoQT: rounds of the reference's quantisation-error compensation at each merge (0 = the factor restarts at 0)."""
+    merge_optimizer_step: bool = False
+    """LoQT: whether a merge iteration also takes an optimizer step. False (default): no step, its gradients are
+    dropped (sebulo/LoQT's first commit 3ab2ead, and the paper's loop). True: the step of the reference's current
+    head (375b41a): the factors' gradients are zero (AdamW still decays their moments and moves the restarted factor
+    by its momentum term) and the other parameters (embeddings, norms, biases) step on the merge iteration's
+    gradients. --optimizer adamw only."""
 
 
 def loqt_kwargs(cfg) -> dict:
@@ -64,6 +72,9 @@ def loqt_kwargs(cfg) -> dict:
                          f"loqt_compensate_iters >= 0; got {q.rank}, {q.alpha}, {q.update_interval}, {q.growth} and "
                          f"{q.compensate_iters}")
     name = cfg.training.optimizer
+    if q.merge_optimizer_step and name != "adamw":
+        raise ValueError(f"loqt_merge_optimizer_step needs --optimizer adamw ({name} updates inside backward, so a "
+                         f"merge iteration already updates its other parameters); drop the flag")
     if name not in ("adamw",) + tuple(LOMO_OPTIMIZERS) or cfg.outer.algorithm != "none" or cfg.zero.freeze_variance_step:
         raise ValueError(f"LoQT (loqt_rank {q.rank}) runs with --optimizer adamw, lomo or adalomo and no outer "
                          f"loop or variance freezing (got optimizer {name}, outer {cfg.outer.algorithm}); "
@@ -89,6 +100,8 @@ class LoQTDriver:
         self.merges = 0
         self.updates_in_backward = cfg.training.optimizer in LOMO_OPTIMIZERS  # a step() says whether it updated
         self.deferred = False  # a merge found inf/NaN gradients: the next iteration merges instead
+        self.step_on_merge = cfg.loqt.merge_optimizer_step
+        self.merged = False  # whether the last merge iteration merged
 
     def begin(self, iteration: int) -> bool:
         """Whether ``iteration`` merges; if so, the coming backward captures the full weight gradients."""
@@ -97,14 +110,20 @@ class LoQTDriver:
         self.loqt.start_full_gradient()
         return True
 
-    def finish(self, iteration: int, optimizer) -> bool:
+    def finish(self, iteration: int, optimizer, step=None) -> bool:
         """After the merge iteration's backward: merge, re-initialise, refresh the optimizer's view of the factors
-        and drop the iteration's gradients (no optimizer step). Returns False when the gradients were inf/NaN:
-        nothing merged (and the loss scale backs off), the next iteration merges."""
+        and drop the iteration's gradients (no optimizer step), or, with ``loqt_merge_optimizer_step``, run ``step``
+        (the optimizer step; the factors' gradients are zero: they got none in the capturing backward) and return
+        what it returns. Returns False when the gradients were inf/NaN: nothing merged (and the loss scale backs
+        off), the next iteration merges."""
         merged = self.loqt.merge_and_reinit(iteration)
+        self.merged = merged
         if merged:
             sync_optimizer(optimizer, self.layers)
             self.merges += 1
+            if self.step_on_merge and step is not None:
+                self.deferred = False
+                return step()
         elif self.updates_in_backward and optimizer.step():  # LOMO: no norm pass saw it, already applied
             raise TrainingDiverged(f"LoQT merge at iteration {iteration + 1}: the captured weight gradients are "
                                    f"inf/NaN and the other parameters were already updated inside backward; "
@@ -126,7 +145,7 @@ class LoQTDriver:
                 f"loqt_merge {self.loqt.channel.codec} / loqt_merge_tp {self.loqt.tp_channel.codec}, "
                 f"{trainable:,} trainable factor elements, base weights {stored / 1e6:.2f} MB stored vs "
                 f"{dense / 1e6:.2f} MB dense; merges at iterations {', '.join(str(s + 1) for s in first)}, ... "
-                f"(no optimizer step there)")
+                f"({'an optimizer step there too' if self.step_on_merge else 'no optimizer step there'})")
 
 
 class LoQTWeights(Feature):
@@ -161,9 +180,10 @@ class LoQTWeights(Feature):
         if not self.merging:
             return inner()
         # merge and re-initialise instead of an optimizer step (as the reference); False: inf/NaN, merged next time
-        return self.driver.finish(run.iteration, run.optimizer)
+        return self.driver.finish(run.iteration, run.optimizer, inner)
 
     def record(self, run, record: dict) -> None:
         if self.merging:
-            record["grad_norm"] = None
-            record["loqt_merge"] = not record["skipped"]
+            if not self.driver.step_on_merge:
+                record["grad_norm"] = None
+            record["loqt_merge"] = self.driver.merged
