@@ -31,10 +31,17 @@ Bytes per rank and step: ``(R - 1) * sum_p tiles_p * k_p * (index bytes + value 
 gradient; decoding costs O(R * n). With the defaults (chunk 64, top-32 of 4096) that is 32 * 6 / (4096 * 4)
 ~ 1.2% of the dense gradient per peer.
 
-Differences from the reference: ``step`` consumes the gradients (clears ``.grad``, as the sharded optimizer
-does) instead of overwriting them with the sign; tensors of more than two dimensions are tiled as the matrix
-[shape[0], rest]; gradients may be clipped by their (model-parallel) norm first, which the trainer uses; a step whose gradients hold
-inf/NaN on any rank is skipped everywhere (no momentum change) and counted.
+Against the reference (bloc97/DeMo demo.py, commit cab4606; tests/test_optimizer_demo.py restates its step
+operation by operation and matches within 1e-12 in fp64): the same step 1-7, tile rule (the largest divisor of
+each side not above the chunk), top-k per tile, error feedback, mean over senders and sign-SGD step, up to
+round-off: step 5's form and the rank-order mean above. Differences: ``delta`` is fp32 for fp16/bf16 parameters
+(the reference keeps it, the transforms and the sent values in the parameter dtype; fp32 parameters match);
+``step`` consumes the gradients (clears ``.grad``, as the sharded optimizer does) instead of overwriting them with
+the sign; weight decay is per parameter group (the reference has one value for every tensor; the trainer's
+groups leave vectors undecayed unless ``--demo-weight-decay-vectors``); tensors of more than two dimensions are
+tiled as the matrix [shape[0], rest] (the reference handles 1-D and 2-D only); gradients may be clipped by their
+(model-parallel) norm first (``max_grad_norm``; the trainer passes ``--clip-grad``, 0 turns it off); a step whose
+gradients hold inf/NaN on any rank is skipped everywhere (no momentum change) and counted.
 
 Failure behaviour: ``compression_topk`` < 1, ``compression_chunk`` < 1, ``compression_decay`` outside
 [0, 1) or a value codec with structure or error feedback raise ValueError at construction; a checkpoint

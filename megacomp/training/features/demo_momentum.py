@@ -27,6 +27,9 @@ class DeMoConfig:
     """DeMo: largest DCT tile side, tiles of up to chunk x chunk (compression_chunk)."""
     decay: float = 0.999
     """DeMo: momentum decay (compression_decay), in [0, 1)."""
+    weight_decay_vectors: bool = False
+    """DeMo: decay vectors (norms, biases) by --weight-decay too, as the reference optimizer does (one weight_decay
+    for every tensor); off: matrices only, megacomp's groups for every optimizer."""
 
 
 class DeMoMomentum(Feature):
@@ -63,7 +66,10 @@ class DeMoMomentum(Feature):
             raise ValueError(f"optimizer demo sends no parameters (every DP rank applies the same update), but the "
                              f"compression config sets dp_parameter {channels.dp_parameter.codec}; drop it")
         d, t, inputs = self.cfg.demo, self.cfg.training, optimizer_inputs(run)
-        self.opt = DeMo(inputs.groups, lr=t.lr, compression_decay=d.decay, compression_topk=d.topk,
+        groups = inputs.groups
+        if d.weight_decay_vectors:  # the reference's single weight_decay over every tensor
+            groups = [{"params": [p for g in groups for p in g["params"]], "weight_decay": t.weight_decay}]
+        self.opt = DeMo(groups, lr=t.lr, compression_decay=d.decay, compression_topk=d.topk,
                         compression_chunk=d.chunk, value_codec=ch.codec, channel=ch, max_grad_norm=t.clip_grad or None,
                         grad_norm_group=inputs.norm_group, grad_norm_weight=inputs.norm_weight)
         run.optimizer = self.opt
