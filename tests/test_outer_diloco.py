@@ -262,7 +262,12 @@ def test_pretraining_flags_for_the_outer_loop_are_checked():
              ({"outer_algorithm": "diloco", "num_replicas": 3}, "num_replicas 3 does not divide the data-parallel size 2"),
              ({"num_replicas": 2}, "needs an outer algorithm"),
              ({"outer_algorithm": "gossip", "num_replicas": 2}, "must be one of none, diloco"),
-             ({"outer_algorithm": "diloco", "num_replicas": 2, "outer_error_feedback": "ef"}, "needs a lossy codec")]
+             ({"outer_algorithm": "diloco", "num_replicas": 2, "outer_error_feedback": "ef"}, "needs a lossy codec"),
+             ({"outer_algorithm": "streaming_diloco", "num_replicas": 2, "outer_steps": 6, "outer_fragments": 4,
+               "outer_schedule": "torchft"}, "divisible by fragments")]
+    check(PretrainConfig(**{**base.to_dict(), "outer_algorithm": "streaming_diloco", "num_replicas": 2,
+                            "outer_steps": 6, "outer_fragments": 2, "outer_delay": 2, "outer_schedule": "torchft"}),
+          world_size=4)
     for extra, words in cases:
         with pytest.raises(ValueError, match=words):
             check(PretrainConfig(**{**base.to_dict(), **extra}), world_size=4)

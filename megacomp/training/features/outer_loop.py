@@ -87,6 +87,10 @@ class OuterConfig:
     """Streaming DiLoCo: inner steps an exchange overlaps before it is applied (tau < outer_steps)."""
     mixing: float = 0.0
     """Streaming DiLoCo: alpha in local = alpha * local + (1 - alpha) * outer when a fragment lands."""
+    schedule: str = "megacomp"
+    """Streaming DiLoCo: 'megacomp' (fragment p starts when (step + p * H / P) % H == 0, lands delay steps later) or
+    'torchft' (torchft 0.2.0's DiLoCo: fragment p lands at (p + 1) * H / P, started delay steps before; needs
+    outer_steps divisible by outer_fragments and outer_delay < outer_steps / outer_fragments)."""
     timeout: float = 600.0
     """Seconds a replica waits for the others at an outer exchange; then it stops with an error naming the
     replicas that did not arrive (a dead or stalled replica must not hang the rest)."""
@@ -195,7 +199,8 @@ def outer_config(cfg) -> DiLoCoConfig:
     return DiLoCoConfig(outer_steps=o.steps, outer_lr=lr, outer_momentum=momentum, algorithm=algorithm,
                         dct_topk=o.dct_topk, dct_chunk=o.dct_chunk,
                         group_size=o.group_size, seed=cfg.training.seed if noloco else 0, codec=codec,
-                        error_feedback=error_feedback, fragments=o.fragments, delay=o.delay, mixing=o.mixing)
+                        error_feedback=error_feedback, fragments=o.fragments, delay=o.delay, mixing=o.mixing,
+                        schedule=o.schedule)
 
 
 class OuterLoop(Feature):
