@@ -98,6 +98,13 @@ class CommCompressionConfig:
     caches. Off: activations are quantised directly."""
     pp_activation_delta_warmup_visits: int = 1
     """AQ-SGD: visits of a sample that send its activation uncompressed (AQ-SGD's warm-up epochs); >= 1."""
+    pp_activation_delta_warmup_full_gradients: bool = False
+    """AQ-SGD: gradients of an iteration with a sample in warm-up travel uncompressed too, as in the reference
+    code's warm-up epochs (DS3Lab/AC-SGD switches every compressor off). False: pp_gradient's codec throughout."""
+    pp_activation_delta_bits: int = 0
+    """AQ-SGD: 1..8 quantises the deltas with the reference code's quantiser at this many bits (one fp16 max-scale
+    per hidden channel over the micro-batch, 2^bits levels; megacomp.compression.channel_max) instead of the
+    pp_activation codec, which must then stay unset. 0: the pp_activation codec."""
     dp_gradient_error_feedback: Optional[Any] = None
     """Error feedback on data-parallel gradients ('loco' recommended with int4)."""
     dp_gradient_warmup_steps: int = 0
@@ -196,11 +203,24 @@ class CommCompressionConfig:
         if not isinstance(self.pp_activation_delta_warmup_visits, int) or self.pp_activation_delta_warmup_visits < 1:
             raise ValueError(f"pp_activation_delta_warmup_visits must be an int >= 1 (the first visit fills AQ-SGD's "
                              f"cache), got {self.pp_activation_delta_warmup_visits!r}")
+        self._check_delta_options()
         check_own_error_feedback(_ef_codec(self.build_spec("dp_gradient")), self.dp_gradient_error_feedback,
                                  "dp_gradient", "dp_gradient_error_feedback")
         for path in _EF_PATHS:
             check_error_feedback_codec(_ef_codec(self.build_spec(path)), getattr(self, path + "_error_feedback"),
                                        f"{path}_error_feedback (path {path})")
+
+    def _check_delta_options(self) -> None:
+        """AQ-SGD's reference options: one line per problem."""
+        bits = self.pp_activation_delta_bits
+        if not isinstance(bits, int) or isinstance(bits, bool) or not 0 <= bits <= 8:
+            raise ValueError(f"pp_activation_delta_bits must be an int in 0..8 (0: the pp_activation codec), got {bits!r}")
+        if (bits or self.pp_activation_delta_warmup_full_gradients) and not self.pp_activation_delta:
+            raise ValueError("pp_activation_delta_bits / pp_activation_delta_warmup_full_gradients set AQ-SGD's options: "
+                             "set pp_activation_delta: true, or drop them")
+        if bits and not (isinstance(self.pp_activation, Codec) and self.pp_activation.is_identity):
+            raise ValueError(f"pp_activation_delta_bits: {bits} quantises AQ-SGD's deltas itself; leave pp_activation "
+                             f"unset (it is {self.pp_activation}), or set pp_activation_delta_bits: 0 to use it")
 
     def _check_auto(self) -> None:
         """Read the ``auto`` block and check its ladders against this config (one line per problem)."""
@@ -374,6 +394,9 @@ class CommCompressionConfig:
             del out["pp_activation_delta"]
             if self.pp_activation_delta_warmup_visits == 1:
                 del out["pp_activation_delta_warmup_visits"]
+        for name in ("pp_activation_delta_warmup_full_gradients", "pp_activation_delta_bits"):
+            if not getattr(self, name):  # written only when on: configs recorded before them stay equal
+                del out[name]
         return out
 
 

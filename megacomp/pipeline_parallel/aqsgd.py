@@ -9,13 +9,26 @@ with guarantees", reference code DS3Lab/AC-SGD), for sample xi crossing stage bo
               as the activation. Both add the same decoded bytes to the same numbers on the same device type,
               so the two caches stay bit-identical (tests check it after every step).
 A micro-batch travels as a whole: if any of its samples is still in warm-up, all of it goes uncompressed
-(and refreshes every sample's cache). Gradients going back are not affected (pp_gradient codec, optionally
-with error feedback).
+(and refreshes every sample's cache). Gradients going back use the pp_gradient codec (optionally with error
+feedback) throughout, unless ``warmup_full_gradients``: then, as in the reference (whose warm-up epochs switch
+every compressor off), an iteration in which any sample is still in warm-up on a boundary between two ranks
+sends all of its gradients between those two ranks uncompressed. Both ranks decide from their caches' visit
+counters at :meth:`ActivationDeltaCache.set_sample_ids` (the gradient sender from its receiving sides, the
+receiver from its sending sides: the same boundaries with equal counters), so they agree without a message;
+with epochs that are whole iterations (every sample once per epoch) this is the reference's epoch rule.
+
+Quantiser: the pp_activation codec (megacomp's block-scaled formats; with ``bits`` 0), or with ``bits`` 1..8 the
+reference's (megacomp.compression.channel_max: one fp16 max-scale per hidden channel over the micro-batch,
+``2**bits`` levels). With the latter the decoded delta is added to the cache in float32 and the sum rounded once
+to the activation dtype, as the reference does; the receiver's activation is that rounded sum. With fp16
+activations (the paper's setting) this is the reference's arithmetic bit for bit; the reference keeps its cache
+in fp16 whatever the model dtype, megacomp in the activation dtype.
 
 Error: the receiver's activation differs from a by the codec's error on the *delta* a - m_b(xi), which
 shrinks as training converges and the activation of a sample changes little between visits; direct
 quantisation pays the codec's error on a itself. For a b-bit block-scaled codec the per-element error is at
-most max|delta in the block| / (2^(b-1) - 1) / 2 (round to nearest).
+most max|delta in the block| / (2^(b-1) - 1) / 2 (round to nearest); for the reference's quantiser about
+max|delta in the channel| / 2^(b-1) (a whole step at the channel's top value; megacomp.compression.channel_max).
 
 With an identity codec (or a message below the channel's min_compress_numel) the activation itself is sent
 and the cache is set to it: bit-identical to the plain pipeline.
@@ -36,11 +49,15 @@ from the cache's sample shape, or a missing sample-id table (``set_sample_ids`` 
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
 from ..compression import Codec
+from ..compression.channel_max import ChannelMaxQuantizer
+
+DeltaCodec = Union[Codec, ChannelMaxQuantizer]
+"""What quantises the deltas: a megacomp codec (the pp_activation channel's) or the reference's quantiser."""
 
 
 def cache_bytes(num_slots: int, sample_shape: Sequence[int], dtype: torch.dtype, sides: int) -> int:
@@ -63,12 +80,20 @@ class ActivationDeltaCache:
         dtype: the activation dtype (the cache stores it exactly).
         warmup_visits: visits of a sample that send the activation itself (AQ-SGD's warm-up epochs).
         device: where the caches live (the arithmetic runs on the activation's device).
+        bits: 0: deltas are quantised with the codec the caller passes (the pp_activation codec); 1..8: with the
+            reference's per-channel quantiser at this many bits (:attr:`quantizer`; the caller passes it).
+        warmup_full_gradients: gradients of an iteration with a sample in warm-up travel uncompressed (the
+            reference's warm-up; see the module docstring and :meth:`gradients_uncompressed`).
     """
 
     def __init__(self, sides: Iterable[tuple[int, str]], slot_of: torch.Tensor, sample_shape: Sequence[int],
-                 dtype: torch.dtype, *, warmup_visits: int = 1, device="cpu") -> None:
+                 dtype: torch.dtype, *, warmup_visits: int = 1, device="cpu", bits: int = 0,
+                 warmup_full_gradients: bool = False) -> None:
         if warmup_visits < 1:
             raise ValueError(f"AQ-SGD needs warmup_visits >= 1 (the first visit fills the cache), got {warmup_visits}")
+        self.quantizer = ChannelMaxQuantizer(bits, int(sample_shape[-1])) if bits else None
+        self.warmup_full_gradients = bool(warmup_full_gradients)
+        self._grad_warm = {"send": False, "recv": False}
         self.slot_of = slot_of.to(torch.int64)
         self.num_slots = int(self.slot_of.max().item()) + 1 if self.slot_of.numel() else 0
         self.sample_shape, self.dtype, self.warmup_visits = tuple(sample_shape), dtype, warmup_visits
@@ -95,6 +120,17 @@ class ActivationDeltaCache:
     def set_sample_ids(self, ids: Sequence[Sequence[int]]) -> None:
         """The sample ids of this iteration's micro-batches (``ids[k]``: micro-batch k's samples, in order)."""
         self._ids = [torch.as_tensor(list(x), dtype=torch.int64) for x in ids]
+        if self.warmup_full_gradients:  # decided now, from the counters before this iteration's visits
+            slots = torch.cat([self._slots(k) for k in range(len(self._ids))])
+            for direction, side in (("send", "recv"), ("recv", "send")):
+                self._grad_warm[direction] = any(self._warm(self.visits[key], slots) for key in self.visits
+                                                 if key.endswith("/" + side))
+
+    def gradients_uncompressed(self, direction: str) -> bool:
+        """Whether this iteration's gradients this rank sends back (``direction`` ``'send'``) or receives from the
+        next rank (``'recv'``) travel uncompressed: ``warmup_full_gradients`` and a sample of the iteration in
+        warm-up on a boundary between the two ranks (see the module docstring)."""
+        return self._grad_warm[direction]
 
     def _slots(self, mb: int) -> torch.Tensor:
         if self._ids is None:
@@ -129,7 +165,7 @@ class ActivationDeltaCache:
             raise ValueError(f"AQ-SGD: activation of shape {tuple(activation.shape)} does not match the cache's "
                              f"(seq, micro-batch, hidden) = {want}")
 
-    def encode(self, boundary: int, mb: int, activation: torch.Tensor, codec: Codec,
+    def encode(self, boundary: int, mb: int, activation: torch.Tensor, codec: DeltaCodec,
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Sender: the message for ``activation`` (``[s, b, h]``) of micro-batch ``mb`` across ``boundary`` (the
         activation itself in warm-up or under an identity codec, else the encoded delta); updates the cache."""
@@ -143,9 +179,17 @@ class ActivationDeltaCache:
         else:
             m = values[slots].to(a.device)
             msg = codec.encode_flat(a - m, generator, strict=False)
-            new = m + codec.decode_flat(msg, a.numel(), a.dtype).view_as(a)
+            new = self._updated(m, msg, codec)
         self._store(values, visits, slots, new)
         return msg
+
+    @staticmethod
+    def _updated(m: torch.Tensor, msg: torch.Tensor, codec) -> torch.Tensor:
+        """The cache rows ``m`` plus the decoded message: in the codec's dtype for a megacomp codec; in float32 and
+        rounded once to the cache's dtype for the reference's quantiser (its arithmetic)."""
+        if isinstance(codec, ChannelMaxQuantizer):
+            return (m.float() + codec.decode_flat(msg, m.numel()).view(m.shape)).to(m.dtype)
+        return m + codec.decode_flat(msg, m.numel(), m.dtype).view(m.shape)
 
     @staticmethod
     def _store(values: torch.Tensor, visits: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> None:
@@ -158,7 +202,7 @@ class ActivationDeltaCache:
             values[slots[bad]] = 0
             visits[slots[bad]] = 0
 
-    def message_buffer(self, boundary: int, mb: int, shape: Sequence[int], codec: Codec, device) -> torch.Tensor:
+    def message_buffer(self, boundary: int, mb: int, shape: Sequence[int], codec: DeltaCodec, device) -> torch.Tensor:
         """Receiver: an empty buffer of the size micro-batch ``mb``'s message across ``boundary`` has."""
         numel = 1
         for d in shape:
@@ -167,7 +211,7 @@ class ActivationDeltaCache:
             return torch.empty(tuple(shape), dtype=self.dtype, device=device)
         return torch.empty(codec.wire_bytes(numel, self.dtype), dtype=torch.uint8, device=device)
 
-    def decode(self, boundary: int, mb: int, msg: torch.Tensor, out: torch.Tensor, codec: Codec) -> None:
+    def decode(self, boundary: int, mb: int, msg: torch.Tensor, out: torch.Tensor, codec: DeltaCodec) -> None:
         """Receiver: apply the message to the cache and write the activation (``m_b`` of the samples) into ``out``."""
         values, visits = self._entry(boundary, "recv")
         slots = self._slots(mb)
@@ -178,7 +222,7 @@ class ActivationDeltaCache:
                 out.copy_(msg)
             else:
                 m = values[slots].to(out.device)
-                new = m + codec.decode_flat(msg, out.numel(), out.dtype).view(m.shape)
+                new = self._updated(m, msg, codec)
                 out.copy_(new.transpose(0, 1))
             self._store(values, visits, slots, new)
 

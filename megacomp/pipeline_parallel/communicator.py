@@ -12,7 +12,8 @@ two kinds of message travel under their own tags (activations 1, gradients 2): w
 and the next stage are the same rank, and each kind must match its own receives in order.
 
 Every step of a schedule is one :meth:`PipelineCommunicator.exchange`: its messages are encoded first
-(megacomp.comm.p2p.prepare_isend / prepare_irecv: codec, error feedback, AQ-SGD deltas), then all its
+(megacomp.comm.p2p.prepare_isend / prepare_irecv: codec, error feedback, AQ-SGD deltas; AQ-SGD's reference
+warm-up sends gradients raw), then all its
 receives and sends are posted together and waited for. Under NCCL they are posted as one
 ``batch_isend_irecv`` (as Megatron's batched p2p): NCCL runs a pair's operations in issue order on one stream,
 so two neighbours that each post a receive before their send would wait on each other forever; a batch is
@@ -33,9 +34,11 @@ import torch.distributed as dist
 from ..comm import comm_device
 from ..comm import p2p as comm_p2p
 from ..comm.common import codec_code, dtype_code
+from ..compression import make_codec
 from ..config import Channels, CommCompressionConfig
 from .aqsgd import ActivationDeltaCache
 
+_RAW = make_codec("none")  # a message below min_compress_numel under the reference's quantiser travels raw
 ACTIVATION_TAG, GRADIENT_TAG = 1, 2  # p2p tags of the two message kinds (see the module docstring)
 
 
@@ -141,7 +144,11 @@ class PipelineCommunicator:
         if boundary is None or mb is None:
             raise ValueError("AQ-SGD (pp_activation_delta): every activation send and receive must name its boundary "
                              "and micro-batch; use the schedules of megacomp.pipeline_parallel")
-        codec = self.activation.codec_for(t.numel())
+        quantizer = self.activation_delta.quantizer
+        if quantizer is not None:  # the reference's quantiser replaces the codec; the small-tensor rule still holds
+            codec = quantizer if t.numel() >= self.activation.min_compress_numel else _RAW
+        else:
+            codec = self.activation.codec_for(t.numel())
         codec.check_dtype(t.dtype)
         return codec
 
@@ -174,12 +181,28 @@ class PipelineCommunicator:
                                          out.numel() * out.element_size())
         return [buf], finish
 
+    def _full_gradients(self, direction: str) -> bool:
+        """AQ-SGD's reference warm-up: this iteration's gradients to or from the neighbour travel uncompressed."""
+        return self.activation_delta is not None and self.activation_delta.gradients_uncompressed(direction)
+
     def _gradient_message(self, g: torch.Tensor, virtual_stage: int, slot: int) -> list:
-        """The tensors that carry gradient ``g`` back (error feedback under its boundary and slot's key)."""
+        """The tensors that carry gradient ``g`` back (error feedback under its boundary and slot's key; the raw
+        gradient, error feedback untouched, in AQ-SGD's reference warm-up)."""
+        if self._full_gradients("send"):
+            g = g.detach().contiguous()
+            self.gradient.stats.record(self.gradient.name, g.numel() * g.element_size(), g.numel() * g.element_size())
+            return [g]
         return comm_p2p.prepare_isend(self.gradient, g.detach().contiguous(), self.prev_rank,
                                       self.gradient_key(virtual_stage, slot), False, self.gradient.name, False)[0]
 
     def _gradient_receive(self, out: torch.Tensor):
+        if self._full_gradients("recv"):
+            def finish(works) -> None:
+                for w in works:
+                    w.wait()
+                nbytes = out.numel() * out.element_size()
+                self.gradient.stats.record(self.gradient.name + "_recv", nbytes, nbytes)
+            return [out], finish
         return comm_p2p.prepare_irecv(self.gradient, out, self.next_rank, False, self.gradient.name + "_recv", False)
 
     def _post(self, sends: list, recvs: list) -> list:

@@ -50,9 +50,11 @@ def cache_sides(pp_size: int, pp_rank: int, num_chunks: int) -> list[tuple[int, 
 
 def build_activation_delta(*, num_samples: int, shard: torch.Tensor, pp_size: int, pp_rank: int, num_chunks: int,
                            sample_shape: tuple, dtype: torch.dtype, warmup_visits: int,
-                           available_bytes: Optional[int] = None) -> ActivationDeltaCache:
+                           available_bytes: Optional[int] = None, bits: int = 0,
+                           warmup_full_gradients: bool = False) -> ActivationDeltaCache:
     """The caches of this rank (see the module docstring); ``shard``: the sample ids this rank sees.
-    ``available_bytes``: the budget for this rank (default: the host's share, see the module docstring)."""
+    ``available_bytes``: the budget for this rank (default: the host's share, see the module docstring).
+    ``bits``, ``warmup_full_gradients``: the reference's quantiser and warm-up (ActivationDeltaCache)."""
     if pp_size < 2:
         raise ValueError("pp_activation_delta (AQ-SGD) compresses the activations between pipeline stages: set "
                          "pipeline_model_parallel_size >= 2, or drop it")
@@ -71,13 +73,17 @@ def build_activation_delta(*, num_samples: int, shard: torch.Tensor, pp_size: in
                          f"or direct quantisation (pp_activation_delta: false)")
     slot_of = torch.full((num_samples,), -1, dtype=torch.int64)
     slot_of[shard] = torch.arange(len(shard))
-    return ActivationDeltaCache(sides, slot_of, sample_shape, dtype, warmup_visits=warmup_visits)
+    return ActivationDeltaCache(sides, slot_of, sample_shape, dtype, warmup_visits=warmup_visits, bits=bits,
+                                warmup_full_gradients=warmup_full_gradients)
 
 
 def summary(cache: ActivationDeltaCache, codec) -> str:
     """The banner's line."""
     sides = ", ".join(sorted(cache.values))
-    return (f"AQ-SGD activation deltas with {codec} after {cache.warmup_visits} uncompressed visit(s) per sample; "
+    codec = cache.quantizer or codec
+    warmup = "(gradients too)" if cache.warmup_full_gradients else "(gradients on pp_gradient's codec)"
+    return (f"AQ-SGD activation deltas with {codec} after {cache.warmup_visits} uncompressed visit(s) per sample "
+            f"{warmup}; "
             f"caches {sides} of {cache.num_slots} samples x {cache.sample_shape}: {cache.nbytes / 2**20:.1f} MiB "
             f"host memory on this rank; data shards fixed per DP rank")
 
@@ -98,7 +104,8 @@ class AQSGDCaches(Feature):
             num_samples=len(run.dataset), shard=run.sampler_at(0).shard(), pp_size=run.groups.pp_size,
             pp_rank=run.groups.pp_rank, num_chunks=run.num_chunks,
             sample_shape=(run.activation_shape()[0], self.cfg.model.hidden_size),
-            dtype=next(run.model.parameters()).dtype, warmup_visits=c.pp_activation_delta_warmup_visits)
+            dtype=next(run.model.parameters()).dtype, warmup_visits=c.pp_activation_delta_warmup_visits,
+            bits=c.pp_activation_delta_bits, warmup_full_gradients=c.pp_activation_delta_warmup_full_gradients)
         run.activation_delta = self.cache
 
     def banner(self, run) -> list[str]:
