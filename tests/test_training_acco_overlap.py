@@ -1,7 +1,8 @@
 """Pretraining with ``--overlap-optimizer acco`` (megacomp.optimizer.acco inside megacomp.training): it trains under
 TP, PP (the tied embedding deferred and summed over the embedding group per half) and SP; it puts twice ZeRO-1's
 gradient and parameter bytes on the wire, every byte booked in some iteration's record; a run stopped and resumed
-continues the uninterrupted curve bit for bit (the estimate is checkpointed); the flags it refuses name the fix. Also --overlap-param-gather (the same run as the synchronous all-gather) and DPU."""
+continues the uninterrupted curve bit for bit (the estimate is checkpointed); the flags it refuses name the fix; warmed up for every iteration (--overlap-optimizer-warmup-steps), ACCO and DPU
+are ZeRO-1's run bit for bit. Also --overlap-param-gather (the same run as the synchronous all-gather) and DPU."""
 from dataclasses import replace
 
 import pytest
@@ -119,3 +120,17 @@ def test_a_zero1_checkpoint_resumes_under_acco(base, tmp_path):
     first = run_ranks(_run_body, 2, replace(cfg, exit_interval=3))[0][0]
     rest = run_ranks(_run_body, 2, replace(cfg, overlap_optimizer="acco", load=str(tmp_path / "ckpt")))[0][0]
     assert first == full[:3] and rest[0] == full[3] and len(rest) == 2
+
+
+
+def test_warmup_steps_are_zero1_steps(base):
+    """--overlap-optimizer-warmup-steps N: the first N steps wait for their own update (ACCO: no estimate), so an
+    ACCO or DPU run warmed up for all its iterations is ZeRO-1's run: the same losses, final parameters and wire
+    bytes, bit for bit."""
+    want = run_ranks(_run_body, 2, base)[0]
+    for mode in ("acco", "dpu"):
+        got = run_ranks(_run_body, 2, replace(base, overlap_optimizer=mode,
+                                              overlap_optimizer_warmup_steps=base.train_iters))[0]
+        assert got[0] == want[0], mode
+        assert all(a.equal(b) for a, b in zip(got[2], want[2])), mode
+        assert got[1] == want[1], mode
