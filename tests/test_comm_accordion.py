@@ -130,27 +130,35 @@ LRS = [0.02, 0.05, 0.1] + [0.1] * 7 + [0.01] * 3 + [0.001] * 11  # warm-up (risi
 
 
 def _reference_rule(rank, world, window):
+    # two channels: norm_of reduced (each rank observes its shard of the reduced gradient) and norm_of local (rank
+    # 0's own gradient follows the script; rank 1's own and every reduced tensor are noise the rule must not read)
     spec = {**LEVELS, "interval": 3 * window, "window": window, "lr_trigger": True}
-    ch = AccordionChannel("dp_gradient", spec, error_feedback="ef")
+    reduced = AccordionChannel("dp_gradient", spec, error_feedback="ef")
+    local = AccordionChannel("dp_gradient", {**spec, "norm_of": "local"}, error_feedback="ef")
     lr = [LRS[0]]
-    ch.follow_lr(lambda: lr[0])
-    seen = []
+    noise = torch.Generator().manual_seed(rank)
+    seen = {"reduced": [], "local": []}
+    for ch in (reduced, local):
+        ch.follow_lr(lambda: lr[0])
     for epoch, norm in enumerate(NORMS):
         lr[0] = LRS[epoch]
         for step in range(window):
-            seen.append((epoch, ch.channel_for("b0") is ch.low))
             full = torch.zeros(8)
             full[0], full[1] = 0.6 * norm / window, 0.8 * norm / window  # the window sums to `norm`
-            ch.observe("b0", full[rank::world], replicated=False)
-            ch.end_step()
+            for name, ch in (("reduced", reduced), ("local", local)):
+                seen[name].append((epoch, ch.channel_for("b0") is ch.low))
+                ch.observe_local("b0", full if (name == "reduced" or rank == 0) else 50 * torch.rand(8, generator=noise))
+                ch.observe("b0", full[rank::world] if name == "reduced" else torch.rand(4, generator=noise), replicated=False)
+                ch.end_step()
     return seen
 
 
 def test_decisions_equal_the_reference_code_rule_on_scripted_norms_and_rates():
     expected = _reference_levels(NORMS, LRS + [LRS[-1]], 3)
     assert expected.count(HIGH) >= 4 and expected[10:13] == [LOW] * 3  # both rules move the scripted run
+    steps = [(e, level == LOW) for e, level in enumerate(expected) for _ in range(2)]
     for seen in run_ranks(_reference_rule, 2, 2):
-        assert [(e, level == LOW) for e, level in enumerate(expected) for _ in range(2)] == seen
+        assert seen["reduced"] == steps and seen["local"] == steps
 
 
 def test_the_learning_rate_trigger_needs_a_rate():

@@ -8,8 +8,9 @@ reducer), or with ``keep_q`` resumes the Q it left. Its owner
 
   1. asks :meth:`channel_for` (key) which channel reduces a tensor this step;
   2. reports the reduced gradient with :meth:`observe` (key, tensor, replicated): the whole tensor on every
-     rank (a DDP bucket: ``replicated=True``) or this rank's shard of it (the sharded optimizer); steps
-     outside an interval's window are not summed;
+     rank (a DDP bucket: ``replicated=True``) or this rank's shard of it (the sharded optimizer), and this
+     rank's own gradient before the reduction with :meth:`observe_local`; the channel sums the one its
+     ``norm_of`` names (``local``: only rank 0's enters the decision) and not in steps outside a window;
   3. calls :meth:`end_step` once per step it took (skipped steps call :meth:`discard_step` first: their
      inf/NaN gradients must not enter the norms), on every rank of the group. At each window's end it
      all-reduces the accumulated squared norms (one fp64 vector, shards summed, replicated tensors counted
@@ -172,10 +173,20 @@ class AccordionChannel:
             q = level.q.pop(k)
             level.q[k] = level._start_q(k, q.shape[0], q.shape[1], q.device)
 
-    @torch.no_grad()
     def observe(self, key: str, reduced: torch.Tensor, replicated: bool) -> None:
         """Add this step's reduced gradient of ``key`` (whole on every rank, or this rank's shard); a step outside
-        the interval's window is not summed."""
+        the interval's window is not summed, nor anything with ``norm_of: local``."""
+        if self.codec.norm_of == "reduced":
+            self._add(key, reduced, replicated)
+
+    def observe_local(self, key: str, local: torch.Tensor) -> None:
+        """Add this rank's own gradient of ``key`` before its reduction (``norm_of: local``; else nothing). Every
+        rank sums its own; the decision reads rank 0's (as replicated tensors), as the reference."""
+        if self.codec.norm_of == "local":
+            self._add(key, local, True)
+
+    @torch.no_grad()
+    def _add(self, key: str, reduced: torch.Tensor, replicated: bool) -> None:
         if self.steps % self.codec.interval >= self.codec.steps_summed:
             self.replicated.setdefault(key, replicated)
             return
@@ -228,9 +239,15 @@ class AccordionChannel:
             self.sums[k].zero_()  # kept (zeroed), so a checkpoint template has the same keys at any step
 
     # -- checkpointing -------------------------------------------------------------------------------
-    def init_key(self, key: str, numel: int, replicated: bool, device=None) -> None:
-        """The state ``key`` has before it is first observed (critical, no a_old, a zero sum), so saved and
-        template state dicts (torch.distributed.checkpoint) have the same keys at any step."""
+    def init_key(self, key: str, numel: int, replicated: bool, device=None, local_numel: Optional[int] = None) -> None:
+        """The state ``key`` has before it is first observed (critical, no a_old, a zero sum of ``numel`` reduced
+        elements, or with ``norm_of: local`` of ``local_numel`` local ones), so saved and template state dicts
+        (torch.distributed.checkpoint) have the same keys at any step."""
+        if self.codec.norm_of == "local":
+            if local_numel is None:
+                raise ValueError(f"accordion channel {self.name!r}: norm_of local sums whole local tensors; "
+                                 f"init_key({key!r}) needs local_numel")
+            numel, replicated = local_numel, True
         if key not in self.sums:
             self.sums[key] = torch.zeros(numel, dtype=torch.float64, device=device)
             self.replicated[key] = replicated

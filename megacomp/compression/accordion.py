@@ -4,8 +4,8 @@ compression strengths by the training regime.
 The rule, for each compressed tensor (a bucket, keyed as its error feedback), with ``W = window`` and
 ``I = interval`` steps (``W`` divides ``I``; ``window: null`` means ``W = I``):
 
-  1. ``a_new`` = the norm of the reduced gradient the tensor delivered, summed over the window of steps
-     ``[k I, k I + W)`` (identical on every rank);
+  1. ``a_new`` = the norm of the reduced gradient the tensor delivered (``norm_of: local``: of rank 0's own
+     gradient before compression), summed over the window of steps ``[k I, k I + W)`` (alike on every rank);
   2. at the window's end (step ``k I + W``) the regime is *critical* when ``|a_old - a_new| / a_old >= eta``
      (the gradient is changing fast), else not; the first decision (``k = 0``, no ``a_old``) and an ``a_old``
      of 0 are critical; ``a_old = a_new``;
@@ -15,13 +15,15 @@ The rule, for each compressed tensor (a bucket, keyed as its error feedback), wi
      the others ``high``. Training starts critical (``low``) and stays so through the first decision.
 
 The reference code (github.com/uw-mad-dash/Accordion, ``main.py`` and ``auto_scale.py``) counts in epochs: ``W`` is
-one epoch, ``I`` ten (five for its LSTM and ImageNet configs), the threshold 0.5, the learning-rate trigger on;
-``window`` / ``interval`` in steps restate it. ``window: null`` (one sum per interval, compared with the previous
-interval's) and ``lr_trigger: false`` are megacomp's earlier rule, and the defaults: under a schedule that decays
-every step (the pretraining trainer's cosine) the learning-rate trigger fires at every window and holds ``low``
-for the whole run. On a switch of PowerSGD rank the level entered starts a fresh power iteration (a new random
-start Q), as the reference builds a new PowerSGD reducer; ``keep_q: true`` resumes each level's last Q instead
-(megacomp's earlier behaviour). The error-feedback residual is kept across switches in both (as the reference).
+one epoch, ``I`` ten (five for its LSTM and ImageNet configs), the threshold 0.5, the learning-rate trigger on,
+the norm that of rank 0's uncompressed gradient; ``window`` / ``interval`` in steps, ``lr_trigger: true`` and
+``norm_of: local`` restate it. The defaults are megacomp's earlier rule: ``window: null`` (one sum per interval,
+compared with the previous interval's), ``norm_of: reduced`` (no extra fp64 sum of whole buckets) and
+``lr_trigger: false`` (under a schedule that decays every step, as the pretraining trainer's cosine, the trigger
+fires at every window and holds ``low`` for the whole run). On a switch of PowerSGD rank the level entered starts
+a fresh power iteration (a new random start Q), as the reference builds a new PowerSGD reducer; ``keep_q: true``
+resumes each level's last Q instead (megacomp's earlier behaviour). The error-feedback residual is kept across
+switches in both (as the reference).
 
 The exchange itself is megacomp.comm.accordion_channel's; this module holds the settings (YAML:
 ``{name: accordion, low: {name: powersgd, rank: 4}, high: {name: powersgd, rank: 1}, eta: 0.5,
@@ -64,6 +66,9 @@ class Accordion(StructuredCompressor):
     lr_trigger: bool = False
     """Make every tensor critical until the next decision when the learning rate drops between two windows (the
     reference's second rule). Off by default: a schedule decaying every step would hold ``low`` throughout."""
+    norm_of: str = "reduced"
+    """Whose gradient the norm reads: ``reduced`` (the compressed, averaged gradient, already in hand) or ``local``
+    (rank 0's own uncompressed gradient, as the reference; every rank keeps an fp64 sum of its whole buckets)."""
     keep_q: bool = False
     """PowerSGD levels: resume each level's warm-start Q after a switch (megacomp's earlier behaviour); False
     starts the level entered from a fresh random Q, as the reference's new reducer per switch."""
@@ -93,6 +98,9 @@ class Accordion(StructuredCompressor):
                               or self.interval % w):
             raise ValueError(f"accordion: window must be an int that divides interval {self.interval} (steps summed "
                              f"per decision, e.g. one epoch with interval = 10 epochs) or null, got {w!r}")
+        if self.norm_of not in ("reduced", "local"):
+            raise ValueError(f"accordion: norm_of must be 'reduced' or 'local' (rank 0's uncompressed gradient, as the "
+                             f"reference), got {self.norm_of!r}")
         for flag in ("lr_trigger", "keep_q"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"accordion: {flag} must be true or false, got {getattr(self, flag)!r}")

@@ -57,8 +57,9 @@ it does not overlap the rest of backward.
 
 Accordion (``codec={"name": "accordion", "low": ..., "high": ...}``; megacomp.comm.AccordionChannel): each
 bucket is reduced with the level its regime picks, completed in the hook (the policy reads the reduced
-bucket), and the regimes are decided at the first bucket of every ``interval``-th compressed iteration (the
-hook cannot see an optimizer's skipped steps; a GradScaler's inf bucket then enters that interval's norms).
+bucket), and the regimes are decided at the first bucket of the iteration after each window's end (the
+hook cannot see an optimizer's skipped steps; a GradScaler's inf bucket then enters that interval's norms); with
+``lr_trigger`` give it the learning rate: ``state.channel.follow_lr(lambda: optimizer.param_groups[0]["lr"])``.
 
 Failure behaviour: a bucket whose parameters do not fill its buffer raises RuntimeError (a torch that lays buckets
 out otherwise); loading a state saved with another codec, or with parameter names into a hook registered without
@@ -401,6 +402,8 @@ def _reduce(state: CompressedHookState, buf: torch.Tensor, key: str, shapes: lis
         work = state.plain.all_reduce(buf, validate=False, async_op=True)
         return work.get_future().then(lambda fut: fut.value()[0])
     channel = state.channel.level_for(key)  # Accordion: the level of this bucket's regime
+    if state.channel.adaptive:  # Accordion, norm_of local: this rank's bucket before its reduction
+        state.channel.observe_local(key, buf)
     fut = torch.futures.Future()
     if channel.low_rank:
         channel.all_reduce_coalesced(_param_views(buf, shapes), key=key, validate=validate)

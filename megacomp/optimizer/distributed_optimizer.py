@@ -452,7 +452,7 @@ class DistributedOptimizer(GradientReduction, ParamGather):
         if ch.adaptive:  # Accordion's regime state per compressed bucket
             for b in self.buckets:
                 if b.compressed:
-                    ch.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, self.device)
+                    ch.init_key(f"dp_gradient/b{b.index}", b.padded // self.world, False, self.device, b.padded)
         if ch.low_rank:  # PowerSGD (each level of Accordion's): residuals and start Q per matrix
             for b in self.buckets:
                 for level in ch.levels if b.compressed else ():

@@ -146,6 +146,8 @@ class GradientReduction:
         warm = self.step_count + self.skipped_steps < self.grad_codec_warmup_steps
         ch = self.grad_channel if b.compressed and not warm else self._grad_plain
         ch = ch.level_for(f"dp_gradient/b{b.index}")  # Accordion: the level of this bucket's regime
+        if b.compressed and not warm and self.grad_channel.adaptive:  # Accordion, norm_of local: the unreduced bucket
+            self.grad_channel.observe_local(f"dp_gradient/b{b.index}", b.grad)
         if not self.sharded:  # every rank reduces (and later updates) the whole bucket
             b.reduced = b.grad
             with self._on_codec_stream(b):
