@@ -338,8 +338,9 @@ def test_pretraining_with_demo_under_tp_and_pp_sends_only_its_components_and_res
     first = losses(run_ranks(_train_body, 4, replace(cfg, exit_interval=3))[0])
     rest = losses(run_ranks(_train_body, 4, replace(cfg, load=str(tmp_path / "ckpt")))[0])
     assert first + rest == losses(full[0])  # the momenta (each rank's own) are checkpointed
-    piped = run_ranks(_train_body, 4, replace(cfg, save=None, tensor_model_parallel_size=1,
-                                              pipeline_model_parallel_size=2, train_iters=3))
+    piped = run_ranks(_train_body, 4, replace(cfg, save=None, tensor_model_parallel_size=1,  # and the reference's
+                                              pipeline_model_parallel_size=2, train_iters=3,  # decay of every tensor
+                                              demo_weight_decay_vectors=True))
     assert losses(piped[0])[-1] < losses(piped[0])[0]
 
 
