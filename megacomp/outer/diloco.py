@@ -21,8 +21,10 @@ weights as ``local = lerp(outer, local, mixing)`` (mixing 0: take the outer weig
 1, delay 0, mixing 0, and runs exactly the same operations. ``schedule='torchft'`` moves the exchanges to
 torchft 0.2.0's timing instead (fragment p prepared tau steps before (p + 1) * H / P and applied there, fragments
 in order 0, 1, ...); with two replicas the iterates then equal torchft's DiLoCo bit for bit (tested against a
-plain-torch restatement of its local_sgd.py). Against torchft otherwise: the mean is sum(Delta / R) rather than
-sum(Delta) / R (a rounding apart for R not a power of two; the codecs need the scaled values), the outer state is
+plain-torch restatement of its local_sgd.py). OpenDiLoCo's train_pure_fsdp.py (PrimeIntellect-ai/OpenDiloco
+04dd585) computes the same step, Delta / R then a SUM all-reduce. Against torchft otherwise: the mean is
+sum(Delta / R) rather than sum(Delta) / R (a rounding apart for R not a power of two; the codecs need the scaled
+values), the outer state is
 fp32 whatever the parameter dtype, and fragments are contiguous element-balanced groups of this rank's tensors
 (torchft takes the user's modules; the Streaming DiLoCo paper strides transformer blocks across fragments).
 
