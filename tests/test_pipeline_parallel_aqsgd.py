@@ -348,3 +348,21 @@ def test_reference_options_are_checked():
         CommCompressionConfig(pp_activation_delta=True, pp_activation_delta_bits=9)
     on = CommCompressionConfig(pp_activation_delta=True, pp_activation_delta_bits=2).to_dict()
     assert on["pp_activation_delta_bits"] == 2 and "pp_activation_delta_warmup_full_gradients" not in on
+
+
+@pytest.mark.parametrize("pp,chunks", [(2, 2), (4, 1), (3, 2)])
+def test_reference_warmup_gradient_rule_agrees_between_neighbours(pp, chunks):
+    """Rank r's gradient sends to rank r - 1 (its receiving sides) and rank r - 1's gradient receives (its sending
+    sides) cover the same boundaries: they agree whichever boundary is still in warm-up (e.g. after a reset)."""
+    total = pp * chunks
+    for reset in [None] + list(range(1, total)):
+        caches = [build_activation_delta(num_samples=4, shard=torch.arange(4), pp_size=pp, pp_rank=r, num_chunks=chunks,
+                                         sample_shape=(2, 2), dtype=torch.float32, warmup_visits=1,
+                                         warmup_full_gradients=True) for r in range(pp)]
+        for c in caches:
+            for key in c.visits:
+                c.visits[key][:] = 0 if key.startswith(f"b{reset}/") else 1
+            c.set_sample_ids([[0, 1], [2, 3]])
+        for r in range(pp):
+            assert caches[r].gradients_uncompressed("send") == caches[(r - 1) % pp].gradients_uncompressed("recv")
+        assert any(c.gradients_uncompressed("send") for c in caches) == (reset is not None)

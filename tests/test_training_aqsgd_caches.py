@@ -6,6 +6,7 @@
   pp_activation bytes below direct int4 after the warm-up epoch, and a run killed and resumed continues bit
   for bit (the caches are checkpointed).
 - Refusals: AQ-SGD without pipeline parallelism; a dataset_samples outside the corpus.
+- The reference's options (3-bit channel deltas, raw gradients in warm-up): bytes per iteration as wire_bytes.
 """
 from dataclasses import replace
 
@@ -87,3 +88,22 @@ def test_finetune_loads_only_the_model_weights(base, tmp_path):
         check(replace(base, finetune=True), world_size=2)
     with pytest.raises(ValueError, match="save the fine-tuning run to its own directory"):
         check(replace(tuned, save=str(tmp_path / "pre")), world_size=2)
+
+
+def test_reference_options_train_with_their_wire_bytes(base):
+    """pp_activation_delta_bits 3 and the reference's warm-up with int8 gradients at PP 2: 16 samples, 2 iterations
+    an epoch; the first epoch sends activations and gradients raw, later ones 3-bit channel deltas (wire_bytes) and
+    int8 gradients, and the loss falls."""
+    from megacomp.compression import make_codec
+    from megacomp.compression.channel_max import ChannelMaxQuantizer
+    comp = {"pp_activation_delta": True, "pp_activation_delta_bits": 3, "pp_activation_delta_warmup_full_gradients": True,
+            "pp_gradient": "int8", "min_compress_numel": 0}
+    hist = run_ranks(_train_body, 2, replace(base, compression=comp))[0]
+    assert losses(hist)[-1] < losses(hist)[0]
+    numel, M = base.seq_length * base.micro_batch_size * base.hidden_size, base.global_batch_size // base.micro_batch_size
+    for it, (_, traffic) in enumerate(hist):
+        act, grad = traffic["pp_activation"], traffic["pp_gradient"]
+        raw = M * numel * 4
+        assert act[1] == grad[1] == raw
+        assert act[0] == (raw if it < 2 else M * ChannelMaxQuantizer(3, base.hidden_size).wire_bytes(numel)), it
+        assert grad[0] == (raw if it < 2 else M * make_codec("int8").wire_bytes(numel)), it
