@@ -268,6 +268,11 @@ def _errors_body(rank, world):
         except ValueError as e:
             msgs[name] = str(e)
     model = make_model()
+    try:
+        ACCO(DistributedOptimizer(model.parameters(), torch.optim.AdamW, **ADAM), warmup_steps=-1)
+    except ValueError as e:
+        msgs["warmup"] = str(e)
+    model = make_model()
     acco = ACCO(DistributedOptimizer(model.parameters(), torch.optim.AdamW, **ADAM))
     for name, call in [("step first", acco.step), ("bad scale", lambda: acco.estimate(0.0))]:
         try:
@@ -299,6 +304,7 @@ def test_bad_configurations_and_calls_raise_naming_the_fix():
         assert "shard=False" in msgs["unsharded"]
         assert "PowerSGD" in msgs["powersgd"]
         assert "rounding: nearest" in msgs["stochastic"]
+        assert "warmup_steps must be an integer >= 0" in msgs["warmup"]
         assert "estimate()" in msgs["step first"]
         assert "scale must be > 0" in msgs["bad scale"]
         assert "already called" in msgs["estimate twice"]
