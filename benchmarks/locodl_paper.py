@@ -382,35 +382,44 @@ def main() -> None:
     ap.add_argument("--seeds", default="1,2,3", help="seeds of the random compressors and coins")
     ap.add_argument("--iters", type=int, default=200_000, help="iteration cap per run")
     ap.add_argument("--target", type=float, default=1e-10, help="stop a run once f - f* falls below this")
-    ap.add_argument("--methods", default="", help="comma-separated labels to run (default: all)")
+    ap.add_argument("--methods", default="", help="semicolon-separated labels to run (default: all), e.g. \"GD;LoCoDL, natural\"")
     ap.add_argument("--from-results", action="store_true", help="rewrite the table and plot from results.json")
+    ap.add_argument("--merge", default="", help="comma-separated result folders whose runs form --out's results")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.from_results:
-        saved = json.loads((out / "results.json").read_text())
-        runs = [thin(r) for r in saved["runs"]]
-        (out / "results.json").write_text(json.dumps({"meta": saved["meta"], "runs": runs}))
-        write_report(runs, saved["meta"], out)
+    if args.from_results or args.merge:
+        folders = [Path(f) for f in args.merge.split(",")] if args.merge else [out]
+        saved = [json.loads((f / "results.json").read_text()) for f in folders]
+        # merged studies may cap iterations differently: each run's cap is kept with it
+        runs = [dict(r, iters=r.get("iters", s["meta"]["iters"])) for s in saved for r in s["runs"]]
+        runs = [thin(r) for r in runs]
+        meta = dict(saved[0]["meta"], iters=sorted({r["iters"] for r in runs}))
+        (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+        write_report(runs, meta, out)
         return
     prob = Problem(*load_problem(args.clients, args.mu))
     seeds = [int(s) for s in args.seeds.split(",")]
     grid = method_grid(prob.d, prob.n)
     if args.methods:
-        keep = set(args.methods.split(","))
+        keep = {m.strip() for m in args.methods.split(";")}
+        unknown = keep - {j["label"] for j in grid}
+        if unknown:
+            labels = [j["label"] for j in grid]
+            raise SystemExit(f"unknown method labels {sorted(unknown)}; use some of {labels}")
         grid = [j for j in grid if j["label"] in keep]
+    meta = {"data": "breast_cancer (scikit-learn), scaled to [-1, 1]", "n": prob.n, "m": prob.m, "d": prob.d,
+            "mu": prob.mu, "L": prob.L, "L_F": prob.L_F, "kappa": prob.L / prob.mu, "f_star": prob.f_star,
+            "seeds": seeds, "iters": args.iters, "target": args.target}
     runs = []
     for job in grid:
         for seed in (seeds[:1] if job["method"] == "gd" else seeds):
             r = run_one(prob, job, seed, args.iters, args.target)
             print(f"{r['label']:28s} seed {seed}: {r['iterations']:7d} it, {r['communications']:7d} comms, "
                   f"final gap {r['gap'][-1]:.2e}, {r['bits'][-1] / 1e3:,.1f} kbit", flush=True)
-            runs.append(r)
-    meta = {"data": "breast_cancer (scikit-learn), scaled to [-1, 1]", "n": prob.n, "m": prob.m, "d": prob.d,
-            "mu": prob.mu, "L": prob.L, "L_F": prob.L_F, "kappa": prob.L / prob.mu, "f_star": prob.f_star,
-            "seeds": seeds, "iters": args.iters, "target": args.target}
-    runs = [thin(r) for r in runs]
-    (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+            runs.append(thin(r))
+            # written after every run, so a long study interrupted keeps what it measured
+            (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs}))
     write_report(runs, meta, out)
 
 
