@@ -49,7 +49,7 @@ _CONSTANT_TABLES = {  # module-level dicts/lists/sets only read after import (lo
     ("megacomp/kernels/cpu/build.py", "HEADERS"), ("megacomp/training/pretrain_config.py", "BASE_COMPONENTS"),
     ("megacomp/training/features/lomo_fused.py", "LOMO_OPTIMIZERS"),
     ("megacomp/training/features/onebit_adam.py", "ONEBIT_OPTIMIZERS"),
-    ("megacomp/training/megatron_flags.py", "ALIASES"),
+    ("megacomp/training/megatron_flags.py", "ALIASES"), ("megacomp/plan/published.py", "TACO_CODEC"),
 }
 
 
