@@ -69,9 +69,11 @@ def _full_grad_norm(x: torch.Tensor, a, b, mu, world: int) -> float:
 
 
 def run_rank(rank: int, world: int, method: str, codec=None, iters: int = 3000, probability: float = 0.2,
-             target: float = 1e-6, seed: int = 0, d: int = 20) -> dict:
+             target: float = 1e-6, seed: int = 0, d: int = 20, bit_budget: Optional[int] = None) -> dict:
     """One rank of one method (inside an initialised process group): returns {'grad_norm': [...], 'bits': [...]}
-    per iteration (bits sent by this rank so far) and the settings used. Stops at ``target`` or ``iters``."""
+    per iteration (bits sent by this rank so far) and the settings used. Stops at ``target``, after ``iters``, or
+    once this rank has sent ``bit_budget`` bits (to compare methods at equal bits without running the slower one
+    to its iteration limit)."""
     from megacomp.comm import StatsTable, make_channel
     from megacomp.compression.unbiased import make_unbiased_codec, omega_of
     from megacomp.outer.locodl import LoCoDL, LoCoDLConfig
@@ -107,7 +109,7 @@ def run_rank(rank: int, world: int, method: str, codec=None, iters: int = 3000, 
                 x.sub_(mean + mu * x.data, alpha=step)
         history["grad_norm"].append(_full_grad_norm(x.data, a, b, mu, world))
         history["bits"].append(8 * sum(w.wire_bytes for w in stats.snapshot().values()))
-        if history["grad_norm"][-1] < target:
+        if history["grad_norm"][-1] < target or (bit_budget is not None and history["bits"][-1] >= bit_budget):
             break
     history.update(method=method, codec=str(c), gamma=step, probability=probability if engine else 1.0,
                    chi=engine.chi if engine else None, rho=engine.rho if engine else None, omega=omega)

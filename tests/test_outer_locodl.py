@@ -201,7 +201,9 @@ def test_logistic_regression_converges_linearly_and_beats_compressed_gd_in_bits(
     from benchmarks.locodl_logreg import bits_to, run_rank
 
     locodl = run_ranks(run_rank, 4, "locodl", "usq4", 3000, 0.2, timeout=600)[0]
-    cgd = run_ranks(run_rank, 4, "cgd", "usq4", 3000, timeout=600)[0]
+    ours = bits_to(locodl, 1e-6)
+    # CGD gets the bits LoCoDL needed (not 3000 iterations): reaching the target within them is what it must beat
+    cgd = run_ranks(run_rank, 4, "cgd", "usq4", 3000, 0.2, 1e-6, 0, 20, ours, timeout=600)[0]
     gn = locodl["grad_norm"]
     assert gn[-1] < 1e-6
     # linear convergence: from 1e-2 to 1e-4 and from 1e-4 to 1e-6 takes about as many steps (within 2x)
@@ -209,8 +211,8 @@ def test_logistic_regression_converges_linearly_and_beats_compressed_gd_in_bits(
     a, b = first(1e-2) - first(1e0), first(1e-4) - first(1e-2)
     c = first(1e-6) - first(1e-4)
     assert 0.5 < c / b < 2 and a > 0
-    ours, theirs = bits_to(locodl, 1e-6), bits_to(cgd, 1e-6)
-    assert theirs is None or ours < theirs  # CGD with an unbiased compressor stalls at its variance floor
+    theirs = bits_to(cgd, 1e-6)
+    assert cgd["bits"][-1] >= ours and (theirs is None or ours < theirs)  # CGD stalls at its variance floor
 
 
 @pytest.mark.slow
