@@ -293,6 +293,18 @@ def _group_mismatch_body(rank, world):
     if rank < 3:
         store.set_timeout(timedelta(seconds=1))
         out["missing"] = timed(RuntimeError, ch.all_reduce, torch.ones(10), group=fresh)
+    # a rank whose heartbeat says it stopped (an error of its own): the others raise within a second, not at the timeout
+    from megacomp.training.heartbeat import Heartbeat
+    store.set_timeout(timedelta(seconds=20))
+    hb = Heartbeat(60.0, progress=lambda: 0, on_verdict=lambda line, claimed: None).start()
+    dist.barrier()
+    if rank == 3:
+        hb.stop(2)
+    else:
+        out["stopped"] = timed(RuntimeError, ch.all_reduce, torch.ones(10), group=fresh)
+    dist.barrier()
+    if rank != 3:
+        hb.stop(0)
     return out
 
 
@@ -315,3 +327,6 @@ def test_ranks_passing_different_groups_raise_the_same_error_at_once():
     for out in results[:3]:
         text, seconds = out["missing"]
         assert "rank(s) [3] of the group of ranks [0, 1, 2, 3] did not reach this call" in text and seconds < 5, text
+        text, seconds = out["stopped"]
+        assert text == ("megacomp.comm.all_reduce: rank(s) [3] of the group of ranks [0, 1, 2, 3] stopped (exit status "
+                        "2) before reaching this call") and seconds < 5, (text, seconds)

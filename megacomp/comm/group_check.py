@@ -47,7 +47,8 @@ last of them arriving (the first search's delay, then the search interval). A me
 collective, or called it with validation off) leaves the others waiting until the store's timeout
 (``init_process_group``'s); the first to give up words a RuntimeError naming the missing ranks and poisons the call
 (a compare-and-set on the counter, so a member arriving at that moment completes it instead), and every posted
-member raises that line. Only calls from the main thread are checked: a background thread's calls (ACCO's update, the
+member raises that line. A member whose heartbeat says it stopped (megacomp.comm.peer_exit: under megacomp-pretrain a
+rank that ended on an error of its own) ends the wait the same way within 0.5 s, naming it and its exit status. Only calls from the main thread are checked: a background thread's calls (ACCO's update, the
 overlapped parameter all-gather) come from the same thread on every rank and keep only the argument validation.
 """
 from __future__ import annotations
@@ -60,7 +61,7 @@ from typing import Optional
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from . import group_ops
+from . import group_ops, peer_exit
 
 PREFIX = "megacomp/group_check/"
 """Namespace of this check's keys in the default store."""
@@ -72,6 +73,8 @@ FIRST_SEARCH_S = 0.1
 """Waited time before the first deadlock search; the interval then doubles up to :data:`SEARCH_EVERY_S`."""
 SEARCH_EVERY_S = 2.0
 """Longest interval between two deadlock searches of a waiting rank."""
+EXIT_CHECK_EVERY_S = 0.5
+"""A waiting rank reads its peers' heartbeats (megacomp.comm.peer_exit) this often, from this long on."""
 _PEEK = "\x00"  # compare-and-set with this expected = desired value: a read that neither blocks nor creates the key
 
 
@@ -160,9 +163,17 @@ class _Call:
         start = time.monotonic()
         deadline = start + self.store.timeout.total_seconds()
         gap, search_at = FIRST_SEARCH_S, start + FIRST_SEARCH_S
+        exit_check_at = start + EXIT_CHECK_EVERY_S
         while count < size:
             now = time.monotonic()
             waited = now - start
+            if now >= exit_check_at:
+                exit_check_at = now + EXIT_CHECK_EVERY_S
+                stopped = peer_exit.stopped_ranks(self.store, [m for m in self.ranks if m != self.me])
+                # a member posts a call before it can stop, so a counter still short after its stop was read is one
+                # it will never complete
+                if stopped and int(self.store.compare_set(self.key, _PEEK, _PEEK)) < size:
+                    self._give_up(waited, stopped)
             if waited >= RECORD_AFTER_S and not self.recorded:
                 self.store.set(_record_key(self.me), json.dumps(self.record))
                 self.recorded = True
@@ -179,15 +190,21 @@ class _Call:
             return None
         return json.loads(self.store.get(_verdict_key(self.name, self.n)))
 
-    def _give_up(self, waited: float) -> None:
-        """The store's timeout passed: post the verdict naming the members that never came (the first rank to give
-        up words it, while every posted member still waits and shows its record), then poison the call unless it
-        completed meanwhile (a compare-and-set on the counter's value: a member arriving now is not overruled)."""
-        recs = _records(self.store, self.ranks)
-        missing = [m for m, rec in zip(self.ranks, recs) if m != self.me and (rec is None or rec[:2] != self.record[:2])]
-        text = (f"megacomp.comm.{self.what}: rank(s) {missing} of the group of ranks {self.ranks} did not reach this "
-                f"call within {waited:.0f} s (the store's timeout, init_process_group's); every rank of a group must "
-                f"make the same validated collective calls on it, in the same order")
+    def _give_up(self, waited: float, stopped: Optional[dict] = None) -> None:
+        """The store's timeout passed, or members ``stopped`` ({rank: exit status}: their processes ended without
+        posting this call): post the verdict naming the members that never came (the first rank to give up words
+        it, while every posted member still waits and shows its record), then poison the call unless it completed
+        meanwhile (a compare-and-set on the counter's value: a member arriving now is not overruled)."""
+        if stopped:
+            text = (f"megacomp.comm.{self.what}: rank(s) {sorted(stopped)} of the group of ranks {self.ranks} stopped "
+                    f"(exit status {', '.join(str(stopped[r]) for r in sorted(stopped))}) before reaching this call")
+        else:
+            recs = _records(self.store, self.ranks)
+            missing = [m for m, rec in zip(self.ranks, recs)
+                       if m != self.me and (rec is None or rec[:2] != self.record[:2])]
+            text = (f"megacomp.comm.{self.what}: rank(s) {missing} of the group of ranks {self.ranks} did not reach "
+                    f"this call within {waited:.0f} s (the store's timeout, init_process_group's); every rank of a "
+                    f"group must make the same validated collective calls on it, in the same order")
         self.store.compare_set(_verdict_key(self.name, self.n), "",
                                json.dumps({"calls": [self.record[:3]], "text": text, "error": "RuntimeError"}))
         while True:

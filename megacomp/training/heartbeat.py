@@ -52,9 +52,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from ..comm.peer_exit import HEARTBEAT_PREFIX
 from ..launch import detect_launch_env
 
-PREFIX = "megacomp/heartbeat/"
+PREFIX = HEARTBEAT_PREFIX  # megacomp.comm.peer_exit owns the layout: a waiting collective check reads it
 VERDICT_KEY = PREFIX + "verdict"
 
 
