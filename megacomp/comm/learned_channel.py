@@ -41,7 +41,6 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -49,11 +48,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..compression import ErrorFeedback
-from ..compression.codecs import FLOAT_DTYPES
 from ..compression.learned import (LGCPCA, chunked, decode, encode, init_autoencoder, make_lgc_pca, normalise,
                                    restart_training, train, train_state)
-from .channel import Channel
-from .common import all_reduce_bytes, op_name
 from .options import CommOptions
 from .stats import StatsTable
 from .whole_bucket import WholeBucketChannel
@@ -78,9 +74,7 @@ class LearnedChannel(WholeBucketChannel):
         self.codec: LGCPCA = make_lgc_pca(codec)
         super().__init__(name, group=group, min_compress_numel=min_compress_numel, options=options, stats=stats)
         self.error_feedback = ErrorFeedback("ef")
-        # the exchanges run on a private table; each call records its total under this path's name
-        self._wire_stats = StatsTable()
-        self._wire = Channel(name, None, group=group, options=self.options, stats=self._wire_stats)
+        self._private_wire(group)
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
         self.train_states: dict[str, dict[str, torch.Tensor]] = {}
         self.calls: dict[str, int] = {}
@@ -89,11 +83,6 @@ class LearnedChannel(WholeBucketChannel):
         self.last_error: dict[str, float] = {}
         self._said_plain: set[str] = set()
 
-
-    def set_validate(self, enabled: bool) -> None:
-        """Turn the cross-rank argument check of later calls on or off."""
-        self.options = replace(self.options, validate=bool(enabled))
-        self._wire.set_validate(enabled)
 
     def training(self, key: str) -> bool:
         """Whether the next call of ``key`` is a training call (uncompressed)."""
@@ -107,17 +96,10 @@ class LearnedChannel(WholeBucketChannel):
         call or a frozen call (module docstring). Returns when done."""
         group = self.group if group is None else group
         key = key or self.name
-        if op_name(op) not in ("SUM", "AVG"):
-            raise ValueError(f"megacomp.comm.LearnedChannel: lgc_pca supports ReduceOp SUM and AVG, got {op_name(op)}")
-        for t in tensors:
-            if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"lgc_pca compresses floating tensors (float32, bfloat16, float16, float64), got "
-                                f"{t.dtype}; reduce other dtypes with an uncompressed channel")
-        if not tensors:
+        flat = self._flat_bucket(tensors, op, "lgc_pca")
+        if flat is None:
             return
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        self._wire_stats.reset()  # this call's bytes only
         if not self.codec.compresses(flat.numel()):
             if key not in self._said_plain:
                 self._said_plain.add(key)
@@ -128,15 +110,8 @@ class LearnedChannel(WholeBucketChannel):
             self._train_call(flat, key, group, world, rank, validate)
         else:
             flat = self._frozen_call(flat, key, group, world, rank, validate)
-        if op_name(op) == "AVG":
-            flat /= world
-        pos = 0
-        for t in tensors:
-            t.copy_(flat[pos:pos + t.numel()].view(t.shape))
-            pos += t.numel()
-        wire = self._wire_stats.snapshot()[self.name].wire_bytes
-        dense = sum(all_reduce_bytes(t.numel(), t.element_size(), world, rank) for t in tensors)
-        self.stats.record(self.name, wire, dense)
+        self._deliver(flat, tensors, op, world)
+        self._record(tensors, world, rank)
 
     def _train_call(self, flat: torch.Tensor, key: str, group, world: int, rank: int, validate) -> None:
         lgc, ef = self.codec, self.error_feedback

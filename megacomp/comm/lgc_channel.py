@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -36,12 +35,9 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from ..compression import ErrorFeedback
-from ..compression.codecs import FLOAT_DTYPES
 from ..compression.lgc import LGC, fitted_scale, make_lgc, normalised, rms, top_indices
 from ..compression.lgc_autoencoder import (decode, encode, init_autoencoder, innovation_dense, innovation_positions,
                                            train, train_state)
-from .channel import Channel
-from .common import all_reduce_bytes, op_name
 from .options import CommOptions
 from .stats import StatsTable
 from .whole_bucket import WholeBucketChannel
@@ -66,18 +62,12 @@ class LGCChannel(WholeBucketChannel):
         self.codec: LGC = make_lgc(codec)
         super().__init__(name, group=group, min_compress_numel=min_compress_numel, options=options, stats=stats)
         self.error_feedback = ErrorFeedback("ef")
-        self._wire_stats = StatsTable()  # the exchanges' own table; each call records its total under the name
-        self._wire = Channel(name, None, group=group, options=self.options, stats=self._wire_stats)
+        self._private_wire(group)
         self._broadcast_bytes = 0
         self.weights: dict[str, dict[str, torch.Tensor]] = {}
         self.train_states: dict[str, dict[str, torch.Tensor]] = {}
         self.calls: dict[str, int] = {}
         self.last_loss: dict[str, tuple[float, float]] = {}
-
-    def set_validate(self, enabled: bool) -> None:
-        """Turn the cross-rank argument check of later calls on or off."""
-        self.options = replace(self.options, validate=bool(enabled))
-        self._wire.set_validate(enabled)
 
     def phase(self, key: str) -> str:
         """The phase of the next call of ``key``: ``warmup``, ``train`` or ``compressed``."""
@@ -93,20 +83,13 @@ class LGCChannel(WholeBucketChannel):
         phase of the call (module docstring). Returns when done."""
         group = self.group if group is None else group
         key = key or self.name
-        if op_name(op) not in ("SUM", "AVG"):
-            raise ValueError(f"megacomp.comm.LGCChannel: lgc supports ReduceOp SUM and AVG, got {op_name(op)}")
-        for t in tensors:
-            if t.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"lgc compresses floating tensors (float32, bfloat16, float16, float64), got "
-                                f"{t.dtype}; reduce other dtypes with an uncompressed channel")
-        if not tensors:
+        flat = self._flat_bucket(tensors, op, "lgc")
+        if flat is None:
             return
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if not self.codec.leader < world:
             raise ValueError(f"lgc: leader {self.codec.leader} is not a rank of this group of {world}; "
                              f"use leader: 0 (or a rank below {world})")
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        self._wire_stats.reset()  # this call's bytes only
         self._broadcast_bytes = 0
         if not self.codec.compresses(flat.numel()):
             self._wire.all_reduce(flat, group=group, validate=validate)
@@ -121,16 +104,8 @@ class LGCChannel(WholeBucketChannel):
                 flat, own = self._compressed(h, key, group, world, rank, validate)
             self.error_feedback.update(key, h, own)  # e = h - what was delivered on this rank's behalf
             self.calls[key] = self.calls.get(key, 0) + 1
-        if op_name(op) == "AVG":
-            flat /= world
-        pos = 0
-        for t in tensors:
-            t.copy_(flat[pos:pos + t.numel()].view(t.shape))
-            pos += t.numel()
-        snap = self._wire_stats.snapshot()
-        wire = (snap[self.name].wire_bytes if self.name in snap else 0) + self._broadcast_bytes
-        dense = sum(all_reduce_bytes(t.numel(), t.element_size(), world, rank) for t in tensors)
-        self.stats.record(self.name, wire, dense)
+        self._deliver(flat, tensors, op, world)
+        self._record(tensors, world, rank, self._broadcast_bytes)
 
     def _warmup(self, h: torch.Tensor, group, world: int, validate) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.codec.topk(h.numel())
