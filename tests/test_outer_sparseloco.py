@@ -129,6 +129,86 @@ def test_defaults_and_step_are_the_reference_codes_without_its_quantizer(shape):
             assert same_e and paper_excess <= 0 and code_excess <= 0 and partial > 0
 
 
+def _untile(rows: torch.Tensor, shape, tile: int = 64) -> torch.Tensor:
+    """Inverse of :func:`_tiles` (the reference's ChunkingTransform.decode without DCT)."""
+    if len(shape) == 1:
+        return rows.reshape(shape)
+    split = lambda n: max(d for d in range(1, min(n, tile) + 1) if n % d == 0)  # noqa: E731
+    h, w = split(shape[0]), split(shape[1])
+    return rows.reshape(shape[0] // h, shape[1] // w, h, w).permute(0, 2, 1, 3).reshape(shape)
+
+
+def _reference_quantizer(val: torch.Tensor) -> torch.Tensor:
+    """The reference code's TopKCompressor._quantize then _dequantize with 4 bins over 6 sigma, restated: values
+    centred on their mean, bins of 1.5 sigma (unbiased) around bin 2, each decoded to its bin's mean (fp32)."""
+    shift = val.mean()
+    c = val - shift
+    scale = 6 * (c.norm() / (c.numel() - 1) ** 0.5) / 4 if c.numel() > 1 else torch.tensor(0.0)
+    scale = scale if 0 < scale < float("inf") else torch.tensor(1.0)  # one value kept (the 3 x 5 matrix) or none
+    q = (c / scale + 2).round().clamp(0, 3).long().flatten()
+    sums = torch.zeros(4).scatter_add_(0, q, c.flatten())
+    counts = torch.zeros(4).scatter_add_(0, q, torch.ones(q.numel()))
+    return (torch.where(counts > 0, sums / counts, 0.0)[q] + shift).view(val.shape)
+
+
+def _reference_tiles_body(rank, world, top_k, steps):
+    """The engine with sparseloco_tiles 'reference' and sparseloco_quantizer 'stat2' against the reference's step
+    (SparseLoCo.step with use_quantization, 4 bins, range 6), per tensor in plain fp32 torch: e <- beta e + Delta;
+    per tile the max(1, round(h w top_k / 64^2)) entries of largest |e|, their values quantised per tensor; e <- e -
+    what they decode to; theta <- theta - lr (1/R) sum of the replicas' decoded tensors (the paper's aggregate,
+    summed in replica order). Returns per step: accumulators and weights equal bit for bit, and the bytes."""
+    g = torch.Generator().manual_seed(7)
+    params = [torch.nn.Parameter(torch.randn(128, 64, generator=g)), torch.nn.Parameter(torch.randn(256, generator=g)),
+              torch.nn.Parameter(torch.randn(3, 5, generator=g))]
+    cfg = DiLoCoConfig(outer_steps=1, algorithm="sparseloco", codec={"name": "int2", "k": top_k, "chunk": 4096},
+                       sparseloco_tiles="reference", sparseloco_quantizer="stat2")
+    outer = DiLoCo(params, None, cfg)
+    beta, lr = cfg.outer_momentum, cfg.outer_lr
+    es = [torch.zeros(p.shape) for p in params]
+    comm.reset_stats()
+    out, wire = [], 0
+    for t in range(steps):
+        thetas = [p.detach().clone() for p in params]
+        with torch.no_grad():  # a stand-in for H inner steps
+            for i, p in enumerate(params):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * rank + 10 * t + i)),
+                       alpha=0.05 * (rank + 1))
+        locals_ = [p.detach().clone() for p in params]
+        assert outer.step()
+        decoded = []
+        for i, (theta, local) in enumerate(zip(thetas, locals_)):
+            es[i] = es[i].mul(beta).add(theta - local, alpha=lr)
+            rows = _tiles(es[i])
+            k = int(max(1, round(rows.shape[1] * top_k / 64 ** 2)))
+            idx = rows.abs().topk(k, dim=-1, largest=True, sorted=False).indices
+            val = _reference_quantizer(rows.gather(-1, idx))
+            sent = _untile(torch.zeros_like(rows).scatter(-1, idx, val), es[i].shape)
+            es[i] = es[i] - sent
+            decoded.append(sent)
+            wire += rows.shape[0] * k * (1 if rows.shape[1] <= 256 else 2) + -(-rows.shape[0] * k // 4) + 20
+        mine = torch.cat([d.reshape(-1) for d in decoded])
+        slots = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(slots, mine)
+        mean = slots[0].clone()
+        for s in slots[1:]:
+            mean.add_(s)
+        want = torch.cat([th.reshape(-1) for th in thetas]).add(mean.div(world), alpha=-lr)
+        out.append((torch.equal(outer.momenta[0], torch.cat([e.reshape(-1) for e in es])),
+                    torch.equal(flat(params), want)))
+    st = comm.stats()["outer"]
+    return out, (st.calls, st.wire_bytes, (world - 1) * wire, (world - 1) * steps * outer.tiles[0].wire_bytes())
+
+
+def test_reference_tiles_and_stat2_reproduce_the_reference_codes_step_bit_for_bit():
+    """sparseloco_tiles 'reference' + sparseloco_quantizer 'stat2': per-tensor 64 x 64 tiles (a 128 x 64 matrix: 2
+    tiles keeping 128; a 256-vector: pieces of 64 keeping round(64 * 128 / 4096) = 2; a 3 x 5 matrix: one tile,
+    round(15 * 128 / 4096) = 0 -> 1) and the statistical 2-bit code, accumulator and weights bit for bit; the bytes
+    counted are the Tiles' wire_bytes: indices, codes 4 per byte, shift and a 4-entry table per tensor."""
+    for steps, (calls, counted, restated, wire) in run_ranks(_reference_tiles_body, 2, 128, 3):
+        assert steps and all(same_e and same_theta for same_e, same_theta in steps), steps
+        assert calls == 3 and counted == restated == wire
+
+
 def _averaging_body(rank, world):
     params = make_params()
     outer = DiLoCo(params, None, DiLoCoConfig(outer_steps=1, outer_lr=1.0, outer_momentum=0.0, algorithm="sparseloco"))
@@ -181,7 +261,9 @@ def _resume_body(rank, world, cfg):
 @pytest.mark.parametrize("cfg", [
     DiLoCoConfig(outer_steps=3, algorithm="sparseloco", codec=SPARSE, outer_momentum=0.9),
     DiLoCoConfig(outer_steps=4, algorithm="sparseloco", codec=DCT, fragments=2, delay=1, outer_momentum=0.9),
-], ids=["sparseloco", "streaming-dct"])
+    DiLoCoConfig(outer_steps=4, algorithm="sparseloco", codec={"name": "int2", "k": 8, "chunk": 16}, fragments=2,
+                 delay=1, sparseloco_tiles="reference", sparseloco_quantizer="stat2"),
+], ids=["sparseloco", "streaming-dct", "streaming-reference-tiles-stat2"])
 def test_resumes_bit_identically(cfg):
     for same, in_flight in run_ranks(_resume_body, 2, cfg):
         assert same
@@ -193,6 +275,12 @@ def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match=r"must be in \[0, 1\]"):
         DiLoCoConfig(algorithm="sparseloco", outer_momentum=1.5)
     DiLoCoConfig(algorithm="sparseloco", outer_momentum=1.0)  # beta 1: classic error feedback, allowed
+    with pytest.raises(ValueError, match="needs a top-k codec whose chunk is a square tile"):
+        DiLoCoConfig(algorithm="sparseloco", codec={"name": "int2", "k": 8, "chunk": 60}, sparseloco_tiles="reference")
+    with pytest.raises(ValueError, match="set sparseloco_tiles 'reference' too"):
+        DiLoCoConfig(algorithm="sparseloco", codec=SPARSE, sparseloco_quantizer="stat2")
+    with pytest.raises(ValueError, match="are SparseLoCo's options"):
+        DiLoCoConfig(algorithm="diloco", sparseloco_tiles="reference")
 
 
 def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resumes(tiny_config, tmp_path):

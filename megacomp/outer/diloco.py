@@ -124,6 +124,12 @@ class DiLoCoConfig:
     """DCT-DiLoCo: DCT coefficients of largest magnitude shared per tile (all of a smaller tile)."""
     dct_chunk: int = dct_diloco.DEFAULT_CHUNK
     """DCT-DiLoCo: largest DCT tile side (tiles of up to dct_chunk x dct_chunk, at most 256)."""
+    sparseloco_tiles: str = "flat"
+    """SparseLoCo: 'flat' (top-k over chunk-entry runs of the flat parameters) or 'reference' (per tensor, tiles of
+    up to sqrt(chunk) x sqrt(chunk) as the reference code; megacomp.outer.sparseloco.Tiles)."""
+    sparseloco_quantizer: str = "codec"
+    """SparseLoCo: the kept values in the codec's format ('codec') or the reference's statistical 2-bit code
+    ('stat2', megacomp.compression.stat2; needs sparseloco_tiles 'reference')."""
 
     def __post_init__(self) -> None:
         lr, momentum = dict(PUBLISHED_DEFAULTS).get(self.algorithm, (0.7, 0.9))
@@ -172,6 +178,8 @@ class DiLoCoConfig:
         self.codec = make_codec(parse_codec_arg(self.codec))
         if self.algorithm == "dct_diloco":
             dct_diloco.check_value_codec(self.codec)
+        if (self.sparseloco_tiles, self.sparseloco_quantizer) != ("flat", "codec"):
+            sparseloco.check_options(self.algorithm, self.sparseloco_tiles, self.sparseloco_quantizer, self.codec)
         if self.error_feedback is not None:
             self.error_feedback = make_error_feedback_config(self.error_feedback)
         check_error_feedback_codec(self.codec, self.error_feedback, "DiLoCo error_feedback")
@@ -188,6 +196,8 @@ class DiLoCoConfig:
             del d["dct_topk"], d["dct_chunk"]
         if self.schedule == "megacomp":  # likewise: checkpoints from before the option load unchanged
             del d["schedule"]
+        if (self.sparseloco_tiles, self.sparseloco_quantizer) == ("flat", "codec"):  # likewise
+            del d["sparseloco_tiles"], d["sparseloco_quantizer"]
         return d
 
 
@@ -231,7 +241,8 @@ class DiLoCo:
         if config.algorithm == "noloco" and self.replicas % config.group_size:
             raise ValueError(f"NoLoCo group_size {config.group_size} does not divide the replica count {self.replicas}; "
                              f"use a divisor of {self.replicas}")
-        dct = config.algorithm == "dct_diloco"  # encodes its messages itself: the channel carries and counts them
+        tiled = config.algorithm == "sparseloco" and config.sparseloco_tiles == "reference"
+        dct = config.algorithm == "dct_diloco" or tiled  # encodes its messages itself: the channel carries them
         if channel is not None:
             self.channel = channel if dct else _check_channel(channel, config)
         else:
@@ -247,7 +258,9 @@ class DiLoCo:
         # DCT-DiLoCo: each fragment's tensor shapes and their per-tile top-k codecs
         self.shapes = [[p.shape for p in f] for f in self.fragments]
         self.dct_codecs = [dct_diloco.codecs_for(s, config.dct_topk, config.dct_chunk, config.codec)
-                           for s in self.shapes] if dct else []
+                           for s in self.shapes] if config.algorithm == "dct_diloco" else []
+        self.tiles = [sparseloco.Tiles(s, config.codec, config.sparseloco_quantizer) if tiled else None
+                      for s in self.shapes]  # SparseLoCo's reference top-k layout, per fragment
         with torch.no_grad():  # theta_{t-1}, one flat fp32 tensor per fragment
             self.outer = [torch.nn.Parameter(_flat(f), requires_grad=False) for f in self.fragments]
         nesterov = config.nesterov and config.outer_momentum > 0
@@ -322,7 +335,7 @@ class DiLoCo:
             tensors = [gathered, delta]
         elif self.config.algorithm == "sparseloco":
             work, gathered = sparseloco.start_exchange(self.channel, self.momenta[frag], delta, self.config.outer_momentum,
-                                                       self.replicas, background)
+                                                       self.replicas, background, self.tiles[frag])
             tensors = [gathered]
             if work is not None and not background:
                 work.wait()
@@ -357,7 +370,7 @@ class DiLoCo:
                                     self.config.outer_momentum)
         elif self.config.algorithm == "sparseloco":
             sparseloco.outer_update(outer.data, self.momenta[frag], tensors[0], self.replica, self.replicas,
-                                    self.config.outer_lr)
+                                    self.config.outer_lr, self.tiles[frag])
         elif self.config.algorithm == "noloco":
             peers = (len(tensors) - 1) // 2
             outer_update(outer.data, self.momenta[frag], tensors[0], tensors[1:1 + peers], tensors[1 + peers:],
