@@ -235,6 +235,21 @@ def test_onebit_optimizers_resume_bit_identically_across_the_switch(base, tmp_pa
     assert 0 < wire < 0.1 * dense  # signs and one scale per chunk: about 1/32 of fp32
 
 
+def test_onebit_adam_with_deepspeed_scaling_trains_and_resumes_bit_identically(base, tmp_path):
+    """--momentum-scaling deepspeed (DeepSpeed's compressed all-reduce: one flat buffer per param group, RMS worker
+    and server scales) at DP 2: the loss falls, the momentum travels as signs after the switch, and a resume after
+    the switch (its worker and server errors) gives the uninterrupted run's losses."""
+    cfg = replace(base, train_iters=5, optimizer="onebit_adam", freeze_step=2, momentum_scaling="deepspeed",
+                  save=str(tmp_path / "c"))
+    full = run_ranks(_train_body, 2, replace(cfg, save=None))[0]
+    first = losses(run_ranks(_train_body, 2, replace(cfg, exit_interval=3))[0])
+    rest = losses(run_ranks(_train_body, 2, replace(cfg, load=str(tmp_path / "c")))[0])
+    assert first + rest == losses(full)
+    assert losses(full)[-1] < losses(full)[0]
+    wire, dense = full[-1][3]["dp_momentum"]
+    assert 0 < wire < 0.1 * dense  # signs and one scale per chunk of each param group's buffer
+
+
 def test_onebit_optimizer_bad_configuration_errors(base):
     with pytest.raises(ValueError, match="drop --shard-optimizer"):  # typed: refused (unset: unsharded, said)
         check(replace(base, optimizer="zero_one_adam", shard_optimizer=True))
@@ -242,6 +257,12 @@ def test_onebit_optimizer_bad_configuration_errors(base):
         check(replace(base, optimizer="onebit_adam", freeze_step=0))
     with pytest.raises(ValueError, match="lossless"):
         check(replace(base, optimizer="onebit_lamb", momentum_codec="none", momentum_error_feedback=True))
+    with pytest.raises(ValueError, match="--momentum-scaling must be one of chunk, deepspeed"):
+        check(replace(base, optimizer="onebit_adam", momentum_scaling="rms"))
+    with pytest.raises(ValueError, match="drop --shard-optimizer"):
+        check(replace(base, optimizer="onebit_adam", momentum_scaling="deepspeed", shard_optimizer=True))
+    with pytest.raises(ValueError, match="takes no other momentum codec"):
+        check(replace(base, optimizer="onebit_lamb", momentum_scaling="deepspeed", momentum_codec="int4"))
     with pytest.raises(ValueError, match="does not combine with --outer-algorithm"):
         check(replace(base, optimizer="onebit_adam", outer_algorithm="diloco", num_replicas=2))
     with pytest.raises(AssertionError, match="dp_gradient must be none"):

@@ -7,12 +7,20 @@ Adam additionally freezes its variance and takes local steps between synchronisa
 set in the compression config (``dp_momentum``, ``dp_momentum_error_feedback``) or, as before, with
 ``--momentum-codec`` / ``--momentum-error-feedback``, which win when given.
 
+``--momentum-scaling deepspeed`` runs DeepSpeed's compressed all-reduce exactly (one flat buffer per param group,
+the whole model for 1-bit LAMB; RMS worker and server scales; megacomp.optimizer.onebit.deepspeed_exchange) instead
+of the momentum channel's scale per bucket x segment x chunk.
+
 Choices made for the user (said in the banner): 0/1 Adam takes local steps that update every parameter on
-every rank, so it always runs unsharded.
+every rank, so it always runs unsharded; so does ``--momentum-scaling deepspeed`` unless --shard-optimizer is
+typed, and its exchange runs in step() (a param group's buffer spans buckets, so nothing overlaps backward) and
+compresses buckets of every size (min_compress_numel does not apply).
 
 Failure behaviour: ValueError naming the flag for an outer loop or AdamW's variance freezing next to the
 family, bad hyperparameters (the optimizer's own checks, run before any group exists), a structured momentum
-codec, and a dp_gradient path that is not uncompressed (the warm-up reduces in full precision).
+codec, ``--momentum-scaling`` other than chunk / deepspeed, ``deepspeed`` with --shard-optimizer or a momentum
+codec / error-feedback setting other than the default, and a dp_gradient path that is not uncompressed (the
+warm-up reduces in full precision).
 """
 from __future__ import annotations
 
@@ -21,7 +29,8 @@ from typing import Any, Optional
 
 from ...compression import parse_codec_arg
 from ...optimizer import OneBitAdam, OneBitLamb, ZeroOneAdam
-from ...optimizer.onebit import resolve_momentum_setting
+from ...optimizer.onebit import DEFAULT_MOMENTUM_CODEC, resolve_momentum_setting
+from ...optimizer.onebit.momentum_path import MOMENTUM_SCALINGS
 from ...optimizer.onebit.rules import _check_freeze
 from ...optimizer.onebit.schedule import ZeroOneSchedule
 from .base import Feature
@@ -63,6 +72,11 @@ class OneBitConfig:
     momentum_error_feedback: Optional[bool] = None
     """Worker and server error feedback on the momentum exchange (the compression config's
     dp_momentum_error_feedback; given here it wins). Default: on for a lossy codec, off for 'none'."""
+    momentum_scaling: str = "chunk"
+    """How the momentum exchange scales its signs: 'chunk' (the momentum codec's scale per bucket x pipeline segment
+    x destination chunk, exchanged in backward where it can) or 'deepspeed' (DeepSpeed's compressed_allreduce
+    exactly: one flat buffer per param group, the whole model for 1-bit LAMB, RMS worker and server scales, every
+    size compressed, exchanged in step()). 'deepspeed' runs unsharded with the default codec and error feedback."""
 
 
 class OneBitFamily(Feature):
@@ -91,7 +105,13 @@ class OneBitFamily(Feature):
     def check(cls, cfg, world) -> None:
         if not cls.selected(cfg):
             return
-        name = cfg.training.optimizer
+        name, scaling = cfg.training.optimizer, cfg.onebit.momentum_scaling
+        if scaling not in MOMENTUM_SCALINGS:
+            raise ValueError(f"--momentum-scaling must be one of {', '.join(MOMENTUM_SCALINGS)}, got {scaling!r}")
+        if scaling == "deepspeed" and cfg.zero.shard:
+            raise ValueError("--momentum-scaling deepspeed is DeepSpeed's unsharded exchange (every rank keeps whole "
+                             "masters and state); drop --shard-optimizer (shard_optimizer: true) or use "
+                             "--momentum-scaling chunk")
         if cfg.outer.algorithm != "none" or cfg.zero.freeze_variance_step:
             raise ValueError(f"optimizer {name} replaces the data-parallel exchange and freezes its own variance; "
                              f"it does not combine with --outer-algorithm or --adam-freeze-variance-step")
@@ -115,7 +135,15 @@ class OneBitFamily(Feature):
         weight decay and clipping are passed at build). Raises ValueError for values the optimizer rejects."""
         o, name = cfg.onebit, cfg.training.optimizer
         codec, ef = cls.momentum_setting(cfg)
-        out = {"momentum_codec": codec, "momentum_error_feedback": ef, "shard": bool(cfg.zero.shard)}
+        if o.momentum_scaling == "deepspeed":
+            if codec != DEFAULT_MOMENTUM_CODEC or not ef:
+                raise ValueError(f"--momentum-scaling deepspeed sends DeepSpeed's signs with RMS scales and "
+                                 f"worker/server error feedback, so it takes no other momentum codec (got {codec}, "
+                                 f"error feedback {ef}): drop --momentum-codec / --momentum-error-feedback and the "
+                                 f"compression config's dp_momentum settings, or use --momentum-scaling chunk")
+            codec = DEFAULT_MOMENTUM_CODEC  # the optimizer recognises the default by identity
+        out = {"momentum_codec": codec, "momentum_error_feedback": ef, "shard": bool(cfg.zero.shard),
+               "momentum_scaling": o.momentum_scaling}
         if name == "zero_one_adam":
             ZeroOneSchedule(o.var_freeze_step, o.var_update_scaler, o.local_step_scaler, o.local_step_clipper)
             out.update(var_freeze_step=o.var_freeze_step, var_update_scaler=o.var_update_scaler,
@@ -154,15 +182,24 @@ class OneBitFamily(Feature):
                 f"full-precision gradients for {o.freeze_step} steps, then momentum")
         shard = ("masters sharded over DP, parameters all-gathered" if opt.sharded else
                  "masters whole on every rank, no all-gather")
-        return [f"optimizer: {name}: {when} over dp_momentum with {ch.codec}{ef}; {shard}; after the warm-up about "
+        how = f"with {ch.codec}{ef}"
+        if opt.momentum_scaling == "deepspeed":
+            how = ("with DeepSpeed's compressed all-reduce (--momentum-scaling deepspeed: signs, RMS worker and server "
+                   "scales, one flat buffer per " + ("model" if name == "onebit_lamb" else "param group") +
+                   ", every size compressed, exchanged in step() as nothing can overlap backward)")
+        return [f"optimizer: {name}: {when} over dp_momentum {how}; {shard}; after the warm-up about "
                 f"{self.bytes_per_step() / 1e6:.3f} MB per step on the wire over all ranks"]
 
     def bytes_per_step(self) -> int:
         """Data-parallel bytes of one compressed step, all ranks: each bucket's momentum all-reduce is a
         reduce-scatter plus an all-gather of 1/p chunks in the momentum codec (2 p (p - 1) chunk messages), and a
-        sharded optimizer's parameter all-gather p (p - 1) chunks in the dp_parameter codec."""
+        sharded optimizer's parameter all-gather p (p - 1) chunks in the dp_parameter codec. With
+        ``--momentum-scaling deepspeed``: per flat buffer of n_c padded elements, two phases of p (p - 1) messages
+        of n_c / p / 8 sign bytes and a 4-byte scale."""
         opt = self.opt
         p = opt.world
+        if opt.momentum_scaling == "deepspeed":  # two phases of p (p - 1) messages: each chunk's signs and a scale
+            return sum(2 * p * (p - 1) * (n // p // 8 + 4) for n in opt._reference.padded) if p > 1 else 0
         total = 0
         for b in opt.buckets:  # the whole bucket is the message whose size the small-tensor rule judges
             chunk = b.padded // p
