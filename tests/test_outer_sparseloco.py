@@ -306,3 +306,16 @@ def test_pretraining_with_sparseloco_and_dct_diloco_logs_outer_traffic_and_resum
         first = run_ranks(_pretrain_body, 4, replace(run, save=ck, exit_interval=3))[0]  # mid-cycle
         rest = run_ranks(_pretrain_body, 4, replace(run, load=ck))[0]
         assert [loss for loss, _ in first + rest] == [loss for loss, _ in full]
+
+
+def test_pretraining_flags_reach_the_reference_options(tiny_config):
+    from dataclasses import replace
+
+    from megacomp.training.features.outer_loop import outer_config
+
+    cfg = replace(tiny_config, outer_algorithm="sparseloco", num_replicas=2, outer_sparseloco_tiles="reference",
+                  outer_sparseloco_quantizer="stat2", outer_codec="{name: int2, k: 128, chunk: 4096}")
+    oc = outer_config(cfg)
+    assert (oc.sparseloco_tiles, oc.sparseloco_quantizer, oc.codec.k) == ("reference", "stat2", 128)
+    assert "sparseloco_tiles" not in outer_config(replace(cfg, outer_sparseloco_tiles="flat",
+                                                          outer_sparseloco_quantizer="codec")).to_dict()

@@ -18,10 +18,13 @@ outer step: it sends its encoding to the R - 1 others (``(R - 1) * wire_bytes``,
 channel's tag) and decodes R encodings (O(R * n) work, an R * n fp32 buffer for this rank's parameters).
 
 Against the authors' code (tplr-ai/SparseLoCo, src/tplr/sparseloco.py): the rule and alpha = 1, beta = 0.95 are
-theirs; their top-k runs over each tensor's 64 x 64 tiles (here: runs of ``chunk`` entries of the flat buffer,
-the same entries where a tile is such a run), their 2-bit quantizer decodes to the mean of each of 4 bins of a
-tensor's kept values (here: int2, symmetric, a scale per 128), and their aggregate divides each entry by the
-replicas that sent it (here and in the paper: by R). tests/test_outer_sparseloco.py restates their step.
+theirs; their top-k runs over each tensor's 64 x 64 tiles (here by default: runs of ``chunk`` entries of the flat
+buffer; ``sparseloco_tiles='reference'`` takes their tiles, :class:`Tiles`), their 2-bit quantizer decodes to the mean
+of each of 4 bins of a tensor's kept values (here by default: int2, symmetric, a scale per 128;
+``sparseloco_quantizer='stat2'`` is theirs, megacomp.compression.stat2), and their aggregate divides each entry by
+the replicas that sent it (here and in the paper: by R). With both options the reference layout's messages are
+encoded here (per tensor ``[indices][values]``) and all-gathered as bytes, and ``e <- e - Dhat_self`` is done when
+encoding, as theirs. tests/test_outer_sparseloco.py restates their step with and without the options.
 
 DCT-momentum DiLoCo (arXiv 2510.03371) is the same rule with a DCT codec (``transform='dct'`` plus top-k
 per chunk: the accumulated Nesterov-style momentum is split in the frequency domain, the strongest

@@ -81,6 +81,12 @@ class OuterConfig:
     """DCT-DiLoCo: DCT coefficients of largest magnitude each replica shares per tile (the release's 32)."""
     dct_chunk: int = dct_diloco.DEFAULT_CHUNK
     """DCT-DiLoCo: largest DCT tile side, tiles of up to dct_chunk x dct_chunk (the release's 64; at most 256)."""
+    sparseloco_tiles: str = "flat"
+    """SparseLoCo: where the codec's top-k runs: 'flat' (runs of chunk entries of the flat parameters) or
+    'reference' (each tensor's tiles of up to sqrt(chunk) x sqrt(chunk), as the reference code)."""
+    sparseloco_quantizer: str = "codec"
+    """SparseLoCo: the kept values in the codec's format ('codec') or the reference code's statistical 2-bit code
+    ('stat2': per tensor, 4 bins of 1.5 sigma around the mean, each decoded to its mean; needs tiles 'reference')."""
     fragments: int = 1
     """Streaming DiLoCo: parameter fragments synchronised at staggered steps (at most num_layers)."""
     delay: int = 0
@@ -197,7 +203,8 @@ def outer_config(cfg) -> DiLoCoConfig:
         codec = SPARSELOCO_CODEC
     algorithm = "noloco" if noloco else "sparseloco" if sparse else "dct_diloco" if dct else "diloco"
     return DiLoCoConfig(outer_steps=o.steps, outer_lr=lr, outer_momentum=momentum, algorithm=algorithm,
-                        dct_topk=o.dct_topk, dct_chunk=o.dct_chunk,
+                        dct_topk=o.dct_topk, dct_chunk=o.dct_chunk, sparseloco_tiles=o.sparseloco_tiles,
+                        sparseloco_quantizer=o.sparseloco_quantizer,
                         group_size=o.group_size, seed=cfg.training.seed if noloco else 0, codec=codec,
                         error_feedback=error_feedback, fragments=o.fragments, delay=o.delay, mixing=o.mixing,
                         schedule=o.schedule)
