@@ -159,7 +159,7 @@ def _reference_tiles_body(rank, world, top_k, steps):
     summed in replica order). Returns per step: accumulators and weights equal bit for bit, and the bytes."""
     g = torch.Generator().manual_seed(7)
     params = [torch.nn.Parameter(torch.randn(128, 64, generator=g)), torch.nn.Parameter(torch.randn(256, generator=g)),
-              torch.nn.Parameter(torch.randn(3, 5, generator=g))]
+              torch.nn.Parameter(torch.randn(3, 5, generator=g)), torch.nn.Parameter(torch.randn(64, 192, generator=g))]
     cfg = DiLoCoConfig(outer_steps=1, algorithm="sparseloco", codec={"name": "int2", "k": top_k, "chunk": 4096},
                        sparseloco_tiles="reference", sparseloco_quantizer="stat2")
     outer = DiLoCo(params, None, cfg)
@@ -202,7 +202,8 @@ def _reference_tiles_body(rank, world, top_k, steps):
 def test_reference_tiles_and_stat2_reproduce_the_reference_codes_step_bit_for_bit():
     """sparseloco_tiles 'reference' + sparseloco_quantizer 'stat2': per-tensor 64 x 64 tiles (a 128 x 64 matrix: 2
     tiles keeping 128; a 256-vector: pieces of 64 keeping round(64 * 128 / 4096) = 2; a 3 x 5 matrix: one tile,
-    round(15 * 128 / 4096) = 0 -> 1) and the statistical 2-bit code, accumulator and weights bit for bit; the bytes
+    round(15 * 128 / 4096) = 0 -> 1; a 64 x 192 matrix: 3 tiles side by side, not runs of the flat tensor) and the
+    statistical 2-bit code, accumulator and weights bit for bit; the bytes
     counted are the Tiles' wire_bytes: indices, codes 4 per byte, shift and a 4-entry table per tensor."""
     for steps, (calls, counted, restated, wire) in run_ranks(_reference_tiles_body, 2, 128, 3):
         assert steps and all(same_e and same_theta for same_e, same_theta in steps), steps
