@@ -417,7 +417,10 @@ SUITES["tp_codecs"] = {
                  "int8 /128, Hadamard 128 (all_int8)": _tp(INT8H),
                  "int8 /128, Hadamard 128, dual scale": _tp({**INT8H, "dual_scale": True}),
                  "int8 /64 (one row), Hadamard 64": _tp({"name": "int8", "block_size": 64, "hadamard": 64}),
-                 "int4 /128, Hadamard 128": _tp({"name": "int4", "block_size": 128, "hadamard": 128})}}
+                 "int4 /128, Hadamard 128": _tp({"name": "int4", "block_size": 128, "hadamard": 128}),
+                 # TACO's codec (megacomp.compression.taco, its defaults: reshape up to 256, adaptive
+                 # Hadamard, dual-scale fp8 e4m3 /128) on the same three paths
+                 "taco": _tp({"name": "taco"})}}
 
 # the ablation's third layout, TP 2 x PP 2 x DP 2 on 8 ranks (run with --nproc 8 into its own --out: results.json
 # files merge only at equal nproc; benchmarks/results/convergence_ablation_8rank ran none and all_int8)
