@@ -49,6 +49,22 @@ def test_duplex_p2p_transport_matches_backend_collectives_bit_for_bit(world):
             assert plain[4] == duplex[4]  # same bytes on the wire
 
 
+def _left_out_body(rank, world):
+    import torch.distributed as dist
+    dist.new_group([0, 1])  # rank 2 is left out: it now belongs to fewer groups than ranks 0 and 1
+    ch = comm.Channel("left_out", "int8", options=comm.CommOptions(duplex=True))
+    t = torch.ones(300)
+    ch.all_reduce(t)
+    return t
+
+
+def test_duplex_works_after_a_group_that_left_a_rank_out():
+    """The direction communicators are agreed over the group, not named by torch's local-synchronization rule
+    (after how many groups the process belongs to), which differs between these ranks: that hung."""
+    for t in run_ranks(_left_out_body, 3, timeout=60):
+        assert torch.equal(t, torch.full((300,), 3.0))
+
+
 def _pipeline_body(rank, world, n, seg, steps):
     x = _inputs(rank, n)
     piped_ch = comm.Channel("piped", "int4", error_feedback="ef", options=comm.CommOptions(segment_numel=seg))

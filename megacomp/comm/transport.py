@@ -9,9 +9,8 @@ only higher->lower) gives every TCP connection one data direction, and the same 
 
 So on gloo the byte exchanges of a compressed collective (all-to-all of encoded chunks, all-gather of
 the encoded shard) run as ``isend``/``irecv`` on a pair of direction groups created once per group
-(``new_group(..., use_local_synchronization=True)``: only the group's members take part, in the order
-in which they first use the group, which is the same on every rank since collectives are issued in
-the same order). NCCL and MPI move both directions at once and keep the backend collectives.
+(gloo communicators built by the group's members only, on the default store under a prefix agreed over the
+group, at the group's first exchange, which every member reaches at the same call). NCCL and MPI move both directions at once and keep the backend collectives.
 
 Bytes on the wire and results are identical with either transport (tests/test_comm_transport.py); the
 choice is ``CommOptions.duplex`` of the calling channel (megacomp.comm.options), resolved by
@@ -31,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from . import group_ops
 from .common import global_ranks, offsets, split_sizes
@@ -60,24 +60,34 @@ def use_duplex(group, duplex: Optional[bool], device: Optional[torch.device] = N
 
 
 class _GroupTransport:
-    """Per process group: the (up, down) direction groups and the next p2p tag."""
+    """Per process group: the (up, down) direction communicators and the next p2p tag."""
 
     def __init__(self, group) -> None:
         self.group, self.up, self.down, self.tag = group, None, None, 0
+        self._default = None  # the default process group the communicators were made under
 
     def direction_groups(self):
-        """(up, down) groups over the ranks of the group: ``up`` carries sends from a lower to a higher group
-        rank, ``down`` the other way. Created on first use, recreated after the process group was destroyed."""
-        if self.up is not None:
-            try:
-                dist.get_group_rank(self.up, dist.get_rank())  # raises once destroy_process_group() ran
-                return self.up, self.down
-            except (RuntimeError, ValueError):  # destroyed with its parent: make new ones
-                pass
-        ranks = global_ranks(self.group)
-        backend = dist.get_backend(self.group)
-        self.up = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        self.down = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        """(up, down) gloo communicators over the ranks of the group: ``up`` carries sends from a lower to a higher
+        group rank, ``down`` the other way; both address peers by group rank. Created on first use (a collective
+        of the group's members: every member reaches it at the same call), recreated under a new default group.
+
+        They are built directly on the default store, under a prefix agreed over the group (its name and a nonce
+        broadcast from its first rank), not with ``new_group(..., use_local_synchronization=True)``: torch names
+        such a group after how many groups the calling process belongs to, which differs between ranks once an
+        earlier group left some of them out (megatron-core's embedding groups under PP >= 3), and the members then
+        wait for each other under different names forever."""
+        default = c10d._get_default_group()
+        if self.up is not None and self._default is default:
+            return self.up, self.down
+        rank, world = dist.get_rank(self.group), dist.get_world_size(self.group)
+        nonce = torch.randint(0, 1 << 62, (1,), dtype=torch.int64) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(nonce, global_ranks(self.group)[0], group=self.group)
+        name = self.group.group_name if self.group is not None else dist.group.WORLD.group_name
+        store = c10d._get_default_store()
+        prefix = f"megacomp/duplex/{name}/{int(nonce)}"
+        self.up, self.down = (dist.ProcessGroupGloo(dist.PrefixStore(f"{prefix}/{d}", store), rank, world,
+                                                    store.timeout) for d in ("up", "down"))
+        self._default = default
         return self.up, self.down
 
 
@@ -123,15 +133,14 @@ def _exchange(sends: Sequence[Optional[torch.Tensor]], recvs: Sequence[Optional[
     once, each direction of each pair on its own connection."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     up, down = _transport(group).direction_groups()
-    ranks = global_ranks(group)
     works = []
     # post every receive before any send, so that no incoming message waits for its buffer
     for j in range(world):
         if j != rank and recvs[j] is not None and recvs[j].numel():
-            works.append(dist.irecv(recvs[j], ranks[j], group=up if j < rank else down, tag=tag))
+            works.append((up if j < rank else down).recv([recvs[j]], j, tag))
     for j in range(world):
         if j != rank and sends[j] is not None and sends[j].numel():
-            works.append(dist.isend(sends[j], ranks[j], group=up if rank < j else down, tag=tag))
+            works.append((up if rank < j else down).send([sends[j]], j, tag))
     return _Exchange(works, list(sends))
 
 
