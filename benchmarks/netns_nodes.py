@@ -67,7 +67,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from benchmarks import invocation, netns_nodes_engines
 from benchmarks.netns_bench import median_spread, rate_bytes_per_s, sh
@@ -167,14 +167,18 @@ def launch(m: int, port: int, module_argv: list[str], logs: Path) -> list[subpro
     return procs
 
 
-def wait_sampling(procs: list[subprocess.Popen], metrics: Optional[Path], timeout: float, logs: Path) -> list[tuple]:
-    """Wait for both nodes, sampling (time, metrics.jsonl lines, tx A, tx B) every SAMPLE_S seconds."""
+def wait_sampling(procs: list[subprocess.Popen], metrics: Optional[Path], timeout: float, logs: Path,
+                  on_sample: Optional[Callable[[int], None]] = None) -> list[tuple]:
+    """Wait for both nodes, sampling (time, metrics.jsonl lines, tx A, tx B) every SAMPLE_S seconds; ``on_sample``
+    is called with each sample's line count (the iterations finished), before the counters are read."""
     samples, t_end, last = [], time.time() + timeout, [None, None]
     try:
         while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):  # stop at a failure
             if time.time() > t_end:
                 raise SystemExit(f"timed out after {timeout} s; logs in {logs}")
             lines = metrics.read_bytes().count(b"\n") if metrics is not None and metrics.exists() else 0
+            if on_sample is not None:
+                on_sample(lines)
             tx = [proc_tx(p.pid, dev) for p, dev in zip(procs, DEV)]
             last = [t if t is not None else x for t, x in zip(tx, last)]
             if None not in last:
