@@ -295,10 +295,10 @@ def plot(records: list[dict], path: Path) -> Optional[Path]:
         ax.set(ylabel="iteration time (s)", yscale="log", title=f"{layout}, seed {seed}")
         ax.legend(fontsize=8, loc="upper left")
         for j, r in enumerate(r for r in rows if r["variant"] == "auto"):
-            for k, path in enumerate(sorted(r["auto_codec"][0] or {})):
-                rungs = [_rung(c[path]) for c in r["auto_codec"]]
+            for k, traffic in enumerate(sorted(r["auto_codec"][0] or {})):
+                rungs = [_rung(c[traffic]) for c in r["auto_codec"]]
                 ax2.step(range(1, len(rungs) + 1), [x + 0.06 * (j - 1) + 0.02 * k for x in rungs], where="mid",
-                         color=f"C{k}", alpha=0.8, label=f"{path}, seed {r['seed']}")
+                         color=f"C{k}", alpha=0.8, label=f"{traffic}, seed {r['seed']}")
         ax2.set(xlabel="iteration", ylabel="auto's rung", yticks=range(len(STATIC)), yticklabels=STATIC)
         ax2.legend(fontsize=7, ncol=2)
     fig.tight_layout()

@@ -83,3 +83,13 @@ def test_the_verdict_takes_the_fastest_static_rung_within_uncompressed_trainings
     assert s["variants"]["auto"]["phase_codecs"][1][0] == "grad: none > int4/b128@4"
     page = "\n".join(m.table(m.summarise(recs)))
     assert "Fastest static rung within none's spread: **int8**; it takes **0.83x** auto's training time" in page
+
+
+def test_the_plot_is_written_where_asked_and_nowhere_else(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    m = auto_bench()
+    monkeypatch.chdir(tmp_path)
+    codec = [{"dp_gradient": c, "dp_parameter": "none"} for c in ("none", "none", "int8/b128", "int4/b128")]
+    recs = [_record("none", 1, 5.0, [1, 1, 8, 8]), _record("auto", 1, 5.0, [1, 1, 4, 2], codec)]
+    assert m.plot(recs, tmp_path / "out.png") == tmp_path / "out.png"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.png"]
