@@ -241,7 +241,7 @@ def main(argv=None) -> None:
     for name in names:  # variant-major: the first variants finish all their seeds before the next starts
         for seed in seeds:
             study["runs"].append(run_one(name, seed, a, data, tokenizer))
-            study["wall_s"] = time.time() - t0
+            study["wall_s"] = sum(r.get("wall_s") or 0.0 for r in study["runs"])  # reused runs: their own time
             (out / "results.json").write_text(json.dumps(study, indent=1))
             report.write(out, study)
     print(f"validation_quality: {len(study['runs'])} runs in {time.time() - t0:.0f} s -> {out / 'README.md'}")
