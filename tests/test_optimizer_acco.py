@@ -408,3 +408,36 @@ def test_compressed_estimate_and_update_are_within_the_codec_bound():
     rank's encoded chunk, times the step's scale (estimate: M / |A| = 2) over the world size, plus fp32 round-off."""
     for worst in run_ranks(_codec_bound_body, 2):
         assert worst and max(worst) <= 1.0, worst
+
+
+def _after_a_group_that_left_a_rank_out(rank, world):
+    import torch.distributed as dist
+
+    from megacomp.optimizer.acco import private_group
+
+    dist.new_group([0, 1])  # rank 2 is not in it: the ranks now hold different numbers of groups
+    dp = [dist.new_group(r) for r in ([0, 1], [2])]  # each rank's own data-parallel group, of different sizes
+    mine = dp[0] if rank < 2 else dp[1]
+    clone = private_group(mine)
+    t = torch.ones(3)
+    dist.all_reduce(t, group=clone)
+    model = make_model()
+    acco = ACCO(DistributedOptimizer(model.parameters(), torch.optim.AdamW, **ADAM))  # over the world group
+    for step in range(2):
+        loss_fn(model, *batch(rank, step, 0)).backward()
+        acco.estimate(2.0)
+        loss_fn(model, *batch(rank, step, 1)).backward()
+        acco.step()
+    with acco.synchronized():
+        params = [p.detach().clone() for p in model.parameters()]
+    return t.tolist(), dist.get_world_size(clone), params
+
+
+def test_acco_builds_its_groups_after_a_group_that_left_a_rank_out():
+    """Its private communicators are made by every rank in one order: members agree on their names even when an
+    earlier group left some ranks out (only the members making them, the ranks waited under different names)."""
+    out = run_ranks(_after_a_group_that_left_a_rank_out, 3, pg_timeout=20.0)
+    assert [o[0] for o in out] == [[2.0] * 3, [2.0] * 3, [1.0] * 3]
+    assert [o[1] for o in out] == [2, 2, 1]
+    for p0, p in zip(out[0][2], out[2][2]):  # the replicas' parameters agree after the steps
+        assert torch.equal(p0, p)

@@ -86,12 +86,27 @@ log = logging.getLogger("megacomp")
 
 
 def private_group(group):
-    """A new communicator over the members of ``group`` (created by the members only, in the same order on each),
-    with its gloo direction groups made now, on the calling thread, not lazily on a background one."""
+    """A new communicator over the members of ``group``, with its gloo direction groups made now, on the calling
+    thread, not lazily on a background one.
+
+    A collective of the default group: every rank of the job calls it at the same point, each with its own group
+    (all ranks' data-parallel groups at once, as ACCO is built on every rank). The ranks all-gather their groups'
+    members and every rank creates every distinct group with ``new_group`` in one sorted order, as megatron-core
+    creates its groups. ``new_group(..., use_local_synchronization=True)``, which only the members call, is not
+    used: torch names such a group after how many groups the calling process holds, which differs between members
+    once an earlier group left some ranks out (megatron-core's embedding groups under PP >= 3), and the members
+    then wait for each other under different names until the timeout."""
     if group is None and dist.get_world_size() == 1:
         return group
-    clone = dist.new_group(global_ranks(group), backend=dist.get_backend(group), use_local_synchronization=True,
-                           timeout=default_group_timeout())  # a stall fails like the world group's collectives
+    mine = tuple(global_ranks(group))
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    clone = None
+    for ranks in sorted(set(every)):
+        made = dist.new_group(list(ranks), backend=dist.get_backend(group),
+                              timeout=default_group_timeout())  # a stall fails like the world group's collectives
+        if ranks == mine:
+            clone = made
     if use_duplex(clone, None):
         _transport(clone).direction_groups()
     return clone
@@ -103,7 +118,8 @@ class ACCO:
     scaler, no overlapped parameter all-gather. Its hooks then only accumulate; drive it with :meth:`estimate` after
     half A and :meth:`step` after half B of every step, instead of ``optimizer.step()``
     (``delay_compensation=False``, DPU: :meth:`step` after each step's whole backward). ``warmup_steps``: that many
-    undelayed steps first (see the module docstring)."""
+    undelayed steps first (see the module docstring). Constructing it is a collective of the default group: every
+    rank of the job builds its ACCO at the same point (:func:`private_group`)."""
 
     def __init__(self, optimizer: DistributedOptimizer, delay_compensation: bool = True, warmup_steps: int = 0) -> None:
         opt = optimizer
