@@ -100,7 +100,7 @@ class ReferenceAllReduce:
     def all_reduce(self, buf: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,
                    tag: str) -> torch.Tensor:
         """The average of ``buf`` (padded, fp32) over the group, DeepSpeed's arithmetic in its order."""
-        world, rank, n = self.world, self.rank, buf.numel()
+        world, n = self.world, buf.numel()
         c = n // world
         buf.add_(worker_error)
         scale = torch.linalg.norm(buf) / math.sqrt(n)

@@ -146,6 +146,12 @@ class OneBitOptimizer(DistributedOptimizer):
     def _more_channels(self) -> tuple:
         return (self.momentum_channel,)
 
+    @property
+    def deepspeed_buffer_numels(self) -> Optional[list[int]]:
+        """With ``momentum_scaling="deepspeed"``: the padded element count of each flat buffer DeepSpeed's exchange
+        sends (one per parameter group; 1-bit LAMB: one), else None."""
+        return None if self._reference is None else list(self._reference.padded)
+
     # -- construction -------------------------------------------------------------------------------
     def _ordered_buckets(self):
         """Buckets in the order of the rule's masters (param group by param group)."""

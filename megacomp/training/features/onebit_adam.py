@@ -199,7 +199,7 @@ class OneBitFamily(Feature):
         opt = self.opt
         p = opt.world
         if opt.momentum_scaling == "deepspeed":  # two phases of p (p - 1) messages: each chunk's signs and a scale
-            return sum(2 * p * (p - 1) * (n // p // 8 + 4) for n in opt._reference.padded) if p > 1 else 0
+            return sum(2 * p * (p - 1) * (n // p // 8 + 4) for n in opt.deepspeed_buffer_numels) if p > 1 else 0
         total = 0
         for b in opt.buckets:  # the whole bucket is the message whose size the small-tensor rule judges
             chunk = b.padded // p

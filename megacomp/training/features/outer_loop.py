@@ -188,9 +188,9 @@ def outer_config(cfg) -> DiLoCoConfig:
     o = cfg.outer
     noloco, mt_dao, dct = o.algorithm == "noloco", o.algorithm == "mt_dao", o.algorithm == "dct_diloco"
     sparse = o.algorithm in ("sparseloco", "sparseloco_dct")
-    momentum = o.momentum if o.momentum is not None else (0.5 if noloco else 0.0 if mt_dao else 0.95 if sparse else
-                                                          dct_diloco.DEFAULT_DECAY if dct else 0.9)
-    lr = o.lr if o.lr is not None else (1.0 if mt_dao or sparse else dct_diloco.DEFAULT_LR if dct else 0.7)
+    lr, momentum = o.lr, o.momentum  # None: the algorithm's published values (DiLoCoConfig fills them)
+    if mt_dao:  # MT-DAO's outer step is plain averaging of the replicas (DiLoCo's rule at lr 1, no momentum)
+        lr, momentum = (1.0 if lr is None else lr), (0.0 if momentum is None else momentum)
     comp = cfg.compression_config()
     codec = parse_codec_arg(o.codec) if o.codec is not None else comp.outer
     error_feedback = o.error_feedback if o.error_feedback is not None else comp.outer_error_feedback
