@@ -25,10 +25,10 @@ setup(
         # tokenizers: the data tests build HuggingFace / GPT-2 tokenizer files (megacomp.data.tokenizer_files)
         # tensorboard, wandb: the trackers' tests write real event and run files and read them back
         # scikit-learn: benchmarks.locodl_paper's data set (its bundled breast_cancer copy, no download) and
-        # benchmarks.lodadac_sweep's (digits)
+        # benchmarks.lodadac_sweep's and lgc_published's (digits)
         # (pinned: the versions CI tests; the data extra leaves tokenizers free for users)
         "test": ["pytest>=7", "pytest-timeout>=2.1", "hypothesis>=6", "matplotlib", "tokenizers==0.23.3",
-                 "tensorboard==2.21.0", "wandb==0.31.0", "scikit-learn"],
+                 "tensorboard==2.21.0", "wandb==0.31.0", "scikit-learn==1.9.1"],
         # HuggingFaceTokenizer / GPT2BPETokenizer files; Megatron indexed data also needs megatron-core (installed
         # --no-deps, see scripts/install.sh)
         "data": ["tokenizers"],
