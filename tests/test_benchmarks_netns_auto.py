@@ -74,11 +74,13 @@ def test_the_verdict_takes_the_fastest_static_rung_within_uncompressed_trainings
         recs += [_record("none", seed, base, [1, 1, 8, 8]),
                  _record("int8", seed, base + 0.01, [1, 1, 4, 4]),   # inside: mean +0.01
                  _record("int4", seed, base + 0.05, [1, 1, 2, 2]),   # outside: mean +0.05
+                 _record("bf16", seed, base - 0.05, [1, 1, 6, 6]),   # lower: within (costs no quality), slower
                  _record("auto", seed, base + 0.015, [1, 1, 8, 2], codec)]
     s = m.summarise(recs)["dp2"]
     assert s["spread"] == pytest.approx(0.02)
     assert s["best_static"] == "int8" and s["auto_speedup"] == pytest.approx(10 / 12)
     assert s["auto_within_spread"] and not s["variants"]["int4"]["within_spread"]
+    assert s["variants"]["bf16"]["within_spread"] and s["variants"]["bf16"]["auto_speedup"] == pytest.approx(14 / 12)
     assert s["variants"]["int8"]["paired_pct"] == pytest.approx([0.2, 0.01 / 5.02 * 100, 0.01 / 5.04 * 100])
     assert s["variants"]["auto"]["phase_codecs"][1][0] == "grad: none > int4/b128@4"
     page = "\n".join(m.table(m.summarise(recs)))
