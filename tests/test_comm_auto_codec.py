@@ -167,3 +167,20 @@ def test_the_meter_times_synchronous_calls_exactly():
     assert tap.call("all_reduce", 8, 2, t, make_codec(None), True, lambda: None) is None
     (rec,) = meter.drain()
     assert rec.exact and rec.seconds == rec.exposed >= 0 and rec.switchable and meter.drain() == []
+
+
+def test_the_overlap_is_what_the_callers_computed_while_a_call_was_outstanding():
+    from megacomp.plan.auto_policy import overlapped_seconds
+
+    def rank(windows, timed=True):  # asynchronous reduce-scatters: issued, then waited for after `window` seconds
+        recs = [CallRecord("dp_gradient", "inter_node", "reduce_scatter", 1 << 18, 2, 4, make_codec(None).to_dict(),
+                           w + 0.02, 0.02, True, timed) for w in windows]
+        recs.append(CallRecord("dp_parameter", "inter_node", "all_gather", 1 << 17, 2, 4, make_codec(None).to_dict(),
+                               0.01, 0.01, True))  # synchronous: nothing overlaps it
+        return summarise(recs, 2, 1.0)
+
+    both = [rank([0.05, 0.30]), rank([0.10, 0.20])]
+    assert overlapped_seconds(both, "dp_gradient") == pytest.approx(0.20)  # each rank's longest, the least of them
+    assert overlapped_seconds(both, "dp_parameter") == 0.0
+    assert overlapped_seconds([rank([0.3], timed=False)], "dp_gradient") is None  # CUDA async: no host time
+    assert overlapped_seconds(both, "tp_forward") is None

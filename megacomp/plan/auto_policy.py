@@ -10,7 +10,8 @@ and pipeline for the codec's cost):
   a path, per iteration T_p(r) = sum over its calls of T(r) / iterations in the window (the slowest rank's)
   exposed               cost_p(r) = max(0, T_p(r) - overlap_p), overlap_p: the compute the path's transfer overlaps
                         (given by the caller from the schedule, as megacomp.plan.estimate: 2/3 of the last
-                        micro-batch for dp_gradient under ZeRO-1, 0 for the paths on the critical path)
+                        micro-batch for dp_gradient under ZeRO-1, 0 for the paths on the critical path; the
+                        caller takes the least of that and :func:`overlapped_seconds`, what the run measured)
   step                  compute + sum over paths of cost_p
 
 Link estimate, per link kind, pooled over paths and ranks: ``alpha`` and ``rate`` by least squares of
@@ -85,18 +86,39 @@ def codec_key(codec) -> str:
 def summarise(records: list, iterations: int, wall_s: float) -> dict:
     """One rank's window as plain data (what the ranks exchange): compute seconds per iteration (wall time less the
     time blocked in calls), and the calls grouped by (path, link, op, numel, world, itemsize, codec, switchable)
-    with [count, seconds, exact count, exact seconds, timed count]."""
+    with [count, seconds, exact count, exact seconds, timed count, longest overlap]: the last is the most seconds
+    the caller computed while one timed call of the group was outstanding (issue to the start of its wait)."""
     exposed = sum(r.exposed for r in records)
     calls: dict = {}
     for r in records:
         key = json.dumps([r.path, r.link, r.op, r.numel, r.world, r.itemsize, r.codec, r.switchable], sort_keys=True)
-        row = calls.setdefault(key, [0, 0.0, 0, 0.0, 0])
+        row = calls.setdefault(key, [0, 0.0, 0, 0.0, 0, 0.0])
         row[0] += 1
         row[1] += r.seconds
         row[2] += int(r.exact)
         row[3] += r.seconds if r.exact else 0.0
         row[4] += int(r.timed)
+        if r.timed:
+            row[5] = max(row[5], r.seconds - r.exposed)
     return {"iterations": iterations, "compute_s": max(0.0, wall_s - exposed) / max(1, iterations), "calls": calls}
+
+
+def overlapped_seconds(summaries: list, path: str) -> Optional[float]:
+    """The compute ``path``'s transfer could hide behind in the measured window: per rank the longest time the
+    caller computed while one of the path's timed calls was outstanding (issue to the start of its wait; 0 for a
+    synchronous call), the least over the ranks; None when no rank timed a call of the path (e.g. asynchronous
+    calls on CUDA).
+
+    Why measured: the schedule's model (2/3 of the last micro-batch's backward for the gradient reduce-scatter)
+    assumes many buckets whose reductions start during backward; a model of few buckets starts its only reduction
+    after backward and waits for it at once, so nothing hides it. The longest window stands for the path (its first
+    bucket's, which spans the later buckets' transfers too)."""
+    per_rank = []
+    for s in summaries:
+        rows = [row for key, row in s["calls"].items() if json.loads(key)[0] == path and row[4]]
+        if rows:
+            per_rank.append(max(row[5] for row in rows))
+    return min(per_rank) if per_rank else None
 
 
 @dataclass
@@ -173,7 +195,7 @@ class Controller:
         exact: dict = {}
         bound: dict = {}
         for s in summaries:
-            for key, (n, secs, n_exact, exact_s, n_timed) in s["calls"].items():
+            for key, (n, secs, n_exact, exact_s, n_timed, *_overlap) in s["calls"].items():
                 path, link, op, numel, world, itemsize, codec, _ = json.loads(key)
                 b = self._call_bytes(op, codec, numel, world, itemsize)
                 t_codec = self._codec_s(op, codec, numel, world, itemsize)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ...comm.link_meter import LinkMeter
 from ...config import TRAFFIC_PATHS
-from ...plan.auto_policy import Controller, codec_key, measure_codec, summarise
+from ...plan.auto_policy import Controller, codec_key, measure_codec, overlapped_seconds, summarise
 from ..report import unused_paths
 from .base import Feature
 
@@ -129,15 +129,21 @@ class AutoCompression(Feature):
                 print(f"megacomp-pretrain: auto: {path} {old} -> {new} after iteration {done}: {why}", flush=True)
 
     def _overlap(self, run, summaries: list) -> dict:
-        """The compute each path's transfer overlaps per iteration, as megacomp.plan.estimate times the schedule:
-        the gradient reduce-scatter in the last micro-batch's backward (2/3 of it; ZeRO-2: every micro-batch's),
-        the parameter all-gather in the next forward (1/3 of the first micro-batch) only when overlapped; the
-        tensor- and pipeline-parallel paths on the critical path."""
+        """The compute each path's transfer overlaps per iteration: at most what megacomp.plan.estimate's schedule
+        allows (the gradient reduce-scatter in the last micro-batch's backward, 2/3 of it, ZeRO-2: every
+        micro-batch's; the parameter all-gather in the next forward, 1/3 of the first micro-batch, only when
+        overlapped; the tensor- and pipeline-parallel paths on the critical path), and at most what the window
+        measured (megacomp.plan.auto_policy.overlapped_seconds) where it timed the path's calls."""
         compute = max(s["compute_s"] for s in summaries)
         per_mb = compute / run.num_microbatches
         z = self.cfg.zero
-        return {"dp_gradient": 2.0 / 3.0 * (compute if z.stage == 2 else per_mb),
-                "dp_parameter": per_mb / 3.0 if z.overlap_param_gather else 0.0}
+        model = {"dp_gradient": 2.0 / 3.0 * (compute if z.stage == 2 else per_mb),
+                 "dp_parameter": per_mb / 3.0 if z.overlap_param_gather else 0.0}
+        for path, limit in model.items():
+            measured = overlapped_seconds(summaries, path)
+            if measured is not None:
+                model[path] = min(limit, measured)
+        return model
 
     def record(self, run, record: dict) -> None:
         record["auto_codec"] = self.sent_with
