@@ -151,6 +151,7 @@ def run_one(args, layout: str, variant: str, seed: int, configs: dict) -> dict:
     """Train one variant on the changing link; its record."""
     phases, iters = args.phase_list, sum(n for _, n in args.phase_list)
     m = LAYOUTS[layout]["m"]
+    source = source_state()  # per run, when it starts: the tree may change between runs
     setup(phases[0][0])
     changes = []
     starts = {sum(n for _, n in phases[:i]): rate for i, (rate, _) in enumerate(phases) if i}  # lines -> new rate
@@ -174,7 +175,7 @@ def run_one(args, layout: str, variant: str, seed: int, configs: dict) -> dict:
     train = [r for r in metrics if "loss" in r]
     valid = [r["valid_loss"] for r in metrics if "valid_loss" in r]
     return {"layout": layout, "variant": variant, "seed": seed, "phases": phases, "compression": configs[variant],
-            "argv": argv, "source": args.source, "run_s": run_s,
+            "argv": argv, "source": source, "run_s": run_s,
             "changes": [{**c, "t": c["t"] - t0} for c in changes],
             "times_s": [r["iteration_time_s"] for r in train], "losses": [r["loss"] for r in train],
             "wire_bytes": [r["wire_bytes"] for r in train], "fp32_bytes": [r["uncompressed_bytes"] for r in train],
@@ -192,7 +193,7 @@ def _ms(xs: Sequence[float], fmt: str = "{:.1f}") -> str:
 
 def _codecs_in(rec: dict, lo: int, hi: int) -> str:
     """The codecs that sent iterations lo..hi (1-based) of an auto run, per laddered path, with where each began."""
-    if rec["variant"] != "auto":
+    if not rec["auto_codec"][lo - 1]:  # a static rung
         return rec["variant"]
     parts = []
     for path in sorted(rec["auto_codec"][lo - 1] or {}):
@@ -362,7 +363,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     atexit.register(teardown)
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
     configs = write_configs(out, args.auto_interval)
-    args.source = source_state()
     old = json.loads((out / "netns_auto.json").read_text()) if args.append else {}
     results = {"command": f"python {' '.join(invocation())}", "out": args.out, "elapsed_s": old.get("elapsed_s", 0.0),
                "records": old.get("records", [])}
