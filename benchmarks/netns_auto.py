@@ -188,7 +188,7 @@ def run_one(args, layout: str, variant: str, seed: int, configs: dict) -> dict:
 def _ms(xs: Sequence[float], fmt: str = "{:.1f}") -> str:
     if len(xs) < 2:
         return fmt.format(xs[0]) if xs else "-"
-    return f"{fmt.format(statistics.mean(xs))} ± {fmt.format(statistics.stdev(xs))}"
+    return f"{fmt.format(statistics.mean(xs))} ± {fmt.replace('+', '').format(statistics.stdev(xs))}"
 
 
 def _codecs_in(rec: dict, lo: int, hi: int) -> str:
@@ -221,7 +221,8 @@ def summarise(records: list[dict]) -> dict:
         base = {r["seed"]: r["valid_loss"] for r in rows if r["variant"] == "none"}
         spread = statistics.stdev(base.values()) if len(base) > 1 else 0.0
         variants = {}
-        for v in dict.fromkeys(r["variant"] for r in rows):
+        order = lambda v: (0 if v == "auto" else 1 + STATIC.index(v) if v in STATIC else 9, v)  # noqa: E731
+        for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=order):
             rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seed"])
             paired = [100 * (r["valid_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base]
             diff = statistics.mean(r["valid_loss"] for r in rs) - statistics.mean(base.values()) if base else None
@@ -260,7 +261,8 @@ def table(summary: dict) -> list[str]:
                 f"| {v} | {_ms(d['train_s'])} | {' / '.join(_ms(x) for x in d['phase_s'])} | "
                 f"{' / '.join(_ms(x, '{:.2f}') for x in d['phase_MB_node'])} | "
                 f"{' / '.join(x[0] for x in d['phase_codecs'])} | {_ms(d['valid_loss'], '{:.4f}')} | "
-                f"{_ms(d['paired_pct'], '{:+.2f}') + '%' if d['paired_pct'] and v != 'none' else '-'} | "
+                f"{_ms(d['paired_pct'], '{:+.2f}') + '%' if d['paired_pct'] and v != 'none' else '-'} "
+                f"({', '.join(format(x, '+.2f') for x in d['paired_pct'])}) | "
                 f"{'yes' if d['within_spread'] else 'no'} | {d['wire_MB']:.2f} | "
                 f"{'-' if d['auto_speedup'] is None else format(d['auto_speedup'], '.2f')} |")
         best = s["best_static"]
