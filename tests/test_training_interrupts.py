@@ -11,6 +11,7 @@
 - The handlers themselves: a SIGINT within the window is the same key press; a SIGINT started ignored stays
   ignored.
 """
+import contextlib
 import os
 import re
 import signal
@@ -42,6 +43,21 @@ def megacomp_traceback(text: str) -> bool:
     return bool(re.search(r'File ".*megacomp/', text)) or "KeyboardInterrupt" in text
 
 
+@contextlib.contextmanager
+def _runs_see_ctrl_c():
+    """Runs launched inside start with SIGINT's default disposition, as under a terminal. A suite started in the
+    background (``cmd &`` without job control) ignores SIGINT, and exec keeps an ignored signal (pretraining then
+    rightly leaves it ignored); a caught one is reset at exec, so it is caught here while the run is launched."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def hit(tmp_path, base, flags, steps, at=3, nproc=2, timeout=240):
     """Launch pretraining (torchrun with ``nproc`` workers, or one plain process for ``nproc=0``) in a session of its
     own, as a terminal runs it; once rank 0 logged iteration ``at`` run ``steps`` (("sleep", s) or ("int", None):
@@ -53,8 +69,9 @@ def hit(tmp_path, base, flags, steps, at=3, nproc=2, timeout=240):
     cmd = [*launcher, "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MEGACOMP_DEBUG", None)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)
+    with _runs_see_ctrl_c():
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                cwd=tmp_path, start_new_session=True)
     out, err = [], []
     readers = [threading.Thread(target=lambda s=s, into=into: into.extend(s), daemon=True)
                for s, into in ((proc.stdout, out), (proc.stderr, err))]
@@ -201,9 +218,10 @@ def _interrupt_at_start_up(tmp_path, base, when, flags=()):
     cfg_file.write_text(yaml.safe_dump({name: getattr(base, name) for name in base.explicit}))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("MEGACOMP_DEBUG", None)
-    proc = subprocess.Popen([sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)
+    with _runs_see_ctrl_c():
+        proc = subprocess.Popen([sys.executable, "-m", "megacomp.pretrain", "--config", str(cfg_file), *flags],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                                start_new_session=True)
     err = []
     reader = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
     reader.start()
