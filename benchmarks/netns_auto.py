@@ -40,13 +40,9 @@ Pure functions (no namespaces needed): :func:`parse_phases`, :func:`static_confi
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
-import os
 import re
-import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,7 +52,7 @@ import yaml
 
 from benchmarks import invocation
 from benchmarks.netns_bench import rate_bytes_per_s, sh
-from benchmarks.netns_nodes import (DEV, MODEL, NS, launch, micro_batch, next_port, source_state, setup,
+from benchmarks.netns_nodes import (DEV, MODEL, NS, claim_host, launch, micro_batch, next_port, source_state, setup,
                                     teardown, wait_sampling)
 from benchmarks.plot_metrics import dump_results
 
@@ -360,10 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         v for v in args.variants.split(",") if v not in ("auto", *STATIC)]
     if bad:
         p.error(f"unknown layout or variant {bad}")
-    if os.geteuid() != 0:
-        raise SystemExit("network namespaces and tc need root (CAP_NET_ADMIN)")
-    atexit.register(teardown)
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    claim_host()
     configs = write_configs(out, args.auto_interval)
     old = json.loads((out / "netns_auto.json").read_text()) if args.append else {}
     results = {"command": f"python {' '.join(invocation())}", "out": args.out, "elapsed_s": old.get("elapsed_s", 0.0),

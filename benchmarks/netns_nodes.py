@@ -105,6 +105,14 @@ def teardown() -> None:
         sh(f"ip netns del {ns}", check=False)  # deletes its veth end and qdisc too
 
 
+def claim_host() -> None:
+    """Refuse without root (namespaces and tc need CAP_NET_ADMIN); tear the namespaces down at exit, on SIGTERM too."""
+    if os.geteuid() != 0:
+        raise SystemExit("network namespaces and tc need root (CAP_NET_ADMIN)")
+    atexit.register(teardown)
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+
+
 def setup(rate: str) -> None:
     teardown()
     sh(f"ip netns add {NS[0]} && ip netns add {NS[1]} && ip link add {DEV[0]} type veth peer name {DEV[1]}")
@@ -438,10 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
         p.error(f"unknown variant(s) {bad}; pick from {sorted(VARIANTS)}")
-    if os.geteuid() != 0:
-        raise SystemExit("network namespaces and tc need root (CAP_NET_ADMIN)")
-    atexit.register(teardown)
-    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))
+    claim_host()
     t0 = time.time()
     old = json.loads((out / "netns_nodes.json").read_text()) if args.append else {}
     args.source = source_state()
