@@ -203,6 +203,11 @@ def _codecs_in(rec: dict, lo: int, hi: int) -> str:
     return "; ".join(parts)
 
 
+def _variant_order(v: str) -> tuple:
+    """auto first, then the static rungs least lossy first, then any other variant (e.g. an earlier auto)."""
+    return (0 if v == "auto" else 1 + STATIC.index(v) if v in STATIC else 9, v)
+
+
 def summarise(records: list[dict]) -> dict:
     """Per layout: per variant the seeds' totals and phases, and the verdict (fastest static rung within
     uncompressed training's seed spread, auto's speed-up against it)."""
@@ -217,8 +222,7 @@ def summarise(records: list[dict]) -> dict:
         base = {r["seed"]: r["valid_loss"] for r in rows if r["variant"] == "none"}
         spread = statistics.stdev(base.values()) if len(base) > 1 else 0.0
         variants = {}
-        order = lambda v: (0 if v == "auto" else 1 + STATIC.index(v) if v in STATIC else 9, v)  # noqa: E731
-        for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=order):
+        for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=_variant_order):
             rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seed"])
             paired = [100 * (r["valid_loss"] - base[r["seed"]]) / base[r["seed"]] for r in rs if r["seed"] in base]
             diff = statistics.mean(r["valid_loss"] for r in rs) - statistics.mean(base.values()) if base else None

@@ -10,7 +10,8 @@ only higher->lower) gives every TCP connection one data direction, and the same 
 So on gloo the byte exchanges of a compressed collective (all-to-all of encoded chunks, all-gather of
 the encoded shard) run as ``isend``/``irecv`` on a pair of direction groups created once per group
 (gloo communicators built by the group's members only, on the default store under a prefix agreed over the
-group, at the group's first exchange, which every member reaches at the same call). NCCL and MPI move both directions at once and keep the backend collectives.
+group, at the group's first exchange, which every member reaches at the same call). NCCL and MPI move both
+directions at once and keep the backend collectives.
 
 Bytes on the wire and results are identical with either transport (tests/test_comm_transport.py); the
 choice is ``CommOptions.duplex`` of the calling channel (megacomp.comm.options), resolved by
