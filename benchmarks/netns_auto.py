@@ -242,8 +242,37 @@ def summarise(records: list[dict]) -> dict:
             d["auto_speedup"] = statistics.mean(d["train_s"]) / auto_s if auto_s else None
         speedup = variants[best]["auto_speedup"] if best else None
         out[layout] = {"phases": phases, "spread": spread, "variants": variants, "best_static": best,
-                       "auto_speedup": speedup, "auto_within_spread": variants.get("auto", {}).get("within_spread")}
+                       "auto_speedup": speedup, "auto_within_spread": variants.get("auto", {}).get("within_spread"),
+                       "steady": steady(rows) if len(phases) == 1 else None}
     return out
+
+
+def switch_counts(rec: dict) -> dict:
+    """Per laddered path of an auto run, how many times its codec changed between iterations."""
+    codecs = rec["auto_codec"]
+    return {p: sum(a[p] != b[p] for a, b in zip(codecs, codecs[1:])) for p in sorted(codecs[0] or {})}
+
+
+def steady(rows: list[dict]) -> Optional[dict]:
+    """On a steady link: auto's switches per path (each seed), the first iteration after auto's last switch in any
+    seed (``settled_from``), and every variant's mean iteration time from there to the end (each seed), so auto
+    settled is compared with each static rung over the same iterations. None without auto runs."""
+    autos = [r for r in rows if r["variant"] == "auto"]
+    if not autos:
+        return None
+    last = [max([i + 1 for i, (a, b) in enumerate(zip(r["auto_codec"], r["auto_codec"][1:])) if a != b] or [0])
+            for r in autos]
+    start = max(last) + 1  # 1-based: the first iteration every auto seed ran on its final codecs
+    per_iter = {}
+    for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=_variant_order):
+        rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seed"])
+        per_iter[v] = [statistics.mean(r["times_s"][start - 1:]) for r in rs if len(r["times_s"]) >= start]
+    fastest = min((v for v in STATIC if per_iter.get(v)), key=lambda v: statistics.mean(per_iter[v]), default=None)
+    return {"settled_from": start, "switches": [switch_counts(r) for r in sorted(autos, key=lambda r: r["seed"])],
+            "final": [{p: c[p] for p in sorted(c)} for c in (r["auto_codec"][-1] for r in autos)],
+            "per_iter_s": per_iter, "fastest_static": fastest,
+            "auto_over_fastest": (statistics.mean(per_iter["auto"]) / statistics.mean(per_iter[fastest])
+                                  if fastest and per_iter.get("auto") else None)}
 
 
 def table(summary: dict) -> list[str]:
@@ -265,11 +294,27 @@ def table(summary: dict) -> list[str]:
                 f"({', '.join(format(x, '+.2f') for x in d['paired_pct'])}) | "
                 f"{'yes' if d['within_spread'] else 'no'} | {d['wire_MB']:.2f} | "
                 f"{'-' if d['auto_speedup'] is None else format(d['auto_speedup'], '.2f')} |")
+        if s.get("steady"):
+            lines += ["", *steady_lines(s["steady"])]
         best = s["best_static"]
         lines += ["", (f"Fastest static rung within none's spread: **{best}**; it takes **{s['auto_speedup']:.2f}x** "
                        f"auto's training time" if best and s["auto_speedup"] else
                        "No static rung within none's spread, or no auto runs") +
                   f"; auto's validation loss is {'within' if s['auto_within_spread'] else 'outside'} that spread.", ""]
+    return lines
+
+
+def steady_lines(st: dict) -> list[str]:
+    """The steady-link check of one layout: auto's switches and its settled step time against each static rung's."""
+    switches = "; ".join(", ".join(f"{p.split('_')[1][:4]} {n}" for p, n in c.items()) for c in st["switches"])
+    finals = "; ".join(", ".join(f"{p.split('_')[1][:4]} {c}" for p, c in f.items()) for f in st["final"])
+    lines = [f"Steady link: auto's switches per path, each seed: {switches} (final codecs: {finals}). Mean seconds "
+             f"per iteration from iteration {st['settled_from']} (after auto's last switch in any seed) to the end:", "",
+             "| variant | s per iteration, settled | its time / fastest static rung's |", "|---|---|---|"]
+    fast = st["per_iter_s"].get(st["fastest_static"])
+    for v, xs in st["per_iter_s"].items():
+        ratio = statistics.mean(xs) / statistics.mean(fast) if fast and xs else None
+        lines.append(f"| {v} | {_ms(xs, '{:.3f}')} | {'-' if ratio is None else format(ratio, '.3f')} |")
     return lines
 
 
@@ -323,7 +368,8 @@ def _rung(codec: str) -> int:
 def write(results: dict, out: Path) -> list[str]:
     """netns_auto.md (and netns_auto.png) from the results object; returns the page's lines."""
     summary = summarise(results["records"])
-    lines = [f"# `--compression auto` on a changing link: {len(results['records'])} runs", "",
+    link = "a steady" if all(len(r["phases"]) == 1 for r in results["records"]) else "a changing"
+    lines = [f"# `--compression auto` on {link} link: {len(results['records'])} runs", "",
              f"Command: `{results['command']}` ({results['elapsed_s'] / 60:.0f} min). Method: "
              "benchmarks/netns_auto.py's docstring. Source measured: "
              f"{'; '.join(dict.fromkeys(str(r.get('source')) for r in results['records']))}. Raw records: "

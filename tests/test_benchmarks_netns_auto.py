@@ -95,3 +95,22 @@ def test_the_plot_is_written_where_asked_and_nowhere_else(tmp_path, monkeypatch)
     recs = [_record("none", 1, 5.0, [1, 1, 8, 8]), _record("auto", 1, 5.0, [1, 1, 4, 2], codec)]
     assert m.plot(recs, tmp_path / "out.png") == tmp_path / "out.png"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.png"]
+
+
+def test_a_steady_link_counts_autos_switches_and_compares_from_its_last_one():
+    m = auto_bench()
+    one = [["100mbit", 5]]
+    recs = []
+    for seed, switch_at in ((1, 3), (2, 4)):  # the codec of iteration i is the list's i-1th entry
+        grad = ["none"] * (switch_at - 1) + ["int4/b128"] * (6 - switch_at)
+        codec = [{"dp_gradient": c, "dp_parameter": "int8/b256"} for c in grad]
+        recs += [{**_record("auto", seed, 5.0, [4, 4, 4, 1.05, 0.95], codec), "phases": one},
+                 {**_record("int4", seed, 5.0, [1, 1, 1, 1.0, 1.0]), "phases": one},
+                 {**_record("none", seed, 5.0, [4, 4, 4, 4, 4]), "phases": one}]
+    st = m.summarise(recs)["dp2"]["steady"]
+    assert st["settled_from"] == 4  # seed 2's last switch took effect at iteration 4
+    assert st["switches"] == [{"dp_gradient": 1, "dp_parameter": 0}] * 2
+    assert st["fastest_static"] == "int4" and st["auto_over_fastest"] == pytest.approx(1.0)
+    assert st["per_iter_s"]["none"] == [4.0, 4.0]
+    assert "| auto | 1.000 ± 0.000 | 1.000 |" in "\n".join(m.steady_lines(st))
+    assert m.summarise([{**r, "phases": [["1gbit", 2], ["20mbit", 3]]} for r in recs])["dp2"]["steady"] is None

@@ -92,6 +92,21 @@ def test_a_rung_that_fits_only_without_the_margin_is_not_taken_from_below():
     assert str(ctl2.codec("dp_gradient")) == "bf16"
 
 
+def test_where_nothing_hides_a_lossier_rung_must_save_more_than_the_slack():
+    # nothing overlaps the transfer; slack 0.05 of 0.2 s of compute = 0.01 s. The predictions per rung, none ->
+    # int4: at 25 MB/s about [0.042, 0.022, 0.012, 0.0066]: int8 is within 0.01 s of int4, bf16 is not;
+    # at 10 MB/s about [0.105, 0.054, 0.028, 0.015]: only int4 is.
+    for rate, want in ((2.5e7, "int8/b128"), (1e7, "int4/b128")):
+        ctl = _controller(patience=1, margin=0.0)
+        _, record = ctl.decide([_window(rate, 0.2)], {"dp_gradient": 0.0}, 10)
+        pred = record["dp_gradient"]["predicted_s"]
+        chosen = [i for i, t in enumerate(pred) if t <= min(pred) + 0.05 * record["compute_s"]][0]
+        assert str(ctl.codec("dp_gradient")) == want == str(ctl.rungs["dp_gradient"][chosen]), pred
+    ctl = _controller(patience=1, margin=0.0, slack=0.0)  # no slack: the fastest rung, as before
+    ctl.decide([_window(2.5e7, 0.2)], {"dp_gradient": 0.0}, 10)
+    assert str(ctl.codec("dp_gradient")) == "int4/b128"
+
+
 def test_an_unreachable_target_takes_the_most_lossy_rung_and_a_loose_one_the_least():
     tight, loose = _controller(step_time_target_s=1e-6, patience=1), _controller(step_time_target_s=100.0, patience=1)
     w = [_window(1e8, 0.2)]
