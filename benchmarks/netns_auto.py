@@ -208,12 +208,22 @@ def _variant_order(v: str) -> tuple:
     return (0 if v == "auto" else 1 + STATIC.index(v) if v in STATIC else 9, v)
 
 
+def groups(records: list[dict]) -> dict[str, list[dict]]:
+    """The records per layout, or per layout and link schedule where the records hold more than one schedule (e.g.
+    steady links of several rates): ``dp2`` or ``dp2 at 1gbit x 48``."""
+    schedules = dict.fromkeys(json.dumps(r["phases"]) for r in records)
+    out: dict = {}
+    for r in records:
+        rates = " / ".join(f"{rate} x {n}" for rate, n in r["phases"])
+        out.setdefault(r["layout"] if len(schedules) == 1 else f"{r['layout']} at {rates}", []).append(r)
+    return out
+
+
 def summarise(records: list[dict]) -> dict:
     """Per layout: per variant the seeds' totals and phases, and the verdict (fastest static rung within
     uncompressed training's seed spread, auto's speed-up against it)."""
     out = {}
-    for layout in dict.fromkeys(r["layout"] for r in records):
-        rows = [r for r in records if r["layout"] == layout]
+    for layout, rows in groups(records).items():
         phases = rows[0]["phases"]
         bounds, end = [], 0
         for _, n in phases:
@@ -326,11 +336,12 @@ def plot(records: list[dict], path: Path) -> Optional[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    layouts = list(dict.fromkeys(r["layout"] for r in records))
+    by_group = groups(records)
+    layouts = list(by_group)
     fig, axes = plt.subplots(2, len(layouts), figsize=(6.5 * len(layouts), 7), squeeze=False, sharex="col")
     for col, layout in enumerate(layouts):
         ax, ax2 = axes[0][col], axes[1][col]
-        rows = [r for r in records if r["layout"] == layout]
+        rows = by_group[layout]
         seed = min(r["seed"] for r in rows)
         for i, v in enumerate(["auto", *STATIC]):
             r = next((r for r in rows if r["variant"] == v and r["seed"] == seed), None)

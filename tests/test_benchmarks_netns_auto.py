@@ -114,3 +114,11 @@ def test_a_steady_link_counts_autos_switches_and_compares_from_its_last_one():
     assert st["per_iter_s"]["none"] == [4.0, 4.0]
     assert "| auto | 1.000 ± 0.000 | 1.000 |" in "\n".join(m.steady_lines(st))
     assert m.summarise([{**r, "phases": [["1gbit", 2], ["20mbit", 3]]} for r in recs])["dp2"]["steady"] is None
+
+
+def test_records_of_several_link_schedules_are_summarised_apart():
+    m = auto_bench()
+    recs = [{**_record(v, 1, 5.0, [1, 1]), "phases": [[rate, 2]]}
+            for rate in ("1gbit", "20mbit") for v in ("none", "int4")]
+    assert list(m.summarise(recs)) == ["dp2 at 1gbit x 2", "dp2 at 20mbit x 2"]
+    assert list(m.summarise(recs[:2])) == ["dp2"]
