@@ -34,8 +34,13 @@ a lower loss counts as within, it costs no quality); then auto's speed-up agains
 that spread, and against every static rung. Times are measured and printed, never asserted: two CPU
 cores run every rank, so compute is slow and codec time is CPU time.
 
+A steady link is one phase (``--phases 100mbit:48``): the page then adds, per layout, auto's switches per path and
+every variant's mean iteration time from the iteration after auto's last switch (in any seed) to the end, against the
+fastest static rung's over the same iterations. Records of several schedules in one results file (steady links of
+several rates, ``--append``) are summarised apart.
+
 Pure functions (no namespaces needed): :func:`parse_phases`, :func:`static_config`, :func:`auto_config`,
-:func:`phase_of`, :func:`phase_bytes`, :func:`summarise`, :func:`table`.
+:func:`phase_of`, :func:`phase_bytes`, :func:`groups`, :func:`summarise`, :func:`steady`, :func:`table`.
 """
 from __future__ import annotations
 
