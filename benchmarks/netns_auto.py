@@ -64,8 +64,9 @@ from benchmarks.plot_metrics import dump_results
 AUTO_YAML = Path(__file__).resolve().parent.parent / "configs" / "compression" / "auto.yaml"
 LAYOUTS = {"dp2": {"m": 1, "tp": 1}, "tp2dp2": {"m": 2, "tp": 2}}
 """Layout name -> ranks per node m and the tensor-parallel size (DP = 2m / tp, across the link)."""
-STATIC = ("none", "bf16", "int8", "int4")
-"""Static variants: rung 0..3 of the ladders, named after the gradient's rung."""
+STATIC = ("none", "bf16", "int8", "int4", "int2")
+"""Static variants: rung 0..4 of the ladders, named after the gradient's rung (as many as the longest ladder has:
+the shipped one has four, ``int2`` needs a ladder of five given by ``--auto-yaml``)."""
 
 
 # -- the variants' configs (pure) ------------------------------------------------------------------------------
@@ -98,15 +99,17 @@ def auto_config(auto: dict, interval: int) -> dict:
     return {**auto, "auto": {**auto["auto"], "interval": interval}}
 
 
-def write_configs(out: Path, interval: int) -> dict[str, str]:
-    """Every variant's compression YAML under ``out``/configs; variant -> path."""
-    auto = yaml.safe_load(AUTO_YAML.read_text())
+def write_configs(out: Path, interval: int, auto_yaml: Path = AUTO_YAML) -> dict[str, str]:
+    """Every variant's compression YAML under ``out``/configs, from ``auto_yaml``'s ladders (a static rung per rung
+    of the longest ladder); variant -> path."""
+    auto = yaml.safe_load(Path(auto_yaml).read_text())
+    rungs = max(len(ladder) for ladder in auto["auto"]["ladder"].values())
     (out / "configs").mkdir(parents=True, exist_ok=True)
     paths = {}
     for name, cfg in [("auto", auto_config(auto, interval))] + [(s, static_config(auto, k))
-                                                                 for k, s in enumerate(STATIC)]:
+                                                                 for k, s in enumerate(STATIC[:rungs])]:
         path = out / "configs" / f"{name}.yaml"
-        path.write_text(f"# benchmarks.netns_auto variant {name!r}, from configs/compression/auto.yaml\n"
+        path.write_text(f"# benchmarks.netns_auto variant {name!r}, from {Path(auto_yaml).name}\n"
                         + yaml.safe_dump(cfg, sort_keys=False))
         paths[name] = str(path)
     return paths
@@ -402,10 +405,11 @@ def write(results: dict, out: Path) -> list[str]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layouts", default="dp2,tp2dp2", help="comma list of " + ",".join(LAYOUTS))
-    p.add_argument("--variants", default="auto," + ",".join(STATIC))
+    p.add_argument("--variants", default="auto," + ",".join(STATIC[:4]), help="auto and the static rungs to run")
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--phases", default="1gbit:30,100mbit:30,20mbit:30,1gbit:30", help="RATE:ITERATIONS,...")
     p.add_argument("--auto-interval", type=int, default=5, help="auto's decision interval (iterations)")
+    p.add_argument("--auto-yaml", default=str(AUTO_YAML), help="the compression file whose auto: ladders are run")
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--port", type=int, default=29871)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
@@ -418,12 +422,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print("\n".join(write(json.loads((out / "netns_auto.json").read_text()), out)))
         return
     args.phase_list = parse_phases(args.phases)
+    configs = write_configs(out, args.auto_interval, Path(args.auto_yaml))
     bad = [x for x in args.layouts.split(",") if x not in LAYOUTS] + [
-        v for v in args.variants.split(",") if v not in ("auto", *STATIC)]
+        v for v in args.variants.split(",") if v not in configs]
     if bad:
-        p.error(f"unknown layout or variant {bad}")
+        p.error(f"unknown layout or variant {bad} (variants of {args.auto_yaml}: {', '.join(configs)})")
     claim_host()
-    configs = write_configs(out, args.auto_interval)
     old = json.loads((out / "netns_auto.json").read_text()) if args.append else {}
     results = {"command": f"python {' '.join(invocation())}", "out": args.out, "elapsed_s": old.get("elapsed_s", 0.0),
                "records": old.get("records", [])}
