@@ -429,8 +429,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         p.error(f"unknown layout or variant {bad} (variants of {args.auto_yaml}: {', '.join(configs)})")
     claim_host()
     old = json.loads((out / "netns_auto.json").read_text()) if args.append else {}
-    results = {"command": f"python {' '.join(invocation())}", "out": args.out, "elapsed_s": old.get("elapsed_s", 0.0),
-               "records": old.get("records", [])}
+    command = f"python {' '.join(invocation())}"  # appended runs keep the earlier commands and notes
+    results = {"command": f"{old['command']}`, then `{command}" if old.get("command") else command, "out": args.out,
+               "elapsed_s": old.get("elapsed_s", 0.0), "records": old.get("records", []), "notes": old.get("notes", [])}
     t0 = time.time() - results["elapsed_s"]
     try:
         for layout in args.layouts.split(","):
