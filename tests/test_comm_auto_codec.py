@@ -92,19 +92,19 @@ def test_a_rung_that_fits_only_without_the_margin_is_not_taken_from_below():
     assert str(ctl2.codec("dp_gradient")) == "bf16"
 
 
-def test_where_nothing_hides_a_lossier_rung_must_save_more_than_the_slack():
-    # nothing overlaps the transfer; slack 0.05 of 0.2 s of compute = 0.01 s. The predictions per rung, none ->
-    # int4: at 25 MB/s about [0.042, 0.022, 0.012, 0.0066]: int8 is within 0.01 s of int4, bf16 is not;
-    # at 10 MB/s about [0.105, 0.054, 0.028, 0.015]: only int4 is.
-    for rate, want in ((2.5e7, "int8/b128"), (1e7, "int4/b128")):
+def test_where_nothing_hides_the_fastest_rung_is_taken_and_slack_is_absolute():
+    # nothing overlaps the transfer; slack 0.05 of 0.2 s of compute = 0.01 s of exposed transfer tolerated.
+    # Per rung, none -> int4: at 100 MB/s about [0.0105, 0.0063, 0.0038, 0.0024] s: bf16 is within the slack;
+    # at 25 MB/s about [0.042, 0.022, 0.012, 0.0066] s: none is, so the fastest, int4, though int8 is only 5 ms
+    # slower (a rule that kept int8 there took 16% longer on a steady 1 Gbit/s link: the predicted gap, under
+    # 8 ms, was at most a third of the measured 23 ms)
+    for rate, want in ((1e8, "bf16"), (2.5e7, "int4/b128")):
         ctl = _controller(patience=1, margin=0.0)
         _, record = ctl.decide([_window(rate, 0.2)], {"dp_gradient": 0.0}, 10)
         pred = record["dp_gradient"]["predicted_s"]
-        chosen = [i for i, t in enumerate(pred) if t <= min(pred) + 0.05 * record["compute_s"]][0]
+        fits = [i for i, t in enumerate(pred) if t <= 0.05 * record["compute_s"]]
+        chosen = fits[0] if fits else pred.index(min(pred))
         assert str(ctl.codec("dp_gradient")) == want == str(ctl.rungs["dp_gradient"][chosen]), pred
-    ctl = _controller(patience=1, margin=0.0, slack=0.0)  # no slack: the fastest rung, as before
-    ctl.decide([_window(2.5e7, 0.2)], {"dp_gradient": 0.0}, 10)
-    assert str(ctl.codec("dp_gradient")) == "int4/b128"
 
 
 def test_an_unreachable_target_takes_the_most_lossy_rung_and_a_loose_one_the_least():

@@ -63,7 +63,7 @@ class AutoCodecConfig:
     """A step time to meet: the least lossy rungs whose predicted step is at most this (when none is, every path
     takes its most lossy rung within the budget). None: each path's transfer should hide behind the compute it
     overlaps (the backward of the last micro-batch for dp_gradient, as megacomp.plan.estimate), the others are
-    on the critical path and take the least lossy rung within ``slack`` of the least predicted time."""
+    on the critical path and take the rung of least predicted time."""
     max_relative_error: float = 0.2
     """The error budget: no rung whose relative error on Gaussian data exceeds it is chosen (module docstring)."""
     margin: float = 0.1
@@ -71,8 +71,7 @@ class AutoCodecConfig:
     patience: int = 2
     """Hysteresis: a switch needs the same choice at this many consecutive decisions."""
     slack: float = 0.05
-    """Exposed transfer tolerated beyond the least any rung of the path achieves, as a fraction of the step's
-    compute: a lossier rung is taken only when it saves more than this (where a rung hides, the least is 0)."""
+    """Exposed transfer tolerated as a fraction of the step's compute before a rung counts as not hiding."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.ladder, Mapping):

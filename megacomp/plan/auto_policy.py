@@ -22,11 +22,9 @@ last estimate; one never measured exactly is bounded below by its calls' bytes o
 transfer that hid finished sooner), which can only over-compress.
 
 Choice, per path (rungs within the error budget only, least lossy first):
-  no target   the least lossy rung whose exposed time is at most the least exposed time of any rung plus
-              ``slack`` x compute (where some rung hides, at most ``slack`` x compute); a rung less lossy than the
-              current one must fit with its transfer ``1 + margin`` times longer (none fits: the rung of least
-              exposed time, ties to the less lossy). Why relative to the least: where nothing hides, a lossier rung
-              must buy more than ``slack`` of the step, or its loss is paid for nothing.
+  no target   the least lossy rung whose exposed time is at most ``slack`` x compute; a rung less lossy than the
+              current one must fit with its transfer ``1 + margin`` times longer. None fits: the rung of least
+              exposed time (ties: the less lossy).
   target S    from every path on its least lossy rung, step the path whose next rung saves the most exposed time
               until the predicted step is at most S (less lossy than now: S / (1 + margin)); when that ends above S
               every path takes its most lossy rung.
@@ -238,12 +236,12 @@ class Controller:
     # -- the choice ----------------------------------------------------------------------------------------------
     def _choose_hiding(self, path: str, pred: Prediction, compute: float) -> int:
         c = self.config
-        costs = [pred.cost(i) for i in range(len(pred.seconds))]
-        tol, cur = min(costs) + c.slack * compute, self.current[path]
+        tol, cur = c.slack * compute, self.current[path]
         for i in range(len(pred.seconds)):
             t = pred.seconds[i] * (1 + c.margin if i < cur else 1.0)
             if t - pred.overlap_s <= tol:
                 return i
+        costs = [pred.cost(i) for i in range(len(pred.seconds))]
         return costs.index(min(costs))
 
     def _choose_target(self, preds: dict, compute: float) -> dict:
