@@ -96,7 +96,7 @@ def test_where_nothing_hides_the_fastest_rung_is_taken_and_slack_is_absolute():
     # nothing overlaps the transfer; slack 0.05 of 0.2 s of compute = 0.01 s of exposed transfer tolerated.
     # Per rung, none -> int4: at 100 MB/s about [0.0105, 0.0063, 0.0038, 0.0024] s: bf16 is within the slack;
     # at 25 MB/s about [0.042, 0.022, 0.012, 0.0066] s: none is, so the fastest, int4, though int8 is only 5 ms
-    # slower (a rule that kept int8 there took 16% longer on a steady 1 Gbit/s link: the predicted gap, under
+    # slower (a rule that kept int8 there took 10% longer on a steady 1 Gbit/s link: the predicted gap, under
     # 8 ms, was at most a third of the measured 23 ms)
     for rate, want in ((1e8, "bf16"), (2.5e7, "int4/b128")):
         ctl = _controller(patience=1, margin=0.0)
