@@ -23,7 +23,8 @@ switch 40 iterations after the change); static rung k sends every iteration with
 shortest ladder's last rung where it has fewer), with the same error feedback and ``min_compress_numel``. Their
 YAML files are written to ``<out>/configs/`` and named in the records.
 
-Per run (a record): rank 0's iteration times, losses, megacomp's wire bytes and ``auto_codec`` per iteration, the
+Per run (a record): rank 0's iteration times, losses, megacomp's wire bytes and ``auto_codec`` per iteration, auto's
+decision records (per path the predicted seconds of every rung, the overlapped compute and the link's rate), the
 validation loss after the last iteration, the bytes leaving each node per phase (veth tx counters, as netns_nodes
 attributes them), the auto switches rank 0 printed, and the run's wall time. The page gives, per layout and
 variant over the seeds: the training time (the sum of rank 0's iteration times, start-up left out) in total and
@@ -184,6 +185,8 @@ def run_one(args, layout: str, variant: str, seed: int, configs: dict) -> dict:
             "times_s": [r["iteration_time_s"] for r in train], "losses": [r["loss"] for r in train],
             "wire_bytes": [r["wire_bytes"] for r in train], "fp32_bytes": [r["uncompressed_bytes"] for r in train],
             "auto_codec": [r.get("auto_codec") for r in train], "valid_loss": valid[-1] if valid else None,
+            "decisions": [{"iteration": r.get("iteration"), **r["auto_decision"]} for r in metrics
+                          if "auto_decision" in r],  # predicted seconds per rung, rate, overlap: why it switched
             "tx_per_phase": phase_bytes(samples, phases),
             "switches": re.findall(r"megacomp-pretrain: auto: (.*)", log0)}
 
