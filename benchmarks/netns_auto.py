@@ -289,7 +289,17 @@ def steady(rows: list[dict]) -> Optional[dict]:
         rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seed"])
         per_iter[v] = [statistics.mean(r["times_s"][start - 1:]) for r in rs if len(r["times_s"]) >= start]
     fastest = min((v for v in STATIC if per_iter.get(v)), key=lambda v: statistics.mean(per_iter[v]), default=None)
+    decided: dict = {}  # per path, over every decision of every seed: the ranges the choices were made from
+    for r in autos:
+        for d in r.get("decisions", []):
+            for p, rec in d.items():
+                if isinstance(rec, dict) and "predicted_s" in rec:
+                    g = decided.setdefault(p, {"rate_Mbps": [], "overlap_ms": [], "predicted_ms": []})
+                    g["rate_Mbps"].append(rec["rate_Mbps"])
+                    g["overlap_ms"].append(1e3 * rec["overlap_s"])
+                    g["predicted_ms"].append([1e3 * x for x in rec["predicted_s"]])
     return {"settled_from": start, "switches": [switch_counts(r) for r in sorted(autos, key=lambda r: r["seed"])],
+            "decided": decided,
             "final": [{p: c[p] for p in sorted(c)} for c in (r["auto_codec"][-1] for r in autos)],
             "per_iter_s": per_iter, "fastest_static": fastest,
             "auto_over_fastest": (statistics.mean(per_iter["auto"]) / statistics.mean(per_iter[fastest])
@@ -326,12 +336,21 @@ def table(summary: dict) -> list[str]:
 
 
 def steady_lines(st: dict) -> list[str]:
-    """The steady-link check of one layout: auto's switches and its settled step time against each static rung's."""
+    """The steady-link check of one layout: auto's switches, the ranges its decisions were made from, and its settled
+    step time against each static rung's."""
     switches = "; ".join(", ".join(f"{p.split('_')[1][:4]} {n}" for p, n in c.items()) for c in st["switches"])
     finals = "; ".join(", ".join(f"{p.split('_')[1][:4]} {c}" for p, c in f.items()) for f in st["final"])
-    lines = [f"Steady link: auto's switches per path, each seed: {switches} (final codecs: {finals}). Mean seconds "
-             f"per iteration from iteration {st['settled_from']} (after auto's last switch in any seed) to the end:", "",
-             "| variant | s per iteration, settled | its time / fastest static rung's |", "|---|---|---|"]
+    lines = [f"Steady link: auto's switches per path, each seed: {switches} (final codecs: {finals})."]
+    for p, g in sorted(st.get("decided", {}).items()):
+        above = list(zip(*[[x - min(row) for x in row] for row in g["predicted_ms"]]))  # per rung, per decision
+        lines += ["", f"{p} over auto's {len(g['rate_Mbps'])} decisions: link rate estimated "
+                  f"{min(g['rate_Mbps']):.0f}-{max(g['rate_Mbps']):.0f} Mbit/s, overlapped compute "
+                  f"{min(g['overlap_ms']):.1f}-{max(g['overlap_ms']):.1f} ms; predicted ms per iteration above the "
+                  "fastest rung, per rung least lossy first: " + ", ".join(f"{min(x):.1f}-{max(x):.1f}" for x in above)
+                  + "."]
+    lines += ["", f"Mean seconds per iteration from iteration {st['settled_from']} (after auto's last switch in any "
+              "seed) to the end:", "", "| variant | s per iteration, settled | its time / fastest static rung's |",
+              "|---|---|---|"]
     fast = st["per_iter_s"].get(st["fastest_static"])
     for v, xs in st["per_iter_s"].items():
         ratio = statistics.mean(xs) / statistics.mean(fast) if fast and xs else None

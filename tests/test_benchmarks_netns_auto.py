@@ -119,7 +119,17 @@ def test_a_steady_link_counts_autos_switches_and_compares_from_its_last_one():
     assert st["switches"] == [{"dp_gradient": 1, "dp_parameter": 0}] * 2
     assert st["fastest_static"] == "int4" and st["auto_over_fastest"] == pytest.approx(1.0)
     assert st["per_iter_s"]["none"] == [4.0, 4.0]
-    assert "| auto | 1.000 ± 0.000 | 1.000 |" in "\n".join(m.steady_lines(st))
+    assert "| auto | 1.000 ± 0.000 | 1.000 |" in "\n".join(m.steady_lines(st)) and st["decided"] == {}
+    recs[0]["decisions"] = [{"iteration": 4, "compute_s": 0.1,
+                             "dp_gradient": {"predicted_s": [0.03, 0.012, 0.010], "overlap_s": 0.008,
+                                             "rate_Mbps": 900.0, "codec": "none", "link": "inter_node"}},
+                            {"iteration": 8, "compute_s": 0.1,
+                             "dp_gradient": {"predicted_s": [0.02, 0.011, 0.004], "overlap_s": 0.011,
+                                             "rate_Mbps": 2100.0, "codec": "none", "link": "inter_node"}}]
+    page = "\n".join(m.steady_lines(m.summarise(recs)["dp2"]["steady"]))
+    assert ("dp_gradient over auto's 2 decisions: link rate estimated 900-2100 Mbit/s, overlapped compute 8.0-11.0 ms; "
+            "predicted ms per iteration above the fastest rung, per rung least lossy first: 16.0-20.0, 2.0-7.0, "
+            "0.0-0.0.") in page
     assert m.summarise([{**r, "phases": [["1gbit", 2], ["20mbit", 3]]} for r in recs])["dp2"]["steady"] is None
 
 
