@@ -268,10 +268,16 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+def switches_at(rec: dict) -> list[tuple[int, str]]:
+    """An auto run's switches as (the first iteration sent with the new codec, 1-based; path), in order."""
+    codecs = rec["auto_codec"]
+    return [(i + 2, p) for i, (a, b) in enumerate(zip(codecs, codecs[1:])) for p in sorted(a or {}) if a[p] != b[p]]
+
+
 def switch_counts(rec: dict) -> dict:
     """Per laddered path of an auto run, how many times its codec changed between iterations."""
-    codecs = rec["auto_codec"]
-    return {p: sum(a[p] != b[p] for a, b in zip(codecs, codecs[1:])) for p in sorted(codecs[0] or {})}
+    at = [p for _, p in switches_at(rec)]
+    return {p: at.count(p) for p in sorted(rec["auto_codec"][0] or {})}
 
 
 def steady(rows: list[dict]) -> Optional[dict]:
@@ -281,9 +287,7 @@ def steady(rows: list[dict]) -> Optional[dict]:
     autos = [r for r in rows if r["variant"] == "auto"]
     if not autos:
         return None
-    last = [max([i + 1 for i, (a, b) in enumerate(zip(r["auto_codec"], r["auto_codec"][1:])) if a != b] or [0])
-            for r in autos]
-    start = max(last) + 1  # 1-based: the first iteration every auto seed ran on its final codecs
+    start = max(max([it for it, _ in switches_at(r)] or [1]) for r in autos)  # every seed on its final codecs
     per_iter = {}
     for v in sorted(dict.fromkeys(r["variant"] for r in rows), key=_variant_order):
         rs = sorted((r for r in rows if r["variant"] == v), key=lambda r: r["seed"])
