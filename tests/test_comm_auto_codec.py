@@ -199,3 +199,41 @@ def test_the_overlap_is_what_the_callers_computed_while_a_call_was_outstanding()
     assert overlapped_seconds(both, "dp_parameter") == 0.0
     assert overlapped_seconds([rank([0.3], timed=False)], "dp_gradient") is None  # CUDA async: no host time
     assert overlapped_seconds(both, "tp_forward") is None
+
+
+def test_calls_of_different_kinds_are_not_compared_by_size():
+    # measured on a steady 1 Gbit/s link: the gradient's asynchronous int4 reduce-scatter (0.86 MB) took about as long
+    # as the parameters' synchronous int8 all-gather (1.7 MB); one line through the two reads 6.7 Gbit/s
+    rs, ag = (0.86e6, 0.015, 4, "reduce_scatter"), (1.7e6, 0.016, 4, "all_gather")
+    assert _fit([rs, ag]) == (0.0, pytest.approx((rs[0] + ag[0]) / (rs[1] + ag[1])))  # no kind in two sizes
+    assert _fit([rs[:3], ag[:3]])[1] == pytest.approx((ag[0] - rs[0]) / (ag[1] - rs[1]))  # the same points, one kind
+    # two kinds, each in two sizes, with their own overheads: the shared rate exactly, alpha their mean
+    pts = [(b, a + b / 1.25e8, 2, kind) for kind, a in (("rs", 0.009), ("ag", 0.001)) for b in (1e6, 2e6)]
+    alpha, rate = _fit(pts)
+    assert rate == pytest.approx(1.25e8) and alpha == pytest.approx(0.005)
+
+
+def _steady_window(ctl, codec, rate_Bps=1.25e8, compute_s=0.2, iterations=4):
+    """One window on a steady 1 Gbit/s link where each kind of call has its own overhead: the gradient's reduce-scatter
+    (asynchronous, contending with compute) 6 ms, the parameters' synchronous int8 all-gather 2 ms."""
+    out, n = [], 1 << 20
+    for _ in range(iterations):
+        for path, op, c, over in (("dp_gradient", "reduce_scatter", codec, 0.006),
+                                  ("dp_parameter", "all_gather", INT8, 0.002)):
+            secs = over + ctl._call_bytes(op, c, n, 2, 4) / rate_Bps + ctl._codec_s(op, c, n, 2, 4)
+            out.append(CallRecord(path, "inter_node", op, n, 2, 4, make_codec(c).to_dict(), secs, secs, True))
+    return summarise(out, iterations, iterations * compute_s + sum(r.seconds for r in out))
+
+
+def test_a_steady_link_settles_whichever_rung_its_calls_were_measured_on():
+    # one line through both kinds of call read the link faster on int4 (the two kinds then differ in size) than on
+    # int8 (one size): from none this window went none -> int8 -> int4 -> none -> int8 ... at every decision
+    for start in range(4):
+        ctl = _controller(patience=1)
+        ctl.current["dp_gradient"] = start
+        seen = [start]
+        for it in range(20):
+            ctl.decide([_steady_window(ctl, ctl.codec("dp_gradient"))], {"dp_gradient": 0.004}, it)
+            seen.append(ctl.current["dp_gradient"])
+        after_first = sum(a != b for a, b in zip(seen[1:], seen[2:]))  # the first decision may move it anywhere
+        assert after_first <= 1 and len(set(seen[3:])) == 1, seen

@@ -14,9 +14,13 @@ and pipeline for the codec's cost):
                         caller takes the least of that and :func:`overlapped_seconds`, what the run measured)
   step                  compute + sum over paths of cost_p
 
-Link estimate, per link kind, pooled over paths and ranks: ``alpha`` and ``rate`` by least squares of
-t = alpha + bytes / rate over the window's exact calls (megacomp.comm.link_meter: synchronous ones and waits that
-blocked), after the codec's predicted time is taken off; with fewer than two distinct sizes, or a fit that is not
+Link estimate, per link kind, pooled over paths and ranks, from the window's exact calls (megacomp.comm.link_meter:
+synchronous ones and waits that blocked), after the codec's predicted time is taken off: t = alpha + bytes / rate,
+with ``rate`` from how the time of one kind of call (one path, op, group size, dtype and codec) grows with its size
+(least squares within each kind that came in two or more sizes, pooled) and ``alpha`` the mean time that rate leaves
+per call. Calls of different kinds are never compared by size: an asynchronous reduce-scatter that overlaps compute
+and a synchronous all-gather differ in more than their bytes (on a steady 1 Gbit/s link a fit across the two gave
+0.45 to 22 Gbit/s, depending on which codec the gradient had). Without sizes to compare, or with a fit that is not
 physical (alpha < 0, rate <= 0), alpha = 0 and rate = sum bytes / sum seconds. A link with no exact call keeps its
 last estimate; one never measured exactly is bounded below by its calls' bytes over their issue-to-wait time (a
 transfer that hid finished sooner), which can only over-compress.
@@ -200,7 +204,8 @@ class Controller:
                 b = self._call_bytes(op, codec, numel, world, itemsize)
                 t_codec = self._codec_s(op, codec, numel, world, itemsize)
                 if n_exact:
-                    exact.setdefault(link, []).append((b, max(exact_s / n_exact - t_codec, 1e-9), n_exact))
+                    kind = json.dumps([path, op, world, itemsize, codec], sort_keys=True)
+                    exact.setdefault(link, []).append((b, max(exact_s / n_exact - t_codec, 1e-9), n_exact, kind))
                 if n_timed:
                     lo = bound.setdefault(link, [0.0, 0.0])
                     lo[0] += b * n_timed
@@ -327,19 +332,28 @@ class Controller:
 
 
 def _fit(points: list) -> tuple[float, float]:
-    """(alpha, rate) of t = alpha + b / rate by weighted least squares over (bytes, seconds, weight) points; the
-    throughput form (alpha 0) when the sizes are all equal or the fit is not physical."""
-    w = sum(n for _, _, n in points)
-    b_sum = sum(b * n for b, _, n in points)
-    t_sum = sum(t * n for _, t, n in points)
+    """(alpha, rate) of t = alpha + b / rate from (bytes, seconds, weight[, kind]) points (no kind: one kind): the rate
+    from the weighted least-squares slope of seconds on bytes within each kind, pooled over the kinds (sizes are
+    compared only between calls of one kind), alpha the weighted mean of t - b / rate over every point; the
+    throughput form (alpha 0, rate = sum of bytes / sum of seconds) when no kind came in two sizes or the fit is not
+    physical."""
+    w = sum(p[2] for p in points)
+    b_sum = sum(p[0] * p[2] for p in points)
+    t_sum = sum(p[1] * p[2] for p in points)
     through = (0.0, b_sum / t_sum if t_sum > 0 else float("inf"))
-    if len({b for b, _, _ in points}) < 2:
+    kinds: dict = {}
+    for p in points:
+        kinds.setdefault(p[3] if len(p) > 3 else None, []).append(p[:3])
+    sbb = sbt = 0.0
+    for pts in kinds.values():
+        n_k = sum(n for _, _, n in pts)
+        mb, mt = sum(b * n for b, _, n in pts) / n_k, sum(t * n for _, t, n in pts) / n_k
+        sbb += sum(n * (b - mb) ** 2 for b, _, n in pts)
+        sbt += sum(n * (b - mb) * (t - mt) for b, t, n in pts)
+    if sbb <= 0 or sbt <= 0:
         return through
-    mb, mt = b_sum / w, t_sum / w
-    sbb = sum(n * (b - mb) ** 2 for b, _, n in points)
-    sbt = sum(n * (b - mb) * (t - mt) for b, t, n in points)
-    slope = sbt / sbb if sbb > 0 else 0.0
-    alpha = mt - slope * mb
-    if slope <= 0 or alpha < 0:
+    slope = sbt / sbb
+    alpha = (t_sum - slope * b_sum) / w
+    if alpha < 0:
         return through
     return alpha, 1.0 / slope
