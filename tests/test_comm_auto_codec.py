@@ -92,6 +92,17 @@ def test_a_rung_that_fits_only_without_the_margin_is_not_taken_from_below():
     assert str(ctl2.codec("dp_gradient")) == "bf16"
 
 
+def test_the_current_rung_is_kept_while_it_fits_with_the_margin_taken_off():
+    # int8 on a link where its transfer is about 20% over the 0.05 s it overlaps: within a margin of 0.5 it stays (a noisy
+    # window on the edge does not move it), with no margin it goes to int4
+    for margin, want in ((0.5, "int8/b128"), (0.0, "int4/b128")):
+        ctl = _controller(margin=margin, patience=1, slack=0.0)
+        ctl.current["dp_gradient"] = 2
+        _, record = ctl.decide([_window(4.5e6, 0.5)], {"dp_gradient": 0.05}, 10)
+        t = record["dp_gradient"]["predicted_s"][2]
+        assert 0.05 < t < 0.05 * 1.5 and str(ctl.codec("dp_gradient")) == want, t
+
+
 def test_where_nothing_hides_the_fastest_rung_is_taken_and_slack_is_absolute():
     # nothing overlaps the transfer; slack 0.05 of 0.2 s of compute = 0.01 s of exposed transfer tolerated.
     # Per rung, none -> int4: at 100 MB/s about [0.0105, 0.0063, 0.0038, 0.0024] s: bf16 is within the slack;

@@ -67,7 +67,8 @@ class AutoCodecConfig:
     max_relative_error: float = 0.2
     """The error budget: no rung whose relative error on Gaussian data exceeds it is chosen (module docstring)."""
     margin: float = 0.1
-    """Hysteresis: a less lossy rung is taken only when its predicted transfer fits with this fraction to spare."""
+    """Hysteresis: a less lossy rung is taken only when its predicted transfer fits with this fraction to spare, and
+    the current rung is left only when its transfer, shortened by this fraction, does not fit."""
     patience: int = 2
     """Hysteresis: a switch needs the same choice at this many consecutive decisions."""
     slack: float = 0.05

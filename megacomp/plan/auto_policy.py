@@ -27,8 +27,10 @@ transfer that hid finished sooner), which can only over-compress.
 
 Choice, per path (rungs within the error budget only, least lossy first):
   no target   the least lossy rung whose exposed time is at most ``slack`` x compute; a rung less lossy than the
-              current one must fit with its transfer ``1 + margin`` times longer. None fits: the rung of least
-              exposed time (ties: the less lossy).
+              current one must fit with its transfer ``1 + margin`` times longer, the current one fits with its
+              transfer ``1 + margin`` times shorter (a band either side of the threshold: a path whose rung sits on
+              it, within the measurement's window-to-window noise, stays). None fits: the rung of least exposed
+              time (ties: the less lossy).
   target S    from every path on its least lossy rung, step the path whose next rung saves the most exposed time
               until the predicted step is at most S (less lossy than now: S / (1 + margin)); when that ends above S
               every path takes its most lossy rung.
@@ -243,7 +245,7 @@ class Controller:
         c = self.config
         tol, cur = c.slack * compute, self.current[path]
         for i in range(len(pred.seconds)):
-            t = pred.seconds[i] * (1 + c.margin if i < cur else 1.0)
+            t = pred.seconds[i] * (1 + c.margin if i < cur else 1 / (1 + c.margin) if i == cur else 1.0)
             if t - pred.overlap_s <= tol:
                 return i
         costs = [pred.cost(i) for i in range(len(pred.seconds))]
