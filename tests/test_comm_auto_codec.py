@@ -92,6 +92,23 @@ def test_a_rung_that_fits_only_without_the_margin_is_not_taken_from_below():
     assert str(ctl2.codec("dp_gradient")) == "bf16"
 
 
+def test_each_switch_on_an_unchanged_link_doubles_the_patience_and_a_changed_link_resets_it():
+    ctl, overlap = _controller(), {"dp_gradient": 0.05}
+
+    def run(rate, decisions):  # the codec after each decision
+        seen = []
+        for _ in range(decisions):
+            ctl.decide([_window(rate, 0.2)], overlap, 0)
+            seen.append(str(ctl.codec("dp_gradient")))
+        return seen
+
+    assert run(4e6, 2) == ["none", "int4/b128"]  # int4 alone hides: after patience 2
+    assert ctl.patience("dp_gradient", 1.1e7) == 4  # 2.75x faster: the same link for the patience
+    assert run(1.1e7, 4) == ["int4/b128"] * 3 + ["bf16"]  # bf16 hides now: after 4 decisions, not 2
+    assert run(1.1e8, 2) == ["bf16", "none"]  # 10x faster: a new link, patience 2 again
+    assert ctl.state_dict()["backoff"]["dp_gradient"][0] == 1
+
+
 def test_the_current_rung_is_kept_while_it_fits_with_the_margin_taken_off():
     # int8 on a link where its transfer is about 20% over the 0.05 s it overlaps: within a margin of 0.5 it stays (a noisy
     # window on the edge does not move it), with no margin it goes to int4

@@ -70,7 +70,8 @@ class AutoCodecConfig:
     """Hysteresis: a less lossy rung is taken only when its predicted transfer fits with this fraction to spare, and
     the current rung is left only when its transfer, shortened by this fraction, does not fit."""
     patience: int = 2
-    """Hysteresis: a switch needs the same choice at this many consecutive decisions."""
+    """Hysteresis: a switch needs the same choice at this many consecutive decisions, doubled for each switch the
+    path made since its link's measured rate last changed by more than 3x (at most 8x; megacomp.plan.auto_policy)."""
     slack: float = 0.05
     """Exposed transfer tolerated as a fraction of the step's compute before a rung counts as not hiding."""
 

@@ -34,7 +34,10 @@ Choice, per path (rungs within the error budget only, least lossy first):
   target S    from every path on its least lossy rung, step the path whose next rung saves the most exposed time
               until the predicted step is at most S (less lossy than now: S / (1 + margin)); when that ends above S
               every path takes its most lossy rung.
-  hysteresis  a path switches only when the same rung was chosen at ``patience`` consecutive decisions.
+  hysteresis  a path switches only when the same rung was chosen at ``patience`` x 2^k consecutive decisions, k the
+              path's switches since its link's estimated rate last moved by more than :data:`RATE_CHANGE` (at most
+              :data:`MAX_DOUBLINGS`): a path that already moved on this link needs more evidence to move again, while
+              a link that changed resets it.
 
 Determinism: :meth:`Controller.decide` is a pure function of the merged window (every rank's summary, in rank order)
 and the controller's state, both identical on every rank, so every rank switches alike; the state round-trips
@@ -55,6 +58,15 @@ from ..compression import make_codec
 from ..compression.ladder import AutoCodecConfig
 from . import wire
 from .calibration import codec_work, pipeline
+
+RATE_CHANGE = 3.0
+"""A link whose estimated rate moved by more than this factor since a path's last switch is a new link for that path's
+patience. Window-to-window estimates of a steady tc-shaped 1 Gbit/s link moved by up to 2x (474-952 Mbit/s); the
+rate changes auto is built for (1 Gbit/s -> 100 -> 20 Mbit/s) are 5x and more."""
+
+MAX_DOUBLINGS = 3
+"""At most this many doublings of ``patience`` (16 decisions at the default 2), so a drift smaller than
+:data:`RATE_CHANGE` still moves a path within a bounded time."""
 
 CALIBRATION_NUMEL = 1 << 18
 """Elements of the fp32 tensor each rung's encode and decode are timed on when the run starts."""
@@ -164,6 +176,7 @@ class Controller:
         self.codec_Bps: dict = {}  # codec_key -> (encode, decode) fp32 bytes per second
         self.links: dict = {}  # link -> [alpha_s, rate_Bps, exact]
         self.decisions = 0
+        self.backoff: dict = {p: [0, None] for p in paths}  # [doublings, link rate at the last switch]
 
     # -- the model ------------------------------------------------------------------------------------------------
     def _call_bytes(self, op: str, codec, numel: int, world: int, itemsize: int) -> float:
@@ -298,15 +311,27 @@ class Controller:
             why = (f"measured {8 * pred.rate_Bps / 1e6:.4g} Mbit/s on {pred.link}, {rungs[cur]} would take "
                    f"{pred.seconds[cur]:.3g} s against {pred.overlap_s:.3g} s of overlapped compute "
                    f"({compute:.3g} s per iteration)")
-            if self.pending[path] and self.pending[path][1] >= self.config.patience:
+            need = self.patience(path, pred.rate_Bps)
+            if self.pending[path] and self.pending[path][1] >= need:
                 switches.append((path, rungs[cur], rungs[cand],
                                  f"{why}; {rungs[cand]} {pred.seconds[cand]:.3g} s"))
                 self.current[path], self.pending[path] = cand, None
+                self.backoff[path] = [min(self.backoff[path][0] + 1, MAX_DOUBLINGS), pred.rate_Bps]
             record[path] = {"codec": str(rungs[self.current[path]]), "predicted_s": pred.seconds,
                             "overlap_s": pred.overlap_s, "rate_Mbps": 8 * pred.rate_Bps / 1e6, "link": pred.link,
-                            "pending": self.pending[path]}
+                            "pending": self.pending[path], "patience": need}
         record["compute_s"] = compute
         return switches, record
+
+    def patience(self, path: str, rate_Bps: float) -> int:
+        """Consecutive decisions a switch of ``path`` needs now: ``patience`` x 2^k (module docstring). Restarts k at
+        0 (and forgets the last switch's rate) once its link's estimated rate ``rate_Bps`` is more than
+        :data:`RATE_CHANGE` away from the rate at the path's last switch."""
+        k, at = self.backoff[path]
+        if at is not None and max(rate_Bps / at, at / rate_Bps) > RATE_CHANGE:
+            self.backoff[path] = [0, None]
+            k = 0
+        return self.config.patience * 2 ** k
 
     def codec(self, path: str):
         """The codec ``path`` sends with now."""
@@ -317,7 +342,7 @@ class Controller:
         """Rungs (as codecs, so a changed ladder is caught), pending switches, link estimates, codec throughputs."""
         return {"current": {p: codec_key(self.codec(p)) for p in self.rungs}, "pending": dict(self.pending),
                 "links": {k: list(v) for k, v in self.links.items()}, "codec_Bps": dict(self.codec_Bps),
-                "decisions": self.decisions}
+                "decisions": self.decisions, "backoff": {p: list(v) for p, v in self.backoff.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`. ValueError when a saved rung is not on this run's ladder."""
@@ -331,6 +356,7 @@ class Controller:
         self.links = {k: list(v) for k, v in state["links"].items()}
         self.codec_Bps = {k: tuple(v) for k, v in state["codec_Bps"].items()}
         self.decisions = int(state["decisions"])
+        self.backoff.update({p: list(v) for p, v in state.get("backoff", {}).items() if p in self.backoff})
 
 
 def _fit(points: list) -> tuple[float, float]:

@@ -85,7 +85,8 @@ class AutoCompression(Feature):
                 "hides behind the compute it overlaps (else the one of least exposed time)")
         lines = [f"auto compression: every {a.interval} iterations each laddered path takes the least lossy codec "
                  f"whose predicted transfer on the measured link {goal}; a switch needs {a.patience} consecutive "
-                 f"decisions (and {a.margin:g} to spare to go less lossy); error budget {a.max_relative_error:g} "
+                 f"decisions, doubled per earlier switch on the same link, and {a.margin:g} to spare either side of "
+                 f"the threshold; error budget {a.max_relative_error:g} "
                  f"relative error on Gaussian data"]
         for p in self.paths:
             refused = [str(c) for c in a.ladder[p][len(self.controller.rungs[p]):]]
