@@ -45,7 +45,8 @@ from typing import Optional, Sequence
 import yaml
 
 from benchmarks import invocation
-from benchmarks.netns_auto import pretrain_argv
+from benchmarks.netns_auto import _ms, pretrain_argv
+from benchmarks.netns_nodes import source_state
 
 _GRAD = {"int8": {"name": "int8", "block_size": 128}, "int4": {"name": "int4", "block_size": 128},
          "int2": {"name": "int2", "block_size": 128}}
@@ -95,12 +96,6 @@ def run_one(work: Path, configs: Path, variant: str, iters: int, seed: int, reus
             raise SystemExit(f"auto_quality: {variant} seed {seed} at {iters} iterations failed (status {status}); "
                              f"see {log_dir / 'stdout.txt'}")
     return {"variant": variant, "iters": iters, "seed": seed, "argv": argv, **rec}
-
-
-def _ms(xs: Sequence[float], fmt: str) -> str:
-    if len(xs) < 2:
-        return fmt.format(xs[0])
-    return f"{fmt.format(statistics.mean(xs))} ± {fmt.replace('+', '').format(statistics.stdev(xs))}"
 
 
 def summarise(records: list[dict]) -> dict:
@@ -168,10 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         for v in VARIANTS:
             (configs / f"{v}.yaml").write_text(f"# benchmarks.auto_quality variant {v!r}\n"
                                                + yaml.safe_dump(compression(v), sort_keys=False))
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "megacomp"], capture_output=True, text=True).stdout
-        results = {"argv": invocation(), "out": str(out), "source": head + (" + uncommitted changes" if dirty else ""),
-                   "records": []}
+        results = {"argv": invocation(), "out": str(out), "source": source_state(), "records": []}
         for iters in [int(x) for x in args.iters.split(",")]:
             for seed in [int(x) for x in args.seeds.split(",")]:
                 for v in variants:
